@@ -1,0 +1,2 @@
+"""mlxcel: an LLM inference server."""
+__version__ = "0.1.0"

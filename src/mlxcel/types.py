@@ -1,0 +1,171 @@
+"""Plain data shared by every layer: the one internal request type and what the engine emits.
+
+Every protocol adapter translates its JSON into `Request` and builds its replies from
+`TokenEvent`s; the engine knows nothing else (DESIGN.md rule 1).
+"""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+
+class Priority(enum.IntEnum):
+    """Prefill queue order (spec L): lower value is served first."""
+
+    HIGH = 0
+    NORMAL = 1
+    LOW = 2
+
+    @classmethod
+    def parse(cls, value: str | None) -> Priority:
+        if not value:
+            return cls.NORMAL
+        try:
+            return cls[value.strip().upper()]
+        except KeyError:
+            raise ValueError(f"priority must be high, normal or low, not {value!r}") from None
+
+
+class FinishReason(str, enum.Enum):
+    STOP = "stop"  # an end-of-sequence or stop token (stop strings are matched above the engine)
+    LENGTH = "length"  # max_tokens or the context reached
+    ABORT = "abort"  # the caller aborted, or the server is shutting down
+    LOOP = "loop"  # the n-gram repeat guard ended a looping generation (spec P)
+    ERROR = "error"
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. Defaults are greedy-free sampling at temperature 1."""
+
+    temperature: float = 1.0
+    top_k: int = 0  # 0 = off
+    top_p: float = 1.0
+    min_p: float = 0.0
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repeat_last_n: int = 64  # window for the three penalties; -1 = whole context, 0 = off
+    logit_bias: tuple[tuple[int, float], ...] = ()
+    seed: int | None = None
+    max_tokens: int | None = None  # None = until the context is full
+    min_tokens: int = 0
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # None = no logprobs; N = chosen token plus N alternatives
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.temperature <= 0.0 or self.top_k == 1
+
+
+@dataclass(slots=True)
+class Request:
+    """One generation request as the engine sees it: token ids in, token ids out."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    priority: Priority = Priority.NORMAL
+    cache_prompt: bool = True  # spec M: False = no prefix-cache read and no donation
+    slot_id: int | None = None  # llama-server id_slot; None = any
+    arrival_time: float = field(default_factory=time.monotonic)
+
+
+@dataclass(frozen=True, slots=True)
+class TokenLogprob:
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """What one engine step produced for one request.
+
+    `token_ids` holds the new tokens (more than one after an accepted speculative draft).
+    The last event of a request carries `finish_reason`.
+    """
+
+    request_id: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None = None
+    finish_reason: FinishReason | None = None
+    num_prompt_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    error: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class Usage:
+    prompt_tokens: int
+    completion_tokens: int
+    cached_tokens: int = 0
+
+    @property
+    def total_tokens(self) -> int:
+        return self.prompt_tokens + self.completion_tokens
+
+
+class EngineError(Exception):
+    """Base of the errors the engine client raises to the API layer."""
+
+
+class QueueFullError(EngineError):
+    """The waiting queue is at --max-queue-depth; the server answers 503 with Retry-After."""
+
+
+class ContextOverflowError(EngineError):
+    """The prompt (plus at least one generated token) does not fit a slot's context; 400."""
+
+    def __init__(self, num_prompt_tokens: int, context_size: int) -> None:
+        super().__init__(
+            f"the request has {num_prompt_tokens} prompt tokens, which exceeds the "
+            f"available context size ({context_size} tokens)"
+        )
+        self.num_prompt_tokens = num_prompt_tokens
+        self.context_size = context_size
+
+
+class EngineShutdownError(EngineError):
+    """The engine is stopping and takes no new requests."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotStats:
+    slot_id: int
+    is_processing: bool
+    request_id: str | None
+    num_prompt_tokens: int
+    num_generated_tokens: int
+    context_size: int
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheStats:
+    is_enabled: bool
+    num_hits: int = 0  # requests that reused at least one cached block
+    num_misses: int = 0
+    num_reused_tokens: int = 0
+    num_blocks_used: int = 0
+    num_blocks_free: int = 0
+    num_blocks_cached: int = 0  # free but still holding a reusable prefix
+    num_evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class EngineStats:
+    """Everything /health, /slots and /metrics print, taken in one consistent snapshot."""
+
+    active_sequences: int
+    queue_depth: int
+    max_batch_size: int
+    sequences_started: int
+    sequences_completed: int
+    tokens_generated: int
+    prompt_tokens_processed: int
+    context_size: int  # per slot
+    slots: tuple[SlotStats, ...]
+    prefix_cache: PrefixCacheStats
