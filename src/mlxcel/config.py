@@ -1,0 +1,47 @@
+"""Small frozen configuration records, composed downward; derived values are computed, not stored."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+MAX_KV_SIZE_MIN = 64
+MAX_KV_SIZE_MAX = 2_147_483_647
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """How the engine batches and caches (llama-server flag names in comments)."""
+
+    max_num_seqs: int = 4  # --parallel
+    ctx_size: int = 0  # --ctx-size: total tokens over all slots; 0 = model context per slot
+    max_num_batched_tokens: int = 512  # --ubatch-size: tokens one step may compute
+    block_size: int = 16
+    max_queue_depth: int = 64  # --max-queue-depth
+    enable_prefix_caching: bool = True  # --no-prompt-cache / --apc-enabled=false turn it off
+    max_kv_size: int = 0  # --max-kv-size (spec N); 0 = off
+    decode_timeout_s: float = 600.0  # --decode-timeout (A8)
+    slot_save_path: str | None = None  # --slot-save-path (F12)
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs < 1:
+            raise ValueError(f"--parallel must be at least 1, not {self.max_num_seqs}")
+        if self.max_kv_size and not MAX_KV_SIZE_MIN <= self.max_kv_size <= MAX_KV_SIZE_MAX:
+            raise ValueError(
+                f"--max-kv-size must be 0 (off) or between {MAX_KV_SIZE_MIN} and "
+                f"{MAX_KV_SIZE_MAX}, not {self.max_kv_size}"
+            )
+        if self.ctx_size < 0:
+            raise ValueError(f"--ctx-size must not be negative, not {self.ctx_size}")
+
+    def slot_context(self, model_context: int) -> int:
+        """Per-slot context: ctx / parallel when --ctx-size is given (as llama-server reports it)."""
+        if self.ctx_size:
+            return max(self.ctx_size // self.max_num_seqs, self.block_size)
+        return model_context
+
+    def num_blocks(self, model_context: int) -> int:
+        per_slot = self.slot_context(model_context)
+        if self.max_kv_size:
+            per_slot = min(per_slot, self.max_kv_size + 2 * self.block_size)
+        blocks_per_slot = -(-per_slot // self.block_size) + 1
+        return blocks_per_slot * self.max_num_seqs

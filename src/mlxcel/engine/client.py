@@ -1,0 +1,89 @@
+"""The API layer's view of the engine: submit a Request, iterate its TokenEvents, abort, stats."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from mlxcel.engine.loop import EngineCore
+from mlxcel.types import EngineError, EngineStats, FinishReason, Request, TokenEvent
+
+
+class DecodeTimeoutError(EngineError):
+    """No token arrived for --decode-timeout seconds after decoding started (A8)."""
+
+
+class RequestStream:
+    """Async iterator over one request's TokenEvents; closing it early aborts the request."""
+
+    def __init__(self, core: EngineCore, request: Request, decode_timeout_s: float) -> None:
+        self._core = core
+        self.request_id = request.request_id
+        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._decode_timeout_s = decode_timeout_s
+        self._is_decoding = False
+        self._is_done = False
+        loop = asyncio.get_running_loop()
+        core.submit(request, lambda event: loop.call_soon_threadsafe(self._queue.put_nowait, event))
+
+    def __aiter__(self) -> RequestStream:
+        return self
+
+    async def __anext__(self) -> TokenEvent:
+        if self._is_done:
+            raise StopAsyncIteration
+        event = await self._next_event()
+        self._is_decoding = True
+        if event.finish_reason is not None:
+            self._is_done = True
+        return event
+
+    async def _next_event(self) -> TokenEvent:
+        if not self._is_decoding:
+            return await self._queue.get()  # prefill may take long: no timeout (A8)
+        try:
+            return await asyncio.wait_for(self._queue.get(), self._decode_timeout_s)
+        except asyncio.TimeoutError:
+            await self.aclose()
+            raise DecodeTimeoutError(f"no token for {self._decode_timeout_s:.0f} s; request aborted") from None
+
+    async def aclose(self) -> None:
+        """Abort the request unless it already finished (client disconnect, stop string hit)."""
+        if not self._is_done:
+            self._is_done = True
+            self._core.abort(self.request_id)
+
+
+class EngineClient:
+    """Thread-safe front of an EngineCore for asyncio code."""
+
+    def __init__(self, core: EngineCore) -> None:
+        self.core = core
+
+    def submit(self, request: Request) -> RequestStream:
+        """Queue a request; raises QueueFullError / ContextOverflowError / EngineShutdownError at once."""
+        return RequestStream(self.core, request, self.core.config.decode_timeout_s)
+
+    def abort(self, request_id: str) -> None:
+        self.core.abort(request_id)
+
+    def stats(self) -> EngineStats:
+        return self.core.stats()
+
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """Run fn on the engine thread between steps and await its result."""
+        return await asyncio.wrap_future(self.core.call(fn))
+
+    async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
+        """Convenience: iterate a request to its end (aborting it if the caller stops early)."""
+        stream = self.submit(request)
+        try:
+            async for event in stream:
+                yield event
+        finally:
+            await stream.aclose()
+
+
+def is_finished(event: TokenEvent) -> bool:
+    return event.finish_reason is not None and event.finish_reason is not FinishReason.ERROR

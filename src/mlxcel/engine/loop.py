@@ -1,0 +1,218 @@
+"""The single owner of engine state: a thread that schedules, runs and samples, step after step.
+
+Other threads talk to it only through its inbox (add, abort, control commands) and the
+per-request sinks it calls with TokenEvents. Nothing else touches the batch, the KV pool
+or the model (DESIGN.md rule 4).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from mlxcel.config import EngineConfig
+from mlxcel.engine.kv_cache import BlockPool
+from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.runner import Runner
+from mlxcel.engine.sampler import SamplingRow, sample
+from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from mlxcel.layers.attention import KVCache
+from mlxcel.types import (
+    ContextOverflowError, EngineShutdownError, EngineStats, FinishReason, QueueFullError, Request,
+    SlotStats, TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+Sink = Callable[[TokenEvent], None]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelShape:
+    """What the engine needs to know of a model to size its KV cache."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    context_length: int
+
+
+class EngineCore:
+    def __init__(self, model: torch.nn.Module, shape: ModelShape, config: EngineConfig, *,
+                 eos_token_ids: frozenset[int], device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> None:
+        self.config = config
+        self.slot_context = config.slot_context(shape.context_length)
+        num_blocks = config.num_blocks(shape.context_length)
+        self.kv_cache = KVCache(shape.num_layers, num_blocks, config.block_size, shape.num_kv_heads,
+                                shape.head_dim, dtype, device)
+        self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
+                                           enable_caching=config.enable_prefix_caching),
+                                 enable_prefix_caching=config.enable_prefix_caching)
+        self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids)
+        self.runner = Runner(model, self.kv_cache, self.kv, device)
+        self.eos_token_ids = eos_token_ids
+        self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
+        self._sinks: dict[str, Sink] = {}
+        self._lock = threading.Lock()
+        self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
+        self._stopping = threading.Event()
+        self._num_pending = 0  # submitted but not yet seen by the loop
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d slots of %d tokens",
+                 num_blocks, config.block_size, num_blocks * config.block_size * self.kv_cache.bytes_per_token / 2**20,
+                 config.max_num_seqs, self.slot_context)
+
+    # ---- called from any thread ----
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """Abort everything in flight and join the loop thread; True when it exited in time."""
+        self._stopping.set()
+        self._inbox.put(("stop", None))
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        if self._stopping.is_set():
+            raise EngineShutdownError("the server is shutting down")
+        if len(request.prompt_token_ids) >= self.slot_context and not self.config.max_kv_size:
+            raise ContextOverflowError(len(request.prompt_token_ids), self.slot_context)
+        if not request.prompt_token_ids:
+            raise ValueError("the prompt is empty: at least one token is needed")
+        with self._lock:
+            if len(self.scheduler.waiting) + self._num_pending >= self.config.max_queue_depth:
+                raise QueueFullError(f"the request queue is full ({self.config.max_queue_depth} waiting)")
+            self._num_pending += 1
+        self._inbox.put(("add", (request, sink)))
+
+    def abort(self, request_id: str) -> None:
+        self._inbox.put(("abort", request_id))
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        """Run `fn` on the loop thread between steps (cache reset, slot save/restore)."""
+        future: Future = Future()
+        self._inbox.put(("call", (fn, future)))
+        return future
+
+    def stats(self) -> EngineStats:
+        with self._lock:
+            s = self.scheduler
+            slots = tuple(self._slot_stats(i) for i in range(self.config.max_num_seqs))
+            return EngineStats(
+                active_sequences=len(s.running), queue_depth=len(s.waiting) + self._num_pending,
+                max_batch_size=self.config.max_num_seqs, sequences_started=s.num_started,
+                sequences_completed=s.num_completed, tokens_generated=s.num_generated,
+                prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
+                slots=slots, prefix_cache=self.kv.stats())
+
+    def _slot_stats(self, slot_id: int) -> SlotStats:
+        seq = next((q for q in self.scheduler.running if q.slot_id == slot_id), None)
+        return SlotStats(slot_id=slot_id, is_processing=seq is not None,
+                         request_id=seq.request_id if seq else None,
+                         num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
+                         num_generated_tokens=seq.num_output_tokens if seq else 0,
+                         context_size=self.slot_context)
+
+    # ---- the loop thread ----
+
+    def _run(self) -> None:
+        while True:
+            self._drain_inbox(block=not self.scheduler.has_work)
+            if self._stopping.is_set():
+                self._abort_all()
+                return
+            if self.scheduler.has_work:
+                self._step()
+
+    def _drain_inbox(self, block: bool) -> None:
+        try:
+            command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
+        except queue.Empty:
+            return
+        while True:
+            self._handle(*command)
+            try:
+                command = self._inbox.get_nowait()
+            except queue.Empty:
+                return
+
+    def _handle(self, kind: str, payload: Any) -> None:
+        if kind == "add":
+            request, sink = payload
+            with self._lock:
+                self._num_pending -= 1
+                self._sinks[request.request_id] = sink
+                self.scheduler.add_request(request)
+        elif kind == "abort":
+            self._abort(payload)
+        elif kind == "call":
+            fn, future = payload
+            try:
+                future.set_result(fn())
+            except Exception as exc:  # noqa: BLE001 - handed back to the caller
+                future.set_exception(exc)
+
+    def _abort(self, request_id: str) -> None:
+        with self._lock:
+            seq = self.scheduler.abort(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if seq is not None and sink is not None:
+            sink(TokenEvent(request_id, (), finish_reason=FinishReason.ABORT,
+                            num_prompt_tokens=seq.num_prompt_tokens))
+
+    def _abort_all(self) -> None:
+        for request_id in list(self._sinks):
+            self._abort(request_id)
+
+    def _step(self) -> None:
+        with self._lock:
+            out = self.scheduler.schedule()
+        if not out.scheduled:
+            self._drain_inbox(block=True)  # nothing fits now; wait for an abort or a finish
+            return
+        try:
+            results = self._forward_and_sample(out)
+        except Exception:  # noqa: BLE001 - one bad step must not kill the server
+            log.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            self._fail(out)
+            return
+        self._emit(results)
+
+    def _forward_and_sample(self, out: SchedulerOutput) -> list[StepResult]:
+        request_ids, logits = self.runner.execute(out)
+        by_id = {s.seq.request_id: s.seq for s in out.scheduled}
+        rows = [SamplingRow(by_id[r].request.sampling, by_id[r].token_ids, by_id[r].num_output_tokens,
+                            self.eos_token_ids, by_id[r].generator) for r in request_ids]
+        tokens, logprobs = sample(logits, rows) if rows else ([], [])
+        sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
+        with self._lock:
+            return self.scheduler.update_from_output(out, sampled)
+
+    def _emit(self, results: list[StepResult]) -> None:
+        for r in results:
+            seq = r.seq
+            sink = self._sinks.get(seq.request_id)
+            if r.finish_reason is not None:
+                self._sinks.pop(seq.request_id, None)
+            if sink is not None:
+                sink(TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
+                                num_prompt_tokens=seq.num_prompt_tokens,
+                                num_cached_tokens=seq.num_cached_tokens))
+
+    def _fail(self, out: SchedulerOutput) -> None:
+        for item in out.scheduled:
+            with self._lock:
+                self.scheduler.abort(item.seq.request_id)
+            sink = self._sinks.pop(item.seq.request_id, None)
+            if sink is not None:
+                sink(TokenEvent(item.seq.request_id, (), finish_reason=FinishReason.ERROR,
+                                error="internal engine error; see the server log"))

@@ -1,0 +1,268 @@
+"""Token-budget scheduler: each step, every running sequence's computed tokens catch up with its tokens.
+
+Prefill chunks, prefix-cache hits and decode steps are one idea (vLLM v1): a sequence has
+`num_tokens` (prompt + output) and `num_computed_tokens`; a step gives it up to the step's
+remaining token budget. Running sequences go first, then waiting ones by priority.
+When KV blocks run out, the newest running sequence is preempted and later recomputed.
+"""
+
+from __future__ import annotations
+
+import enum
+import heapq
+import itertools
+import logging
+from dataclasses import dataclass, field
+
+import torch
+
+from mlxcel.config import EngineConfig
+from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.sampler import make_generator
+from mlxcel.types import FinishReason, Request, TokenLogprob
+
+log = logging.getLogger(__name__)
+
+
+class SeqStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+@dataclass(slots=True)
+class Sequence:
+    """Engine-side state of one request."""
+
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0
+    kv_start: int = 0  # first live position (spec N)
+    status: SeqStatus = SeqStatus.WAITING
+    slot_id: int | None = None
+    generator: torch.Generator | None = None
+    finish_reason: FinishReason | None = None
+    num_preemptions: int = 0
+
+    @property
+    def request_id(self) -> str:
+        return self.request.request_id
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.token_ids) - self.num_prompt_tokens
+
+    @property
+    def output_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+
+@dataclass(frozen=True, slots=True)
+class ScheduledSeq:
+    seq: Sequence
+    num_new_tokens: int
+
+    @property
+    def is_sampling(self) -> bool:
+        """True when this step reaches the sequence's last token, so it yields logits."""
+        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledSeq] = field(default_factory=list)
+    preempted: list[Sequence] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+@dataclass(frozen=True, slots=True)
+class StepResult:
+    """One sequence's outcome after a step: new tokens and, at the end, why it finished."""
+
+    seq: Sequence
+    token_ids: tuple[int, ...]
+    logprobs: tuple[TokenLogprob, ...] | None
+    finish_reason: FinishReason | None
+
+
+class Scheduler:
+    def __init__(self, config: EngineConfig, kv: KVCacheManager, *, slot_context: int,
+                 eos_token_ids: frozenset[int]) -> None:
+        self.config = config
+        self.kv = kv
+        self.slot_context = slot_context
+        self.eos_token_ids = eos_token_ids
+        self.waiting: list[tuple[int, float, int, Sequence]] = []  # heap by (priority, arrival, n)
+        self.running: list[Sequence] = []
+        self.sequences: dict[str, Sequence] = {}
+        self._order = itertools.count()
+        self.num_started = 0
+        self.num_completed = 0
+        self.num_generated = 0
+        self.num_prompt_computed = 0
+
+    # ---- admission and removal ----
+
+    def add_request(self, request: Request) -> Sequence:
+        seq = Sequence(request=request, token_ids=list(request.prompt_token_ids),
+                       num_prompt_tokens=len(request.prompt_token_ids),
+                       generator=make_generator(request.sampling.seed))
+        self.sequences[request.request_id] = seq
+        self._push_waiting(seq)
+        return seq
+
+    def _push_waiting(self, seq: Sequence) -> None:
+        seq.status = SeqStatus.WAITING
+        entry = (int(seq.request.priority), seq.request.arrival_time, next(self._order), seq)
+        heapq.heappush(self.waiting, entry)
+
+    def abort(self, request_id: str) -> Sequence | None:
+        seq = self.sequences.get(request_id)
+        if seq is None or seq.status is SeqStatus.FINISHED:
+            return None
+        self._finish(seq, FinishReason.ABORT)
+        return seq
+
+    def _finish(self, seq: Sequence, reason: FinishReason) -> None:
+        if seq.status is SeqStatus.RUNNING:
+            self.running.remove(seq)
+        elif seq.status is SeqStatus.WAITING:
+            self.waiting = [e for e in self.waiting if e[3] is not seq]
+            heapq.heapify(self.waiting)
+        self.kv.free(seq.request_id)
+        seq.status, seq.finish_reason, seq.slot_id = SeqStatus.FINISHED, reason, None
+        self.sequences.pop(seq.request_id, None)
+        if reason is not FinishReason.ABORT:
+            self.num_completed += 1
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.running or self.waiting)
+
+    # ---- scheduling ----
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self.config.max_num_batched_tokens
+        budget = self._schedule_running(out, budget)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        for seq in list(self.running):
+            if budget <= 0:
+                break
+            if seq.status is not SeqStatus.RUNNING:
+                continue  # preempted earlier in this loop
+            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            if not self._allocate_or_preempt(seq, num_new, out):
+                continue
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+        return budget
+
+    def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
+        while self.kv.allocate(seq.request_id, seq.token_ids, seq.num_computed_tokens, num_new,
+                               cache_prompt=seq.request.cache_prompt) is None:
+            victim = self.running[-1]
+            self._preempt(victim, out)
+            if victim is seq:
+                return False
+        return True
+
+    def _preempt(self, seq: Sequence, out: SchedulerOutput) -> None:
+        # Recompute later: the generated tokens stay, the KV is rebuilt from them.
+        log.info("preempting %s (KV blocks exhausted); it will be recomputed", seq.request_id)
+        self.running.remove(seq)
+        self.kv.free(seq.request_id)
+        out.scheduled = [s for s in out.scheduled if s.seq is not seq]
+        seq.num_computed_tokens, seq.kv_start, seq.slot_id = 0, 0, None
+        seq.num_preemptions += 1
+        out.preempted.append(seq)
+        self._push_waiting(seq)
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            seq = self.waiting[0][3]
+            slot = self._free_slot(seq.request.slot_id)
+            if slot is None:
+                return
+            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=seq.request.cache_prompt)
+            num_new = min(seq.num_tokens - num_cached, budget)
+            new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
+                                          cache_prompt=seq.request.cache_prompt)
+            if new_blocks is None:
+                return
+            heapq.heappop(self.waiting)
+            self._admit(seq, slot, num_cached)
+            out.scheduled.append(ScheduledSeq(seq, num_new))
+            budget -= num_new
+
+    def _admit(self, seq: Sequence, slot: int, num_cached: int) -> None:
+        if seq.num_preemptions == 0:
+            self.num_started += 1
+            seq.num_cached_tokens = num_cached
+        seq.num_computed_tokens = num_cached
+        seq.status, seq.slot_id = SeqStatus.RUNNING, slot
+        self.running.append(seq)
+
+    def _free_slot(self, wanted: int | None) -> int | None:
+        used = {s.slot_id for s in self.running}
+        if wanted is not None and 0 <= wanted < self.config.max_num_seqs:
+            return None if wanted in used else wanted
+        return next((i for i in range(self.config.max_num_seqs) if i not in used), None)
+
+    # ---- after the forward pass ----
+
+    def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]) -> list[StepResult]:
+        results: list[StepResult] = []
+        for item in out.scheduled:
+            seq = item.seq
+            if seq.status is not SeqStatus.RUNNING:
+                continue
+            self._count_prompt_progress(seq, item.num_new_tokens)
+            seq.num_computed_tokens += item.num_new_tokens
+            if seq.request_id not in sampled:
+                continue
+            token, logprob = sampled[seq.request_id]
+            seq.token_ids.append(token)
+            self.num_generated += 1
+            reason = self._check_finish(seq, token)
+            results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason))
+            if reason is not None:
+                self._finish(seq, reason)
+            else:
+                self._slide_window(seq)
+        return results
+
+    def _count_prompt_progress(self, seq: Sequence, num_new: int) -> None:
+        prompt_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)
+        self.num_prompt_computed += min(prompt_left, num_new)
+
+    def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
+        params = seq.request.sampling
+        is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
+        if is_stop_token and seq.num_output_tokens > params.min_tokens:
+            return FinishReason.STOP
+        if params.max_tokens is not None and seq.num_output_tokens >= params.max_tokens:
+            return FinishReason.LENGTH
+        if seq.num_tokens >= self.slot_context and not self.config.max_kv_size:
+            return FinishReason.LENGTH
+        return None
+
+    def _slide_window(self, seq: Sequence) -> None:
+        # Spec N: keep only the newest max_kv_size tokens live; positions never move back.
+        limit = self.config.max_kv_size
+        if limit and seq.num_tokens - seq.kv_start > limit:
+            seq.kv_start = seq.num_tokens - limit
+            self.kv.free_prefix(seq.request_id, seq.kv_start)

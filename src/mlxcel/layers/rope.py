@@ -1,0 +1,71 @@
+"""Rotary position embeddings (the HF "rotate half" layout), with llama3 and linear scaling."""
+
+from __future__ import annotations
+
+import math
+from typing import Any
+
+import torch
+
+
+def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
+    """Inverse frequencies [head_dim // 2] in float32, with the checkpoint's rope scaling applied."""
+    inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    if kind == "llama3":
+        inv_freq = _llama3_scale(inv_freq, scaling or {})
+    elif kind == "linear":
+        inv_freq = inv_freq / float((scaling or {})["factor"])
+    return inv_freq.to(torch.float32)
+
+
+def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
+    factor = float(scaling["factor"])
+    low, high = float(scaling.get("low_freq_factor", 1.0)), float(scaling.get("high_freq_factor", 4.0))
+    old_len = float(scaling.get("original_max_position_embeddings", 8192))
+    wavelen = 2 * math.pi / inv_freq
+    smooth = (old_len / wavelen - low) / (high - low)
+    scaled = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+    is_medium = (wavelen >= old_len / high) & (wavelen <= old_len / low)
+    blended = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+    return torch.where(is_medium, blended, scaled)
+
+
+class RotaryEmbedding(torch.nn.Module):
+    """Caches cos/sin for positions up to `max_positions` and grows the cache on demand."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any] | None = None,
+                 max_positions: int = 4096) -> None:
+        super().__init__()
+        self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
+        self.max_positions = max_positions
+        self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
+        self._cos = self._sin = torch.empty(0)
+        if self.inv_freq.device.type != "meta":
+            self._build(max_positions)
+
+    def rebuild_buffers(self, device: torch.device | str) -> None:
+        """Recreate the tables after the model was built on the meta device."""
+        self.inv_freq = rope_inv_freq(self.head_dim, self.theta, self.scaling).to(device)
+        self._build(self.max_positions)
+
+    def _build(self, num_positions: int) -> None:
+        t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
+        freqs = torch.outer(t, self.inv_freq)
+        emb = torch.cat((freqs, freqs), dim=-1)  # [num_positions, head_dim]
+        self._cos, self._sin = emb.cos(), emb.sin()
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads."""
+        needed = int(positions.max()) + 1 if positions.numel() else 0
+        if needed > self._cos.shape[0] or self._cos.device != self.inv_freq.device:
+            self._build(max(needed, 2 * self._cos.shape[0]))
+        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, num_heads, head_dim]; rotate-half layout as in HF checkpoints."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat((-x2, x1), dim=-1)
+    return x * cos + rotated * sin

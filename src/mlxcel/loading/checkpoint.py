@@ -1,0 +1,202 @@
+"""Turn a checkpoint (GGUF file or HF folder) into a model module of the right family.
+
+Both formats end in the same form: an HF-style config dict with `model_type`, and a state
+dict keyed by HF parameter names. Families are modules under `mlxcel.models`, found by
+importlib from `model_type` (never an if/elif ladder).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import logging
+import pkgutil
+import re
+from pathlib import Path
+from types import ModuleType
+from typing import Any, Callable
+
+import numpy as np
+import torch
+
+from mlxcel.loading.errors import ModelLoadError
+from mlxcel.loading.gguf import GGUFFile
+
+log = logging.getLogger(__name__)
+
+# GGUF metadata key (after "<arch>.") -> HF config key.
+GGUF_CONFIG_KEYS = {
+    "block_count": "num_hidden_layers",
+    "context_length": "max_position_embeddings",
+    "embedding_length": "hidden_size",
+    "feed_forward_length": "intermediate_size",
+    "attention.head_count": "num_attention_heads",
+    "attention.head_count_kv": "num_key_value_heads",
+    "attention.key_length": "head_dim",
+    "attention.layer_norm_rms_epsilon": "rms_norm_eps",
+    "attention.sliding_window": "sliding_window",
+    "rope.freq_base": "rope_theta",
+}
+
+# GGUF tensor name (per-layer part after "blk.N.") -> HF name; families may override entries.
+GGUF_LAYER_NAMES = {
+    "attn_norm": "input_layernorm",
+    "attn_q": "self_attn.q_proj",
+    "attn_k": "self_attn.k_proj",
+    "attn_v": "self_attn.v_proj",
+    "attn_output": "self_attn.o_proj",
+    "attn_q_norm": "self_attn.q_norm",
+    "attn_k_norm": "self_attn.k_norm",
+    "ffn_norm": "post_attention_layernorm",
+    "ffn_gate": "mlp.gate_proj",
+    "ffn_up": "mlp.up_proj",
+    "ffn_down": "mlp.down_proj",
+}
+GGUF_GLOBAL_NAMES = {
+    "token_embd": "model.embed_tokens",
+    "output_norm": "model.norm",
+    "output": "lm_head",
+}
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
+
+
+def supported_model_types() -> list[str]:
+    import mlxcel.models as pkg
+
+    names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
+    return sorted(n for n in names if hasattr(family_module(n), "Model"))
+
+
+def family_module(model_type: str) -> ModuleType:
+    try:
+        return importlib.import_module(f"mlxcel.models.{model_type}")
+    except ModuleNotFoundError:
+        raise ModelLoadError(
+            f"model type {model_type!r} is not supported (supported: {', '.join(_known_types())})"
+        ) from None
+
+
+def _known_types() -> list[str]:
+    import mlxcel.models as pkg
+
+    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
+
+
+def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
+    """HF-style config dict from GGUF metadata (families refine it with `gguf_config`)."""
+    arch = gguf.architecture
+    if not arch:
+        raise ModelLoadError(f"{gguf.path}: GGUF metadata has no general.architecture")
+    config: dict[str, Any] = {"model_type": arch}
+    for key, hf_key in GGUF_CONFIG_KEYS.items():
+        value = gguf.arch_value(key)
+        if value is not None:
+            config[hf_key] = value
+    tokens = gguf.metadata.get("tokenizer.ggml.tokens")
+    config["vocab_size"] = gguf.arch_value("vocab_size") or (len(tokens) if tokens else None)
+    config["tie_word_embeddings"] = "output.weight" not in gguf.tensors
+    scaling_type = gguf.arch_value("rope.scaling.type")
+    if scaling_type and scaling_type != "none":
+        config["rope_scaling"] = {
+            "rope_type": scaling_type,
+            "factor": gguf.arch_value("rope.scaling.factor", 1.0),
+            "original_max_position_embeddings": gguf.arch_value("rope.scaling.original_context_length"),
+        }
+    module = family_module(arch)
+    refine: Callable[[dict[str, Any], GGUFFile], dict[str, Any]] | None = getattr(module, "gguf_config", None)
+    return refine(config, gguf) if refine else config
+
+
+def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Dequantized tensors keyed by HF names, with GGUF-specific layouts undone."""
+    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
+    state: dict[str, torch.Tensor] = {}
+    for name in gguf.tensors:
+        hf_name = _hf_name(name, layer_names)
+        if hf_name is None:
+            log.debug("skipping GGUF tensor %s (no HF counterpart)", name)
+            continue
+        state[hf_name] = torch.from_numpy(np.ascontiguousarray(gguf.dequantize(name)))
+    fix = getattr(module, "fix_gguf_weights", None)
+    return fix(state, config) if fix else state
+
+
+def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+    if m := _LAYER_RE.match(name):
+        part = layer_names.get(m.group(2))
+        return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+    if m := _GLOBAL_RE.match(name):
+        part = GGUF_GLOBAL_NAMES.get(m.group(1))
+        return f"{part}.{m.group(2)}" if part else None
+    return None
+
+
+def hf_config(model_dir: Path) -> dict[str, Any]:
+    path = model_dir / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as exc:
+        raise ModelLoadError(f"{path}: cannot read the model config ({exc})") from exc
+    if "text_config" in config and "model_type" in config["text_config"]:
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+    if "model_type" not in config:
+        raise ModelLoadError(f"{path}: config.json has no model_type")
+    return config
+
+
+def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    state: dict[str, torch.Tensor] = {}
+    for file in files:  # a sharded checkpoint's index only lists these same files
+        try:
+            state.update(load_file(str(file)))
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds
+            raise ModelLoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
+    return state
+
+
+def build_model(config: dict[str, Any], state: dict[str, torch.Tensor], *,
+                device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    """Instantiate the family's Model from config and load `state` strictly."""
+    module = family_module(config["model_type"])
+    args = module.ModelArgs.from_dict(config)
+    with torch.device("meta"):
+        model = module.Model(args)
+    state = module.Model.sanitize(state, args) if hasattr(module.Model, "sanitize") else state
+    model = model.to_empty(device=device)
+    missing, unexpected = _load_state(model, state, dtype)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint does not match the {config['model_type']} model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    _reset_buffers(model, device)
+    return model.eval()
+
+
+def _load_state(model: torch.nn.Module, state: dict[str, torch.Tensor],
+                dtype: torch.dtype) -> tuple[set[str], set[str]]:
+    params = dict(model.named_parameters())
+    missing = set(params) - set(state)
+    unexpected = set(state) - set(params)
+    with torch.no_grad():
+        for name, param in params.items():
+            if name in state:
+                value = state[name]
+                if value.shape != param.shape:
+                    raise ModelLoadError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+                param.data = value.to(device=param.device, dtype=dtype)
+    return missing, unexpected
+
+
+def _reset_buffers(model: torch.nn.Module, device: torch.device | str) -> None:
+    # Non-persistent buffers (rotary tables) were created on "meta"; rebuild them for real.
+    for sub in model.modules():
+        rebuild = getattr(sub, "rebuild_buffers", None)
+        if rebuild is not None:
+            rebuild(device)
