@@ -75,6 +75,18 @@ class EngineClient:
         """Run fn on the engine thread between steps and await its result."""
         return await asyncio.wrap_future(self.core.call(fn))
 
+    async def save_slot(self, slot_id: int, filename: str) -> Any:
+        return await self.call(lambda: self.core.save_slot(slot_id, filename))
+
+    async def restore_slot(self, slot_id: int, filename: str) -> Any:
+        return await self.call(lambda: self.core.restore_slot(slot_id, filename))
+
+    async def erase_slot(self, slot_id: int) -> int:
+        return await self.call(lambda: self.core.erase_slot(slot_id))
+
+    async def reset_prefix_cache(self) -> bool:
+        return await self.call(self.core.kv.reset)
+
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         """Convenience: iterate a request to its end (aborting it if the caller stops early)."""
         stream = self.submit(request)

@@ -23,6 +23,7 @@ from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.runner import Runner
 from mlxcel.engine.sampler import SamplingRow, sample
 from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from mlxcel.engine import slots as slot_files
 from mlxcel.layers.attention import KVCache
 from mlxcel.types import (
     ContextOverflowError, EngineShutdownError, EngineStats, FinishReason, QueueFullError, Request,
@@ -121,6 +122,34 @@ class EngineCore:
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
                          context_size=self.slot_context)
+
+    # ---- slot snapshots (F12); run these on the loop thread through `call` ----
+
+    def save_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
+        path = slot_files.slot_file(self.config.slot_save_path, filename)
+        return slot_files.save_slot(self.kv, self.kv_cache, self._slot_tokens(slot_id), slot_id, path)
+
+    def restore_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
+        path = slot_files.slot_file(self.config.slot_save_path, filename)
+        self._slot_tokens(slot_id, must_exist=False)
+        result, tokens = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path)
+        self.scheduler.slot_tokens[slot_id] = tokens
+        return result
+
+    def erase_slot(self, slot_id: int) -> int:
+        tokens = self._slot_tokens(slot_id, must_exist=False)
+        self.scheduler.slot_tokens.pop(slot_id, None)
+        return slot_files.erase_slot(self.kv, tokens) if tokens else 0
+
+    def _slot_tokens(self, slot_id: int, must_exist: bool = True) -> list[int]:
+        if not 0 <= slot_id < self.config.max_num_seqs:
+            raise slot_files.SlotError(f"slot id {slot_id} is out of range (0..{self.config.max_num_seqs - 1})")
+        if any(s.slot_id == slot_id for s in self.scheduler.running):
+            raise slot_files.SlotError(f"slot {slot_id} is busy")
+        tokens = self.scheduler.slot_tokens.get(slot_id, [])
+        if must_exist and not tokens:
+            raise slot_files.SlotError(f"slot {slot_id} has no cached prompt to save")
+        return tokens
 
     # ---- the loop thread ----
 

@@ -109,6 +109,7 @@ class Scheduler:
         self.num_completed = 0
         self.num_generated = 0
         self.num_prompt_computed = 0
+        self.slot_tokens: dict[int, list[int]] = {}  # each slot's last computed tokens (F12 save)
 
     # ---- admission and removal ----
 
@@ -138,6 +139,8 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting = [e for e in self.waiting if e[3] is not seq]
             heapq.heapify(self.waiting)
+        if seq.slot_id is not None:
+            self.slot_tokens[seq.slot_id] = seq.token_ids[:seq.num_computed_tokens]
         self.kv.free(seq.request_id)
         seq.status, seq.finish_reason, seq.slot_id = SeqStatus.FINISHED, reason, None
         self.sequences.pop(seq.request_id, None)

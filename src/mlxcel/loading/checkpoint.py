@@ -117,7 +117,8 @@ def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) 
         if hf_name is None:
             log.debug("skipping GGUF tensor %s (no HF counterpart)", name)
             continue
-        state[hf_name] = torch.from_numpy(np.ascontiguousarray(gguf.dequantize(name)))
+        array = gguf.dequantize(name)
+        state[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
     fix = getattr(module, "fix_gguf_weights", None)
     return fix(state, config) if fix else state
 

