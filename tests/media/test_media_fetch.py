@@ -159,7 +159,8 @@ def test_c3_public_host_is_fetched_from_the_vetted_address_with_its_host_header(
         async with LoopbackServer({"/img": Reply(body=BODY)}) as server:
             resolver = static_resolver({"media.example": [PUBLIC_IP]})
             transport = LoopbackOnlyTransport({PUBLIC_IP: "127.0.0.1"}, report_alias_as_peer=True)
-            body = await fetch(f"http://media.example:{server.port}/img", resolver=resolver, transport=transport)
+            url = f"http://media.example:{server.port}/img"
+            body = await fetch(url, resolver=resolver, transport=transport)
             assert body == BODY
             assert transport.hosts == [PUBLIC_IP]  # connected to the pinned address, not the name
             assert server.requests[0].headers["host"] == f"media.example:{server.port}"
@@ -199,7 +200,8 @@ def test_c3_redirect_into_private_space_is_refused(location: str, answers: dict[
             resolver = static_resolver({"media.example": [PUBLIC_IP], **answers})
             transport = LoopbackOnlyTransport({PUBLIC_IP: "127.0.0.1"}, report_alias_as_peer=True)
             with pytest.raises(MediaError) as caught:
-                await fetch(f"http://media.example:{server.port}/start", resolver=resolver, transport=transport)
+                url = f"http://media.example:{server.port}/start"
+                await fetch(url, resolver=resolver, transport=transport)
             assert caught.value.reason_code is Reason.BLOCKED_ADDRESS
             assert [r.target for r in server.requests] == ["/start"]
             assert transport.hosts == [PUBLIC_IP]
@@ -209,7 +211,8 @@ def test_c3_redirect_into_private_space_is_refused(location: str, answers: dict[
 
 def test_c3_redirect_to_another_scheme_is_refused() -> None:
     async def scenario() -> None:
-        async with LoopbackServer({"/start": Reply(301, headers=(("Location", "file:///etc/passwd"),))}) as server:
+        routes = {"/start": Reply(301, headers=(("Location", "file:///etc/passwd"),))}
+        async with LoopbackServer(routes) as server:
             with pytest.raises(MediaError) as caught:
                 await fetch(server.url("/start"), OPEN)
             assert caught.value.reason_code is Reason.UNSUPPORTED_SCHEME
@@ -220,7 +223,9 @@ def test_c3_redirect_to_another_scheme_is_refused() -> None:
 @pytest.mark.parametrize(("num_redirects", "ok"), [(5, True), (6, False)])
 def test_c3_at_most_five_redirect_hops(num_redirects: int, ok: bool) -> None:
     async def scenario() -> None:
-        routes: dict[str, Any] = {f"/r{i}": Reply(307, headers=(("Location", f"/r{i + 1}"),)) for i in range(num_redirects)}
+        routes: dict[str, Any] = {
+            f"/r{i}": Reply(307, headers=(("Location", f"/r{i + 1}"),)) for i in range(num_redirects)
+        }
         routes[f"/r{num_redirects}"] = Reply(body=BODY)
         async with LoopbackServer(routes) as server:
             resolver = static_resolver({"media.example": [PUBLIC_IP]})
@@ -258,7 +263,8 @@ def test_c3_dns_rebinding_is_caught_by_the_peer_check_before_the_body() -> None:
             transport = LoopbackOnlyTransport({PUBLIC_IP: "127.0.0.1"})
             started = time.monotonic()
             with pytest.raises(MediaError) as caught:
-                await fetch(f"http://rebind.example:{server.port}/img", resolver=rebinding, transport=transport)
+                url = f"http://rebind.example:{server.port}/img"
+                await fetch(url, resolver=rebinding, transport=transport)
             assert caught.value.reason_code is Reason.BLOCKED_ADDRESS
             assert "connected to peer 127.0.0.1" in caught.value.message
             assert time.monotonic() - started < 2.0
@@ -269,7 +275,8 @@ def test_c3_dns_rebinding_is_caught_by_the_peer_check_before_the_body() -> None:
 
 def test_c3_override_allows_a_loopback_server() -> None:
     async def scenario() -> None:
-        async with LoopbackServer({"/img": Reply(body=BODY), "/hop": Reply(302, headers=(("Location", "/img"),))}) as server:
+        routes = {"/img": Reply(body=BODY), "/hop": Reply(302, headers=(("Location", "/img"),))}
+        async with LoopbackServer(routes) as server:
             assert await fetch(server.url("/img"), OPEN) == BODY
             assert await fetch(server.url("/hop"), OPEN) == BODY
             assert await fetch(server.url("/img", host="localhost"), OPEN) == BODY  # the real resolver
@@ -278,7 +285,11 @@ def test_c3_override_allows_a_loopback_server() -> None:
 
 
 def test_c3_override_keeps_scheme_and_credential_checks() -> None:
-    for url, reason in (("ftp://127.0.0.1/x", Reason.UNSUPPORTED_SCHEME), ("http://a:b@127.0.0.1/", Reason.URL_CREDENTIALS)):
+    cases = (
+        ("ftp://127.0.0.1/x", Reason.UNSUPPORTED_SCHEME),
+        ("http://a:b@127.0.0.1/", Reason.URL_CREDENTIALS),
+    )
+    for url, reason in cases:
         with pytest.raises(MediaError) as caught:
             run(fetch(url, OPEN))
         assert caught.value.reason_code is reason
@@ -329,7 +340,8 @@ def test_c4_streamed_oversize_is_refused_as_soon_as_the_cap_is_passed() -> None:
     async def scenario() -> None:
         async with LoopbackServer({"/endless": endless}) as server:
             with pytest.raises(MediaError) as caught:
-                await fetch(server.url("/endless"), MediaPolicy(allow_private_urls=True, fetch_timeout_s=5), max_bytes=1000)
+                policy = MediaPolicy(allow_private_urls=True, fetch_timeout_s=5)
+                await fetch(server.url("/endless"), policy, max_bytes=1000)
             assert caught.value.reason_code is Reason.PAYLOAD_TOO_LARGE
             assert "sent more than 1000 bytes" in caught.value.message
 
@@ -358,7 +370,8 @@ def test_c3_failed_responses(reply: Reply, words: str) -> None:
 
 def test_c3_unresolvable_host() -> None:
     with pytest.raises(MediaError) as caught:
-        run(fetch("http://nowhere.example/x", resolver=static_resolver({}), transport=LoopbackOnlyTransport()))
+        url = "http://nowhere.example/x"
+        run(fetch(url, resolver=static_resolver({}), transport=LoopbackOnlyTransport()))
     assert caught.value.reason_code is Reason.UNRESOLVABLE_HOST
 
 

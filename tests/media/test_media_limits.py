@@ -40,7 +40,9 @@ def test_c5_env_values_are_read(tmp_path: Path) -> None:
 
 def test_c5_cli_values_win_over_env_and_none_means_not_given(tmp_path: Path) -> None:
     env = {"MLXCEL_VIDEO_MAX_FRAMES": "8", "MLXCEL_VIDEO_FPS": "3"}
-    policy = MediaPolicy.from_env(env, video_max_frames=4, video_fps=None, media_root=str(tmp_path), max_images=3)
+    policy = MediaPolicy.from_env(
+        env, video_max_frames=4, video_fps=None, media_root=str(tmp_path), max_images=3
+    )
     assert policy.video_max_frames == 4
     assert policy.video_fps == 3.0
     assert policy.max_images == 3
@@ -70,14 +72,22 @@ def test_c5_invalid_env_values_name_the_variable(name: str, value: str) -> None:
         MediaPolicy.from_env({name: value})
 
 
-@pytest.mark.parametrize(("text", "expected"), [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)])
+@pytest.mark.parametrize(
+    ("text", "expected"), [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)]
+)
 def test_c3_private_override_parsing(text: str, expected: bool) -> None:
     assert MediaPolicy.from_env({"MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": text}).allow_private_urls is expected
 
 
 @pytest.mark.parametrize(
     "overrides",
-    [{"max_images": 0}, {"max_image_pixels": -1}, {"fetch_timeout_s": 0}, {"max_redirects": -1}, {"max_images": True}],
+    [
+        {"max_images": 0},
+        {"max_image_pixels": -1},
+        {"fetch_timeout_s": 0},
+        {"max_redirects": -1},
+        {"max_images": True},
+    ],
 )
 def test_c4_policy_rejects_nonsense_limits(overrides: dict[str, object]) -> None:
     with pytest.raises(MediaConfigError):

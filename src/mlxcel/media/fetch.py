@@ -125,7 +125,7 @@ def _rebuild(url: str, parts: SplitResult, host: str, port: int | None) -> httpx
 async def vet_host(url: httpx.URL, policy: MediaPolicy, resolver: Resolver) -> IPAddress:
     """Resolve the URL's host and refuse if any address is blocked; return the one to connect to."""
     host = url.raw_host.decode("ascii")
-    literal = parse_host(host)
+    literal = _host_literal(url)
     addresses = [literal] if literal is not None else await _resolve(resolver, host, _port(url))
     if not policy.allow_private_urls:
         for address in addresses:
@@ -133,12 +133,21 @@ async def vet_host(url: httpx.URL, policy: MediaPolicy, resolver: Resolver) -> I
     return addresses[0]
 
 
+def _host_literal(url: httpx.URL) -> IPAddress | None:
+    try:
+        return parse_host(url.raw_host.decode("ascii"))
+    except ValueError as exc:
+        raise MediaError(f"media URL host is not valid: {exc}", Reason.INVALID_URL) from None
+
+
 async def _resolve(resolver: Resolver, host: str, port: int) -> list[IPAddress]:
     try:
         answers = await resolver(host, port)
         addresses = [parse_ip_literal(answer) for answer in answers]
     except (OSError, ValueError) as exc:
-        raise MediaError(f"media URL host {host!r} could not be resolved: {exc}", Reason.UNRESOLVABLE_HOST) from None
+        raise MediaError(
+            f"media URL host {host!r} could not be resolved: {exc}", Reason.UNRESOLVABLE_HOST
+        ) from None
     if not addresses:
         raise MediaError(f"media URL host {host!r} resolved to no address", Reason.UNRESOLVABLE_HOST)
     return addresses
@@ -147,7 +156,9 @@ async def _resolve(resolver: Resolver, host: str, port: int) -> list[IPAddress]:
 def _refuse_blocked(address: IPAddress, what: str) -> None:
     reason = is_blocked_address(address)
     if reason is not None:
-        raise MediaError(f"{what}, which is {reason}; non-public addresses are refused", Reason.BLOCKED_ADDRESS)
+        raise MediaError(
+            f"{what}, which is {reason}; non-public addresses are refused", Reason.BLOCKED_ADDRESS
+        )
 
 
 async def _request_hop(
@@ -172,14 +183,15 @@ async def _request_hop(
     except httpx.TimeoutException:
         raise MediaError(f"fetching {_shown(str(url))} timed out", Reason.FETCH_TIMEOUT) from None
     except (httpx.HTTPError, httpx.InvalidURL) as exc:
-        raise MediaError(f"fetching {_shown(str(url))} failed: {exc or type(exc).__name__}", Reason.FETCH_FAILED) from None
+        detail = str(exc) or type(exc).__name__
+        raise MediaError(f"fetching {_shown(str(url))} failed: {detail}", Reason.FETCH_FAILED) from None
 
 
 def _pinned_request(client: httpx.AsyncClient, url: httpx.URL, address: IPAddress) -> httpx.Request:
     # Connect to the address that was vetted, not to whatever a second lookup would return.
     host = url.raw_host.decode("ascii")
     headers = {"Host": url.netloc.decode("ascii"), "Accept-Encoding": "identity", "User-Agent": _USER_AGENT}
-    extensions = {"sni_hostname": host} if url.scheme == "https" and parse_host(host) is None else {}
+    extensions = {"sni_hostname": host} if url.scheme == "https" and _host_literal(url) is None else {}
     target = url.copy_with(host=str(address).replace("%", "%25"))
     return client.build_request("GET", target, headers=headers, extensions=extensions)
 
@@ -261,7 +273,9 @@ def _join(url: httpx.URL, location: str) -> str:
     try:
         return str(url.join(location))
     except httpx.InvalidURL as exc:
-        raise MediaError(f"redirect Location {location[:200]!r} is not valid: {exc}", Reason.INVALID_URL) from None
+        raise MediaError(
+            f"redirect Location {location[:200]!r} is not valid: {exc}", Reason.INVALID_URL
+        ) from None
 
 
 def _port(url: httpx.URL) -> int:

@@ -90,7 +90,8 @@ async def resolve_media_parts(
         try:
             resolved.append(await loader.resolve(part))
         except MediaError as exc:
-            raise MediaError(f"media part {index + 1} ({part.kind.value}): {exc.message}", exc.reason_code) from None
+            where = f"media part {index + 1} ({part.kind.value})"
+            raise MediaError(f"{where}: {exc.message}", exc.reason_code) from None
     return resolved
 
 
@@ -106,7 +107,9 @@ def check_image_count(num_images: int, policy: MediaPolicy) -> None:
 class _Loader:
     """Per-request state: the policy, the fetch hooks and the audio bytes used so far."""
 
-    def __init__(self, policy: MediaPolicy, resolver: Resolver | None, transport_factory: TransportFactory | None) -> None:
+    def __init__(
+        self, policy: MediaPolicy, resolver: Resolver | None, transport_factory: TransportFactory | None
+    ) -> None:
         self.policy = policy
         self.resolver = resolver
         self.transport_factory = transport_factory
@@ -120,7 +123,8 @@ class _Loader:
         return await self._video(part)
 
     async def _image(self, part: MediaRef) -> ResolvedMedia:
-        source, mime, data = await self._load(part, self.policy.max_image_payload_bytes, "--max-image-payload-size")
+        cap = self.policy.max_image_payload_bytes
+        source, mime, data = await self._load(part, cap, "--max-image-payload-size")
         info = await asyncio.to_thread(validate_image, data, self.policy)
         return ResolvedMedia(MediaKind.IMAGE, source, data, mime, image=info)
 
@@ -188,9 +192,10 @@ def check_video_dir(path: Path, allowlist: tuple[Path, ...]) -> None:
 def _video_fps(part: MediaRef, policy: MediaPolicy) -> float:
     if part.fps is None:
         return policy.video_fps
-    if isinstance(part.fps, bool) or not isinstance(part.fps, int | float) or not math.isfinite(part.fps) or part.fps <= 0:
-        raise MediaError(f"video fps must be a finite number above 0, not {part.fps!r}", Reason.INVALID_MEDIA_PART)
-    return float(part.fps)
+    fps = part.fps
+    if isinstance(fps, bool) or not isinstance(fps, int | float) or not math.isfinite(fps) or fps <= 0:
+        raise MediaError(f"video fps must be a finite number above 0, not {fps!r}", Reason.INVALID_MEDIA_PART)
+    return float(fps)
 
 
 def _scheme(url: str) -> str:
