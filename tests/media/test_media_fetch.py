@@ -386,3 +386,12 @@ def test_the_guard_refuses_non_loopback_connections(loopback_only: list[str]) ->
         sock.close()
     assert loopback_only == ["connect to '192.0.2.1'", "resolve 'example.com'"]
     loopback_only.clear()
+
+
+def test_the_guard_sits_under_the_real_fetch_path(loopback_only: list[str]) -> None:
+    """A public address passes the classifier, so the default transport really tries to connect:
+    the guard must be what stops it (so the other tests' silence proves they stayed local)."""
+    with pytest.raises((NonLoopbackConnection, BaseExceptionGroup)):
+        run(fetch(f"http://{PUBLIC_IP}/img", STRICT))
+    assert loopback_only == [f"connect to '{PUBLIC_IP}'"]
+    loopback_only.clear()
