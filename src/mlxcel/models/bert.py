@@ -1,0 +1,283 @@
+"""BERT encoder (HF model_type "bert"): absolute positions, token types, post-norm layers.
+
+`Model` is HF's BertModel and `ModelForSequenceClassification` its
+BertForSequenceClassification (cross-encoder rerankers); parameter names equal the
+checkpoint's, so a safetensors file loads with `load_state_dict` and no renaming table.
+Batches are right-padded; `attention_mask` marks real tokens.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, fields
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlxcel.loading.checkpoint import hf_state_dict
+from mlxcel.loading.errors import ModelLoadError
+
+ModuleT = TypeVar("ModuleT", bound=nn.Module)
+
+_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "gelu": F.gelu,
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "silu": F.silu,
+    "swish": F.silu,
+}
+
+
+@dataclass(frozen=True, slots=True)
+class ModelArgs:
+    """The config.json fields the encoder uses; unknown fields are ignored."""
+
+    vocab_size: int
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    hidden_act: str = "gelu"
+    max_position_embeddings: int = 512
+    type_vocab_size: int = 2
+    layer_norm_eps: float = 1e-12
+    pad_token_id: int = 0
+    position_embedding_type: str = "absolute"
+    num_labels: int = 2  # only the classification head reads it
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        known = {f.name for f in fields(cls)}
+        values = {key: value for key, value in config.items() if key in known}
+        if "id2label" in config:  # transformers 5 writes id2label, not num_labels
+            values["num_labels"] = len(config["id2label"])
+        args = cls(**values)
+        args.validate()
+        return args
+
+    def validate(self) -> None:
+        if self.position_embedding_type != "absolute":
+            raise ModelLoadError(
+                f"bert: position_embedding_type {self.position_embedding_type!r} is not supported "
+                "(only 'absolute')"
+            )
+        if self.hidden_act not in _ACTIVATIONS:
+            raise ModelLoadError(f"bert: hidden_act {self.hidden_act!r} is not supported")
+        if self.hidden_size % self.num_attention_heads:
+            raise ModelLoadError("bert: hidden_size is not a multiple of num_attention_heads")
+
+
+class Embeddings(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.word_embeddings = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.position_embeddings = nn.Embedding(args.max_position_embeddings, args.hidden_size)
+        self.token_type_embeddings = nn.Embedding(args.type_vocab_size, args.hidden_size)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def forward(self, input_ids: torch.Tensor, token_type_ids: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(input_ids.shape[1], device=input_ids.device)
+        hidden = self.word_embeddings(input_ids) + self.token_type_embeddings(token_type_ids)
+        return self.LayerNorm(hidden + self.position_embeddings(positions))
+
+
+class SelfAttention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.num_heads = args.num_attention_heads
+        self.query = nn.Linear(args.hidden_size, args.hidden_size)
+        self.key = nn.Linear(args.hidden_size, args.hidden_size)
+        self.value = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        batch, seq_len, width = hidden.shape
+        q, k, v = (self._heads(proj(hidden)) for proj in (self.query, self.key, self.value))
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=key_mask)
+        return out.transpose(1, 2).reshape(batch, seq_len, width)
+
+    def _heads(self, x: torch.Tensor) -> torch.Tensor:
+        # [batch, seq, hidden] -> [batch, heads, seq, head_dim]
+        batch, seq_len, width = x.shape
+        return x.view(batch, seq_len, self.num_heads, width // self.num_heads).transpose(1, 2)
+
+
+class SelfOutput(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(attended) + residual)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.self = SelfAttention(args)
+        self.output = SelfOutput(args)
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        return self.output(self.self(hidden, key_mask), hidden)
+
+
+class Intermediate(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.intermediate_size)
+        self.activation = _ACTIVATIONS[args.hidden_act]
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.activation(self.dense(hidden))
+
+
+class Output(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.dense = nn.Linear(args.intermediate_size, args.hidden_size)
+        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
+
+    def forward(self, expanded: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(expanded) + residual)
+
+
+class Layer(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.attention = Attention(args)
+        self.intermediate = Intermediate(args)
+        self.output = Output(args)
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        attended = self.attention(hidden, key_mask)
+        return self.output(self.intermediate(attended), attended)
+
+
+class Encoder(nn.Module):
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.layer = nn.ModuleList(Layer(args) for _ in range(args.num_hidden_layers))
+
+    def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
+        for layer in self.layer:
+            hidden = layer(hidden, key_mask)
+        return hidden
+
+
+class Pooler(nn.Module):
+    """tanh(dense(first token)): what the classification head reads."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(self.dense(hidden[:, 0]))
+
+
+class Model(nn.Module):
+    """BertModel: token ids -> last hidden states [batch, seq, hidden]."""
+
+    def __init__(self, args: ModelArgs, add_pooling_layer: bool = True) -> None:
+        super().__init__()
+        self.args = args
+        self.embeddings = Embeddings(args)
+        self.encoder = Encoder(args)
+        self.pooler = Pooler(args) if add_pooling_layer else None
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        if token_type_ids is None:
+            token_type_ids = torch.zeros_like(input_ids)
+        # [batch, 1, 1, seq]: True where a key is a real token; padded keys get no weight.
+        key_mask = attention_mask.bool()[:, None, None, :]
+        return self.encoder(self.embeddings(input_ids, token_type_ids), key_mask)
+
+    @staticmethod
+    def sanitize(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+        """Encoder weights only: a Bert*For* checkpoint's `bert.` prefix, pretraining heads
+        (`cls.*`) and the position_ids buffer are dropped."""
+        if any(name.startswith("bert.") for name in state):
+            state = {name[5:]: t for name, t in state.items() if name.startswith("bert.")}
+        return {name: t for name, t in state.items() if not name.endswith("position_ids")}
+
+
+class ModelForSequenceClassification(nn.Module):
+    """BertForSequenceClassification: logits [batch, num_labels] from the pooled [CLS]."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.bert = Model(args, add_pooling_layer=True)
+        self.classifier = nn.Linear(args.hidden_size, args.num_labels)
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        attention_mask: torch.Tensor,
+        token_type_ids: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        hidden = self.bert(input_ids, attention_mask, token_type_ids)
+        assert self.bert.pooler is not None
+        return self.classifier(self.bert.pooler(hidden))
+
+    @staticmethod
+    def sanitize(state: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+        """The checkpoint without the position_ids buffer."""
+        return {name: t for name, t in state.items() if not name.endswith("position_ids")}
+
+
+def read_args(folder: str | Path) -> ModelArgs:
+    """ModelArgs from `folder/config.json`."""
+    path = Path(folder) / "config.json"
+    try:
+        config = json.loads(path.read_text())
+    except (OSError, ValueError) as exc:
+        raise ModelLoadError(f"{path}: cannot read the model config ({exc})") from exc
+    if config.get("model_type") != "bert":
+        raise ModelLoadError(f"{path}: model_type is {config.get('model_type')!r}, not 'bert'")
+    return ModelArgs.from_dict(config)
+
+
+def load_model(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> Model:
+    """The encoder of an HF-layout BERT folder (BertModel or any Bert*For* checkpoint)."""
+    args = read_args(folder)
+    weights = Model.sanitize(hf_state_dict(Path(folder)), args)
+    model = Model(args, add_pooling_layer="pooler.dense.weight" in weights)
+    return _load_into(model, weights, folder, device, dtype)
+
+
+def load_classifier(
+    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
+) -> ModelForSequenceClassification:
+    """An HF-layout BertForSequenceClassification folder (a cross-encoder)."""
+    args = read_args(folder)
+    weights = ModelForSequenceClassification.sanitize(hf_state_dict(Path(folder)), args)
+    return _load_into(ModelForSequenceClassification(args), weights, folder, device, dtype)
+
+
+def _load_into(
+    model: ModuleT,
+    weights: dict[str, torch.Tensor],
+    folder: str | Path,
+    device: str | torch.device,
+    dtype: torch.dtype,
+) -> ModuleT:
+    expected = set(model.state_dict())
+    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"{folder}: checkpoint does not match the bert model: missing {missing[:5]}, "
+            f"unexpected {unexpected[:5]}"
+        )
+    model.load_state_dict(weights)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
