@@ -17,6 +17,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
+from mlxcel.layers.quant import INT8_MAX_TOKENS, can_quantize_int8, quantize_int8
 from mlxcel.loading import LoadedModel, ResolvedModel, load_model
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
@@ -34,6 +35,14 @@ class RuntimeOptions:
     chat_template: str | None = None  # --chat-template: a built-in name or Jinja source
     chat_template_file: Path | None = None
     warmup: bool = True
+    quantize: str = "auto"  # --quantize: auto = int8 weight-only linears on CPU, none = keep dtype
+
+    def is_int8(self) -> bool:
+        if self.quantize not in ("auto", "int8", "none"):
+            raise ValueError(f"--quantize must be auto, int8 or none; not {self.quantize!r}")
+        if self.quantize == "none":
+            return False
+        return self.quantize == "int8" or (self.device == "cpu" and can_quantize_int8())
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -80,6 +89,7 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     dtype = options.torch_dtype()
     loaded = load_model(resolved.path, device=options.device, dtype=dtype)
     log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
+    log.info("decode path: %s", _decode_path(loaded, options))
     tokenizer = load_tokenizer(loaded)
     template = load_chat_template(
         override_source=options.chat_template, override_file=options.chat_template_file,
@@ -94,6 +104,14 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.warmup:
         warmup(served)
     return served
+
+
+def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
+    if options.is_int8():
+        count = quantize_int8(loaded.model)
+        return (f"int8 weight-only linears ({count}) below {INT8_MAX_TOKENS} tokens a step, bfloat16 matmuls above; "
+                f"{options.torch_dtype()} activations and KV cache")
+    return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 
 def _clamp_parallel(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:

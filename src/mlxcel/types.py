@@ -8,7 +8,12 @@ from __future__ import annotations
 
 import enum
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Protocol
+
+if TYPE_CHECKING:
+    import torch
 
 
 class Priority(enum.IntEnum):
@@ -61,6 +66,18 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
 
+class TokenProcessor(Protocol):
+    """A per-request plug-in on the sampling path (grammar masks, reasoning budget, loop guard).
+
+    `process` may change one row's logits in place before sampling; `accept` sees each
+    chosen token and may end the request. One object per request: it may keep state.
+    """
+
+    def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None: ...
+
+    def accept(self, token_id: int) -> FinishReason | None: ...
+
+
 @dataclass(slots=True)
 class Request:
     """One generation request as the engine sees it: token ids in, token ids out."""
@@ -72,6 +89,7 @@ class Request:
     cache_prompt: bool = True  # spec M: False = no prefix-cache read and no donation
     slot_id: int | None = None  # llama-server id_slot; None = any
     arrival_time: float = field(default_factory=time.monotonic)
+    processors: tuple[TokenProcessor, ...] = ()
 
 
 @dataclass(frozen=True, slots=True)

@@ -220,7 +220,8 @@ class EngineCore:
         request_ids, logits = self.runner.execute(out)
         by_id = {s.seq.request_id: s.seq for s in out.scheduled}
         rows = [SamplingRow(by_id[r].request.sampling, by_id[r].token_ids, by_id[r].num_output_tokens,
-                            self.eos_token_ids, by_id[r].generator) for r in request_ids]
+                            self.eos_token_ids, by_id[r].generator, by_id[r].request.processors)
+                for r in request_ids]
         tokens, logprobs = sample(logits, rows) if rows else ([], [])
         sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
         with self._lock:

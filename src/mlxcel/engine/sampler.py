@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from mlxcel.types import SamplingParams, TokenLogprob
+from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
 
 
 @dataclass(slots=True)
@@ -24,6 +24,7 @@ class SamplingRow:
     num_generated: int
     eos_token_ids: frozenset[int]
     generator: torch.Generator | None = None
+    processors: tuple[TokenProcessor, ...] = ()
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -41,7 +42,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
-    return (p.is_greedy and p.logprobs is None and not p.logit_bias and p.min_tokens <= row.num_generated
+    return (p.is_greedy and p.logprobs is None and not row.processors and not p.logit_bias and p.min_tokens <= row.num_generated
             and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
             and (p.ignore_eos is False or not row.eos_token_ids))
 
@@ -51,6 +52,9 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     logits = logits.clone()
     apply_logit_bias(logits, p.logit_bias)
     apply_penalties(logits, row)
+    output_ids = row.history[len(row.history) - row.num_generated:]
+    for processor in row.processors:
+        processor.process(logits, output_ids)
     if p.ignore_eos or row.num_generated < p.min_tokens:
         suppress(logits, row.eos_token_ids | set(p.stop_token_ids))
     if p.is_greedy:

@@ -253,6 +253,9 @@ class Scheduler:
         self.num_prompt_computed += min(prompt_left, num_new)
 
     def _check_finish(self, seq: Sequence, token: int) -> FinishReason | None:
+        for processor in seq.request.processors:
+            if (reason := processor.accept(token)) is not None:
+                return reason
         params = seq.request.sampling
         is_stop_token = token in params.stop_token_ids or (not params.ignore_eos and token in self.eos_token_ids)
         if is_stop_token and seq.num_output_tokens > params.min_tokens:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -11,7 +11,10 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
-from mlxcel.layers.rope import RotaryEmbedding, apply_rope
+from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+
+if TYPE_CHECKING:
+    from mlxcel.loading.gguf import GGUFFile
 
 
 @dataclass(frozen=True)
@@ -34,6 +37,8 @@ class ModelArgs:
 
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+        theta, scaling = rope_settings(config)
+        config = {**config, "rope_theta": theta, "rope_scaling": scaling}
         names = {f.name for f in fields(cls)}
         known = {k: v for k, v in config.items() if k in names and k != "extra"}
         return cls(**known, extra={k: v for k, v in config.items() if k not in names})
@@ -130,9 +135,10 @@ class Model(nn.Module):
         return self.model(input_ids, positions, ctx)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        if self.args.tie_word_embeddings:
-            return F.linear(hidden, self.model.embed_tokens.weight)
-        return self.lm_head(hidden)
+        # A tied model has no lm_head until a rewrite (e.g. int8 quantization) adds one.
+        if hasattr(self, "lm_head"):
+            return self.lm_head(hidden)
+        return F.linear(hidden, self.model.embed_tokens.weight)
 
     @staticmethod
     def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
@@ -148,6 +154,14 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     # llama.cpp's converter interleaves each head's rotary halves; HF keeps them split.
     head_dim = weight.shape[0] // num_heads // 2
     return weight.reshape(num_heads, head_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFFile) -> dict[str, Any]:
+    """Llama 3.x GGUFs carry their rope scaling as a `rope_freqs` tensor, not as metadata."""
+    if "rope_freqs.weight" in gguf.tensors:
+        factors = gguf.dequantize("rope_freqs.weight").reshape(-1).tolist()
+        config = {**config, "rope_scaling": {"rope_type": "freq_factors", "factors": factors}}
+    return config
 
 
 def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:

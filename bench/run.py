@@ -1,0 +1,238 @@
+"""Side-by-side benchmark: mlxcel vs llama-cpp-python's server vs transformers `generate`.
+
+One invocation measures every stack on the same GGUF with the same thread count and prints
+ratios (these machines are shared and noisy; only same-run ratios mean anything):
+  (a) single-stream decode tok/s (128-token prompt, 256 generated)
+  (b) time to first token, 1,000-token prompt
+  (c) aggregate output tok/s with 8 and 16 concurrent requests
+  (d) time to first token with a 2,000-token prefix cached vs cold
+  (e) peak resident memory
+
+    .venv/bin/python bench/run.py                      # all peers
+    .venv/bin/python bench/run.py --peers mlxcel --quick
+
+llama-cpp-python is taken from a cached venv (default ~/.cache/mlxcel-bench/llamacpp, built
+once with `pip install 'llama-cpp-python[server]'`); a missing peer is reported and skipped.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import httpx
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "src"))
+
+from mlxcel.loading import resolve_model  # noqa: E402
+from mlxcel.loading.gguf import GGUFFile  # noqa: E402
+from mlxcel.text.tokenizer import Tokenizer  # noqa: E402
+
+LLAMACPP_VENV = Path(os.environ.get("MLXCEL_BENCH_LLAMACPP_VENV", Path.home() / ".cache/mlxcel-bench/llamacpp"))
+
+
+@dataclass
+class Figures:
+    decode_tps: float | None = None
+    ttft_1000_s: float | None = None
+    aggregate_tps: dict[int, float] = field(default_factory=dict)
+    cold_2000_s: float | None = None
+    cached_2000_s: float | None = None
+    peak_rss_mib: float | None = None
+    note: str = ""
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def prompt_text(tokenizer: Tokenizer, num_tokens: int, salt: int = 0) -> str:
+    """A text that tokenizes to about `num_tokens` tokens (varied words, no early EOS bait)."""
+    words = ["river", "stone", "market", "lantern", "orbit", "velvet", "harbor", "signal", "copper", "meadow"]
+    parts: list[str] = [f"Story {salt}:"]
+    i = salt
+    while len(tokenizer.encode(" ".join(parts), add_special_tokens=False)) < num_tokens:
+        parts.extend(words[(i * 7 + j) % len(words)] for j in range(8))
+        i += 1
+    ids = tokenizer.encode(" ".join(parts), add_special_tokens=False)[:num_tokens]
+    return tokenizer.decode(ids)
+
+
+# ---- HTTP peers (OpenAI /v1/completions, streaming) ----
+
+async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, extra: dict) -> tuple[float, float, int]:
+    """Returns (time to first token, time to last token, tokens received)."""
+    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, **extra}
+    start = time.perf_counter()
+    first = last = None
+    count = 0
+    async with client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
+        response.raise_for_status()
+        async for line in response.aiter_lines():
+            if not line.startswith("data: ") or line == "data: [DONE]":
+                continue
+            chunk = json.loads(line[6:])
+            if chunk.get("choices") and chunk["choices"][0].get("text"):
+                now = time.perf_counter()
+                first = first or now
+                last = now
+                count += 1
+    first = first or time.perf_counter()
+    return first - start, (last or first) - start, count
+
+
+async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick: bool) -> Figures:
+    fig = Figures()
+    gen = 64 if quick else 256
+    async with httpx.AsyncClient(base_url=base_url) as client:
+        await stream_completion(client, "Hello", 4, extra)  # warm
+        ttft, tlast, n = await stream_completion(client, prompt_text(tokenizer, 128, 1), gen, extra)
+        fig.decode_tps = (n - 1) / (tlast - ttft) if n > 1 else None
+        fig.ttft_1000_s, _, _ = await stream_completion(client, prompt_text(tokenizer, 1000, 2), 1, extra)
+        for width in (8,) if quick else (8, 16):
+            fig.aggregate_tps[width] = await aggregate(client, tokenizer, width, 32 if quick else 128, extra)
+        long_prompt = prompt_text(tokenizer, 2000, 3)
+        fig.cold_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
+        fig.cached_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
+    return fig
+
+
+async def aggregate(client: httpx.AsyncClient, tokenizer: Tokenizer, width: int, gen: int, extra: dict) -> float:
+    prompts = [prompt_text(tokenizer, 64, 100 + i) for i in range(width)]
+    start = time.perf_counter()
+    results = await asyncio.gather(*(stream_completion(client, p, gen, extra) for p in prompts))
+    return sum(r[2] for r in results) / (time.perf_counter() - start)
+
+
+def peak_rss_mib(pid: int) -> float | None:
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        return None
+    return None
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"server exited with {proc.returncode}")
+        try:
+            if httpx.get(f"{base_url}/v1/models", timeout=2).status_code == 200:
+                return
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.5)
+    raise RuntimeError("server did not become ready")
+
+
+def run_server_peer(name: str, cmd: list[str], port: int, tokenizer: Tokenizer, extra: dict, quick: bool) -> Figures:
+    log = open(ROOT / "bench" / f".{name}.log", "w")  # noqa: SIM115 - closed below
+    proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_ready(base, proc)
+        fig = asyncio.run(measure_server(base, tokenizer, extra, quick))
+        fig.peak_rss_mib = peak_rss_mib(proc.pid)
+        return fig
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+        log.close()
+
+
+def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
+    return [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", str(port),
+            "--threads", str(threads), "--n-parallel", "16", "--ctx-size", str(16 * 2304)]
+
+
+def llamacpp_cmd(model: Path, port: int, threads: int) -> list[str] | None:
+    python = LLAMACPP_VENV / "bin" / "python"
+    if not python.exists():
+        return None
+    return [str(python), "-m", "llama_cpp.server", "--model", str(model), "--port", str(port),
+            "--host", "127.0.0.1", "--n_threads", str(threads), "--n_ctx", "4096",
+            "--interrupt_requests", "False"]
+
+
+def run_transformers(model: Path, threads: int, quick: bool) -> Figures:
+    """In a child process, so its memory is measured on its own."""
+    out = subprocess.run([sys.executable, str(ROOT / "bench" / "hf_peer.py"), str(model), str(threads),
+                          "--quick" if quick else "--full"], capture_output=True, text=True, timeout=3600)
+    if out.returncode != 0:
+        return Figures(note=f"failed: {out.stderr.strip().splitlines()[-1] if out.stderr else out.returncode}")
+    data = json.loads(out.stdout.strip().splitlines()[-1])
+    return Figures(decode_tps=data["decode_tps"], ttft_1000_s=data["ttft_1000_s"],
+                   aggregate_tps={int(k): v for k, v in data["aggregate_tps"].items()},
+                   peak_rss_mib=data["peak_rss_mib"], note="in-process generate(), bf16")
+
+
+def ratio(a: float | None, b: float | None) -> str:
+    return f"{a / b:.2f}x" if a and b else "n/a"
+
+
+def report(results: dict[str, Figures]) -> str:
+    rows = ["| stack | decode tok/s | TTFT 1000 (s) | 8 conc tok/s | 16 conc tok/s | 2000 cold (s) | 2000 cached (s) | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|"]
+    fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
+    for name, f in results.items():
+        rows.append(f"| {name} | {fmt(f.decode_tps)} | {fmt(f.ttft_1000_s, 2)} | {fmt(f.aggregate_tps.get(8))} | "
+                    f"{fmt(f.aggregate_tps.get(16))} | {fmt(f.cold_2000_s, 2)} | {fmt(f.cached_2000_s, 3)} | {fmt(f.peak_rss_mib, 0)} |")
+    ours = results.get("mlxcel")
+    if ours:
+        for peer, f in results.items():
+            if peer == "mlxcel":
+                continue
+            rows.append(f"\nmlxcel vs {peer}: decode {ratio(ours.decode_tps, f.decode_tps)}, "
+                        f"TTFT-1000 {ratio(ours.ttft_1000_s, f.ttft_1000_s)} (lower is better), "
+                        f"8-concurrent {ratio(ours.aggregate_tps.get(8), f.aggregate_tps.get(8))}")
+        rows.append(f"mlxcel cached-prefix speedup: {ratio(ours.cold_2000_s, ours.cached_2000_s)}")
+    return "\n".join(rows)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--peers", default="mlxcel,llamacpp,transformers")
+    parser.add_argument("--quick", action="store_true", help="shorter runs (smoke test of the bench)")
+    args = parser.parse_args()
+    model = resolve_model(args.model).path
+    tokenizer = Tokenizer.from_gguf(GGUFFile(model).metadata)
+    results: dict[str, Figures] = {}
+    for peer in args.peers.split(","):
+        port = free_port()
+        print(f"== {peer}", file=sys.stderr, flush=True)
+        if peer == "mlxcel":
+            results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
+                                            {"ignore_eos": True}, args.quick)
+        elif peer == "llamacpp":
+            cmd = llamacpp_cmd(model, port, args.threads)
+            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {}, args.quick) if cmd
+                             else Figures(note=f"skipped: no venv at {LLAMACPP_VENV}"))
+        elif peer == "transformers":
+            results[peer] = run_transformers(model, args.threads, args.quick)
+    print(report(results))
+    for name, f in results.items():
+        if f.note:
+            print(f"{name}: {f.note}")
+
+
+if __name__ == "__main__":
+    main()
