@@ -46,7 +46,8 @@ def gate() -> Iterator[GatedForward]:
 
 
 def start(forward: GatedForward, **config: float) -> BatchWorker[int, int]:
-    worker: BatchWorker[int, int] = BatchWorker("test", forward, WorkerConfig(**config), sort_key=lambda x: x)  # type: ignore[arg-type]
+    worker_config = WorkerConfig(**config)  # type: ignore[arg-type]
+    worker: BatchWorker[int, int] = BatchWorker("test", forward, worker_config, sort_key=lambda x: x)
     worker.start()
     return worker
 
