@@ -17,6 +17,7 @@ from mlxcel.workers.encoder_inputs import InputError, InputTooLongError
 from mlxcel.workers.rerank import (
     CrossEncoder,
     GenerativeReranker,
+    RerankConfig,
     RerankPrompt,
     RerankProvider,
     answer_token_ids,
@@ -42,7 +43,8 @@ def cross_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture
 def provider(cross_dir: Path) -> Iterator[RerankProvider]:
-    provider = RerankProvider.load(cross_dir, worker=WorkerConfig(batch_size=rerank_batch_size(2)))
+    config = RerankConfig(worker=WorkerConfig(batch_size=rerank_batch_size(2)))
+    provider = RerankProvider.load(cross_dir, config)
     yield provider
     assert provider.stop(5)
 

@@ -34,6 +34,7 @@ from mlxcel.workers.encoder_inputs import (
     load_tokenizer,
     model_window,
     pad_batch,
+    parse_dtype,
 )
 
 EMBEDDING_WORKER_DEFAULTS = WorkerConfig(queue_depth=8, batch_size=16, request_timeout_s=120.0)
@@ -159,7 +160,7 @@ class EmbeddingModel:
     def __init__(self, folder: str | Path, config: EmbeddingConfig = EmbeddingConfig()) -> None:
         self.folder = Path(folder)
         self.device = torch.device(config.device)
-        self.encoder = _load_encoder(self.folder, config.device, _dtype(config.dtype))
+        self.encoder = _load_encoder(self.folder, config.device, parse_dtype(config.dtype))
         self.tokenizer = load_tokenizer(self.folder)
         args = self.encoder.args
         self.dim: int = args.hidden_size
@@ -350,10 +351,3 @@ def _load_encoder(folder: Path, device: str, dtype: torch.dtype) -> torch.nn.Mod
     if not hasattr(family, "load_model"):
         raise ModelLoadError(f"{folder}: model_type {model_type!r} is not an encoder family")
     return family.load_model(folder, device=device, dtype=dtype)
-
-
-def _dtype(name: str) -> torch.dtype:
-    dtype = getattr(torch, name, None)
-    if not isinstance(dtype, torch.dtype):
-        raise ModelLoadError(f"unknown dtype {name!r} (float32, float16 or bfloat16)")
-    return dtype

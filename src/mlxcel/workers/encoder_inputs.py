@@ -1,6 +1,6 @@
 """Token inputs for encoder models: tokenization with an explicit window, and padding.
 
-Shared by the embedding and rerank providers. The checkpoint's tokenizer.json may carry
+Shared by the embedding and rerank providers (with `parse_dtype` for their configs). The checkpoint's tokenizer.json may carry
 its own padding and truncation settings (all-MiniLM-L6-v2 pads to 128); both are turned
 off, and the model window is applied here so an over-long input is either an error that
 names the lengths or, when the caller asked, truncated.
@@ -129,3 +129,11 @@ def pad_batch(
         if item.type_ids is not None:
             type_ids[row, :length] = torch.tensor(item.type_ids)
     return input_ids.to(device), attention_mask.to(device), type_ids.to(device)
+
+
+def parse_dtype(name: str) -> torch.dtype:
+    """A config's dtype name ("float32", "float16", "bfloat16") as a torch dtype."""
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ModelLoadError(f"unknown dtype {name!r} (float32, float16 or bfloat16)")
+    return dtype

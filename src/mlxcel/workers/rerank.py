@@ -30,6 +30,7 @@ from mlxcel.workers.encoder_inputs import (
     load_tokenizer,
     model_window,
     pad_batch,
+    parse_dtype,
 )
 
 DEFAULT_RERANK_BATCH_SIZE = 8  # text pairs per forward when --rerank-batch-size is 0
@@ -37,6 +38,15 @@ RERANK_WORKER_DEFAULTS = WorkerConfig(queue_depth=8, batch_size=DEFAULT_RERANK_B
 
 # One model call: token id lists in, last-position logits [batch, vocab] out.
 LogitsFn = Callable[[list[list[int]]], torch.Tensor]
+
+
+@dataclass(frozen=True, slots=True)
+class RerankConfig:
+    """Server-wide cross-encoder settings (CLI flags)."""
+
+    device: str = "cpu"
+    dtype: str = "float32"
+    worker: WorkerConfig = RERANK_WORKER_DEFAULTS
 
 
 def rerank_batch_size(flag_value: int) -> int:
@@ -103,12 +113,12 @@ class _WorkerReranker(abc.ABC):
 class CrossEncoder:
     """A 1-label sequence-classification encoder and its tokenizer; no threads here."""
 
-    def __init__(self, folder: str | Path, device: str = "cpu", dtype: torch.dtype = torch.float32) -> None:
+    def __init__(self, folder: str | Path, config: RerankConfig = RerankConfig()) -> None:
         from mlxcel.models import bert  # the only cross-encoder family so far
 
         self.folder = Path(folder)
-        self.device = torch.device(device)
-        self.model = bert.load_classifier(self.folder, device=device, dtype=dtype)
+        self.device = torch.device(config.device)
+        self.model = bert.load_classifier(self.folder, device=config.device, dtype=parse_dtype(config.dtype))
         args = self.model.bert.args
         if args.num_labels != 1:
             raise ModelLoadError(f"{folder}: the classifier has {args.num_labels} labels; a reranker needs 1")
@@ -134,15 +144,9 @@ class RerankProvider(_WorkerReranker):
         self.worker = BatchWorker("rerank", model.forward, worker, sort_key=lambda p: len(p.token_ids))
 
     @classmethod
-    def load(
-        cls,
-        folder: str | Path,
-        device: str = "cpu",
-        dtype: torch.dtype = torch.float32,
-        worker: WorkerConfig = RERANK_WORKER_DEFAULTS,
-    ) -> RerankProvider:
+    def load(cls, folder: str | Path, config: RerankConfig = RerankConfig()) -> RerankProvider:
         """Load the checkpoint and start the worker thread."""
-        provider = cls(CrossEncoder(folder, device, dtype), worker)
+        provider = cls(CrossEncoder(folder, config), config.worker)
         provider.start()
         return provider
 
