@@ -3,19 +3,58 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from typing import Any
 
 import torch
+
+# "freq_factors": per-frequency divisors as GGUF stores them (`rope_freqs.weight`, llama3 models).
+SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+
+
+def rope_settings(config: Mapping[str, Any], layer_type: str | None = None,
+                  default_theta: float = 10000.0) -> tuple[float, dict[str, Any] | None]:
+    """(theta, scaling or None) from an HF config in either form.
+
+    transformers 5 writes `rope_parameters` (flat, or keyed by layer type as Gemma 3 does);
+    older configs have `rope_theta` and `rope_scaling`. Both appear on the Hub.
+    """
+    params = config.get("rope_parameters")
+    if isinstance(params, Mapping) and layer_type is not None and isinstance(params.get(layer_type), Mapping):
+        params = params[layer_type]
+    if isinstance(params, Mapping) and ("rope_theta" in params or "rope_type" in params):
+        theta = params.get("rope_theta", config.get("rope_theta", default_theta))
+        return float(theta), _scaling_or_none(params)
+    return float(config.get("rope_theta") or default_theta), _scaling_or_none(config.get("rope_scaling"))
+
+
+def _scaling_or_none(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
+    kind = rope_type(params)
+    if kind == "default":
+        return None
+    if kind not in SUPPORTED_ROPE_TYPES:
+        raise ValueError(f"rope scaling type {kind!r} is not supported "
+                         f"(supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
+    return {k: v for k, v in (params or {}).items() if k != "rope_theta"}
+
+
+def rope_type(scaling: Mapping[str, Any] | None) -> str:
+    """The scaling kind, "default" when there is none (old configs spell the key `type`)."""
+    return str((scaling or {}).get("rope_type", (scaling or {}).get("type")) or "default")
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
     """Inverse frequencies [head_dim // 2] in float32, with the checkpoint's rope scaling applied."""
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-    kind = (scaling or {}).get("rope_type", (scaling or {}).get("type"))
+    kind = rope_type(scaling)
     if kind == "llama3":
         inv_freq = _llama3_scale(inv_freq, scaling or {})
     elif kind == "linear":
         inv_freq = inv_freq / float((scaling or {})["factor"])
+    elif kind == "freq_factors":
+        inv_freq = inv_freq / torch.tensor((scaling or {})["factors"], dtype=torch.float64)
+    elif kind != "default":
+        raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return inv_freq.to(torch.float32)
 
 
