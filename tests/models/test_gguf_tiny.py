@@ -1,0 +1,47 @@
+"""GGUF loading per family (A2): a tiny random HF model written as llama.cpp's converter writes
+it (llama q/k row permutation, Gemma's (1 + w) norms, llama3 rope as a `rope_freqs` tensor,
+Gemma's fixed sliding pattern and local rope theta) loads back to the same logits (<= 2e-5)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import transformers
+
+from mlxcel.loading import load_model
+
+from .harness import save_tiny_hf, uncached_logits, write_tiny_gguf
+from .test_families import COMMON, LLAMA3_ROPE, PROMPTS, TOL_VS_TRANSFORMERS, reference_logits
+
+# GGUF architecture -> a config that GGUF metadata can express in full.
+GGUF_FAMILIES: dict[str, Callable[[], Any]] = {
+    "llama": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=LLAMA3_ROPE),
+    "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
+    "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
+    "gemma3": lambda: transformers.Gemma3TextConfig(
+        **{**COMMON, "num_hidden_layers": 6}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        rope_scaling={"rope_type": "linear", "factor": 2.0}),
+}
+
+
+@pytest.mark.parametrize("arch", list(GGUF_FAMILIES))
+def test_a2_tiny_gguf_loads_to_the_reference_logits(arch: str, tmp_path: Path) -> None:
+    reference = save_tiny_hf(GGUF_FAMILIES[arch](), tmp_path / "hf")
+    loaded = load_model(write_tiny_gguf(reference, arch, tmp_path / f"{arch}.gguf"))
+    assert loaded.model_type == arch
+    for prompt in PROMPTS:
+        torch.testing.assert_close(uncached_logits(loaded.model, prompt), reference_logits(reference, prompt),
+                                   atol=TOL_VS_TRANSFORMERS, rtol=0)
+
+
+def test_llama3_rope_freqs_tensor_equals_the_llama3_formula() -> None:
+    from mlxcel.layers.rope import rope_inv_freq
+
+    from .harness import llama3_freq_factors
+
+    factors = llama3_freq_factors(LLAMA3_ROPE, 16, 10000.0).tolist()
+    torch.testing.assert_close(rope_inv_freq(16, 10000.0, {"rope_type": "freq_factors", "factors": factors}),
+                               rope_inv_freq(16, 10000.0, LLAMA3_ROPE), atol=0, rtol=1e-6)
