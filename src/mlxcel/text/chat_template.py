@@ -168,7 +168,9 @@ def tojson(
     sort_keys: bool = False,
 ) -> str:
     """JSON without jinja's HTML escaping and with non-ASCII text kept, as transformers renders it."""
-    return json.dumps(value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+    return json.dumps(
+        value, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+    )
 
 
 def strftime_now(format: str) -> str:  # noqa: A002 - the name templates call it with
@@ -387,7 +389,7 @@ def _from_config_value(value: Any, origin: str) -> tuple[str, str | None, str] |
         named = {
             item["name"]: item["template"]
             for item in value
-            if isinstance(item, dict) and isinstance(item.get("name"), str) and isinstance(item.get("template"), str)
+            if isinstance(item, dict) and isinstance(item.get("template"), str) and "name" in item
         }
         default = named.get("default") or next(iter(named.values()), None)
         if default:
@@ -400,7 +402,8 @@ def _from_gguf(metadata: Mapping[str, Any]) -> tuple[str, str | None, str] | Non
     if not isinstance(source, str) or not source:
         return None
     tool_use = metadata.get("tokenizer.chat_template.tool_use")
-    return source, tool_use if isinstance(tool_use, str) and tool_use else None, "GGUF tokenizer.chat_template"
+    tool_use = tool_use if isinstance(tool_use, str) and tool_use else None
+    return source, tool_use, "GGUF tokenizer.chat_template"
 
 
 def _special_token_strings(config: Mapping[str, Any], metadata: Mapping[str, Any]) -> dict[str, str]:

@@ -39,7 +39,9 @@ FIM_TOKEN_SPELLINGS: Mapping[str, tuple[str, ...]] = {
     "repo": ("<repo_name>", "<|repo_name|>", "<reponame>"),
     "sep": ("<file_sep>", "<|file_sep|>"),
 }
-_GGUF_FIM_KEYS = {"prefix": "pre", "suffix": "suf", "middle": "mid", "pad": "pad", "repo": "rep", "sep": "sep"}
+_GGUF_FIM_KEYS = {
+    "prefix": "pre", "suffix": "suf", "middle": "mid", "pad": "pad", "repo": "rep", "sep": "sep",
+}  # fmt: skip
 
 THINK_MARKER_PAIRS = (("<think>", "</think>"),)
 
@@ -122,7 +124,11 @@ class Tokenizer:
         # NOTE: some tokenizer.json files pad or truncate to a fixed length; a prompt must do neither.
         backend.no_padding()
         backend.no_truncation()
-        config = {**_read_json(folder / "special_tokens_map.json"), **_read_json(folder / "tokenizer_config.json")}
+        # tokenizer_config.json wins over the older special_tokens_map.json.
+        config = {
+            **_read_json(folder / "special_tokens_map.json"),
+            **_read_json(folder / "tokenizer_config.json"),
+        }
         generation_eos = _as_id_list(_read_json(folder / "generation_config.json").get("eos_token_id"))
         bos_id = _token_id(backend, config.get("bos_token"))
         eos_id = _token_id(backend, config.get("eos_token"))
