@@ -1,0 +1,54 @@
+"""What a protocol adapter may use: the served model's engine client, tokenizer, template, telemetry.
+
+The server builds one `ApiContext` per loaded model; adapters never see the web framework or
+the engine's internals (DESIGN.md dependency rule: server -> api -> {text, engine client}).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Protocol
+
+from mlxcel.api.sse import KEEPALIVE_INTERVAL_S
+from mlxcel.engine.client import EngineClient
+from mlxcel.text.chat_template import ChatTemplate
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import Usage
+
+
+class Telemetry(Protocol):
+    """Where adapters report what /metrics counts (K2)."""
+
+    def observe_first_token(self, seconds: float) -> None: ...
+
+    def observe_inter_token(self, seconds: float) -> None: ...
+
+    def record_completed_request(self, usage: Usage) -> None:
+        """One request counted by mlxcel_requests_total / mlxcel_completion_tokens_total (K2)."""
+
+
+class NullTelemetry:
+    """Telemetry that records nothing (the CLI's one-shot generate, unit tests)."""
+
+    def observe_first_token(self, seconds: float) -> None:
+        return None
+
+    def observe_inter_token(self, seconds: float) -> None:
+        return None
+
+    def record_completed_request(self, usage: Usage) -> None:
+        return None
+
+
+@dataclass(frozen=True, slots=True)
+class ApiContext:
+    """The served chat model as the API layer sees it."""
+
+    model_name: str
+    engine: EngineClient
+    tokenizer: Tokenizer
+    chat_template: ChatTemplate | None
+    context_size: int  # per slot
+    created: int  # unix time the model was loaded (the `created` of /v1/models)
+    telemetry: Telemetry = field(default_factory=NullTelemetry)
+    sse_keepalive_s: float = KEEPALIVE_INTERVAL_S

@@ -1,0 +1,286 @@
+"""Run one API call's generations and assemble their text; shared by every protocol adapter.
+
+A `Generation` submits one engine `Request` per choice (n choices for each prompt), feeds each
+choice's TokenEvents through a `TextAssembler` (detokenizer + stop strings), converts logprobs
+to text, and yields protocol-neutral `ChoiceDelta`s (streaming) or `ChoiceResult`s (collected).
+Protocol adapters only translate these to their JSON; none of this knows any wire format.
+
+    generation = Generation.start(ctx, [Prompt(ids)], params, n=2, request_id="chatcmpl-1")
+    async for delta in generation.stream(): ...       # or: results = await generation.collect()
+    usage = generation.usage()
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator, Sequence
+from dataclasses import dataclass, field, replace
+
+from mlxcel.api.context import ApiContext
+from mlxcel.api.errors import ApiError, from_engine_error
+from mlxcel.engine.client import DecodeTimeoutError, RequestStream
+from mlxcel.text.output import TextAssembler
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import (
+    EngineError, FinishReason, Priority, Request, SamplingParams, TokenEvent, TokenLogprob, Usage,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class Prompt:
+    """One prompt's token ids, and its text when the caller has it (for echo)."""
+
+    token_ids: tuple[int, ...]
+    text: str | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class GenerationParams:
+    """Everything but the prompt: sampling, stop strings and scheduling (L, M)."""
+
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+    stop: tuple[str, ...] = ()
+    priority: Priority = Priority.NORMAL
+    cache_prompt: bool = True
+    slot_id: int | None = None
+    skip_special_tokens: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class LogprobText:
+    """A token's log-probability with its text and raw bytes (what every protocol reports)."""
+
+    token_id: int
+    token: str
+    logprob: float
+    bytes: tuple[int, ...]
+    top: tuple[LogprobText, ...] = ()
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceDelta:
+    """What one engine step added to one choice; `finish_reason` is set on its last delta."""
+
+    index: int
+    text: str
+    logprobs: tuple[LogprobText, ...] = ()
+    finish_reason: str | None = None  # "stop", "length", "abort", "loop"
+    stop: str | None = None  # the stop string that ended the text
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceTimings:
+    submitted_at: float
+    first_token_at: float | None
+    finished_at: float
+
+    @property
+    def prefill_s(self) -> float:
+        return (self.first_token_at or self.finished_at) - self.submitted_at
+
+    @property
+    def decode_s(self) -> float:
+        return self.finished_at - (self.first_token_at or self.finished_at)
+
+
+@dataclass(frozen=True, slots=True)
+class ChoiceResult:
+    index: int
+    prompt_index: int
+    text: str
+    token_ids: tuple[int, ...]
+    logprobs: tuple[LogprobText, ...]
+    finish_reason: str
+    stop: str | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+    timings: ChoiceTimings
+
+    @property
+    def num_completion_tokens(self) -> int:
+        return len(self.token_ids)
+
+
+_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
+                 FinishReason.LOOP: "loop"}
+
+
+class _Choice:
+    """One engine request and the text assembled from it."""
+
+    def __init__(self, ctx: ApiContext, index: int, prompt_index: int, prompt: Prompt,
+                 params: GenerationParams, stream: RequestStream) -> None:
+        self.ctx = ctx
+        self.index = index
+        self.prompt_index = prompt_index
+        self.stream = stream
+        self.logprobs_n = params.sampling.logprobs
+        self.assembler = TextAssembler(ctx.tokenizer, stops=params.stop, skip_special_tokens=params.skip_special_tokens,
+                                       context_token_ids=prompt.token_ids)
+        self.hidden = ctx.tokenizer.eos_token_ids
+        self.num_prompt_tokens = len(prompt.token_ids)
+        self.num_cached_tokens = 0
+        self.text: list[str] = []
+        self.token_ids: list[int] = []
+        self.logprobs: list[LogprobText] = []
+        self.finish_reason: str | None = None
+        self.submitted_at = time.monotonic()
+        self.first_token_at: float | None = None
+        self.last_token_at: float | None = None
+
+    def apply(self, event: TokenEvent) -> ChoiceDelta | None:
+        """Turn one TokenEvent into a delta (None when it produced nothing to send)."""
+        if event.finish_reason is FinishReason.ERROR:
+            raise ApiError(500, event.error or "generation failed", "server_error", code=500)
+        self._observe(event)
+        self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
+        step = self.assembler.push(event.token_ids)
+        logprobs = self._logprob_texts(event)
+        text = step.text
+        if step.stop is not None:
+            self.finish_reason = "stop"
+        elif event.finish_reason is not None:
+            text += self.assembler.finish()
+            self.finish_reason = _FINISH_NAMES.get(event.finish_reason, event.finish_reason.value)
+        self.text.append(text)
+        self.logprobs.extend(logprobs)
+        if not text and not logprobs and self.finish_reason is None:
+            return None
+        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, step.stop)
+
+    def _observe(self, event: TokenEvent) -> None:
+        if not event.token_ids:
+            return
+        now = time.monotonic()
+        self.token_ids.extend(event.token_ids)
+        if self.first_token_at is None:
+            self.first_token_at = now
+            self.ctx.telemetry.observe_first_token(now - self.submitted_at)
+        elif self.last_token_at is not None:
+            self.ctx.telemetry.observe_inter_token((now - self.last_token_at) / len(event.token_ids))
+        self.last_token_at = now
+
+    def _logprob_texts(self, event: TokenEvent) -> tuple[LogprobText, ...]:
+        if self.logprobs_n is None or not event.logprobs:
+            return ()
+        return tuple(logprob_text(self.ctx.tokenizer, lp) for lp in event.logprobs if lp.token_id not in self.hidden)
+
+    def result(self) -> ChoiceResult:
+        timings = ChoiceTimings(self.submitted_at, self.first_token_at, self.last_token_at or time.monotonic())
+        return ChoiceResult(self.index, self.prompt_index, "".join(self.text), tuple(self.token_ids),
+                            tuple(self.logprobs), self.finish_reason or "abort", self.assembler.stop,
+                            self.num_prompt_tokens, self.num_cached_tokens, timings)
+
+
+def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:
+    """A TokenLogprob with its token's text and bytes, and the same for its alternatives."""
+    top = tuple(_entry(tokenizer, token_id, value) for token_id, value in logprob.top)
+    return replace(_entry(tokenizer, logprob.token_id, logprob.logprob), top=top)
+
+
+def _entry(tokenizer: Tokenizer, token_id: int, value: float) -> LogprobText:
+    raw = tokenizer.token_bytes(token_id)
+    # -inf is not JSON; clients expect a finite floor (OpenAI uses -9999.0).
+    finite = value if value > -9999.0 else -9999.0
+    return LogprobText(token_id, raw.decode("utf-8", errors="replace"), finite, tuple(raw))
+
+
+class Generation:
+    """The n-choice generation of one API call; close it (or finish iterating) to free the slots."""
+
+    def __init__(self, ctx: ApiContext, choices: list[_Choice]) -> None:
+        self.ctx = ctx
+        self._choices = choices
+        self._is_closed = False
+
+    @classmethod
+    def start(cls, ctx: ApiContext, prompts: Sequence[Prompt], params: GenerationParams, *, n: int = 1,
+              request_id: str) -> Generation:
+        """Submit len(prompts) * n engine requests; choice index = prompt_index * n + j.
+
+        Raises ApiError at once for a full queue (503), a prompt over the context (400) or a
+        stopping engine (503); requests already submitted are then aborted.
+        """
+        choices: list[_Choice] = []
+        try:
+            for p, prompt in enumerate(prompts):
+                for j in range(n):
+                    index = p * n + j
+                    stream = ctx.engine.submit(_engine_request(f"{request_id}-{index}", prompt, params, j))
+                    choices.append(_Choice(ctx, index, p, prompt, params, stream))
+        except (EngineError, ValueError) as exc:
+            for choice in choices:
+                ctx.engine.abort(choice.stream.request_id)
+            raise from_engine_error(exc) from None
+        return cls(ctx, choices)
+
+    async def stream(self) -> AsyncIterator[ChoiceDelta]:
+        """Deltas of all choices as they come; each choice's last delta has its finish_reason."""
+        queue: asyncio.Queue[ChoiceDelta | BaseException | None] = asyncio.Queue()
+        pumps = [asyncio.create_task(self._pump(choice, queue)) for choice in self._choices]
+        try:
+            remaining = len(pumps)
+            while remaining:
+                item = await queue.get()
+                if item is None:
+                    remaining -= 1
+                elif isinstance(item, BaseException):
+                    raise item
+                else:
+                    yield item
+        finally:
+            for pump in pumps:
+                pump.cancel()
+            await self.aclose()
+
+    async def _pump(self, choice: _Choice, queue: asyncio.Queue[ChoiceDelta | BaseException | None]) -> None:
+        try:
+            async for event in choice.stream:
+                delta = choice.apply(event)
+                if delta is not None:
+                    queue.put_nowait(delta)
+                if choice.finish_reason is not None:
+                    break
+        except DecodeTimeoutError as exc:
+            queue.put_nowait(ApiError(504, str(exc), "timeout_error", code=504))
+        except ApiError as exc:
+            queue.put_nowait(exc)
+        finally:
+            await choice.stream.aclose()  # a stop string ended the text: abort the rest (no-op when done)
+        queue.put_nowait(None)
+
+    async def collect(self) -> list[ChoiceResult]:
+        """Run every choice to its end; results in choice order."""
+        async for _ in self.stream():
+            pass
+        return [choice.result() for choice in self._choices]
+
+    def results(self) -> list[ChoiceResult]:
+        """The choices as they stand (complete after `stream()` ended)."""
+        return [choice.result() for choice in self._choices]
+
+    def usage(self) -> Usage:
+        """Prompt tokens count once per prompt (not per choice); completion tokens sum all choices."""
+        firsts = {c.prompt_index: c for c in reversed(self._choices)}
+        return Usage(prompt_tokens=sum(c.num_prompt_tokens for c in firsts.values()),
+                     completion_tokens=sum(len(c.token_ids) for c in self._choices),
+                     cached_tokens=sum(c.num_cached_tokens for c in firsts.values()))
+
+    async def aclose(self) -> None:
+        """Abort every choice still running (client gone, or the caller stopped early)."""
+        if self._is_closed:
+            return
+        self._is_closed = True
+        for choice in self._choices:
+            with contextlib.suppress(Exception):
+                await choice.stream.aclose()
+
+
+def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, choice_j: int) -> Request:
+    sampling = params.sampling
+    if sampling.seed is not None and choice_j:
+        sampling = replace(sampling, seed=sampling.seed + choice_j)  # n > 1 with a seed: distinct samples
+    return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
+                   cache_prompt=params.cache_prompt, slot_id=params.slot_id)

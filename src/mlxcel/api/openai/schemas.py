@@ -1,0 +1,101 @@
+"""OpenAI request bodies (chat completions, completions) with the llama-server and vLLM extras.
+
+Only what is read is declared; other fields are ignored (unknown fields never fail a request).
+Types are strict: `"max_tokens": "5"` is a 400, as with OpenAI.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from pydantic import Field, model_validator
+
+from mlxcel.api.schema import WireModel
+
+MAX_N = 16
+MAX_TOP_LOGPROBS = 20
+
+
+class ContentPart(WireModel):
+    """One part of a message's content array: text, image_url, input_audio, video_url, file..."""
+
+    type: str
+    text: str | None = None
+
+
+class ChatMessage(WireModel):
+    role: str
+    content: str | list[ContentPart] | None = None
+    name: str | None = None
+    tool_calls: list[dict[str, Any]] | None = None
+    tool_call_id: str | None = None
+    reasoning_content: str | None = None
+
+
+class StreamOptions(WireModel):
+    include_usage: bool = False
+
+
+class SamplingFields(WireModel):
+    """Sampling fields shared by chat and completions (OpenAI names, then llama/vLLM extras)."""
+
+    model: str
+    temperature: float | None = Field(None, ge=0.0, le=2.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
+    logit_bias: dict[str, float] | None = None
+    seed: int | None = None
+    stop: str | list[str] | None = None
+    n: int = Field(1, ge=1, le=MAX_N)
+    best_of: int | None = None
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+    # llama-server / vLLM extras (also accepted inside extra_body)
+    top_k: int | None = Field(None, ge=-1)
+    min_p: float | None = Field(None, ge=0.0, le=1.0)
+    repetition_penalty: float | None = Field(None, gt=0.0)
+    repeat_penalty: float | None = Field(None, gt=0.0)  # llama-server's spelling
+    repeat_last_n: int | None = Field(None, ge=-1)
+    ignore_eos: bool = False
+    min_tokens: int = Field(0, ge=0)
+    stop_token_ids: list[int] | None = None
+    cache_prompt: bool = True
+    id_slot: int | None = Field(None, ge=-1)
+    skip_special_tokens: bool = True
+    extra_body: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_best_of(self) -> SamplingFields:
+        if self.best_of not in (None, 1):
+            raise ValueError("best_of: only null or 1 is supported")
+        return self
+
+
+class ChatCompletionRequest(SamplingFields):
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = Field(None, ge=1)
+    max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool = False
+    top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_logprobs(self) -> ChatCompletionRequest:
+        if self.top_logprobs is not None and self.top_logprobs > 0 and not self.logprobs:
+            raise ValueError("top_logprobs: needs logprobs set to true")
+        if self.continue_final_message and self.add_generation_prompt:
+            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        return self
+
+
+class CompletionRequest(SamplingFields):
+    prompt: str | list[str] | list[int] | list[list[int]]
+    max_tokens: int | None = Field(16, ge=1)
+    echo: bool = False
+    logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)

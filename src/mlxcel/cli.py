@@ -1,0 +1,441 @@
+"""Command line: `mlxcel serve`, `mlxcel-server` (one startup path, A1) and `mlxcel generate` (A10).
+
+Options are data (`OPTIONS`): llama-server spellings with aliases, a type, a default and an
+environment mirror (`LLAMA_ARG_*`, A10). A flag on the command line wins over its mirror,
+which wins over the default. `mlxcel serve` shows `--n-parallel` / `--draft-model` first,
+`mlxcel-server` shows `--parallel` / `--model-draft`; both accept every spelling.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from mlxcel.config import EngineConfig
+from mlxcel.env import Environment, EnvError, parse_bool
+
+log = logging.getLogger("mlxcel")
+
+LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+_SIZE_UNITS = {"": 1, "k": 1 << 10, "kb": 1 << 10, "kib": 1 << 10, "m": 1 << 20, "mb": 1 << 20, "mib": 1 << 20,
+               "g": 1 << 30, "gb": 1 << 30, "gib": 1 << 30}
+
+
+def parse_size(text: str) -> int:
+    """A byte count: 33554432, 32M, 32MiB, 1G (binary units)."""
+    value = text.strip().lower()
+    digits = value.rstrip("kmgib")
+    unit = value[len(digits):]
+    if not digits.isdigit() or unit not in _SIZE_UNITS:
+        raise ValueError(f"expected a size such as 32M or 33554432, not {text!r}")
+    return int(digits) * _SIZE_UNITS[unit]
+
+
+def parse_bool_arg(text: str) -> bool:
+    try:
+        return parse_bool(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
+
+
+@dataclass(frozen=True, slots=True)
+class Option:
+    """One command-line option. `names[0]` is shown first unless `serve_names` reorders it."""
+
+    names: tuple[str, ...]
+    dest: str
+    help: str
+    parse: Callable[[str], Any] = str
+    default: Any = None
+    kind: str = "value"  # value | on (a flag that sets True) | off (a flag that sets False) | bool (--x[=BOOL])
+    env: str | None = None  # the environment mirror, read from the startup snapshot
+    metavar: str | None = None
+    group: str = "server"
+    serve_names: tuple[str, ...] | None = None
+    choices: tuple[str, ...] | None = None
+
+
+OPTIONS: tuple[Option, ...] = (
+    # model
+    Option(("-m", "--model"), "model", "GGUF file, Hugging Face folder, owner/name repo id or bare name "
+           "(read as $MLXCEL_DEFAULT_ORG/NAME); default: the embedded SmolLM2-135M-Instruct",
+           env="LLAMA_ARG_MODEL", metavar="MODEL", group="model"),
+    Option(("-a", "--alias"), "alias", "model id reported by /v1/models and responses", env="LLAMA_ARG_ALIAS",
+           metavar="NAME", group="model"),
+    Option(("--models-dir",), "models_dir", "where downloaded models are stored", parse=Path,
+           env="MLXCEL_MODELS_DIR", metavar="PATH", group="model"),
+    Option(("--model-draft", "-md", "--draft-model"), "draft_model", "draft model for speculative decoding",
+           env="LLAMA_ARG_MODEL_DRAFT", metavar="MODEL", group="model",
+           serve_names=("--draft-model", "-md", "--model-draft")),
+    Option(("--chat-template",), "chat_template", "chat template: Jinja source or a built-in name "
+           "(default: the model's own)", env="LLAMA_ARG_CHAT_TEMPLATE", metavar="TEMPLATE", group="model"),
+    Option(("--chat-template-file",), "chat_template_file", "read the chat template from a file", parse=Path,
+           env="LLAMA_ARG_CHAT_TEMPLATE_FILE", metavar="PATH", group="model"),
+    Option(("--device", "-dev"), "device", "torch device: auto, cpu, cuda, cuda:N", default="auto",
+           env="LLAMA_ARG_DEVICE", metavar="DEVICE", group="model"),
+    Option(("--dtype",), "dtype", "weight and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)", default="auto",
+           env="LLAMA_ARG_DTYPE", group="model", choices=("auto", "float32", "bfloat16", "float16")),
+    Option(("--no-warmup",), "warmup", "skip the 1-token warmup before listening", default=True, kind="off",
+           group="model"),
+    # engine
+    Option(("--parallel", "-np", "--n-parallel"), "parallel", "request slots served at once", parse=int, default=4,
+           env="LLAMA_ARG_N_PARALLEL", metavar="N", group="engine", serve_names=("--n-parallel", "-np", "--parallel")),
+    Option(("-c", "--ctx-size"), "ctx_size", "total context tokens over all slots (0 = the model's, per slot)",
+           parse=int, default=0, env="LLAMA_ARG_CTX_SIZE", metavar="N", group="engine"),
+    Option(("-b", "--batch-size"), "batch_size", "most tokens one engine step may compute", parse=int, default=2048,
+           env="LLAMA_ARG_BATCH", metavar="N", group="engine"),
+    Option(("-ub", "--ubatch-size"), "ubatch_size", "prefill chunk: most prompt tokens per step", parse=int,
+           default=512, env="LLAMA_ARG_UBATCH", metavar="N", group="engine"),
+    Option(("--max-queue-depth",), "max_queue_depth", "waiting requests before 503 + Retry-After", parse=int,
+           default=64, env="LLAMA_ARG_MAX_QUEUE_DEPTH", metavar="N", group="engine"),
+    Option(("--no-prompt-cache", "--no-cache-prompt"), "prompt_cache", "turn prefix caching (APC) off",
+           default=True, kind="off", group="engine"),
+    Option(("--apc-enabled",), "prompt_cache", "automatic prefix caching on or off (--apc-enabled=false)",
+           parse=parse_bool_arg, default=True, kind="bool", env="LLAMA_ARG_APC_ENABLED", group="engine"),
+    Option(("--max-kv-size",), "max_kv_size", "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
+           parse=int, default=0, env="LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
+    Option(("--decode-timeout",), "decode_timeout", "abort a request that produces no token for this long "
+           "(not applied to prefill)", parse=float, default=600.0, env="LLAMA_ARG_DECODE_TIMEOUT",
+           metavar="SECONDS", group="engine"),
+    Option(("--slot-save-path",), "slot_save_path", "folder for POST /slots/ID?action=save|restore",
+           env="LLAMA_ARG_SLOT_SAVE_PATH", metavar="PATH", group="engine"),
+    # server
+    Option(("--host",), "host", "address to bind; a path ending in .sock serves a Unix socket", default="127.0.0.1",
+           env="LLAMA_ARG_HOST"),
+    Option(("--port",), "port", "TCP port (0 = any free port; the real one is logged)", parse=int, default=8080,
+           env="LLAMA_ARG_PORT"),
+    Option(("--api-key",), "api_key", "require this key (several: comma-separated) as Bearer token or X-Api-Key",
+           env="LLAMA_API_KEY", metavar="KEY"),
+    Option(("--api-key-file",), "api_key_file", "read API keys from a file, one per line", parse=Path,
+           metavar="PATH"),
+    Option(("-to", "--timeout"), "timeout", "HTTP read/write timeout", parse=float, default=3600.0,
+           env="LLAMA_ARG_TIMEOUT", metavar="SECONDS"),
+    Option(("--max-body-size",), "max_body_size", "largest request body (e.g. 32M); larger ones get 413",
+           parse=parse_size, default=32 << 20, env="LLAMA_ARG_MAX_BODY_SIZE", metavar="SIZE"),
+    Option(("--sse-keepalive",), "sse_keepalive", "seconds of silence before an SSE keepalive comment",
+           parse=float, default=15.0, metavar="SECONDS"),
+    Option(("--slots",), "endpoint_slots", "serve /slots (default: on)", default=True, kind="on",
+           env="LLAMA_ARG_ENDPOINT_SLOTS"),
+    Option(("--no-slots",), "endpoint_slots", "do not serve /slots", default=True, kind="off"),
+    Option(("--props",), "endpoint_props", "serve /props", default=False, kind="on", env="LLAMA_ARG_ENDPOINT_PROPS"),
+    Option(("--metrics",), "endpoint_metrics", "serve Prometheus /metrics", default=False, kind="on",
+           env="LLAMA_ARG_ENDPOINT_METRICS"),
+    # logging
+    Option(("-v", "--verbose"), "verbose", "debug logging", default=False, kind="on", group="logging"),
+    Option(("--log-file",), "log_file", "also write the log to this file", parse=Path, env="LLAMA_LOG_FILE",
+           metavar="PATH", group="logging"),
+)
+
+GENERATE_OPTIONS: tuple[Option, ...] = (
+    Option(("-p", "--prompt"), "prompt", "the prompt text (required)", metavar="TEXT", group="generate"),
+    Option(("--chat",), "chat", "wrap the prompt as a user message in the chat template", default=False,
+           kind="on", group="generate"),
+    Option(("-n", "--max-tokens"), "max_tokens", "most tokens to generate", parse=int, default=256, metavar="N",
+           group="generate"),
+    Option(("--temp",), "temperature", "sampling temperature (0 = greedy)", parse=float, default=0.0, metavar="T",
+           group="generate"),
+    Option(("--seed",), "seed", "sampling seed", parse=int, metavar="S", group="generate"),
+)
+_GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
+                    "verbose")
+GROUP_TITLES = {"model": "model", "engine": "engine", "server": "HTTP server", "logging": "logging",
+                "generate": "generation"}
+
+
+# ---- parsing ----
+
+class HelpFormatter(argparse.HelpFormatter):
+    """`--n-parallel, -np, --parallel N` instead of repeating the metavar after each spelling."""
+
+    def __init__(self, prog: str) -> None:
+        super().__init__(prog, max_help_position=40, width=110)
+
+    def _format_action_invocation(self, action: argparse.Action) -> str:
+        if not action.option_strings or action.nargs == 0:
+            return super()._format_action_invocation(action)
+        metavar = self._format_args(action, self._get_default_metavar_for_optional(action))
+        return f"{', '.join(action.option_strings)} {metavar}"
+
+
+def _names(option: Option, style: str) -> tuple[str, ...]:
+    return option.serve_names if style == "serve" and option.serve_names else option.names
+
+
+def _help_text(option: Option) -> str:
+    extra = []
+    if option.kind == "value" and option.default not in (None, ""):
+        extra.append(f"default: {option.default}")
+    if option.env:
+        extra.append(f"env: {option.env}")
+    return f"{option.help} ({'; '.join(extra)})" if extra else option.help
+
+
+def add_options(parser: argparse.ArgumentParser, options: Sequence[Option], style: str) -> None:
+    groups: dict[str, argparse._ArgumentGroup] = {}
+    for option in options:
+        group = groups.get(option.group) or parser.add_argument_group(GROUP_TITLES[option.group])
+        groups[option.group] = group
+        kwargs: dict[str, Any] = {"dest": option.dest, "help": _help_text(option), "default": argparse.SUPPRESS}
+        if option.kind == "on":
+            kwargs["action"] = "store_true"
+        elif option.kind == "off":
+            kwargs["action"] = "store_false"
+        else:
+            kwargs.update(type=option.parse, metavar=option.metavar, choices=option.choices)
+            if option.kind == "bool":
+                kwargs.update(nargs="?", const=True, metavar="BOOL")
+        group.add_argument(*_names(option, style), **kwargs)
+
+
+def resolve_values(namespace: argparse.Namespace, options: Sequence[Option], environment: Environment) -> dict[str, Any]:
+    """Command line, else the environment mirror, else the default (A10: CLI wins)."""
+    values: dict[str, Any] = dict(vars(namespace))
+    for option in options:  # several options may share a dest (--no-slots / --slots): env after all CLI
+        if option.dest not in values and option.env and option.env in environment.raw:
+            values[option.dest] = _parse_env(option, environment.raw[option.env])
+    for option in options:
+        values.setdefault(option.dest, option.default)
+    return values
+
+
+def _parse_env(option: Option, text: str) -> Any:
+    try:
+        if option.kind in ("on", "off", "bool"):
+            is_on = parse_bool(text)
+            return (not is_on) if option.kind == "off" else is_on
+        return option.parse(text)
+    except (ValueError, argparse.ArgumentTypeError) as exc:
+        raise EnvError(f"environment variable {option.env}={text!r} is invalid: {exc}") from None
+
+
+# ---- serve ----
+
+@dataclass(frozen=True, slots=True)
+class ServeSettings:
+    """Everything `serve` needs, validated; built by `serve_settings`."""
+
+    model: str | None
+    models_dir: Path | None
+    default_org: str
+    draft_model: str | None
+    runtime: Any  # mlxcel.runtime.RuntimeOptions (imported lazily: torch loads slowly)
+    engine: EngineConfig
+    server: Any  # mlxcel.server.config.ServerConfig
+    verbose: bool = False
+    log_file: Path | None = None
+    api_key_source: str = field(default="none")
+
+
+def resolve_device(device: str) -> str:
+    if device != "auto":
+        return device
+    import torch
+
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def _api_keys(values: dict[str, Any]) -> tuple[tuple[str, ...], str]:
+    from mlxcel.server.auth import read_api_key_file, split_keys
+
+    keys = split_keys(values["api_key"])
+    source = "--api-key / LLAMA_API_KEY" if keys else "none"
+    if values["api_key_file"] is not None:
+        keys += read_api_key_file(values["api_key_file"])
+        source = "--api-key-file" if source == "none" else f"{source} and --api-key-file"
+    return tuple(keys), source
+
+
+def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSettings:
+    """Validate option values into configs; raises ValueError with a message naming the flag."""
+    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.server.config import ServerConfig
+
+    keys, source = _api_keys(values)
+    runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"],
+                             chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
+                             warmup=values["warmup"])
+    engine = EngineConfig(
+        max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
+        max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
+        max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
+        max_kv_size=values["max_kv_size"], decode_timeout_s=values["decode_timeout"],
+        slot_save_path=values["slot_save_path"])
+    server = ServerConfig(
+        host=values["host"], port=values["port"], api_keys=keys, alias=values["alias"], timeout_s=values["timeout"],
+        max_body_bytes=values["max_body_size"], endpoint_slots=values["endpoint_slots"],
+        endpoint_props=values["endpoint_props"], endpoint_metrics=values["endpoint_metrics"],
+        sse_keepalive_s=values["sse_keepalive"])
+    return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
+                         values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source)
+
+
+def _step_budget(batch_size: int, ubatch_size: int) -> int:
+    if batch_size < 1 or ubatch_size < 1:
+        raise ValueError(f"--batch-size and --ubatch-size must be at least 1 (got {batch_size}, {ubatch_size})")
+    return min(batch_size, ubatch_size)
+
+
+def configure_logging(verbose: bool, log_file: Path | None) -> None:
+    handlers: list[logging.Handler] = [logging.StreamHandler(sys.stderr)]
+    if log_file is not None:
+        handlers.append(logging.FileHandler(log_file, encoding="utf-8"))
+    logging.basicConfig(level=logging.DEBUG if verbose else logging.INFO, format=LOG_FORMAT, handlers=handlers,
+                        force=True)
+
+
+def run_serve(settings: ServeSettings) -> int:
+    """A6 in order: logging, API key, template + weights + engine + warmup, bind; then serve (A7)."""
+    configure_logging(settings.verbose, settings.log_file)
+    log.info("API key authentication: %s", f"on ({settings.api_key_source})" if settings.server.api_keys else "off")
+    if settings.draft_model:
+        log.error("--model-draft/--draft-model: speculative decoding is not available in this build")
+        return 2
+    from mlxcel.loading import ModelLoadError, resolve_model
+    from mlxcel.runtime import start_served_model
+    from mlxcel.server.lifecycle import Worker, bind_socket, serve
+    from mlxcel.server.state import ServerState
+
+    try:
+        resolved = resolve_model(settings.model, models_dir=settings.models_dir, default_org=settings.default_org)
+        log.info("model: %s (%s)", resolved.name, resolved.source)
+        served = start_served_model(resolved, settings.runtime, settings.engine)
+    except (ModelLoadError, ValueError, OSError) as exc:
+        log.error("cannot start: %s", exc)
+        return 1
+    try:
+        sock = bind_socket(settings.server)
+    except OSError as exc:
+        log.error("cannot listen: %s", exc)
+        served.close()
+        return 1
+    state = ServerState(settings.server, served)
+    return serve(state, sock, [Worker("chat engine", served.close)])
+
+
+# ---- generate ----
+
+async def _generate(served: Any, values: dict[str, Any], out: Any, err: Any) -> None:
+    from mlxcel.api.context import ApiContext
+    from mlxcel.api.generation import Generation, GenerationParams, Prompt
+    from mlxcel.types import SamplingParams
+
+    ctx = ApiContext(served.name, served.engine, served.tokenizer, served.chat_template, served.context_size,
+                     int(time.time()))
+    prompt = _generate_prompt(served, values["prompt"], values["chat"])
+    sampling = SamplingParams(temperature=values["temperature"], seed=values["seed"], max_tokens=values["max_tokens"])
+    generation = Generation.start(ctx, [prompt], GenerationParams(sampling), request_id="generate")
+    async for delta in generation.stream():
+        out.write(delta.text)
+        out.flush()
+    out.write("\n")
+    result = generation.results()[0]
+    t = result.timings
+    err.write(f"prompt: {result.num_prompt_tokens} tokens, {result.num_prompt_tokens / max(t.prefill_s, 1e-9):.1f} "
+              f"tokens/s | generation: {result.num_completion_tokens} tokens, "
+              f"{max(result.num_completion_tokens - 1, 0) / max(t.decode_s, 1e-9):.1f} tokens/s\n")
+
+
+def _generate_prompt(served: Any, text: str, chat: bool) -> Any:
+    from mlxcel.api.generation import Prompt
+
+    if not chat:
+        return Prompt(tuple(served.tokenizer.encode(text, add_special_tokens=True)), text)
+    if served.chat_template is None:
+        raise ValueError("--chat: this model has no chat template (pass --chat-template)")
+    rendered = served.chat_template.render([{"role": "user", "content": text}], add_generation_prompt=True)
+    return Prompt(tuple(served.tokenizer.encode(rendered, add_special_tokens=False)), rendered)
+
+
+def run_generate(values: dict[str, Any], environment: Environment) -> int:
+    """One-shot generation: generated text to stdout, prompt and generation speed to stderr."""
+    logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
+    if not values["prompt"]:
+        log.error("generate: -p/--prompt is required")
+        return 2
+    from mlxcel.api.errors import ApiError
+    from mlxcel.loading import ModelLoadError, resolve_model
+    from mlxcel.runtime import RuntimeOptions, start_served_model
+
+    try:
+        resolved = resolve_model(values["model"], models_dir=values["models_dir"],
+                                 default_org=environment["MLXCEL_DEFAULT_ORG"])
+        runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
+                                 chat_template=values["chat_template"], chat_template_file=values["chat_template_file"])
+        served = start_served_model(resolved, runtime, EngineConfig(max_num_seqs=1, ctx_size=values["ctx_size"]))
+    except (ModelLoadError, ValueError, OSError) as exc:
+        log.error("cannot load the model: %s", exc)
+        return 1
+    try:
+        asyncio.run(_generate(served, values, sys.stdout, sys.stderr))
+    except (ApiError, ValueError) as exc:
+        log.error("generate: %s", exc)
+        return 1
+    finally:
+        served.close()
+    return 0
+
+
+# ---- entry points ----
+
+def serve_parser(prog: str, style: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, allow_abbrev=False,
+                                     description="Serve a model over the OpenAI, Anthropic and llama-server APIs.")
+    add_options(parser, OPTIONS, style)
+    return parser
+
+
+def generate_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, allow_abbrev=False,
+                                     description="Generate text once and exit; speed goes to stderr.")
+    shared = [o for o in OPTIONS if o.dest in _GENERATE_SHARED]
+    add_options(parser, GENERATE_OPTIONS + tuple(shared), "serve")
+    return parser
+
+
+def _serve_main(prog: str, style: str, argv: Sequence[str]) -> int:
+    parser = serve_parser(prog, style)
+    namespace = parser.parse_args(argv)
+    try:
+        environment = Environment.read()
+        settings = serve_settings(resolve_values(namespace, OPTIONS, environment), environment)
+    except ValueError as exc:  # EnvError, a bad config value, an unreadable key file
+        parser.error(str(exc))
+    return run_serve(settings)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`mlxcel serve ...` or `mlxcel generate ...`."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    commands = {"serve": "start the HTTP server", "generate": "generate text once from the command line"}
+    if not args or args[0] in ("-h", "--help") or args[0] not in commands:
+        usage = "\n".join(f"  {name:<10} {text}" for name, text in commands.items())
+        stream = sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr
+        stream.write(f"usage: mlxcel <command> [options]\n\ncommands:\n{usage}\n\n"
+                     "`mlxcel <command> --help` lists a command's options.\n")
+        return 0 if stream is sys.stdout else 2
+    if args[0] == "serve":
+        return _serve_main("mlxcel serve", "serve", args[1:])
+    parser = generate_parser("mlxcel generate")
+    namespace = parser.parse_args(args[1:])
+    try:
+        environment = Environment.read()
+        values = resolve_values(namespace, GENERATE_OPTIONS + tuple(OPTIONS), environment)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return run_generate(values, environment)
+
+
+def server_main(argv: Sequence[str] | None = None) -> int:
+    """`mlxcel-server ...`: the same startup as `mlxcel serve`, llama-server spellings first."""
+    return _serve_main("mlxcel-server", "server", list(sys.argv[1:] if argv is None else argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

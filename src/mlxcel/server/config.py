@@ -1,0 +1,41 @@
+"""How the HTTP layer listens and what it exposes; built by the CLI, read by the app and lifecycle."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+DEFAULT_MAX_BODY_BYTES = 32 << 20  # D1: --max-body-size default, 32 MiB
+
+
+@dataclass(frozen=True, slots=True)
+class ServerConfig:
+    """Listener, auth and endpoint switches (llama-server flag names in comments)."""
+
+    host: str = "127.0.0.1"  # --host; a value ending in .sock is a Unix socket path (A4)
+    port: int = 8080  # --port; 0 = a kernel-chosen ephemeral port
+    api_keys: tuple[str, ...] = ()  # --api-key / --api-key-file / LLAMA_API_KEY (C1); empty = no auth
+    alias: str | None = None  # --alias: the model id /v1/models reports
+    timeout_s: float = 3600.0  # --timeout: HTTP read/write timeout (A8)
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-size (D1)
+    endpoint_slots: bool = True  # --slots / --no-slots (F12)
+    endpoint_props: bool = False  # --props
+    endpoint_metrics: bool = False  # --metrics
+    sse_keepalive_s: float = 15.0  # --sse-keepalive (A9)
+    shutdown_timeout_s: float = 120.0  # A7 worker exit deadline
+
+    def __post_init__(self) -> None:
+        if not self.is_unix_socket and not 0 <= self.port <= 65535:
+            raise ValueError(f"--port must be between 0 and 65535, not {self.port}")
+        for name in ("timeout_s", "sse_keepalive_s", "shutdown_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
+        if self.max_body_bytes < 1:
+            raise ValueError(f"--max-body-size must be at least 1 byte, not {self.max_body_bytes}")
+
+    @property
+    def is_unix_socket(self) -> bool:
+        return self.host.endswith(".sock")
+
+    @property
+    def is_auth_enabled(self) -> bool:
+        return bool(self.api_keys)

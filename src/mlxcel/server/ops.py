@@ -1,0 +1,196 @@
+"""Operations endpoints: /health (K1), /slots (K3, F12), /props, /metrics (K2), prompt cache (F7), F11.
+
+Each formats one `EngineStats` snapshot; none of them touches the engine's state directly
+(cache reset and slot actions run on the engine thread through the client).
+"""
+
+from __future__ import annotations
+
+import time
+from importlib.metadata import PackageNotFoundError, version
+from typing import Any
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response
+
+from mlxcel.api.errors import ApiError, invalid_request
+from mlxcel.api.openai.common import DEFAULT_TEMPERATURE
+from mlxcel.server.body import read_json
+from mlxcel.server.metrics import CONTENT_TYPE
+from mlxcel.server.state import ServerState
+from mlxcel.types import EngineStats, PrefixCacheStats, SamplingParams, SlotStats
+
+SLOT_ACTIONS = ("save", "restore", "erase")
+
+
+def not_supported(what: str, flag: str) -> ApiError:
+    """llama-server's answer for an endpoint switched off by a flag."""
+    return ApiError(501, f"This server does not support the {what} endpoint. Start it with `{flag}`",
+                    "not_supported_error", code=501)
+
+
+# ---- /health (K1) ----
+
+def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]:
+    return {
+        "status": _health_status(state, stats),
+        "model": state.model_name,
+        "batch": {"active_sequences": stats.active_sequences if stats else 0,
+                  "queue_depth": stats.queue_depth if stats else 0,
+                  "max_batch_size": stats.max_batch_size if stats else 0},
+        "observability": {"sequences_started": stats.sequences_started if stats else 0,
+                          "sequences_completed": stats.sequences_completed if stats else 0},
+        "context_size": stats.context_size if stats else 0,
+        "tool_call_parser": None,  # set once a tool-call parser is configured (spec V)
+    }
+
+
+def _health_status(state: ServerState, stats: EngineStats | None) -> str:
+    if state.is_shutting_down:
+        return "shutting down"
+    if stats is None:
+        return "loading model"
+    if stats.active_sequences >= stats.max_batch_size:
+        return "no slot available"
+    return "ok"
+
+
+async def health(request: Request, state: ServerState) -> Response:
+    """200 when loaded with a free slot, else 503 with the same fields."""
+    body = health_json(state, state.engine_stats())
+    return JSONResponse(body, 200 if body["status"] == "ok" else 503)
+
+
+# ---- /slots (K3, F12) ----
+
+def slot_json(slot: SlotStats) -> dict[str, Any]:
+    return {
+        "id": slot.slot_id, "n_ctx": slot.context_size, "context_size": slot.context_size,
+        "is_processing": slot.is_processing, "request_id": slot.request_id,
+        "n_prompt_tokens": slot.num_prompt_tokens, "next_token": {"n_decoded": slot.num_generated_tokens},
+    }
+
+
+async def slots(request: Request, state: ServerState) -> Response:
+    if not state.config.endpoint_slots:
+        raise not_supported("slots", "--slots")
+    stats = state.require_served().engine.stats()
+    if request.query_params.get("fail_on_no_slot") in ("1", "true") and all(s.is_processing for s in stats.slots):
+        raise ApiError(503, "no slot available", "unavailable_error", code=503)
+    return JSONResponse([slot_json(s) for s in stats.slots])
+
+
+async def slot_action(request: Request, state: ServerState) -> Response:
+    """POST /slots/{id}?action=save|restore|erase (llama-server's slot snapshots)."""
+    if not state.config.endpoint_slots:
+        raise not_supported("slots", "--slots")
+    action = request.query_params.get("action", "")
+    if action not in SLOT_ACTIONS:
+        raise invalid_request(f"action must be one of {', '.join(SLOT_ACTIONS)}, not {action!r}")
+    slot_id = _slot_id(request.path_params["id_slot"])
+    filename = await _slot_filename(request) if action != "erase" else ""
+    served = state.require_served()
+    if action != "erase" and not served.engine_config.slot_save_path:
+        raise ApiError(501, "slot save/restore is off: start the server with --slot-save-path DIR",
+                       "not_supported_error", code=501)
+    return JSONResponse(await _run_slot_action(served.engine, action, slot_id, filename))
+
+
+def _slot_id(text: str) -> int:
+    if not text.isdigit():
+        raise invalid_request(f"slot id must be a non-negative integer, not {text!r}")
+    return int(text)
+
+
+async def _slot_filename(request: Request) -> str:
+    body = await read_json(request)
+    filename = body.get("filename") if isinstance(body, dict) else None
+    if not isinstance(filename, str) or not filename:
+        raise invalid_request("filename: a non-empty string is required")
+    return filename
+
+
+async def _run_slot_action(engine: Any, action: str, slot_id: int, filename: str) -> dict[str, Any]:
+    started = time.monotonic()
+    try:
+        if action == "erase":
+            return {"id_slot": slot_id, "n_erased": await engine.erase_slot(slot_id)}
+        method = engine.save_slot if action == "save" else engine.restore_slot
+        result = await method(slot_id, filename)
+    except ValueError as exc:  # the engine's SlotError: bad id, busy slot, missing file
+        raise invalid_request(str(exc)) from None
+    ms = (time.monotonic() - started) * 1000
+    if action == "save":
+        return {"id_slot": slot_id, "filename": result.filename, "n_saved": result.num_tokens,
+                "n_written": result.num_bytes, "timings": {"save_ms": ms}}
+    return {"id_slot": slot_id, "filename": result.filename, "n_restored": result.num_tokens,
+            "n_read": result.num_bytes, "timings": {"restore_ms": ms}}
+
+
+# ---- /props, /metrics ----
+
+async def props(request: Request, state: ServerState) -> Response:
+    if not state.config.endpoint_props:
+        raise not_supported("props", "--props")
+    served = state.require_served()
+    template = served.chat_template
+    return JSONResponse({
+        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params()},
+        "total_slots": served.engine_config.max_num_seqs,
+        "model_alias": state.model_name,
+        "model_path": str(served.loaded.path),
+        "chat_template": template.source if template else "",
+        "modalities": {"vision": False, "audio": False},
+        "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,
+        "build_info": f"mlxcel {_version()}",
+    })
+
+
+def _default_params() -> dict[str, Any]:
+    defaults = SamplingParams(temperature=DEFAULT_TEMPERATURE)
+    return {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
+            "min_p": defaults.min_p, "repeat_last_n": defaults.repeat_last_n}
+
+
+def _version() -> str:
+    try:
+        return version("mlxcel")
+    except PackageNotFoundError:
+        return "unknown"
+
+
+async def metrics(request: Request, state: ServerState) -> Response:
+    if not state.config.endpoint_metrics:
+        raise not_supported("metrics", "--metrics")
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+
+
+# ---- prompt cache (F7) ----
+
+def cache_stats_json(cache: PrefixCacheStats | None) -> dict[str, Any]:
+    """The same keys whether the cache is on or off (zeros when off)."""
+    on = cache if cache is not None and cache.is_enabled else PrefixCacheStats(is_enabled=False)
+    return {
+        "object": "prompt_cache.stats", "enabled": on.is_enabled, "hits": on.num_hits, "misses": on.num_misses,
+        "reused_tokens": on.num_reused_tokens, "evictions": on.num_evictions,
+        "blocks": {"used": on.num_blocks_used, "free": on.num_blocks_free, "cached": on.num_blocks_cached},
+    }
+
+
+async def cache_stats(request: Request, state: ServerState) -> Response:
+    stats = state.require_served().engine.stats()
+    return JSONResponse(cache_stats_json(stats.prefix_cache))
+
+
+async def cache_reset(request: Request, state: ServerState) -> Response:
+    served = state.require_served()
+    is_reset = await served.engine.reset_prefix_cache()
+    enabled = served.engine.stats().prefix_cache.is_enabled
+    return JSONResponse({"object": "prompt_cache.reset", "enabled": enabled, "reset": bool(is_reset)})
+
+
+# ---- F11 ----
+
+async def feature_disabled(request: Request, state: ServerState) -> Response:
+    """/tools and /cors-proxy: recognised llama-server routes, kept off (403 feature_disabled)."""
+    raise ApiError(403, f"{request.url.path} is disabled on this server", "feature_disabled", code=403)

@@ -1,0 +1,128 @@
+"""The routes table: every path the server answers, its methods, handler, protocol and auth.
+
+Handlers take (request, state) and return a Starlette Response or an API Reply. `bind`
+wraps each one so an ApiError becomes its protocol's envelope and nothing else escapes as
+a framework default (no 422s, no HTML 500s).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import Awaitable, Callable, Coroutine
+from dataclasses import dataclass
+from typing import Any
+
+from starlette.requests import ClientDisconnect, Request
+from starlette.responses import Response
+
+from mlxcel.api import openai
+from mlxcel.api.errors import ApiError, Protocol
+from mlxcel.api.replies import Reply
+from mlxcel.server import ops
+from mlxcel.server.body import read_json
+from mlxcel.server.responses import error_response, internal_error, to_response
+from mlxcel.server.state import ServerState
+
+Handler = Callable[[Request, ServerState], Awaitable[Response | Reply]]
+CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; never reaches the (gone) client
+
+
+@dataclass(frozen=True, slots=True)
+class Route:
+    paths: tuple[str, ...]
+    methods: tuple[str, ...]
+    handler: Handler
+    protocol: Protocol = "openai"
+    is_public: bool = False  # no API key needed (C1)
+
+
+class ClientGoneError(Exception):
+    """The client disconnected before a non-streaming reply was ready."""
+
+
+async def run_until_disconnect(request: Request, work: Coroutine[Any, Any, Reply]) -> Reply:
+    """Await `work`, cancelling it (and so aborting its generation) if the client disconnects."""
+    task = asyncio.ensure_future(work)
+    watcher = asyncio.ensure_future(_wait_for_disconnect(request))
+    try:
+        await asyncio.wait({task, watcher}, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for pending in (task, watcher):
+            if not pending.done():
+                pending.cancel()
+                with contextlib.suppress(asyncio.CancelledError, Exception):
+                    await pending
+    if task.cancelled():
+        raise ClientGoneError
+    return task.result()
+
+
+async def _wait_for_disconnect(request: Request) -> None:
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def bind(route: Route, state: ServerState) -> Callable[[Request], Awaitable[Response]]:
+    """The Starlette endpoint for `route`: errors in its protocol's envelope."""
+    async def endpoint(request: Request) -> Response:
+        try:
+            result = await route.handler(request, state)
+        except ApiError as exc:
+            return error_response(exc, route.protocol)
+        except (ClientGoneError, ClientDisconnect):
+            return Response(status_code=CLIENT_CLOSED_STATUS)
+        except Exception as exc:  # noqa: BLE001 - a bug, reported as a 500 envelope
+            return internal_error(exc, route.protocol)
+        return result if isinstance(result, Response) else to_response(result)
+
+    endpoint.__name__ = route.handler.__name__
+    return endpoint
+
+
+# ---- OpenAI routes (F1, F5) ----
+
+async def chat_completions(request: Request, state: ServerState) -> Reply:
+    req = openai.parse_chat_request(await read_json(request))  # D1: body errors before availability
+    ctx = state.require_api()
+    return await run_until_disconnect(request, openai.create_chat_completion(ctx, req, request.headers))
+
+
+async def chat_input_tokens(request: Request, state: ServerState) -> Reply:
+    req = openai.parse_chat_request(await read_json(request))
+    return openai.count_chat_input_tokens(state.require_api(), req)
+
+
+async def completions(request: Request, state: ServerState) -> Reply:
+    req = openai.parse_completion_request(await read_json(request))
+    ctx = state.require_api()
+    return await run_until_disconnect(request, openai.create_completion(ctx, req, request.headers))
+
+
+async def models(request: Request, state: ServerState) -> Reply:
+    return openai.list_models(state.require_api())
+
+
+async def model(request: Request, state: ServerState) -> Reply:
+    return openai.retrieve_model(state.require_api(), request.path_params["model_id"])
+
+
+ROUTES: tuple[Route, ...] = (
+    Route(("/v1/chat/completions", "/chat/completions"), ("POST",), chat_completions),
+    Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
+    Route(("/v1/completions",), ("POST",), completions),
+    Route(("/v1/models", "/models"), ("GET",), models),
+    Route(("/v1/models/{model_id:path}", "/models/{model_id:path}"), ("GET",), model),
+    Route(("/", "/health", "/v1/health"), ("GET",), ops.health, is_public=True),
+    Route(("/slots",), ("GET",), ops.slots),
+    Route(("/slots/{id_slot}",), ("POST",), ops.slot_action),
+    Route(("/props",), ("GET",), ops.props),
+    Route(("/metrics",), ("GET",), ops.metrics),
+    Route(("/v1/cache/stats",), ("GET",), ops.cache_stats),
+    Route(("/v1/cache/reset",), ("POST",), ops.cache_reset),
+    Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
+)
+
+
+def public_paths(routes: tuple[Route, ...] = ROUTES) -> frozenset[str]:
+    return frozenset(path for route in routes if route.is_public for path in route.paths)
