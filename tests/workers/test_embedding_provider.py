@@ -215,3 +215,19 @@ def test_I_minilm_equals_sentence_transformers(minilm_dir: Path) -> None:
     assert got.num_prompt_tokens[-1] == 256 and 200 < got.num_prompt_tokens[3] <= 256
     for ours, theirs in zip(got.embeddings, want):
         assert cosine(ours, theirs) >= 0.9999
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize(("dtype", "min_cosine"), [("float32", 0.99999), ("bfloat16", 0.99)])
+def test_I_cuda_device_and_dtype_are_config(tiny_dir: Path, dtype: str, min_cosine: float) -> None:
+    cpu = EmbeddingProvider.load(tiny_dir)
+    cuda = EmbeddingProvider.load(tiny_dir, EmbeddingConfig(device="cuda", dtype=dtype))
+    try:
+        want = cpu.embed_sync(SENTENCES).embeddings
+        got = cuda.embed_sync(SENTENCES).embeddings
+    finally:
+        cpu.stop(5)
+        cuda.stop(5)
+    assert all(vector.dtype == np.float32 for vector in got)
+    assert min(cosine(a, b) for a, b in zip(got, want)) >= min_cosine

@@ -203,3 +203,14 @@ def test_I_answers_must_be_single_tokens() -> None:
     assert answer_token_ids(encode) == (YES, NO)
     with pytest.raises(ModelLoadError, match="'yes' is 3 tokens"):
         answer_token_ids(lambda text: list(text.encode()))
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_I_cross_encoder_on_cuda_matches_cpu(cross_dir: Path) -> None:
+    cuda = RerankProvider.load(cross_dir, RerankConfig(device="cuda"))
+    try:
+        got = cuda.rerank_sync(QUERY, DOCUMENTS).scores
+    finally:
+        cuda.stop(5)
+    assert got == pytest.approx(transformers_scores(cross_dir, QUERY, DOCUMENTS), abs=1e-3)
