@@ -61,11 +61,14 @@ _LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
 _GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
 
 
-def supported_model_types() -> list[str]:
+def supported_model_types(*, generative: bool = True) -> list[str]:
+    """Family modules under mlxcel.models; `generative` keeps those whose Model yields logits."""
     import mlxcel.models as pkg
 
     names = [m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_")]
-    return sorted(n for n in names if hasattr(family_module(n), "Model"))
+    modules = {n: importlib.import_module(f"mlxcel.models.{n}") for n in names}
+    return sorted(n for n, mod in modules.items()
+                  if hasattr(mod, "Model") and (not generative or hasattr(mod.Model, "compute_logits")))
 
 
 def family_module(model_type: str) -> ModuleType:
@@ -73,14 +76,8 @@ def family_module(model_type: str) -> ModuleType:
         return importlib.import_module(f"mlxcel.models.{model_type}")
     except ModuleNotFoundError:
         raise ModelLoadError(
-            f"model type {model_type!r} is not supported (supported: {', '.join(_known_types())})"
+            f"model type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
         ) from None
-
-
-def _known_types() -> list[str]:
-    import mlxcel.models as pkg
-
-    return sorted(m.name for m in pkgutil.iter_modules(pkg.__path__) if not m.name.startswith("_"))
 
 
 def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
