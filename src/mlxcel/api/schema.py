@@ -44,15 +44,16 @@ def validate_body(model: type[M], body: Any) -> M:
         raise invalid_request(str(exc)) from None
 
 
-def flatten_extra_body(body: Mapping[str, Any]) -> dict[str, Any]:
+def flatten_extra_body(body: Any) -> Any:
     """Lift fields nested in `extra_body` to the root; a field already at the root wins (spec M).
 
     The OpenAI SDK flattens `extra_body` itself, but clients that send it literally (vLLM-style)
-    nest it, so `cache_prompt`, `top_k` and friends are honoured in both forms.
+    nest it, so `cache_prompt`, `top_k` and friends are honoured in both forms. Anything that
+    is not an object is returned as is.
     """
-    extra = body.get("extra_body")
-    if not isinstance(extra, Mapping):
-        return dict(body)
+    if not isinstance(body, Mapping) or not isinstance(body.get("extra_body"), Mapping):
+        return body  # validate_body reports a non-object body; a bad extra_body fails its type
+    extra = body["extra_body"]
     merged = {**extra, **body}
     merged.pop("extra_body", None)
     return merged

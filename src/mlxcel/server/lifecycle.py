@@ -148,7 +148,7 @@ def serve(state: ServerState, sock: socket.socket, workers: Sequence[Worker]) ->
         server.run_blocking()
     finally:
         is_clean = join_workers(workers, state.config.shutdown_timeout_s)
-        _remove_unix_socket(sock)
+        _close_listener(sock, server.address)
     if is_clean:
         log.info("shutdown complete")
     return 0 if is_clean else 1
@@ -159,11 +159,12 @@ def _abort_in_flight(workers: Sequence[Worker]) -> None:
         worker.stop(0.0)  # non-blocking: the owner thread aborts its requests and exits on its own
 
 
-def _remove_unix_socket(sock: socket.socket) -> None:
-    if sock.family == socket.AF_UNIX:
-        with contextlib.suppress(OSError):
-            os.unlink(sock.getsockname())
+def _close_listener(sock: socket.socket, address: str) -> None:
+    """Close the socket and remove a Unix socket's file (uvicorn may have closed the socket already)."""
     sock.close()
+    if address.startswith("unix:"):
+        with contextlib.suppress(OSError):
+            os.unlink(address.removeprefix("unix:"))
 
 
 class ServerThread:
@@ -190,4 +191,4 @@ class ServerThread:
     def stop(self, timeout: float = 10.0) -> None:
         self.server.should_exit = True
         self._thread.join(timeout)
-        _remove_unix_socket(self.sock)
+        _close_listener(self.sock, self.address)

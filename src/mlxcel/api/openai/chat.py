@@ -16,7 +16,7 @@ from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 from mlxcel.text.chat_template import TemplateError
 
 
-def parse_chat_request(body: Mapping[str, Any]) -> ChatCompletionRequest:
+def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
     return validate_body(ChatCompletionRequest, flatten_extra_body(body))
 

@@ -15,7 +15,7 @@ from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 
 
-def parse_completion_request(body: Mapping[str, Any]) -> CompletionRequest:
+def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a completions body (extra_body fields lifted to the root); raises ApiError(400)."""
     return validate_body(CompletionRequest, flatten_extra_body(body))
 

@@ -1,0 +1,126 @@
+"""The option table (A1, A10): aliases, primary spellings per entry point, env mirrors, config building."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from mlxcel.cli import (
+    OPTIONS, generate_parser, parse_size, resolve_values, serve_parser, serve_settings,
+)
+from mlxcel.env import Environment, EnvError
+
+
+def values(argv: list[str], env: dict[str, str] | None = None, style: str = "serve") -> dict[str, object]:
+    namespace = serve_parser("mlxcel serve", style).parse_args(argv)
+    return resolve_values(namespace, OPTIONS, Environment.read(env or {}))
+
+
+def settings(argv: list[str], env: dict[str, str] | None = None):  # noqa: ANN201 - ServeSettings
+    environment = Environment.read(env or {})
+    namespace = serve_parser("mlxcel serve", "serve").parse_args(argv)
+    return serve_settings(resolve_values(namespace, OPTIONS, environment), environment)
+
+
+@pytest.mark.parametrize("flag", ["--parallel", "--n-parallel", "-np"])
+def test_a1_parallel_spellings(flag: str) -> None:
+    assert values([flag, "3"])["parallel"] == 3
+    assert values([flag, "3"], style="server")["parallel"] == 3
+
+
+@pytest.mark.parametrize("flag", ["--model-draft", "--draft-model", "-md"])
+def test_a1_draft_spellings(flag: str) -> None:
+    assert values([flag, "small.gguf"])["draft_model"] == "small.gguf"
+
+
+def test_a1_primary_spelling_per_entry_point() -> None:
+    serve_help = serve_parser("mlxcel serve", "serve").format_help()
+    server_help = serve_parser("mlxcel-server", "server").format_help()
+    assert "--n-parallel, -np, --parallel N" in serve_help and "--draft-model, -md, --model-draft" in serve_help
+    assert "--parallel, -np, --n-parallel N" in server_help and "--model-draft, -md, --draft-model" in server_help
+    assert "-m, --model MODEL" in serve_help and "env: LLAMA_ARG_N_PARALLEL" in serve_help
+
+
+def test_defaults() -> None:
+    s = settings([])
+    assert (s.server.host, s.server.port) == ("127.0.0.1", 8080)
+    assert s.engine.max_num_seqs == 4 and s.engine.enable_prefix_caching and s.server.endpoint_slots
+    assert not s.server.endpoint_props and not s.server.endpoint_metrics and not s.server.api_keys
+    assert s.server.timeout_s == 3600 and s.engine.decode_timeout_s == 600
+    assert s.server.max_body_bytes == 32 << 20 and s.model is None
+
+
+def test_a10_env_mirrors_and_cli_wins() -> None:
+    env = {"LLAMA_ARG_N_PARALLEL": "2", "LLAMA_ARG_PORT": "9000", "LLAMA_ARG_ENDPOINT_METRICS": "true",
+           "LLAMA_ARG_MAX_KV_SIZE": "128", "LLAMA_API_KEY": "k1,k2", "LLAMA_ARG_APC_ENABLED": "false"}
+    s = settings(["--port", "0"], env)
+    assert s.engine.max_num_seqs == 2 and s.server.port == 0 and s.server.endpoint_metrics
+    assert s.engine.max_kv_size == 128 and s.server.api_keys == ("k1", "k2")
+    assert s.engine.enable_prefix_caching is False
+    assert settings(["-np", "5", "--api-key", "cli"], env).engine.max_num_seqs == 5
+    assert settings(["--api-key", "cli"], env).server.api_keys == ("cli",)
+    assert settings(["--apc-enabled"], env).engine.enable_prefix_caching is True
+
+
+def test_a10_bad_env_value_names_the_variable() -> None:
+    with pytest.raises(EnvError, match="LLAMA_ARG_N_PARALLEL"):
+        values([], {"LLAMA_ARG_N_PARALLEL": "many"})
+    with pytest.raises(EnvError, match="LLAMA_ARG_ENDPOINT_SLOTS"):
+        values([], {"LLAMA_ARG_ENDPOINT_SLOTS": "maybe"})
+
+
+def test_a3_prompt_cache_switches() -> None:
+    for argv in (["--no-prompt-cache"], ["--no-cache-prompt"], ["--apc-enabled=false"], ["--apc-enabled", "0"]):
+        assert settings(argv).engine.enable_prefix_caching is False, argv
+    assert settings(["--apc-enabled=true"]).engine.enable_prefix_caching is True
+
+
+def test_endpoint_switches_and_sizes() -> None:
+    s = settings(["--no-slots", "--props", "--metrics", "--max-body-size", "1M", "-to", "5"])
+    assert not s.server.endpoint_slots and s.server.endpoint_props and s.server.endpoint_metrics
+    assert s.server.max_body_bytes == 1 << 20 and s.server.timeout_s == 5
+    assert parse_size("32MiB") == 32 << 20 and parse_size("100") == 100
+    with pytest.raises(ValueError):
+        parse_size("lots")
+
+
+def test_engine_flags() -> None:
+    s = settings(["-c", "4096", "-b", "256", "-ub", "512", "--max-queue-depth", "3", "--decode-timeout", "9",
+                  "--slot-save-path", "/tmp/s"])
+    assert s.engine.ctx_size == 4096 and s.engine.max_num_batched_tokens == 256
+    assert s.engine.max_queue_depth == 3 and s.engine.decode_timeout_s == 9 and s.engine.slot_save_path == "/tmp/s"
+    with pytest.raises(ValueError, match="max-kv-size"):
+        settings(["--max-kv-size", "10"])
+
+
+def test_c1_api_key_file(tmp_path: Path) -> None:
+    keys = tmp_path / "keys"
+    keys.write_text("alpha\n\n  beta  \n")
+    assert settings(["--api-key-file", str(keys)]).server.api_keys == ("alpha", "beta")
+    assert settings(["--api-key", "x", "--api-key-file", str(keys)]).server.api_keys == ("x", "alpha", "beta")
+    with pytest.raises(ValueError, match="api-key-file"):
+        settings(["--api-key-file", str(tmp_path / "missing")])
+
+
+def test_a4_unix_socket_host() -> None:
+    s = settings(["--host", "/tmp/m.sock", "--port", "99999"])
+    assert s.server.is_unix_socket  # the port is ignored, even an out-of-range one
+
+
+def test_generate_parser_has_generation_flags() -> None:
+    namespace = generate_parser("mlxcel generate").parse_args(["-m", "x", "-p", "hi", "--chat", "--max-tokens", "4",
+                                                               "--temp", "0.5", "--seed", "1"])
+    assert (namespace.prompt, namespace.chat, namespace.max_tokens, namespace.temperature, namespace.seed) == \
+        ("hi", True, 4, 0.5, 1)
+
+
+def test_cli_errors_exit_2() -> None:
+    bad = subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--parallel", "0"], capture_output=True,
+                         text=True, timeout=120)
+    assert bad.returncode == 2 and "--parallel must be at least 1" in bad.stderr
+    unknown = subprocess.run([sys.executable, "-m", "mlxcel.cli", "bogus"], capture_output=True, text=True,
+                             timeout=120)
+    assert unknown.returncode == 2 and "serve" in unknown.stderr
