@@ -1,0 +1,123 @@
+"""Reasoning budget (spec R): close the `<think>` block after N reasoning tokens.
+
+Semantics follow llama.cpp's --reasoning-budget and vLLM's thinking_token_budget:
+-1 unlimited, 0 close at once, N > 0 force the end marker after N reasoning tokens (the
+opening marker is not counted). A multi-token end marker is forced one token per step. The
+forced tokens are ordinary sampled tokens: they stream as text deltas like any other.
+
+Where the budget comes from, highest first: the request (`thinking_budget_tokens`, then its
+aliases `thinking_token_budget` (vLLM) and `thinking_budget` (Qwen)), `--reasoning-budget`,
+`LLAMA_ARG_REASONING_BUDGET`, else -1.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from mlxcel.text.reasoning import ThinkTokens, ThinkTracker
+from mlxcel.types import FinishReason
+
+log = logging.getLogger(__name__)
+
+UNLIMITED = -1
+BUDGET_FIELDS = ("thinking_budget_tokens", "thinking_token_budget", "thinking_budget")
+
+
+class BudgetError(ValueError):
+    """A request's reasoning budget is invalid; the message is fit for a 400 reply."""
+
+
+def resolve_thinking_budget(request: Mapping[str, Any], server_default: int, max_tokens: int | None) -> int:
+    """The reasoning budget for one request.
+
+    `request` is the JSON body (fields at the root or inside `extra_body`); `max_tokens` the
+    request's max_tokens (n_predict on /completion), None when it gave none. The first field
+    of BUDGET_FIELDS present (not null) wins. Raises BudgetError for a value that is not an
+    integer, below -1, or above max_tokens.
+    """
+    field, value = _budget_field(request)
+    if field is None:
+        return server_default
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise BudgetError(f"{field} must be an integer (-1 for unlimited), not {value!r}")
+    if value < UNLIMITED:
+        raise BudgetError(f"{field} must be -1 (unlimited), 0 or a positive number of tokens, not {value}")
+    if value > 0 and max_tokens is not None and value > max_tokens:
+        raise BudgetError(f"{field} ({value}) must not exceed max_tokens ({max_tokens})")
+    return value
+
+
+def _budget_field(request: Mapping[str, Any]) -> tuple[str | None, Any]:
+    extra = request.get("extra_body")
+    layers = [request, extra] if isinstance(extra, Mapping) else [request]
+    for field in BUDGET_FIELDS:
+        for layer in layers:
+            if layer.get(field) is not None:
+                return field, layer[field]
+    return None, None
+
+
+def parse_server_budget(value: int | str | None) -> int:
+    """--reasoning-budget / LLAMA_ARG_REASONING_BUDGET: -1 or more; a ValueError otherwise."""
+    if value is None or value == "":
+        return UNLIMITED
+    try:
+        budget = int(value)
+    except (TypeError, ValueError):
+        raise ValueError(f"--reasoning-budget must be an integer, not {value!r}") from None
+    if budget < UNLIMITED:
+        raise ValueError(f"--reasoning-budget must be -1 (unlimited) or more, not {budget}")
+    return budget
+
+
+def warn_if_unsupported(budget: int, think: ThinkTokens | None) -> None:
+    """Logged once at model load: a budget is set but the model has no reasoning markers."""
+    if budget != UNLIMITED and think is None:
+        log.warning("--reasoning-budget %d is ignored: the tokenizer has no <think>/</think> tokens", budget)
+
+
+class ReasoningBudget:
+    """A TokenProcessor that forces the end marker once the block has used its budget."""
+
+    def __init__(self, think: ThinkTokens, budget: int, *, starts_in_reasoning: bool) -> None:
+        if budget < 0:
+            raise ValueError(f"a reasoning budget processor needs a budget of 0 or more, not {budget}")
+        self.budget = budget
+        self._tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning)
+        self._is_forcing = False
+
+    @property
+    def num_reasoning_tokens(self) -> int:
+        return self._tracker.num_reasoning_tokens
+
+    def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
+        tracker = self._tracker
+        if tracker.phase != ThinkTracker.REASONING:
+            return
+        if self._is_forcing or tracker.num_reasoning_tokens >= self.budget:
+            self._is_forcing = True
+            force_token(logits, tracker.next_end_token)
+
+    def accept(self, token_id: int) -> FinishReason | None:
+        self._tracker.advance(token_id)
+        return None
+
+
+def force_token(logits: torch.Tensor, token_id: int) -> None:
+    """Leave only `token_id` possible in one logits row (in place)."""
+    logits.fill_(float("-inf"))
+    if 0 <= token_id < logits.shape[-1]:
+        logits[token_id] = 0.0
+
+
+def make_budget_processor(
+    think: ThinkTokens | None, budget: int, *, starts_in_reasoning: bool
+) -> ReasoningBudget | None:
+    """The processor for a request's budget; None when unlimited or the model cannot think."""
+    if think is None or budget == UNLIMITED:
+        return None
+    return ReasoningBudget(think, budget, starts_in_reasoning=starts_in_reasoning)

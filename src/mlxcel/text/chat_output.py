@@ -1,0 +1,85 @@
+"""One generated chat reply's text, split into reasoning, content and tool calls as it streams.
+
+An adapter makes one `ChatOutputParser` per choice, feeds it every text delta the
+TextAssembler returns, calls `finish()` at the end, and reads `result()` for a non-streaming
+reply (text/events.py lists what it emits).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxcel.text.events import (
+    ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallEnd,
+)  # fmt: skip
+from mlxcel.text.reasoning import ReasoningFormat, ReasoningSplitter, ThinkTokens
+from mlxcel.text.tools.base import ToolParser
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedReply:
+    """The whole reply, as a non-streaming response reports it."""
+
+    content: str
+    reasoning: str
+    tool_calls: tuple[ToolCall, ...]
+
+    @property
+    def has_tool_calls(self) -> bool:
+        """Then the chat finish_reason is "tool_calls" (unless the reply was cut by length)."""
+        return bool(self.tool_calls)
+
+
+class ChatOutputParser:
+    """Reasoning splitter, then (when the request has tools) a tool-call parser on the content."""
+
+    def __init__(
+        self,
+        *,
+        think: ThinkTokens | None,
+        reasoning_format: ReasoningFormat = ReasoningFormat.AUTO,
+        starts_in_reasoning: bool = False,
+        tool_parser: ToolParser | None = None,
+    ) -> None:
+        markers = (think.start, think.end) if think is not None else None
+        self._splitter = ReasoningSplitter(
+            markers, reasoning_format=reasoning_format, starts_in_reasoning=starts_in_reasoning
+        )
+        self._tools = tool_parser
+        self._content: list[str] = []
+        self._calls: list[ToolCall] = []
+        self._is_finished = False
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """One text delta in; the reasoning, content and tool-call events it completed out."""
+        return self._route(self._splitter.feed(text), is_final=False)
+
+    def finish(self) -> list[OutputEvent]:
+        """End of the reply: everything still held."""
+        if self._is_finished:
+            return []
+        self._is_finished = True
+        return self._route(self._splitter.finish(), is_final=True)
+
+    def result(self) -> ParsedReply:
+        """The reply so far (complete after `finish()`)."""
+        return ParsedReply("".join(self._content), self._splitter.reasoning_text, tuple(self._calls))
+
+    def _route(self, split: list[ContentDelta | ReasoningDelta], *, is_final: bool) -> list[OutputEvent]:
+        out: list[OutputEvent] = []
+        for event in split:
+            if isinstance(event, ContentDelta) and self._tools is not None:
+                out.extend(self._tools.feed(event.text))
+            else:
+                out.append(event)
+        if is_final and self._tools is not None:
+            out.extend(self._tools.finish())
+        for event in out:
+            self._record(event)
+        return out
+
+    def _record(self, event: OutputEvent) -> None:
+        if isinstance(event, ContentDelta):
+            self._content.append(event.text)
+        elif isinstance(event, ToolCallEnd):
+            self._calls.append(ToolCall(event.index, event.id, event.name, event.arguments))
