@@ -14,12 +14,17 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, TextIO
 
 from mlxcel.config import EngineConfig
 from mlxcel.env import Environment, EnvError, parse_bool
+from mlxcel.server.config import ServerConfig
+
+if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
+    from mlxcel.api.generation import Prompt
+    from mlxcel.runtime import RuntimeOptions, ServedModel
 
 log = logging.getLogger("mlxcel")
 
@@ -225,12 +230,12 @@ class ServeSettings:
     models_dir: Path | None
     default_org: str
     draft_model: str | None
-    runtime: Any  # mlxcel.runtime.RuntimeOptions (imported lazily: torch loads slowly)
+    runtime: RuntimeOptions
     engine: EngineConfig
-    server: Any  # mlxcel.server.config.ServerConfig
+    server: ServerConfig
     verbose: bool = False
     log_file: Path | None = None
-    api_key_source: str = field(default="none")
+    api_key_source: str = "none"
 
 
 def resolve_device(device: str) -> str:
@@ -255,7 +260,6 @@ def _api_keys(values: dict[str, Any]) -> tuple[tuple[str, ...], str]:
 def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSettings:
     """Validate option values into configs; raises ValueError with a message naming the flag."""
     from mlxcel.runtime import RuntimeOptions
-    from mlxcel.server.config import ServerConfig
 
     keys, source = _api_keys(values)
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"],
@@ -321,9 +325,9 @@ def run_serve(settings: ServeSettings) -> int:
 
 # ---- generate ----
 
-async def _generate(served: Any, values: dict[str, Any], out: Any, err: Any) -> None:
+async def _generate(served: ServedModel, values: dict[str, Any], out: TextIO, err: TextIO) -> None:
     from mlxcel.api.context import ApiContext
-    from mlxcel.api.generation import Generation, GenerationParams, Prompt
+    from mlxcel.api.generation import Generation, GenerationParams
     from mlxcel.types import SamplingParams
 
     ctx = ApiContext(served.name, served.engine, served.tokenizer, served.chat_template, served.context_size,
@@ -342,7 +346,7 @@ async def _generate(served: Any, values: dict[str, Any], out: Any, err: Any) -> 
               f"{max(result.num_completion_tokens - 1, 0) / max(t.decode_s, 1e-9):.1f} tokens/s\n")
 
 
-def _generate_prompt(served: Any, text: str, chat: bool) -> Any:
+def _generate_prompt(served: ServedModel, text: str, chat: bool) -> Prompt:
     from mlxcel.api.generation import Prompt
 
     if not chat:

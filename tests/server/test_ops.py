@@ -56,6 +56,11 @@ def is_idle(served: ServedModel) -> bool:
     return stats.active_sequences == 0 and stats.queue_depth == 0 and stats.prefix_cache.num_blocks_used == 0
 
 
+def next_started(model: ServedModel) -> bool:
+    stats = model.engine.stats()
+    return stats.queue_depth == 1 and stats.slots[0].is_processing
+
+
 # ---- K1, K3, props ----
 
 def test_k1_health_ok(client: httpx.Client, served: ServedModel) -> None:
@@ -118,7 +123,8 @@ def test_k2_metrics_counting_rules(client: httpx.Client, server: ServerThread, s
 def test_disconnect_aborts_and_frees_the_slot(client: httpx.Client, served: ServedModel) -> None:
     started = time.monotonic()
     with client.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG)) as response:
-        first_content_line(response.iter_lines())
+        lines = response.iter_lines()  # kept until the with-block closes the connection
+        first_content_line(lines)
         assert any(s["is_processing"] for s in client.get("/slots").json())
     wait_until(lambda: is_idle(served), timeout=10, what="the slot to be freed")
     assert not any(s["is_processing"] for s in client.get("/slots").json())
@@ -149,7 +155,8 @@ def test_a9_keepalive_comment_while_silent(start_server: Callable[..., ServerThr
 def test_queue_full_503_with_retry_after_and_health_503(single_server: ServerThread, single: ServedModel) -> None:
     with httpx.Client(base_url=single_server.address, timeout=60) as http:
         with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG)) as running:
-            first_content_line(running.iter_lines())
+            running_lines = running.iter_lines()  # kept: a dropped iterator closes its connection
+            first_content_line(running_lines)
             health = http.get("/health")
             assert health.status_code == 503 and health.json()["status"] == "no slot available"
             with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, max_tokens=2)) as waiting:
@@ -158,7 +165,35 @@ def test_queue_full_503_with_retry_after_and_health_503(single_server: ServerThr
                 assert full.status_code == 503 and full.headers["Retry-After"] == "1"
                 assert full.json()["error"]["type"] == "unavailable_error"
                 assert waiting.status_code == 200
+                assert single.engine.stats().slots[0].is_processing  # the first request still runs
     wait_until(lambda: is_idle(single), what="both requests to end")
+
+
+def test_l_x_priority_orders_the_waiting_queue(served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    model = engine_like(served, EngineConfig(max_num_seqs=1, max_queue_depth=4, ctx_size=512))
+    server = start_server(model, ServerConfig(port=0))
+    try:
+        with httpx.Client(base_url=server.address, timeout=60) as http:
+            with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG)) as running:
+                running_lines = running.iter_lines()  # kept: a dropped iterator closes its connection
+                first_content_line(running_lines)
+                ids: dict[str, str] = {}
+                kept = []
+                with http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG),
+                                 headers={"X-Priority": "low"}) as low, \
+                     http.stream("POST", "/v1/chat/completions", json=chat_body(stream=True, **LONG),
+                                 headers={"X-Priority": "high"}) as high:
+                    for name, response in (("low", low), ("high", high)):
+                        kept.append(response.iter_lines())
+                        ids[name] = json.loads(next(kept[-1])[6:])["id"]  # the role chunk
+                    wait_until(lambda: model.engine.stats().queue_depth == 2, what="two waiting requests")
+                    running.close()  # the slot frees: the high-priority request, sent second, goes first
+                    wait_until(lambda: next_started(model), what="the next request to start")
+                    assert model.engine.stats().slots[0].request_id.startswith(ids["high"])
+        wait_until(lambda: is_idle(model), what="all requests to end")
+    finally:
+        server.stop()
+        model.close(10)
 
 
 # ---- F12 slot actions, F7 cache ----
