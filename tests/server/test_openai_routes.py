@@ -160,6 +160,7 @@ def test_bad_requests_get_400(client: httpx.Client) -> None:
     cases = [
         chat_body(best_of=2), chat_body(logprobs=False, top_logprobs=2),
         chat_body(logit_bias={"not-a-token": 1}), chat_body(stop_token_ids=[10**9]),
+        chat_body(chat_template_kwargs={"messages": []}), chat_body(messages=[{"role": "user", "content": None}]),
         {"model": "m", "messages": [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": "x"}}]}]},
     ]
     for body in cases:

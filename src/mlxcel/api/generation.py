@@ -103,10 +103,6 @@ class ChoiceResult:
         return len(self.token_ids)
 
 
-_FINISH_NAMES = {FinishReason.STOP: "stop", FinishReason.LENGTH: "length", FinishReason.ABORT: "abort",
-                 FinishReason.LOOP: "loop"}
-
-
 class _Choice:
     """One engine request and the text assembled from it."""
 
@@ -143,7 +139,7 @@ class _Choice:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:
             text += self.assembler.finish()
-            self.finish_reason = _FINISH_NAMES.get(event.finish_reason, event.finish_reason.value)
+            self.finish_reason = event.finish_reason.value  # "stop", "length", "abort" or "loop"
         self.text.append(text)
         self.logprobs.extend(logprobs)
         if not text and not logprobs and self.finish_reason is None:

@@ -173,8 +173,8 @@ class ServerThread:
     The caller owns the workers: `stop()` ends the HTTP server only.
     """
 
-    def __init__(self, state: ServerState, config_sock: socket.socket | None = None) -> None:
-        self.sock = config_sock or bind_socket(state.config)
+    def __init__(self, state: ServerState, sock: socket.socket | None = None) -> None:
+        self.sock = sock or bind_socket(state.config)
         self.server = HttpServer(state, self.sock, on_shutdown=lambda: None)
         self.address = self.server.address
         self._thread = threading.Thread(target=self.server.run_blocking, name="mlxcel-http", daemon=True)

@@ -16,6 +16,11 @@ from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 from mlxcel.text.chat_template import TemplateError
 
 
+# Template variables the request sets through its own fields, never through chat_template_kwargs.
+RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
+                                     "continue_final_message"})
+
+
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
     """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
     return validate_body(ChatCompletionRequest, flatten_extra_body(body))
@@ -58,10 +63,14 @@ def render_chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> Prompt:
         raise invalid_request("this model has no chat template: start the server with --chat-template "
                               "or --chat-template-file, or use /v1/completions")
     messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
+    kwargs = req.chat_template_kwargs or {}
+    reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
+    if reserved:
+        raise invalid_request(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
     try:
         text = ctx.chat_template.render(
             messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
+            continue_final_message=req.continue_final_message, **kwargs)
     except TemplateError as exc:
         raise invalid_request(f"the chat template could not render these messages: {exc}") from None
     return Prompt(tuple(ctx.tokenizer.encode(text, add_special_tokens=False)), text)
