@@ -338,7 +338,8 @@ async def _generate(served: ServedModel, values: dict[str, Any], out: TextIO, er
     async for delta in generation.stream():
         out.write(delta.text)
         out.flush()
-    out.write("\n")
+    if out.isatty():
+        out.write("\n")  # keep the shell prompt off the last line; a pipe gets the text alone
     result = generation.results()[0]
     t = result.timings
     err.write(f"prompt: {result.num_prompt_tokens} tokens, {result.num_prompt_tokens / max(t.prefill_s, 1e-9):.1f} "
