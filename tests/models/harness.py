@@ -23,6 +23,14 @@ def uncached_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
 
 
 @torch.inference_mode()
+def uncached_hidden(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    """[T, hidden] for one prompt, no KV cache (for comparing logits at a few rows only)."""
+    device = next(model.parameters()).device
+    ctx = AttentionContext([SequenceSlice(0, len(ids), len(ids))], None, device)
+    return model(torch.tensor(ids, device=device), torch.arange(len(ids), device=device), ctx)
+
+
+@torch.inference_mode()
 def batch_uncached_logits(model: nn.Module, prompts: list[list[int]]) -> list[torch.Tensor]:
     """All prompts as one flat step (the runner's layout), split back per prompt."""
     ids, pos, slices = [], [], []
@@ -215,3 +223,33 @@ def _to_gguf_layout(name: str, array: np.ndarray, cfg: Any, arch: str) -> np.nda
 
 def head_dim_of(cfg: Any) -> int:
     return getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+
+
+# ---- prompts for the real checkpoints ----------------------------------------------------------
+
+_PARAGRAPH = ("The river bends twice before it reaches the old mill, where the water slows and "
+              "the village children count the fish that rest in the shade of the wheel. ")
+REAL_TEXT_PROMPTS = [
+    "The history of the printing press begins",
+    "def fibonacci(n):\n    \"\"\"Return the n-th Fibonacci number.\"\"\"\n",
+    "Paris est la capitale de la France. Berlin est la capitale de",
+    "Emoji 🎉 and numbers 3.14159, 2718 and 1,000,000; 日本語のテキストも少し。",
+]
+
+
+def real_prompts(name: str, tokenizer: Any) -> list[list[int]]:
+    """Five prompts as ids from the reference tokenizer, so both sides see the same tokens."""
+    ids = [tokenizer(text).input_ids for text in REAL_TEXT_PROMPTS]
+    if name == "smollm2":  # the instruct model's own chat format
+        chat = [{"role": "user", "content": "Name three primary colours."}]
+        ids.append(tokenizer.apply_chat_template(chat, add_generation_prompt=True, tokenize=True, return_dict=False))
+    else:  # longer than the 512-token sliding window, so the window takes effect
+        ids.append(tokenizer(_PARAGRAPH * 20).input_ids)
+    return ids
+
+
+def compared_positions(length: int) -> torch.Tensor:
+    """Every position of a short prompt; for a long one every 16th and the last 32."""
+    if length <= 64:
+        return torch.arange(length)
+    return torch.unique(torch.cat([torch.arange(0, length, 16), torch.arange(length - 32, length)]))
