@@ -135,3 +135,26 @@ def test_gemma3_sliding_window_limits_what_each_position_sees(tmp_path: Path) ->
     torch.testing.assert_close(base[reach + 1:], moved[reach + 1:], atol=TOL_SAME_MATH, rtol=0)
     torch.testing.assert_close(base, reference_logits(reference, prompt), atol=TOL_VS_TRANSFORMERS, rtol=0)
     torch.testing.assert_close(cached_logits(ours, changed, (5,)), moved, atol=TOL_SAME_MATH, rtol=0)
+
+
+def test_a2_unsupported_rope_type_is_one_clear_load_error(tmp_path: Path) -> None:
+    from mlxcel.loading import ModelLoadError
+
+    config = transformers.LlamaConfig(**COMMON)
+    save_tiny_hf(config, tmp_path)
+    text = (tmp_path / "config.json").read_text().replace('"rope_type": "default"', '"rope_type": "yarn", "factor": 2.0')
+    (tmp_path / "config.json").write_text(text)
+    with pytest.raises(ModelLoadError, match=r"llama config cannot be used: rope scaling type 'yarn' is not "
+                                             r"supported \(supported: default, linear, llama3, freq_factors\)"):
+        load_model(tmp_path)
+
+
+def test_gemma3_sanitize_keeps_only_the_text_model_of_a_multimodal_checkpoint() -> None:
+    from mlxcel.models import gemma3
+
+    args = gemma3.ModelArgs.from_dict({**COMMON, "head_dim": 16})
+    names = ["model.language_model.layers.0.mlp.up_proj.weight", "language_model.model.norm.weight",
+             "model.language_model.embed_tokens.weight", "model.vision_tower.encoder.weight",
+             "multi_modal_projector.mm_input_projection_weight", "lm_head.weight"]
+    kept = gemma3.Model.sanitize({name: torch.zeros(1) for name in names}, args)
+    assert sorted(kept) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]

@@ -162,7 +162,10 @@ def build_model(config: dict[str, Any], state: dict[str, torch.Tensor], *,
                 device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
     """Instantiate the family's Model from config and load `state` strictly."""
     module = family_module(config["model_type"])
-    args = module.ModelArgs.from_dict(config)
+    try:
+        args = module.ModelArgs.from_dict(config)
+    except (ValueError, TypeError, KeyError) as exc:  # a family refusing a setting, or a missing field
+        raise ModelLoadError(f"{config['model_type']} config cannot be used: {exc}") from exc
     with torch.device("meta"):
         model = module.Model(args)
     state = module.Model.sanitize(state, args) if hasattr(module.Model, "sanitize") else state
