@@ -56,7 +56,8 @@ class ModelArgs:
     @classmethod
     def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
         _check_supported(config)
-        config = {**config, **_rope_fields(config), "layer_types": _layer_types(config)}
+        config = {**config, **_rope_fields(config), "layer_types": _layer_types(config),
+                  "hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
         names = {f.name for f in fields(cls)}
         known = {k: v for k, v in config.items() if k in names and k != "extra"}
         return cls(**known, extra={k: v for k, v in config.items() if k not in names})
