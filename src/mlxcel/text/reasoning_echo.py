@@ -157,5 +157,10 @@ def _key(model: str, signature: str, session: str, prior: Sequence[Mapping[str, 
 
 
 def _identity_value(message: Mapping[str, Any], field: str) -> Any:
-    # Content as text, so a string and the same text as one text part key alike.
-    return _text(message.get("content")) if field == "content" else message.get(field)
+    # Text-only content as one string, so a string and the same text in parts key alike.
+    value = message.get(field)
+    if field == "content" and isinstance(value, list) and all(
+        isinstance(p, Mapping) and p.get("type") == "text" for p in value
+    ):
+        return _text(value)
+    return value

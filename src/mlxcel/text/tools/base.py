@@ -153,6 +153,8 @@ class ToolParser(abc.ABC):
         if not text:
             return
         text = self._held_space + text
+        if self.num_calls and not self._is_content_seen:
+            text = text.lstrip(_WHITESPACE)  # the line break after a call block is markup
         kept = text.rstrip(_WHITESPACE)
         self._held_space = text[len(kept) :]
         if kept:
@@ -235,6 +237,13 @@ def json_call_prefix(text: str, first_keys: Sequence[str], *, allow_array: bool 
         i += 1
         expected.pop(0)
     return _key_verdict(text[i:], first_keys), at
+
+
+def is_cut_json_call(text: str, first_keys: Sequence[str]) -> bool:
+    """Whether a reply that ended with `text` was opening a JSON call: more than a lone
+    `{` or `[`, and still a possible call opening."""
+    body = text.strip(_WHITESPACE)
+    return body not in ("", "{", "[") and json_call_prefix(body, first_keys)[0] is Prefix.MAYBE
 
 
 def _key_verdict(rest: str, keys: Sequence[str]) -> Prefix:

@@ -7,7 +7,7 @@ The reply is a JSON value at its very start (optionally in a ```json fence): a c
 
 from __future__ import annotations
 
-from mlxcel.text.tools.base import CallStart, Mode, Prefix, ToolParser, json_call_prefix
+from mlxcel.text.tools.base import CallStart, Mode, Prefix, ToolParser, is_cut_json_call, json_call_prefix
 
 FIRST_KEYS = ("tool_calls", "tool_call", "name", "type", "function")
 FENCES = ("```json", "```")
@@ -30,10 +30,13 @@ class GenericToolParser(ToolParser):
         return len(buffer) if verdict is Prefix.MAYBE else 0
 
     def _final_content(self, held: str) -> str:
-        # A reply cut inside `{"na` was opening a call; a lone `{` is just text.
-        if '"' in held and json_call_prefix(held.lstrip(" \t\n\r;`json"), FIRST_KEYS)[0] is Prefix.MAYBE:
-            return ""
-        return super()._final_content(held)
+        body = _skip_fence(held)
+        if body is None:
+            return ""  # a cut-off opening fence
+        rest = held[body:]
+        if body and json_call_prefix(rest, FIRST_KEYS)[0] is Prefix.MAYBE:
+            return ""  # a fence, then perhaps a call
+        return "" if is_cut_json_call(rest, FIRST_KEYS) else held
 
     def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
         head = buffer.lstrip(_SPACE)

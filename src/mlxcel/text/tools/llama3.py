@@ -7,7 +7,9 @@ accepted in place of `"parameters"`, and the OpenAI shape `{"type": "function", 
 
 from __future__ import annotations
 
-from mlxcel.text.tools.base import CallStart, Mode, Prefix, ToolParser, json_call_prefix, partial_suffix_len
+from mlxcel.text.tools.base import (
+    CallStart, Mode, Prefix, ToolParser, is_cut_json_call, json_call_prefix, partial_suffix_len,
+)
 
 PYTHON_TAG = "<|python_tag|>"
 FIRST_KEYS = ("name", "type", "function")
@@ -32,8 +34,10 @@ class Llama3ToolParser(ToolParser):
         return partial_suffix_len(buffer, (PYTHON_TAG,))
 
     def _final_content(self, held: str) -> str:
-        # A reply cut inside `{"na` was opening a call; a lone `{` is just text.
-        if '"' in held and json_call_prefix(held.lstrip(" \t\n\r;`json"), FIRST_KEYS)[0] is Prefix.MAYBE:
+        body = held.lstrip(" \t\n\r;")
+        if self.num_calls and json_call_prefix(body, FIRST_KEYS, allow_array=False)[0] is Prefix.MAYBE:
+            return ""  # separators (and perhaps a brace) after a call
+        if is_cut_json_call(body, FIRST_KEYS):
             return ""
         return super()._final_content(held)
 
