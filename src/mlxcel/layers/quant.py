@@ -43,6 +43,27 @@ class Int8Linear(nn.Module):
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
 
+class Int8Head(nn.Module):
+    """Output head: int8/bfloat16 logits, with the top candidates recomputed in float32.
+
+    bfloat16 logits near 25 are only resolved to 0.125, enough to flip a greedy choice
+    (SmolLM2's "The" vs "L" differ by 0.08). The best `num_refined` rows of each step are
+    therefore recomputed with float32 accumulation, so ranking at the top is exact.
+    """
+
+    def __init__(self, weight: torch.Tensor, num_refined: int = 16) -> None:
+        super().__init__()
+        self.linear = Int8Linear(weight, None)
+        self.num_refined = min(num_refined, weight.shape[0])
+
+    def forward(self, hidden: torch.Tensor) -> torch.Tensor:
+        logits = self.linear(hidden).float()  # [N, vocab]
+        top = logits.topk(self.num_refined, dim=-1).indices  # [N, k]
+        rows = self.linear.weight[top].float()  # [N, k, hidden]
+        exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
+        return logits.scatter_(1, top, exact)
+
+
 def can_quantize_int8() -> bool:
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
@@ -60,9 +81,12 @@ def quantize_int8(model: nn.Module) -> int:
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear(child.weight, child.bias))
                 count += 1
+    head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if not hasattr(model, "lm_head") and isinstance(embed, nn.Embedding):
+    if isinstance(head, Int8Linear):  # untied: replaced above as a plain linear
+        model.lm_head = Int8Head(head.weight)
+    elif head is None and isinstance(embed, nn.Embedding):
         # Tied output head: the largest matmul of a decode step, quantized like the rest.
-        model.lm_head = Int8Linear(embed.weight, None)
+        model.lm_head = Int8Head(embed.weight)
         count += 1
     return count
