@@ -39,7 +39,7 @@ class StreamOptions(WireModel):
 class SamplingFields(WireModel):
     """Sampling fields shared by chat and completions (OpenAI names, then llama/vLLM extras)."""
 
-    model: str
+    model: str | None = None  # optional, as in llama-server and vLLM: the served model answers
     temperature: float | None = Field(None, ge=0.0, le=2.0)
     top_p: float | None = Field(None, gt=0.0, le=1.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
