@@ -106,9 +106,9 @@ def effective_template_kwargs(
     explicit = request_template_kwargs(body)
     kwargs = {**server_defaults, **explicit}
     effort = body.get("reasoning_effort")
-    if effort is not None and "reasoning_effort" not in explicit and template is not None:
-        if template.mentions("reasoning_effort"):
-            kwargs["reasoning_effort"] = effort  # passed as given, never translated
+    reads_effort = template is not None and template.mentions("reasoning_effort")
+    if effort is not None and "reasoning_effort" not in explicit and reads_effort:
+        kwargs["reasoning_effort"] = effort  # passed as given, never translated
     return kwargs
 
 

@@ -455,7 +455,6 @@ class CallObjectStream:
         self._capture: str | None = None  # the member whose value is being read
         self._capture_depth = -1
         self._name_raw: list[str] = []
-        self._name_from_function = False
         self._args: ArgumentsStream | None = None
         self._held_args: list[str] = []
         self.index: int | None = None

@@ -1,0 +1,221 @@
+"""The chat features of issue 6 behind one small interface, so each protocol route wires them in
+a few calls (S, R, Q, P, V).
+
+At startup, per served model:
+
+    features = ChatFeatures.build(tokenizer, template, FeatureSettings(...), model_name=..., model_type=...)
+
+Per chat request (any protocol; `body` is the JSON as received, before flattening):
+
+    plan = features.plan_chat(body, messages, tools=..., tool_choice=..., max_tokens=...,
+                              cache_prompt=...)                # REQUEST_ERRORS -> 400
+    text = template.render(plan.messages, tools=..., **plan.template_kwargs)   # TemplateError -> 400
+    plan.set_prompt(text)                                      # primed-think detection
+    Request(..., processors=plan.processors())                 # fresh per choice
+    parser = plan.output_parser()                              # one per choice
+    for each text delta: events = parser.feed(delta)           # text/events.py
+    at the end:         events = parser.finish(); plan.remember(parser.result())
+
+Per raw completion (llama-server /completion, OpenAI /v1/completions):
+
+    processors = features.completion_processors(body, prompt_text, max_tokens=...)
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+from mlxcel.text.budget import (
+    UNLIMITED, BudgetError, make_budget_processor, parse_server_budget, resolve_thinking_budget,
+    warn_if_unsupported,
+)  # fmt: skip
+from mlxcel.text.chat_output import ChatOutputParser, ParsedReply
+from mlxcel.text.chat_template import ChatTemplate
+from mlxcel.text.grammar import Grammar, GrammarCompiler, GrammarError
+from mlxcel.text.loop_guard import (
+    LoopGuardError, LoopPolicy, family_policy, make_loop_guard, parse_operator_override, resolve_loop_policy,
+)  # fmt: skip
+from mlxcel.text.reasoning import ReasoningFormat, ThinkTokens, infer_think_tokens, is_primed
+from mlxcel.text.reasoning_echo import ReasoningEcho, echo_applies, session_of, template_signature
+from mlxcel.text.template_kwargs import (
+    TemplateKwargsError, effective_template_kwargs, preserves_thinking, server_template_kwargs,
+    strip_stale_thinking, with_thinking_default,
+)  # fmt: skip
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.text.tools import make_tool_parser, select_tool_parser
+from mlxcel.types import TokenProcessor
+
+log = logging.getLogger(__name__)
+
+# Every per-request error of these features; each is a ValueError whose message suits a 400.
+REQUEST_ERRORS = (TemplateKwargsError, BudgetError, GrammarError, LoopGuardError)
+
+
+@dataclass(frozen=True, slots=True)
+class FeatureSettings:
+    """Server-wide settings, as the CLI and environment give them (raw strings where the
+    feature module parses them, so its errors refuse startup with its own message)."""
+
+    reasoning_format: str = "auto"  # --reasoning-format
+    reasoning_budget: int | str | None = None  # --reasoning-budget / LLAMA_ARG_REASONING_BUDGET
+    chat_template_kwargs: str | None = None  # --chat-template-kwargs
+    chat_template_kwargs_env: str | None = None  # LLAMA_ARG_CHAT_TEMPLATE_KWARGS
+    loop_detection: str | None = None  # MLXCEL_LOOP_DETECTION
+    echo_max_bytes: int = 16 << 20  # MLXCEL_REASONING_ECHO_MAX_BYTES; 0 disables
+    skip_chat_parsing: bool = False  # --skip-chat-parsing
+
+
+@dataclass(frozen=True)
+class ChatFeatures:
+    """Per served model: its markers, tool format, grammar compiler, echo store and defaults."""
+
+    model_name: str
+    template: ChatTemplate | None
+    think: ThinkTokens | None
+    reasoning_format: ReasoningFormat
+    reasoning_budget: int
+    template_kwargs: Mapping[str, Any]  # server defaults (enable_thinking added for thinking models)
+    tool_parser_name: str  # what /health reports as tool_call_parser
+    loop_family: LoopPolicy
+    loop_operator: Mapping[str, int]
+    grammar: GrammarCompiler
+    echo: ReasoningEcho
+    skip_chat_parsing: bool = False
+
+    @classmethod
+    def build(
+        cls, tokenizer: Tokenizer, template: ChatTemplate | None, settings: FeatureSettings, *,
+        model_name: str, model_type: str,
+    ) -> ChatFeatures:
+        """Parse and check the settings (a ValueError refuses startup); logs the thinking default."""
+        think = infer_think_tokens(tokenizer)
+        budget = parse_server_budget(settings.reasoning_budget)
+        warn_if_unsupported(budget, think)
+        defaults = server_template_kwargs(settings.chat_template_kwargs, settings.chat_template_kwargs_env)
+        return cls(
+            model_name=model_name, template=template, think=think,
+            reasoning_format=ReasoningFormat.parse(settings.reasoning_format), reasoning_budget=budget,
+            template_kwargs=with_thinking_default(defaults, think),
+            tool_parser_name=select_tool_parser(template.source if template else None),
+            loop_family=family_policy(model_type), loop_operator=parse_operator_override(settings.loop_detection),
+            grammar=GrammarCompiler(tokenizer), echo=ReasoningEcho(max_bytes=settings.echo_max_bytes),
+            skip_chat_parsing=settings.skip_chat_parsing,
+        )
+
+    def plan_chat(
+        self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
+        tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
+        parallel_tool_calls: bool = True, max_tokens: int | None = None, cache_prompt: bool = True,
+        remembers_reasoning: bool = True,
+    ) -> ChatPlan:
+        """Everything decided before rendering; raises one of REQUEST_ERRORS (a 400).
+
+        `messages` are the client's, in the template's dict form; `remembers_reasoning` is
+        False where the route does not echo (Anthropic without extended thinking).
+        """
+        kwargs = effective_template_kwargs(self.template_kwargs, body, self.template)
+        signature = template_signature(self.template.source if self.template else "", kwargs, tools)
+        is_echo_on = self._is_echo_on(cache_prompt, remembers_reasoning)
+        session = session_of(body)
+        rendered = [dict(m) for m in messages]
+        if is_echo_on:
+            rendered = self.echo.restore(messages, model=self.model_name, signature=signature, session=session)
+        if not preserves_thinking(kwargs):
+            rendered = strip_stale_thinking(rendered, self.think)
+        uses_tools = bool(tools) and not _is_none_choice(tool_choice) and not self.skip_chat_parsing
+        return ChatPlan(
+            features=self, messages=rendered, template_kwargs=kwargs, client_messages=list(messages),
+            budget=resolve_thinking_budget(body, self.reasoning_budget, max_tokens),
+            grammar=self._chat_grammar(body, tools, tool_choice, parallel_tool_calls),
+            loop_policy=resolve_loop_policy(self.loop_family, self.loop_operator, body),
+            tool_format=self.tool_parser_name if uses_tools else None,
+            signature=signature, is_echo_on=is_echo_on, session=session,
+        )
+
+    def completion_processors(
+        self, body: Mapping[str, Any], prompt_text: str, *, max_tokens: int | None
+    ) -> tuple[TokenProcessor, ...]:
+        """Budget, grammar and loop guard for a raw-prompt completion; raises REQUEST_ERRORS."""
+        budget = resolve_thinking_budget(body, self.reasoning_budget, max_tokens)
+        grammar = self.grammar.from_request(body)
+        policy = resolve_loop_policy(self.loop_family, self.loop_operator, body)
+        return _processors(self, budget, grammar, policy, is_primed(prompt_text, self.think))
+
+    def _chat_grammar(
+        self, body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, parallel: bool
+    ) -> Grammar | None:
+        output = self.grammar.from_request(body)
+        calls = self.grammar.tool_calls(self.tool_parser_name, tools, tool_choice, parallel=parallel)
+        if output is not None and calls is not None:
+            raise GrammarError("a required tool call cannot be combined with an output format; drop one")
+        return calls or output
+
+    def _is_echo_on(self, cache_prompt: bool, route_on: bool) -> bool:
+        applies = echo_applies(cache_prompt=cache_prompt, reasoning_format=self.reasoning_format,
+                               skip_chat_parsing=self.skip_chat_parsing)
+        return route_on and applies and self.echo.is_enabled
+
+
+def _is_none_choice(choice: Any) -> bool:
+    """tool_choice "none" (OpenAI) or {"type": "none"} (Anthropic): tools are listed, not called."""
+    return choice == "none" or (isinstance(choice, Mapping) and choice.get("type") == "none")
+
+
+@dataclass
+class ChatPlan:
+    """One chat request's decisions; make processors and parsers from it per choice."""
+
+    features: ChatFeatures
+    messages: list[dict[str, Any]]  # render these (echo restored, stale thinking stripped)
+    template_kwargs: dict[str, Any]  # and pass these to ChatTemplate.render
+    client_messages: list[Mapping[str, Any]]
+    budget: int
+    grammar: Grammar | None
+    loop_policy: LoopPolicy
+    tool_format: str | None  # None: no tool parsing
+    signature: str
+    is_echo_on: bool
+    session: str
+    starts_in_reasoning: bool = field(default=False)
+
+    def set_prompt(self, prompt_text: str) -> None:
+        """After rendering: a prompt that ends inside `<think>` makes the reply start as reasoning."""
+        self.starts_in_reasoning = is_primed(prompt_text, self.features.think)
+
+    def processors(self) -> tuple[TokenProcessor, ...]:
+        """Fresh TokenProcessors for one choice's engine Request."""
+        return _processors(self.features, self.budget, self.grammar, self.loop_policy, self.starts_in_reasoning)
+
+    def output_parser(self) -> ChatOutputParser:
+        """A fresh parser for one choice's text deltas."""
+        features = self.features
+        reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
+        tools = make_tool_parser(self.tool_format) if self.tool_format else None
+        return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
+                                starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools)
+
+    def remember(self, reply: ParsedReply) -> None:
+        """After a finished plain answer: keep its reasoning for the echo (Q)."""
+        if not self.is_echo_on or reply.has_tool_calls:
+            return
+        self.features.echo.remember(model=self.features.model_name, signature=self.signature, session=self.session,
+                                    messages=self.client_messages, content=reply.content, reasoning=reply.reasoning)
+
+
+def _processors(
+    features: ChatFeatures, budget: int, grammar: Grammar | None, policy: LoopPolicy, primed: bool
+) -> tuple[TokenProcessor, ...]:
+    # Order matters only for `process`: the budget may force `</think>`; the grammar is idle
+    # while reasoning; the loop guard only watches.
+    found: list[TokenProcessor | None] = [
+        make_budget_processor(features.think, budget, starts_in_reasoning=primed) if budget != UNLIMITED else None,
+        features.grammar.processor(grammar, think=features.think, starts_in_reasoning=primed) if grammar else None,
+        make_loop_guard(policy),
+    ]
+    return tuple(p for p in found if p is not None)
+
+
+__all__ = ["REQUEST_ERRORS", "ChatFeatures", "ChatPlan", "FeatureSettings", "ParsedReply"]
