@@ -73,6 +73,7 @@ def test_v_q_tool_call_reply_after_primed_reasoning(features: ChatFeatures, byte
     starts = [e for e in events if isinstance(e, ToolCallStart)]
     assert [s.name for s in starts] == ["get_weather"]
     assert features.echo.num_entries == 0  # tool-call replies are not remembered
+    assert plan.keeps_special_tokens
 
 
 def test_q_plain_answer_is_remembered_and_echoed_into_the_follow_up(
@@ -133,6 +134,7 @@ def test_r_skip_chat_parsing_and_format_none(byte_level_tokenizer: Tokenizer) ->
     render(plan)
     events = stream(plan, byte_level_tokenizer, 'x</think><tool_call>{"name": "f", "arguments": {}}</tool_call>')
     assert all(isinstance(e, ContentDelta) for e in events)
+    assert not plan.keeps_special_tokens
     assert raw.echo.num_entries == 0
 
 

@@ -134,3 +134,5 @@ def test_v_chat_output_reasoning_then_tool_calls() -> None:
         args = "".join(e.text for e in events if isinstance(e, ToolCallArguments))
         assert json.loads(args) == {"city": "Paris"}
         assert parser.finish() == []  # finishing twice adds nothing
+        assert result.finish_reason("stop") == "tool_calls"
+        assert result.finish_reason("length") == "length"

@@ -106,6 +106,13 @@ def test_v_fragments_stream_before_the_call_ends() -> None:
     assert isinstance(events[0], ToolCallStart) and events[0].name == "write"
 
 
+def test_v_one_delta_gives_one_fragment_per_call() -> None:
+    parser = make_tool_parser("hermes", new_id=lambda: "id")
+    events = parser.feed('<tool_call>{"name": "f", "arguments": {"a": ') + parser.feed('"long text here"}}')
+    fragments = [e.text for e in events if isinstance(e, ToolCallArguments)]
+    assert fragments == ['{', '"a": "long text here"}']  # the key waits for its value
+
+
 def test_v_raw_control_characters_in_strings_become_escapes() -> None:
     events = run("hermes", ['<tool_call>{"name": "f", "arguments": {"code": "a\n\tb"}}</tool_call>'])
     assert summarize(events)[1] == [("f", {"code": "a\n\tb"})]

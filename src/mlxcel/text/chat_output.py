@@ -26,8 +26,11 @@ class ParsedReply:
 
     @property
     def has_tool_calls(self) -> bool:
-        """Then the chat finish_reason is "tool_calls" (unless the reply was cut by length)."""
         return bool(self.tool_calls)
+
+    def finish_reason(self, engine_reason: str) -> str:
+        """The chat finish_reason: "tool_calls" when a reply that ended normally made calls."""
+        return "tool_calls" if self.has_tool_calls and engine_reason == "stop" else engine_reason
 
 
 class ChatOutputParser:

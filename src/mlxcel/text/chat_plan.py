@@ -181,6 +181,16 @@ class ChatPlan:
     session: str
     starts_in_reasoning: bool = field(default=False)
 
+    @property
+    def keeps_special_tokens(self) -> bool:
+        """Whether the choice's TextAssembler must keep special tokens in its text: reasoning and
+        tool-call markers are often special tokens (`[TOOL_CALLS]`, `<|python_tag|>`, Gemma 4's
+        `<|channel>`); the parser removes them. End-of-sequence tokens stay hidden either way."""
+        return self.tool_format is not None or (
+            self.features.think is not None and self.features.reasoning_format.is_parsed
+            and not self.features.skip_chat_parsing
+        )
+
     def set_prompt(self, prompt_text: str) -> None:
         """After rendering: a prompt that ends inside `<think>` makes the reply start as reasoning."""
         self.starts_in_reasoning = is_primed(prompt_text, self.features.think)

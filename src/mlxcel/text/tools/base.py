@@ -85,7 +85,7 @@ class ToolParser(abc.ABC):
         self._buffer += text
         while self._buffer and self._advance(out):
             pass
-        return out
+        return coalesce(out)
 
     def finish(self) -> list[OutputEvent]:
         """End of the reply: close a call in progress, release held text."""
@@ -97,7 +97,7 @@ class ToolParser(abc.ABC):
             if self._held_space and not self.num_calls:
                 out.append(ContentDelta(self._held_space))
         self._buffer, self._held_space, self._reader = "", "", None
-        return out
+        return coalesce(out)
 
     def _advance(self, out: list[OutputEvent]) -> bool:
         """One step on the buffer; False when it needs more text."""
@@ -253,6 +253,20 @@ def _key_verdict(rest: str, keys: Sequence[str]) -> Prefix:
     return Prefix.YES if rest[:end] in keys else Prefix.NO
 
 
+def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
+    """Adjacent content deltas, and adjacent argument fragments of one call, joined (fewer chunks)."""
+    merged: list[OutputEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, ContentDelta) and isinstance(last, ContentDelta):
+            merged[-1] = ContentDelta(last.text + event.text)
+        elif isinstance(event, ToolCallArguments) and isinstance(last, ToolCallArguments) and last.index == event.index:
+            merged[-1] = ToolCallArguments(event.index, last.text + event.text)
+        else:
+            merged.append(event)
+    return merged
+
+
 def collect_tool_calls(events: Sequence[OutputEvent]) -> list[ToolCall]:
     """The finished calls among `events` (for a non-streaming reply), in index order."""
     calls = [ToolCall(e.index, e.id, e.name, e.arguments) for e in events if isinstance(e, ToolCallEnd)]
@@ -261,6 +275,6 @@ def collect_tool_calls(events: Sequence[OutputEvent]) -> list[ToolCall]:
 
 __all__ = [
     "CallStart", "CallsReader", "ContentDelta", "Mode", "Prefix", "ToolCallArguments", "ToolCallEnd",
-    "ToolCallStart", "ToolParser", "collect_tool_calls", "find_marker", "json_call_prefix", "openai_call_id",
+    "ToolCallStart", "ToolParser", "coalesce", "collect_tool_calls", "find_marker", "json_call_prefix", "openai_call_id",
     "partial_suffix_len",
 ]  # fmt: skip
