@@ -41,6 +41,8 @@ CASES: list[tuple[str, str, str, list[Call]]] = [
     ("generic", '{"tool_call": {"name": "f", "arguments": {"k": [[], {}]}}}', "", [("f", {"k": [[], {}]})]),
     ("generic", '[{"name": "f", "arguments": null}]', "", [("f", {})]),
     ("generic", "Plain answer, {not json}.", "Plain answer, {not json}.", []),
+    ("generic", '```json\n{"name": 5, "size": [1]}\n```', '```json\n{"name": 5, "size": [1]}\n```', []),
+    ("llama3", '{"type": "object", "properties": {}}', '{"type": "object", "properties": {}}', []),
 ]  # fmt: skip
 
 

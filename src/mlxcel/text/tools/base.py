@@ -45,10 +45,15 @@ class CallsReader(Protocol):
 
 @dataclass(frozen=True, slots=True)
 class CallStart:
-    """Call markup found: content ends at `at`; the calls' JSON (or name) begins at `body`."""
+    """Call markup found: content ends at `at`; the calls' JSON (or name) begins at `body`.
+
+    `is_bare`: no marker, only JSON that looks like a call; if it names no function after
+    all, its text is content.
+    """
 
     at: int
     body: int
+    is_bare: bool = False
 
 
 class Mode(enum.Enum):
@@ -72,6 +77,8 @@ class ToolParser(abc.ABC):
         self._held_space = ""  # trailing whitespace of content, dropped when a call follows it
         self._is_content_seen = False  # non-space content since the start or the last call
         self._reader: CallsReader | None = None
+        self._bare_text: list[str] | None = None  # the text of a bare JSON block, until it proves a call
+        self._num_calls_before = 0
 
     @staticmethod
     def default_id() -> str:
@@ -91,7 +98,7 @@ class ToolParser(abc.ABC):
         """End of the reply: close a call in progress, release held text."""
         out: list[OutputEvent] = []
         if self._mode is Mode.CALLS and self._reader is not None:
-            self._reader.close(out)
+            self._reader.close(out)  # a bare block cut off before naming a function is dropped
         elif self._mode is Mode.CONTENT:
             self._emit_content(self._final_content(self._buffer), out)
             if self._held_space and not self.num_calls:
@@ -113,7 +120,8 @@ class ToolParser(abc.ABC):
         found = self._scan_start(self._buffer)
         if isinstance(found, CallStart):
             self._emit_content(self._buffer[: found.at], out)
-            self._held_space = ""
+            self._bare_text = [self._held_space + self._buffer[found.at : found.body]] if found.is_bare else None
+            self._held_space, self._num_calls_before = "", self.num_calls
             self._buffer = self._buffer[found.body :]
             self._mode = Mode.OPENING
             return True
@@ -133,13 +141,21 @@ class ToolParser(abc.ABC):
     def _advance_calls(self, out: list[OutputEvent]) -> bool:
         assert self._reader is not None
         used = self._reader.feed(self._buffer, out)
+        if self._bare_text is not None:
+            self._bare_text.append(self._buffer[:used])
         self._buffer = self._buffer[used:]
-        if self._reader.is_done or self._reader.is_error:
-            self._reader.close(out)
-            self._mode, self._reader = Mode.AFTER, None
-            self._is_content_seen = False
-            return True
-        return False
+        if not (self._reader.is_done or self._reader.is_error):
+            return False
+        self._reader.close(out)
+        self._mode, self._reader, self._is_content_seen = Mode.AFTER, None, False
+        if self._is_bare_text_content():
+            self._mode = Mode.CONTENT
+            self._emit_content("".join(self._bare_text or ()), out)
+        return True
+
+    def _is_bare_text_content(self) -> bool:
+        """A bare JSON block that named no function was the model's text, not a call."""
+        return self._bare_text is not None and self.num_calls == self._num_calls_before
 
     def _advance_after(self) -> bool:
         result = self._scan_after(self._buffer)

@@ -26,7 +26,7 @@ class GenericToolParser(ToolParser):
             return len(buffer)  # could still be an opening fence
         verdict, json_at = json_call_prefix(buffer[body:], FIRST_KEYS)
         if verdict is Prefix.YES:
-            return CallStart(0, body + json_at)
+            return CallStart(0, body + json_at, is_bare=True)
         return len(buffer) if verdict is Prefix.MAYBE else 0
 
     def _final_content(self, held: str) -> str:

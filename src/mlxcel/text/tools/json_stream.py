@@ -284,11 +284,12 @@ _NUMBER_STEPS = {
 
 
 def _decode_string(raw: str) -> str:
+    """The text of a complete JSON string literal ("" if it is not one)."""
     try:
         value = json.loads(raw, strict=False)
     except ValueError:
-        return raw.strip('"')
-    return value if isinstance(value, str) else raw
+        return ""
+    return value if isinstance(value, str) else ""
 
 
 def _escape_control(ch: str) -> str:
@@ -496,7 +497,7 @@ class CallObjectStream:
             key = self.scanner.key
             if key == "function" and ch == "{":
                 self._members.add(event.depth + 1)
-            elif key in NAME_KEYS or (key == "function" and ch == '"'):
+            elif (key in NAME_KEYS or key == "function") and ch == '"':  # a name is a string
                 self._start_capture("name", event.depth)
             elif key in ARGUMENT_KEYS and self._args is None:
                 self._start_capture("arguments", event.depth)

@@ -28,7 +28,7 @@ class Llama3ToolParser(ToolParser):
             verdict, json_at = json_call_prefix(buffer.lstrip(" \t\n\r;"), FIRST_KEYS, allow_array=False)
             json_at += len(buffer) - len(buffer.lstrip(" \t\n\r;"))
             if verdict is Prefix.YES:
-                return CallStart(0, json_at)
+                return CallStart(0, json_at, is_bare=True)
             if verdict is Prefix.MAYBE:
                 return len(buffer)
         return partial_suffix_len(buffer, (PYTHON_TAG,))
