@@ -5,20 +5,15 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from mlxcel.api import chat_prompt
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError, error_body, invalid_request
+from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
 from mlxcel.api.openai import common
-from mlxcel.api.openai.schemas import ChatCompletionRequest, ChatMessage, ContentPart
+from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
-from mlxcel.text.chat_template import TemplateError
-
-
-# Template variables the request sets through its own fields, never through chat_template_kwargs.
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                     "continue_final_message"})
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
@@ -58,40 +53,11 @@ def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> Json
 
 
 def render_chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> Prompt:
-    """Render the chat template (a failure is a 400, never a fallback) and tokenize the result."""
-    if ctx.chat_template is None:
-        raise invalid_request("this model has no chat template: start the server with --chat-template "
-                              "or --chat-template-file, or use /v1/completions")
-    messages = [_template_message(i, m) for i, m in enumerate(req.messages)]
-    kwargs = req.chat_template_kwargs or {}
-    reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
-    if reserved:
-        raise invalid_request(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
-    try:
-        text = ctx.chat_template.render(
-            messages, add_generation_prompt=req.add_generation_prompt, tools=req.tools,
-            continue_final_message=req.continue_final_message, **kwargs)
-    except TemplateError as exc:
-        raise invalid_request(f"the chat template could not render these messages: {exc}") from None
-    return Prompt(tuple(ctx.tokenizer.encode(text, add_special_tokens=False)), text)
-
-
-def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
-    data = message.model_dump(exclude_none=True)
-    if isinstance(message.content, list):
-        data["content"] = _parts_text(index, message.content)
-    return data
-
-
-def _parts_text(index: int, parts: Sequence[ContentPart]) -> str:
-    """Text-only models read an array of text parts as their texts joined by newlines (as vLLM)."""
-    texts = []
-    for j, part in enumerate(parts):
-        if part.type != "text" or part.text is None:
-            raise invalid_request(f"messages.{index}.content.{j}: content of type {part.type!r} is not supported "
-                                  "by this model (text only)")
-        texts.append(part.text)
-    return "\n".join(texts)
+    """Render the chat template through the shared renderer (a failure is a 400) and tokenize."""
+    messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    return chat_prompt.render_chat_prompt(
+        ctx, messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
 
 
 def _choice_json(result: ChoiceResult, want_logprobs: bool) -> dict[str, Any]:
