@@ -68,6 +68,7 @@ class ChoiceDelta:
     logprobs: tuple[LogprobText, ...] = ()
     finish_reason: str | None = None  # "stop", "length", "abort", "loop"
     stop: str | None = None  # the stop string that ended the text
+    token_ids: tuple[int, ...] = ()  # tokens generated since the previous delta (llama-server `tokens`)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +121,7 @@ class _Choice:
         self.num_cached_tokens = 0
         self.text: list[str] = []
         self.token_ids: list[int] = []
+        self.unsent_ids: list[int] = []  # generated but not yet carried by a delta
         self.logprobs: list[LogprobText] = []
         self.finish_reason: str | None = None
         self.submitted_at = time.monotonic()
@@ -131,6 +133,7 @@ class _Choice:
         if event.finish_reason is FinishReason.ERROR:
             raise ApiError(500, event.error or "generation failed", "server_error", code=500)
         self._observe(event)
+        self.unsent_ids.extend(event.token_ids)
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
         step = self.assembler.push(event.token_ids)
         logprobs = self._logprob_texts(event)
@@ -144,7 +147,8 @@ class _Choice:
         self.logprobs.extend(logprobs)
         if not text and not logprobs and self.finish_reason is None:
             return None
-        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, step.stop)
+        token_ids, self.unsent_ids = tuple(self.unsent_ids), []
+        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, step.stop, token_ids)
 
     def _observe(self, event: TokenEvent) -> None:
         if not event.token_ids:
