@@ -84,8 +84,9 @@ def openai_error_body(error: ApiError) -> dict[str, Any]:
 
 
 _ANTHROPIC_TYPES = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
-                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error",
-                    503: "overloaded_error", 529: "overloaded_error"}
+                    404: "not_found_error", 408: "invalid_request_error", 413: "request_too_large",
+                    415: "invalid_request_error", 429: "rate_limit_error", 503: "overloaded_error",
+                    504: "timeout_error", 529: "overloaded_error"}
 
 
 def anthropic_error_body(error: ApiError) -> dict[str, Any]:

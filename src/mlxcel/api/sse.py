@@ -29,8 +29,10 @@ def sse_frame(data: Any, event: str | None = None) -> str:
     return f"{head}data: {payload}\n\n"
 
 
-async def with_keepalive(frames: AsyncIterator[str], interval_s: float = KEEPALIVE_INTERVAL_S) -> AsyncIterator[str]:
-    """Yield `frames`, inserting a keepalive comment whenever none came for `interval_s`.
+async def with_keepalive(frames: AsyncIterator[str], interval_s: float = KEEPALIVE_INTERVAL_S, *,
+                         keepalive_frame: str = KEEPALIVE_FRAME) -> AsyncIterator[str]:
+    """Yield `frames`, inserting `keepalive_frame` (a comment by default; Anthropic sends a ping
+    event) whenever none came for `interval_s`.
 
     The pending `__anext__` is kept across timeouts (never cancelled by the timer), so no frame
     is lost; closing this generator cancels it and closes `frames`.
@@ -43,7 +45,7 @@ async def with_keepalive(frames: AsyncIterator[str], interval_s: float = KEEPALI
                 pending = asyncio.ensure_future(anext(iterator))
             done, _ = await asyncio.wait({pending}, timeout=interval_s)
             if not done:
-                yield KEEPALIVE_FRAME
+                yield keepalive_frame
                 continue
             try:
                 frame = pending.result()
