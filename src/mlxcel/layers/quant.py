@@ -64,6 +64,58 @@ class Int8Head(nn.Module):
         return logits.scatter_(1, top, exact)
 
 
+# Sibling linears that read the same input in every family here; each group becomes one matmul.
+FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+
+
+class FusedInt8Linear(nn.Module):
+    """Several linears over one input computed as a single int8/bfloat16 matmul.
+
+    The model still calls each projection by its own name: `FusedOutput` modules stand in
+    for them and return their slice of the fused result, computed once per input tensor.
+    """
+
+    def __init__(self, linears: list[nn.Linear]) -> None:
+        super().__init__()
+        weight = torch.cat([lin.weight for lin in linears])
+        has_bias = all(lin.bias is not None for lin in linears)
+        bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
+        self.linear = Int8Linear(weight, bias)
+        self.sizes = [lin.out_features for lin in linears]
+        self._input: torch.Tensor | None = None
+        self._outputs: tuple[torch.Tensor, ...] = ()
+
+    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if x is not self._input:
+            self._outputs = self.linear(x).split(self.sizes, dim=-1)
+            self._input = x
+        return self._outputs[index]
+
+
+class FusedOutput(nn.Module):
+    def __init__(self, fused: FusedInt8Linear, index: int) -> None:
+        super().__init__()
+        self._fused = [fused]  # a list: the group is registered once, on the parent
+        self.index = index
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self._fused[0].output(x, self.index)
+
+
+def _fuse_groups(parent: nn.Module) -> int:
+    count = 0
+    for names in FUSABLE_GROUPS:
+        linears = [getattr(parent, n, None) for n in names]
+        if not all(isinstance(lin, nn.Linear) for lin in linears):
+            continue
+        fused = FusedInt8Linear(linears)  # type: ignore[arg-type]
+        parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
+        for index, name in enumerate(names):
+            setattr(parent, name, FusedOutput(fused, index))
+        count += len(names)
+    return count
+
+
 def can_quantize_int8() -> bool:
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
@@ -77,6 +129,7 @@ def quantize_int8(model: nn.Module) -> int:
     """Replace every nn.Linear (and a tied output head) in place; returns how many were replaced."""
     count = 0
     for parent in list(model.modules()):
+        count += _fuse_groups(parent)
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, Int8Linear(child.weight, child.bias))

@@ -82,6 +82,8 @@ class RotaryEmbedding(torch.nn.Module):
         self.max_positions = max_positions
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
         self._cos = self._sin = torch.empty(0)
+        self._memo_positions: torch.Tensor | None = None
+        self._memo: tuple[torch.Tensor, torch.Tensor] = (self._cos, self._sin)
         if self.inv_freq.device.type != "meta":
             self._build(max_positions)
 
@@ -97,11 +99,19 @@ class RotaryEmbedding(torch.nn.Module):
         self._cos, self._sin = emb.cos(), emb.sin()
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads."""
+        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads.
+
+        Every layer of a step asks with the same `positions` tensor: the answer is kept for
+        that tensor, so the table lookup (and the host sync of `max()`) happens once a step.
+        """
+        if positions is self._memo_positions and dtype == self._memo[0].dtype:
+            return self._memo
         needed = int(positions.max()) + 1 if positions.numel() else 0
         if needed > self._cos.shape[0] or self._cos.device != self.inv_freq.device:
             self._build(max(needed, 2 * self._cos.shape[0]))
-        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
+        self._memo = (self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype))
+        self._memo_positions = positions
+        return self._memo
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
