@@ -1,0 +1,109 @@
+"""llama-server's native reply shapes (F4): the final /completion object, stream chunks, probabilities.
+
+Pure functions from a generation's results to JSON, so the golden tests can pin every field:
+`final_json` (the non-streaming reply, and the last stream event with `stop: true`),
+`partial_json` (one stream event), `probs_json` (`completion_probabilities`), `timings_json`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcel.api.generation import ChoiceDelta, ChoiceResult, LogprobText
+
+
+@dataclass(frozen=True, slots=True)
+class ReplyOptions:
+    """What a request asked about its reply: the echo fields and how much to include."""
+
+    model: str
+    id_slot: int
+    stream: bool
+    return_tokens: bool
+    is_prefill_only: bool  # n_predict 0: evaluate the prompt into the cache, generate nothing
+    context_size: int
+    settings: dict[str, Any]  # generation_settings, as `settings_json` builds it
+
+
+def stop_type(result: ChoiceResult) -> str:
+    """llama-server's stop_type: "word" (a stop string), "eos", "limit" (n_predict or context), "none"."""
+    if result.stop is not None:
+        return "word"
+    return {"stop": "eos", "length": "limit", "loop": "limit"}.get(result.finish_reason, "none")
+
+
+def final_json(result: ChoiceResult, prompt_text: str, options: ReplyOptions) -> dict[str, Any]:
+    """The completion's summary; in a stream its text and tokens already went out (content "")."""
+    kind = "limit" if options.is_prefill_only else stop_type(result)
+    text = "" if options.is_prefill_only else result.text
+    num_predicted = 0 if options.is_prefill_only else result.num_completion_tokens
+    body: dict[str, Any] = {
+        "index": result.index,
+        "content": "" if options.stream else text,
+        "tokens": list(result.token_ids) if options.return_tokens and not options.stream else [],
+        "id_slot": options.id_slot,
+        "stop": True,
+        "model": options.model,
+        "tokens_predicted": num_predicted,
+        "tokens_evaluated": result.num_prompt_tokens,
+        "generation_settings": options.settings,
+        "prompt": prompt_text,
+        "has_new_line": "\n" in text,
+        "truncated": result.finish_reason == "length"
+        and result.num_prompt_tokens + num_predicted >= options.context_size,
+        "stop_type": kind,
+        "stopping_word": result.stop or "",
+        "stopped_eos": kind == "eos",
+        "stopped_limit": kind == "limit",
+        "stopped_word": kind == "word",
+        "tokens_cached": result.num_cached_tokens,
+        "timings": timings_json(result, num_predicted),
+    }
+    if not options.stream and result.logprobs and not options.is_prefill_only:
+        body["completion_probabilities"] = probs_json(result.logprobs)
+    return body
+
+
+def partial_json(delta: ChoiceDelta, num_predicted: int, num_prompt_tokens: int, id_slot: int) -> dict[str, Any]:
+    """One stream event: the new text and token ids, `stop: false`."""
+    body: dict[str, Any] = {
+        "index": delta.index, "content": delta.text, "tokens": list(delta.token_ids), "stop": False,
+        "id_slot": id_slot, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt_tokens,
+    }
+    if delta.logprobs:
+        body["completion_probabilities"] = probs_json(delta.logprobs)
+    return body
+
+
+def probs_json(entries: Sequence[LogprobText]) -> list[dict[str, Any]]:
+    """[{id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}] per generated token."""
+    def one(entry: LogprobText) -> dict[str, Any]:
+        return {"id": entry.token_id, "token": entry.token, "bytes": list(entry.bytes), "logprob": entry.logprob}
+
+    return [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries]
+
+
+def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
+    """Prefill counts only the prompt tokens not served from the cache (cache_n)."""
+    prompt_n = result.num_prompt_tokens - result.num_cached_tokens
+    prompt_ms = result.timings.prefill_s * 1000.0
+    predicted_ms = result.timings.decode_s * 1000.0
+    return {
+        "cache_n": result.num_cached_tokens,
+        "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": _per_token_ms(prompt_ms, prompt_n),
+        "prompt_per_second": _per_second(prompt_ms, prompt_n),
+        "predicted_n": num_predicted, "predicted_ms": predicted_ms,
+        "predicted_per_token_ms": _per_token_ms(predicted_ms, num_predicted),
+        "predicted_per_second": _per_second(predicted_ms, num_predicted),
+    }
+
+
+def _per_token_ms(ms: float, count: int) -> float:
+    return ms / count if count else 0.0
+
+
+def _per_second(ms: float, count: int) -> float:
+    return count * 1000.0 / ms if count and ms > 0 else 0.0
