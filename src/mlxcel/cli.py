@@ -20,11 +20,14 @@ from typing import TYPE_CHECKING, Any, TextIO
 
 from mlxcel.config import EngineConfig
 from mlxcel.env import Environment, EnvError, parse_bool
-from mlxcel.server.config import ServerConfig
+from mlxcel.server.config import ServerConfig, default_responses_db
 
 if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.api.generation import Prompt
+    from mlxcel.loading import ResolvedModel
+    from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import RuntimeOptions, ServedModel
+    from mlxcel.side_models import SideModelOptions, SideModels
 
 log = logging.getLogger("mlxcel")
 
@@ -132,6 +135,45 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--props",), "endpoint_props", "serve /props", default=False, kind="on", env="LLAMA_ARG_ENDPOINT_PROPS"),
     Option(("--metrics",), "endpoint_metrics", "serve Prometheus /metrics", default=False, kind="on",
            env="LLAMA_ARG_ENDPOINT_METRICS"),
+    Option(("--responses-db",), "responses_db", "SQLite file keeping stored /v1/responses (default: "
+           "<models dir or ~/.cache/mlxcel>/responses.sqlite3)", parse=Path, env="MLXCEL_RESPONSES_DB",
+           metavar="PATH"),
+    # embeddings and rerank (spec I)
+    Option(("--embedding-model",), "embedding_model", "embedding checkpoint served beside the chat model on "
+           "/v1/embeddings, /embedding(s)", env="LLAMA_ARG_EMBEDDING_MODEL", metavar="MODEL", group="side"),
+    Option(("--reranker-model",), "reranker_model", "reranker served on /v1/rerank: a 1-label sequence classifier, "
+           "or a causal LM scored by yes/no (the same path as -m: a rerank-only process)",
+           env="LLAMA_ARG_RERANKER_MODEL", metavar="MODEL", group="side"),
+    Option(("--embedding-batch-size",), "embedding_batch_size", "inputs per embedding forward", parse=int,
+           default=16, env="LLAMA_ARG_EMBEDDING_BATCH_SIZE", metavar="N", group="side"),
+    Option(("--rerank-batch-size",), "rerank_batch_size", "pairs per rerank forward (0 = 8 text pairs)",
+           parse=int, default=0, env="LLAMA_ARG_RERANK_BATCH_SIZE", metavar="N", group="side"),
+    Option(("--embedding-queue-depth",), "embedding_queue_depth", "requests waiting per embedding/rerank worker "
+           "before 503", parse=int, default=8, env="LLAMA_ARG_EMBEDDING_QUEUE_DEPTH", metavar="N", group="side"),
+    Option(("--embedding-request-timeout-secs",), "embedding_request_timeout", "embedding/rerank request "
+           "deadline before 504", parse=float, default=120.0, env="LLAMA_ARG_EMBEDDING_REQUEST_TIMEOUT_SECS",
+           metavar="SECONDS", group="side"),
+    Option(("--pooling",), "pooling", "override the checkpoint's pooling", env="LLAMA_ARG_POOLING", group="side",
+           choices=("mean", "cls", "last", "none")),
+    Option(("--embd-normalize",), "embd_normalize", "override the normalization: -1 none, 0 int16 max-abs, "
+           "1 taxicab, 2 euclidean, >2 p-norm", parse=int, env="LLAMA_ARG_EMBD_NORMALIZE", metavar="N",
+           group="side"),
+    Option(("--embedding", "--embeddings"), "embeddings_mode", "restricted mode: serve embeddings only (needs an "
+           "embedding model)", default=False, kind="on", env="LLAMA_ARG_EMBEDDINGS", group="side"),
+    Option(("--rerank", "--reranking"), "reranking_mode", "restricted mode: serve reranking only (needs a "
+           "reranker)", default=False, kind="on", env="LLAMA_ARG_RERANKING", group="side"),
+    # media input (C2-C5)
+    Option(("--media-path",), "media_path", "folder local media (file:// URLs, bare names) may be read from; "
+           "without it local media is refused", parse=Path, env="LLAMA_ARG_MEDIA_PATH", metavar="DIR",
+           group="media"),
+    Option(("--max-image-payload-size",), "max_image_payload_size", "largest image payload (e.g. 20M; "
+           "default 20M)", parse=parse_size, env="LLAMA_ARG_MAX_IMAGE_PAYLOAD_SIZE", metavar="SIZE", group="media"),
+    Option(("--max-images",), "max_images", "most images per request, video frames included (default 32)",
+           parse=int, env="LLAMA_ARG_MAX_IMAGES", metavar="N", group="media"),
+    Option(("--video-max-frames",), "video_max_frames", "frames kept per video block (default 16)", parse=int,
+           env="MLXCEL_VIDEO_MAX_FRAMES", metavar="N", group="media"),
+    Option(("--video-fps",), "video_fps", "video sampling rate when a block gives none (default 2.0)",
+           parse=float, env="MLXCEL_VIDEO_FPS", metavar="FPS", group="media"),
     # logging
     Option(("-v", "--verbose"), "verbose", "debug logging", default=False, kind="on", group="logging"),
     Option(("--log-file",), "log_file", "also write the log to this file", parse=Path, env="LLAMA_LOG_FILE",
@@ -151,7 +193,7 @@ GENERATE_OPTIONS: tuple[Option, ...] = (
 _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
                     "verbose")
 GROUP_TITLES = {"model": "model", "engine": "engine", "server": "HTTP server", "logging": "logging",
-                "generate": "generation"}
+                "generate": "generation", "side": "embeddings and rerank", "media": "media input"}
 
 
 # ---- parsing ----
@@ -236,6 +278,8 @@ class ServeSettings:
     verbose: bool = False
     log_file: Path | None = None
     api_key_source: str = "none"
+    side: SideModelOptions | None = None  # embedding and rerank providers (spec I); None = none
+    media: MediaPolicy | None = None  # C2-C5; None = the defaults (no --media-path)
 
 
 def resolve_device(device: str) -> str:
@@ -275,9 +319,37 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         host=values["host"], port=values["port"], api_keys=keys, alias=values["alias"], timeout_s=values["timeout"],
         max_body_bytes=values["max_body_size"], endpoint_slots=values["endpoint_slots"],
         endpoint_props=values["endpoint_props"], endpoint_metrics=values["endpoint_metrics"],
-        sse_keepalive_s=values["sse_keepalive"])
+        sse_keepalive_s=values["sse_keepalive"], responses_db=_responses_db(values),
+        anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"])
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
-                         values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source)
+                         values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
+                         _side_options(values, runtime), _media_policy(values, environment))
+
+
+def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelOptions:
+    from mlxcel.side_models import side_model_options
+
+    return side_model_options(
+        embedding_model=values["embedding_model"], reranker_model=values["reranker_model"],
+        pooling=values["pooling"], embd_normalize=values["embd_normalize"],
+        embedding_batch_size=values["embedding_batch_size"], rerank_batch_size_flag=values["rerank_batch_size"],
+        queue_depth=values["embedding_queue_depth"], request_timeout_s=values["embedding_request_timeout"],
+        is_embeddings_mode=values["embeddings_mode"], is_reranking_mode=values["reranking_mode"],
+        device=runtime.device, dtype=str(runtime.torch_dtype()).removeprefix("torch."))
+
+
+def _media_policy(values: dict[str, Any], environment: Environment) -> MediaPolicy:
+    # The MLXCEL_* media variables come from the startup snapshot; a flag wins over its mirror.
+    from mlxcel.media.limits import MediaPolicy
+
+    return MediaPolicy.from_env(
+        environment.raw, media_root=values["media_path"], max_image_payload_bytes=values["max_image_payload_size"],
+        max_images=values["max_images"], video_max_frames=values["video_max_frames"], video_fps=values["video_fps"])
+
+
+def _responses_db(values: dict[str, Any]) -> Path:
+    path = values["responses_db"]
+    return Path(path).expanduser() if path is not None else default_responses_db(values["models_dir"])
 
 
 def _step_budget(batch_size: int, ubatch_size: int) -> int:
@@ -301,26 +373,53 @@ def run_serve(settings: ServeSettings) -> int:
     if settings.draft_model:
         log.error("--model-draft/--draft-model: speculative decoding is not available in this build")
         return 2
-    from mlxcel.loading import ModelLoadError, resolve_model
-    from mlxcel.runtime import start_served_model
+    from mlxcel.loading import ModelLoadError
     from mlxcel.server.lifecycle import Worker, bind_socket, serve
     from mlxcel.server.state import ServerState
 
     try:
-        resolved = resolve_model(settings.model, models_dir=settings.models_dir, default_org=settings.default_org)
-        log.info("model: %s (%s)", resolved.name, resolved.source)
-        served = start_served_model(resolved, settings.runtime, settings.engine)
+        served, side = _start_models(settings)
     except (ModelLoadError, ValueError, OSError) as exc:
         log.error("cannot start: %s", exc)
         return 1
+    # Side workers first: they stop taking requests before the chat engine goes (A7).
+    workers = [Worker(f"{name} worker", stop) for name, stop in side.stoppers]
+    workers += [Worker("chat engine", served.close)] if served is not None else []
     try:
         sock = bind_socket(settings.server)
     except OSError as exc:
         log.error("cannot listen: %s", exc)
-        served.close()
+        for worker in workers:
+            worker.stop(10.0)
         return 1
-    state = ServerState(settings.server, served)
-    return serve(state, sock, [Worker("chat engine", served.close)])
+    state = ServerState(settings.server, served, side=side, media=settings.media)
+    return serve(state, sock, workers)
+
+
+def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideModels]:
+    """The chat model (unless single-purpose), then the embedding and rerank providers beside it (spec I)."""
+    from mlxcel.loading import resolve_model
+    from mlxcel.runtime import start_served_model
+    from mlxcel.side_models import SideModelOptions, load_side_models, plan_process
+
+    def resolve(arg: str | None) -> ResolvedModel:
+        return resolve_model(arg, models_dir=settings.models_dir, default_org=settings.default_org)
+
+    options = settings.side or SideModelOptions()
+    plan = plan_process(settings.model, options, resolve)
+    served = None
+    if plan.chat is not None:
+        log.info("model: %s (%s)", plan.chat.name, plan.chat.source)
+        served = start_served_model(plan.chat, settings.runtime, settings.engine)
+    else:
+        assert plan.mode is not None
+        log.info("%s process: no chat model is served (chat routes answer 501)", plan.mode.name)
+    try:
+        return served, load_side_models(plan, options, int(time.time()))
+    except BaseException:
+        if served is not None:
+            served.close()
+        raise
 
 
 # ---- generate ----

@@ -71,13 +71,13 @@ class MediaPolicy:
         _require_int_at_least("max_redirects", self.max_redirects, 0)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str] | None = None, **cli: Any) -> MediaPolicy:
+    def from_env(cls, env: Mapping[str, str], **cli: Any) -> MediaPolicy:
         """Build the policy from MLXCEL_* variables plus CLI values; raises MediaConfigError.
 
-        `cli` takes field names (`media_root` may be a path string); a value of None means the
-        flag was not given. `env` defaults to os.environ and is read here only.
+        `env` is the startup snapshot (`mlxcel.env.Environment.raw`, read once by the CLI), never
+        os.environ itself. `cli` takes field names (`media_root` may be a path string); a value
+        of None means the flag was not given.
         """
-        env = os.environ if env is None else env
         values: dict[str, Any] = _env_values(env)
         values.update({name: value for name, value in cli.items() if value is not None})
         if isinstance(values.get("media_root"), str | os.PathLike):

@@ -14,6 +14,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxcel.types import EngineStats, Usage
+from mlxcel.workers.base import WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -23,7 +24,8 @@ ITL_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.25, 0.5, 1.0
 class ServerMetrics:
     """The app's metrics; implements mlxcel.api.context.Telemetry."""
 
-    def __init__(self, stats: Callable[[], EngineStats | None]) -> None:
+    def __init__(self, stats: Callable[[], EngineStats | None],
+                 worker_stats: Callable[[], list[WorkerStats]] | None = None) -> None:
         self.registry = CollectorRegistry()
         self.requests = Counter("mlxcel_requests", "Chat completions (and non-streaming /v1/completions) "
                                 "finished, streamed or not; cancelled streams are not counted", registry=self.registry)
@@ -36,6 +38,8 @@ class ServerMetrics:
         self.itl = Histogram("mlxcel_inter_token_latency_seconds", "Time between generated tokens",
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(stats))
+        if worker_stats is not None:
+            self.registry.register(WorkerCollector(worker_stats))
 
     def observe_first_token(self, seconds: float) -> None:
         self.ttft.observe(seconds)
@@ -96,3 +100,38 @@ def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
 
 def _counter(name: str, doc: str, value: float) -> CounterMetricFamily:
     return CounterMetricFamily(name, doc, value=value)
+
+
+class WorkerCollector(Collector):
+    """Side workers (embedding, rerank) at scrape time: requests by outcome and queue depth (spec I, K2)."""
+
+    COUNTERS = (("requests", "num_requests", "Requests accepted into the worker's queue"),
+                ("completed", "num_completed", "Requests answered"),
+                ("failed", "num_failed", "Requests whose forward failed"),
+                ("rejected", "num_rejected", "Requests refused with 503 because the queue was full"),
+                ("timed_out", "num_timed_out", "Requests answered 504 after the request timeout"))
+
+    def __init__(self, stats: Callable[[], list[WorkerStats]]) -> None:
+        self._stats = stats
+
+    def collect(self) -> Iterator[Metric]:
+        workers = self._stats()
+        if not workers:
+            return
+        for suffix, attribute, doc in self.COUNTERS:
+            family = CounterMetricFamily(f"mlxcel_worker_{suffix}", doc, labels=["worker"])
+            for worker in workers:
+                family.add_metric([worker.name], getattr(worker, attribute))
+            yield family
+        yield _worker_gauge("mlxcel_worker_queue_depth", "Requests waiting in the worker's queue", workers,
+                            lambda w: w.queue_depth)
+        yield _worker_gauge("mlxcel_worker_max_queue_depth", "The queue bound (--embedding-queue-depth)", workers,
+                            lambda w: w.max_queue_depth)
+
+
+def _worker_gauge(name: str, doc: str, workers: list[WorkerStats],
+                  value: Callable[[WorkerStats], float]) -> GaugeMetricFamily:
+    gauge = GaugeMetricFamily(name, doc, labels=["worker"])
+    for worker in workers:
+        gauge.add_metric([worker.name], value(worker))
+    return gauge

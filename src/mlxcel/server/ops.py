@@ -18,7 +18,9 @@ from mlxcel.api.openai.common import DEFAULT_TEMPERATURE
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
+from mlxcel.side_models import SideModels
 from mlxcel.types import EngineStats, PrefixCacheStats, SamplingParams, SlotStats
+from mlxcel.workers.base import WorkerStats
 
 SLOT_ACTIONS = ("save", "restore", "erase")
 
@@ -32,7 +34,7 @@ def not_supported(what: str, flag: str) -> ApiError:
 # ---- /health (K1) ----
 
 def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]:
-    return {
+    body: dict[str, Any] = {
         "status": _health_status(state, stats),
         "model": state.model_name,
         "batch": {"active_sequences": stats.active_sequences if stats else 0,
@@ -43,11 +45,30 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
         "context_size": stats.context_size if stats else 0,
         "tool_call_parser": None,  # set once a tool-call parser is configured (spec V)
     }
+    providers = providers_json(state.side)
+    if providers:  # embedding / rerank workers (spec I); a chat-only server keeps K1's fields exactly
+        body["providers"] = providers
+    return body
+
+
+def providers_json(side: SideModels) -> list[dict[str, Any]]:
+    """Each side provider: its model, capability and worker queue."""
+    providers = ((side.embedding, side.embedding_info, "embedding"), (side.reranker, side.reranker_info, "rerank"))
+    return [{"model": info.name, "capability": capability, **_worker_json(provider.stats())}
+            for provider, info, capability in providers if provider is not None and info is not None]
+
+
+def _worker_json(stats: WorkerStats) -> dict[str, Any]:
+    return {"queue_depth": stats.queue_depth, "max_queue_depth": stats.max_queue_depth,
+            "requests": stats.num_requests, "completed": stats.num_completed, "rejected": stats.num_rejected,
+            "timed_out": stats.num_timed_out}
 
 
 def _health_status(state: ServerState, stats: EngineStats | None) -> str:
     if state.is_shutting_down:
         return "shutting down"
+    if stats is None and state.side.mode is not None:
+        return "ok"  # an embedding-only or rerank-only process: its providers loaded before it listened
     if stats is None:
         return "loading model"
     if stats.active_sequences >= stats.max_batch_size:

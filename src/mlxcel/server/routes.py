@@ -16,7 +16,8 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mlxcel.api import openai
+from mlxcel.api import openai, providers
+from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import Reply
 from mlxcel.server import ops
@@ -99,12 +100,38 @@ async def completions(request: Request, state: ServerState) -> Reply:
     return await run_until_disconnect(request, openai.create_completion(ctx, req, request.headers))
 
 
+def _chat_api_or_none(state: ServerState) -> ApiContext | None:
+    # A single-purpose process (embedding-only, rerank-only) lists only its providers (spec I).
+    return None if state.side.mode is not None else state.require_api()
+
+
 async def models(request: Request, state: ServerState) -> Reply:
-    return openai.list_models(state.require_api())
+    return openai.list_models(_chat_api_or_none(state), state.side.model_entries())
 
 
 async def model(request: Request, state: ServerState) -> Reply:
-    return openai.retrieve_model(state.require_api(), request.path_params["model_id"])
+    return openai.retrieve_model(_chat_api_or_none(state), request.path_params["model_id"],
+                                 state.side.model_entries())
+
+
+# ---- embeddings and rerank (spec I, F1, F3, F4) ----
+
+async def embeddings(request: Request, state: ServerState) -> Reply:
+    body = await read_json(request)
+    provider, name = state.require_embedding()
+    return await run_until_disconnect(request, providers.openai_embeddings(provider, body, name))
+
+
+async def native_embeddings(request: Request, state: ServerState) -> Reply:
+    body = await read_json(request)
+    provider, _ = state.require_embedding()
+    return await run_until_disconnect(request, providers.native_embeddings(provider, body))
+
+
+async def rerank(request: Request, state: ServerState) -> Reply:
+    body = await read_json(request)
+    reranker, name = state.require_reranker()
+    return await run_until_disconnect(request, providers.rerank_documents(reranker, body, name))
 
 
 ROUTES: tuple[Route, ...] = (
@@ -112,6 +139,9 @@ ROUTES: tuple[Route, ...] = (
     Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
     Route(("/v1/completions",), ("POST",), completions),
     Route(("/v1/models", "/models"), ("GET",), models),
+    Route(("/v1/embeddings",), ("POST",), embeddings),
+    Route(("/embedding", "/embeddings"), ("POST",), native_embeddings),
+    Route(("/v1/rerank", "/v1/reranking", "/rerank", "/reranking"), ("POST",), rerank),
     Route(("/v1/models/{model_id:path}", "/models/{model_id:path}"), ("GET",), model),
     Route(("/", "/health", "/v1/health"), ("GET",), ops.health, is_public=True),
     Route(("/slots",), ("GET",), ops.slots),

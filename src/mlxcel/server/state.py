@@ -6,18 +6,29 @@ import time
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
+from mlxcel.api.modes import chat_not_served, provider_missing
+from mlxcel.api.responses import ResponsesService
+from mlxcel.media.limits import MediaPolicy
 from mlxcel.runtime import ServedModel
+from mlxcel.side_models import SideModels
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.types import EngineStats
+from mlxcel.workers.base import WorkerStats
+from mlxcel.workers.embedding import EmbeddingProvider
+from mlxcel.workers.rerank import Reranker
 
 
 class ServerState:
     """Shared by every route of one app; `served` is None until the model is attached."""
 
-    def __init__(self, config: ServerConfig, served: ServedModel | None = None) -> None:
+    def __init__(self, config: ServerConfig, served: ServedModel | None = None, *, side: SideModels | None = None,
+                 media: MediaPolicy | None = None) -> None:
         self.config = config
-        self.metrics = ServerMetrics(self.engine_stats)
+        self.side = side or SideModels()  # embedding / rerank providers (spec I)
+        self.media = media or MediaPolicy()  # C2-C5, handed to adapters through ApiContext
+        self.metrics = ServerMetrics(self.engine_stats, self.worker_stats)
+        self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False
@@ -27,8 +38,14 @@ class ServerState:
     @property
     def model_name(self) -> str | None:
         if self.served is None:
-            return None
+            return self._single_purpose_name()
         return self.config.alias or self.served.name
+
+    def _single_purpose_name(self) -> str | None:
+        if self.side.mode is None:
+            return None
+        info = self.side.embedding_info or self.side.reranker_info
+        return info.name if info else None
 
     def attach(self, served: ServedModel) -> None:
         """Start serving `served` (the model is loaded and warmed up)."""
@@ -36,15 +53,20 @@ class ServerState:
         self.api = ApiContext(
             model_name=self.config.alias or served.name, engine=served.engine, tokenizer=served.tokenizer,
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
-            telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s)
+            telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media)
 
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None
+
+    def worker_stats(self) -> list[WorkerStats]:
+        return self.side.stats()
 
     def require_api(self) -> ApiContext:
         """The API context, or 503 while loading or shutting down."""
         if self.is_shutting_down:
             raise unavailable("the server is shutting down")
+        if self.side.mode is not None:  # embedding-only / rerank-only process: 501 naming the mode (spec I)
+            raise chat_not_served(self.side.mode)
         if self.api is None:
             raise unavailable("Loading model")
         return self.api
@@ -54,3 +76,20 @@ class ServerState:
         assert self.served is not None
         return self.served
 
+    def require_embedding(self) -> tuple[EmbeddingProvider, str]:
+        """The embedding provider and its model id, or 501 naming --embedding-model (spec I)."""
+        if self.is_shutting_down:
+            raise unavailable("the server is shutting down")
+        provider, info = self.side.embedding, self.side.embedding_info
+        if provider is None or info is None:
+            raise provider_missing("embeddings", "--embedding-model")
+        return provider, info.name
+
+    def require_reranker(self) -> tuple[Reranker, str]:
+        """The reranker and its model id, or 501 naming --reranker-model (spec I)."""
+        if self.is_shutting_down:
+            raise unavailable("the server is shutting down")
+        reranker, info = self.side.reranker, self.side.reranker_info
+        if reranker is None or info is None:
+            raise provider_missing("reranking", "--reranker-model")
+        return reranker, info.name

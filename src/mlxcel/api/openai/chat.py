@@ -9,7 +9,9 @@ from mlxcel.api import chat_prompt
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
+from mlxcel.api.media import validate_media
 from mlxcel.api.openai import common
+from mlxcel.api.openai.media import media_refs
 from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
@@ -26,6 +28,7 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
 
     `headers` (lower-case names) may carry X-Priority. Raises ApiError before any stream starts.
     """
+    await validate_media(ctx, media_refs(req))  # C2-C5: resolved and checked first, then refused (text model)
     prompt = render_chat_prompt(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
     sampling = common.sampling_params(ctx, req, max_tokens=req.max_completion_tokens or req.max_tokens,

@@ -1,25 +1,45 @@
-"""GET /v1/models and /v1/models/{id} (F1): the one served model."""
+"""GET /v1/models and /v1/models/{id} (F1): the served chat model and the side providers (spec I).
+
+Each card carries `capabilities`: "completion" for the chat model, "embedding" or "rerank"
+for a provider. An embedding-only or rerank-only process lists only its provider.
+"""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Any
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError
+from mlxcel.api.modes import ModelEntry
 from mlxcel.api.replies import JsonReply
 
 
 def model_card(ctx: ApiContext) -> dict[str, Any]:
     return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxcel",
-            "max_model_len": ctx.context_size}
+            "max_model_len": ctx.context_size, "capabilities": ["completion"]}
 
 
-def list_models(ctx: ApiContext) -> JsonReply:
-    return JsonReply({"object": "list", "data": [model_card(ctx)]})
+def entry_card(entry: ModelEntry) -> dict[str, Any]:
+    return {"id": entry.name, "object": "model", "created": entry.created, "owned_by": "mlxcel",
+            "max_model_len": entry.max_model_len, "capabilities": list(entry.capabilities)}
 
 
-def retrieve_model(ctx: ApiContext, model_id: str) -> JsonReply:
-    if model_id != ctx.model_name:
-        raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {ctx.model_name!r}",
-                       "not_found_error", code=404)
-    return JsonReply(model_card(ctx))
+def _cards(ctx: ApiContext | None, providers: Sequence[ModelEntry]) -> list[dict[str, Any]]:
+    chat = [model_card(ctx)] if ctx is not None else []
+    return chat + [entry_card(entry) for entry in providers]
+
+
+def list_models(ctx: ApiContext | None, providers: Sequence[ModelEntry] = ()) -> JsonReply:
+    """`ctx` is None in a process that serves no chat model."""
+    return JsonReply({"object": "list", "data": _cards(ctx, providers)})
+
+
+def retrieve_model(ctx: ApiContext | None, model_id: str, providers: Sequence[ModelEntry] = ()) -> JsonReply:
+    cards = _cards(ctx, providers)
+    for card in cards:
+        if card["id"] == model_id:
+            return JsonReply(card)
+    served = ", ".join(repr(card["id"]) for card in cards)
+    raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {served}",
+                   "not_found_error", code=404)

@@ -16,11 +16,27 @@ MAX_N = 16
 MAX_TOP_LOGPROBS = 20
 
 
+class MediaUrl(WireModel):
+    """`image_url` / `video_url` as an object; `fps` (video only) overrides --video-fps (C5)."""
+
+    url: str
+    detail: str | None = None
+    fps: float | None = None
+
+
+class InputAudio(WireModel):
+    data: str  # base64
+    format: str  # wav, mp3, ...
+
+
 class ContentPart(WireModel):
     """One part of a message's content array: text, image_url, input_audio, video_url, file..."""
 
     type: str
     text: str | None = None
+    image_url: str | MediaUrl | None = None  # a bare URL string is accepted too (as vLLM does)
+    input_audio: InputAudio | None = None
+    video_url: str | MediaUrl | None = None
 
 
 class ChatMessage(WireModel):

@@ -1,0 +1,63 @@
+"""Media parts of a request, for every protocol (spec C2-C5).
+
+Each adapter turns its own media blocks into `MediaRef`s (OpenAI `image_url` /
+`input_audio` / `video_url` parts, Anthropic image blocks, Responses `input_image`) and
+awaits `validate_media(ctx, refs)`. Every reference is resolved and checked first (sandboxed
+files, SSRF-safe fetch, payload and pixel limits), so the security layer always runs; a
+refusal is a 400 whose `code` is the media layer's reason. Then, since no served model takes
+media yet, the request is a 400 naming the kinds it carried.
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Sequence
+
+from mlxcel.api.context import ApiContext
+from mlxcel.api.errors import INVALID_REQUEST, ApiError, truncate_message
+from mlxcel.media import MediaError, MediaKind, MediaRef, Reason, resolve_media_parts
+
+MEDIA_NOT_ACCEPTED = "media_not_accepted"  # the `code` of the model-is-text-only 400
+_AUDIO_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "m4a": "audio/mp4", "aac": "audio/aac"}
+_FORMAT = re.compile(r"^[a-z0-9][a-z0-9.+-]{0,31}$")
+
+
+async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef]) -> None:
+    """Resolve and validate every reference under `ctx.media_policy`; raises ApiError(400).
+
+    Returns only when `refs` is empty: the served model takes text alone, so any media part,
+    once it passed every check, is refused naming its kind.
+    """
+    if not refs:
+        return
+    try:
+        await resolve_media_parts(refs, ctx.media_policy)
+    except MediaError as exc:
+        raise media_error(exc) from None
+    raise media_not_accepted(refs)
+
+
+def media_error(exc: MediaError) -> ApiError:
+    """A refused reference: 400 invalid_request_error, `code` = the reason (e.g. blocked_address)."""
+    return ApiError(400, truncate_message(exc.message), INVALID_REQUEST, code=exc.reason_code.value)
+
+
+def media_not_accepted(refs: Sequence[MediaRef]) -> ApiError:
+    """400 "the served model does not accept image input" (audio and video named likewise)."""
+    kinds = [kind.value for kind in MediaKind if any(ref.kind is kind for ref in refs)]
+    return ApiError(400, f"the served model does not accept {' or '.join(kinds)} input", INVALID_REQUEST,
+                    code=MEDIA_NOT_ACCEPTED)
+
+
+def base64_data_url(mime_type: str, data: str) -> str:
+    """A data: URL for base64 `data` (Anthropic image sources, OpenAI input_audio)."""
+    return f"data:{mime_type};base64,{data}"
+
+
+def audio_data_url(data: str, audio_format: str) -> str:
+    """OpenAI `input_audio` {data, format} as a data: URL the media layer reads like any other."""
+    name = audio_format.strip().lower()
+    if not _FORMAT.match(name):
+        raise media_error(MediaError(f"input_audio format {audio_format!r} is not an audio format name",
+                                     Reason.INVALID_MEDIA_PART))
+    return base64_data_url(_AUDIO_TYPES.get(name, f"audio/{name}"), data)
