@@ -22,6 +22,7 @@ class ServerConfig:
     endpoint_metrics: bool = False  # --metrics
     sse_keepalive_s: float = 15.0  # --sse-keepalive (A9)
     shutdown_timeout_s: float = 120.0  # A7 worker exit deadline
+    anthropic_pin_billing_stamp: bool = True  # MLXCEL_ANTHROPIC_PIN_BILLING_STAMP (E2), read at startup
 
     def __post_init__(self) -> None:
         if not self.is_unix_socket and not 0 <= self.port <= 65535:
