@@ -14,23 +14,25 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import Generation, GenerationParams, Prompt
+from mlxcel.api.headers import request_priority
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_json
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import validate_body
 from mlxcel.api.sse import sse_frame, with_keepalive
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import Priority, SamplingParams
-
-PRIORITY_HEADER = "x-priority"
+from mlxcel.types import SamplingParams
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a /completion body; raises ApiError(400) naming the bad field."""
-    return validate_body(CompletionRequest, body)
+    req = validate_body(CompletionRequest, body)
+    req._body = body  # reasoning budget, json_schema / grammar and loop-guard fields (R, V, P)
+    return req
 
 
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -46,8 +48,11 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     request metrics (spec K2 counts chat completions).
     """
     sampling = sampling_params(ctx.tokenizer, fields)
-    params = GenerationParams(sampling=sampling, stop=fields.stop_words, priority=parse_priority(headers),
+    params = GenerationParams(sampling=sampling, stop=fields.stop_words, priority=request_priority(headers),
                               cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None)
+    max_tokens = fields.num_predict if fields.num_predict >= 0 else None  # R: a budget must fit in n_predict
+    params = chat_features.with_completion_features(ctx, params, fields._body or fields.model_dump(), prompts,
+                                                    max_tokens=max_tokens)
     generation = Generation.start(ctx, prompts, params, request_id=f"cmpl-{uuid.uuid4().hex}")
     options = reply_options(ctx, fields, sampling)
     texts = [prompt_text(ctx.tokenizer, p) for p in prompts]
@@ -225,11 +230,3 @@ def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
         "stop": list(fields.stop_words), "ignore_eos": fields.ignore_eos, "stream": fields.stream,
         "logit_bias": bias, "n_probs": fields.n_probs, "cache_prompt": fields.cache_prompt,
     }
-
-
-def parse_priority(headers: Mapping[str, str]) -> Priority:
-    """X-Priority: high | normal | low (spec L); anything else is a 400."""
-    try:
-        return Priority.parse(headers.get(PRIORITY_HEADER))
-    except ValueError as exc:
-        raise invalid_request(f"X-Priority: {exc}") from None

@@ -1,0 +1,146 @@
+"""Anthropic messages in the chat template's form (E1, E2), rendered by the shared chat renderer.
+
+- `system` (a string or text blocks, joined by newlines) becomes a leading system message; a
+  billing stamp there is pinned first (E2) unless the server turned that off.
+- user text blocks join into one user message; each `tool_result` becomes a `tool` message
+  (`tool_call_id` = its `tool_use_id`), placed where it stood.
+- assistant text joins into `content`, `thinking` blocks into `reasoning_content`, and
+  `tool_use` blocks into `tool_calls` (arguments as an object, as chat templates read them).
+- `tools` become OpenAI-style function definitions, the shape templates are written for.
+- image blocks pass the media checks (C2-C5) and are then refused: the served model reads text only.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from mlxcel.api import chat_prompt
+from mlxcel.api.anthropic import billing
+from mlxcel.api.anthropic.schemas import (
+    ConversationFields, ImageBlock, Message, TextBlock, ThinkingBlock, Tool,
+    ToolResultBlock, ToolUseBlock,
+)  # fmt: skip
+from mlxcel.api.context import ApiContext
+from mlxcel.api.generation import Prompt
+from mlxcel.api.media import base64_data_url, validate_media
+from mlxcel.media import MediaKind, MediaRef
+
+
+@dataclass(frozen=True, slots=True)
+class AnthropicOptions:
+    """Server-wide settings of the Anthropic routes, read once at startup."""
+
+    pin_billing_stamp: bool = True  # MLXCEL_ANTHROPIC_PIN_BILLING_STAMP (E2)
+
+
+async def render_prompt(ctx: ApiContext, req: ConversationFields, options: AnthropicOptions) -> Prompt:
+    """The tokenized prompt for `req`; raises ApiError(400) for images and templates that fail."""
+    await reject_images(ctx, req)
+    messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
+    return chat_prompt.render_chat_prompt(ctx, messages, tools=template_tools(req.tools))
+
+
+def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> list[dict[str, Any]]:
+    messages: list[dict[str, Any]] = []
+    system = system_text(req.system, pin_billing_stamp=pin_billing_stamp)
+    if system is not None:
+        messages.append({"role": "system", "content": system})
+    for message in req.messages:
+        messages.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
+    return messages
+
+
+def system_text(system: str | list[TextBlock] | None, *, pin_billing_stamp: bool) -> str | None:
+    if system is None:
+        return None
+    texts = [system] if isinstance(system, str) else [block.text for block in system]
+    if pin_billing_stamp:
+        texts = [billing.pin_billing_stamp(t) for t in texts]
+    return "\n".join(texts)
+
+
+def template_tools(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:
+    if not tools:
+        return None
+    return [{"type": "function", "function": {"name": t.name, "description": t.description or "",
+                                              "parameters": t.input_schema}} for t in tools]
+
+
+def _user_turn(message: Message) -> list[dict[str, Any]]:
+    if isinstance(message.content, str):
+        return [{"role": "user", "content": message.content}]
+    turns: list[dict[str, Any]] = []
+    texts: list[str] = []
+    for block in message.content:
+        if isinstance(block, ToolResultBlock):
+            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
+        elif isinstance(block, TextBlock):
+            texts.append(block.text)
+    if texts or not turns:
+        turns.append({"role": "user", "content": "\n".join(texts)})
+    return turns
+
+
+def _tool_result_text(block: ToolResultBlock) -> str:
+    if block.content is None or isinstance(block.content, str):
+        return block.content or ""
+    return "\n".join(part.text for part in block.content if isinstance(part, TextBlock))
+
+
+def _assistant_turn(message: Message) -> dict[str, Any]:
+    if isinstance(message.content, str):
+        return {"role": "assistant", "content": message.content}
+    texts = [b.text for b in message.content if isinstance(b, TextBlock)]
+    thinking = [b.thinking for b in message.content if isinstance(b, ThinkingBlock)]
+    calls = [_tool_call(b) for b in message.content if isinstance(b, ToolUseBlock)]
+    turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}
+    if thinking:
+        turn["reasoning_content"] = "\n".join(thinking)
+    if calls:
+        turn["tool_calls"] = calls
+    return turn
+
+
+def _tool_call(block: ToolUseBlock) -> dict[str, Any]:
+    return {"id": block.id, "type": "function", "function": {"name": block.name, "arguments": block.input}}
+
+
+def tool_use_input(arguments: str) -> dict[str, Any]:
+    """A finished tool call's arguments JSON as the `input` object of a tool_use block."""
+    try:
+        value = json.loads(arguments)
+    except ValueError:
+        return {}
+    return value if isinstance(value, dict) else {}
+
+
+# ---- images (C2-C5) ----
+
+async def reject_images(ctx: ApiContext, req: ConversationFields) -> None:
+    """Validate every image the way any media part is validated, then refuse it: text-only model."""
+    await validate_media(ctx, [MediaRef(MediaKind.IMAGE, _image_url(block)) for block in _image_blocks(req.messages)])
+
+
+def _image_blocks(messages: Sequence[Message]) -> Iterator[ImageBlock]:
+    for message in messages:
+        for block in message.content if isinstance(message.content, list) else ():
+            if isinstance(block, ImageBlock):
+                yield block
+            elif isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+                yield from (part for part in block.content if isinstance(part, ImageBlock))
+
+
+def _image_url(block: ImageBlock) -> str:
+    source = block.source
+    if source.type == "base64":
+        assert source.media_type is not None and source.data is not None
+        return base64_data_url(source.media_type, source.data)
+    assert source.url is not None
+    return source.url
+
+
+__all__ = ["AnthropicOptions", "render_prompt", "system_text", "template_messages",
+           "template_tools", "tool_use_input"]

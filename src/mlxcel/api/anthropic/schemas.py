@@ -1,0 +1,137 @@
+"""Anthropic Messages request bodies (E1): /v1/messages and /v1/messages/count_tokens.
+
+Content blocks are a tagged union on `type` (text, image, tool_use, tool_result, thinking,
+redacted_thinking); any other block type is a 400 naming it. Types are strict, unknown fields
+(cache_control, citations, service_tier...) are ignored.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any, Literal
+
+from pydantic import Field, model_validator
+
+from mlxcel.api.schema import WireModel
+
+
+class TextBlock(WireModel):
+    type: Literal["text"]
+    text: str
+
+
+class ImageSource(WireModel):
+    """base64 (`media_type` + `data`) or url (`url`)."""
+
+    type: Literal["base64", "url"]
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+
+    @model_validator(mode="after")
+    def _check_fields(self) -> ImageSource:
+        if self.type == "base64" and (self.data is None or self.media_type is None):
+            raise ValueError("source: a base64 image needs media_type and data")
+        if self.type == "url" and self.url is None:
+            raise ValueError("source: a url image needs url")
+        return self
+
+
+class ImageBlock(WireModel):
+    type: Literal["image"]
+    source: ImageSource
+
+
+class ToolUseBlock(WireModel):
+    type: Literal["tool_use"]
+    id: str
+    name: str
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+ToolResultPart = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+
+
+class ToolResultBlock(WireModel):
+    type: Literal["tool_result"]
+    tool_use_id: str
+    content: str | list[ToolResultPart] | None = None
+    is_error: bool = False
+
+
+class ThinkingBlock(WireModel):
+    type: Literal["thinking"]
+    thinking: str
+    signature: str | None = None
+
+
+class RedactedThinkingBlock(WireModel):
+    type: Literal["redacted_thinking"]
+    data: str = ""
+
+
+ContentBlock = Annotated[
+    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
+    Field(discriminator="type"),
+]
+
+
+class Message(WireModel):
+    role: Literal["user", "assistant"]
+    content: str | list[ContentBlock]
+
+
+class Tool(WireModel):
+    """A client tool; the template sees it as an OpenAI-style function."""
+
+    name: str
+    description: str | None = None
+    input_schema: dict[str, Any] = Field(default_factory=lambda: {"type": "object", "properties": {}})
+    type: str | None = None  # "custom" or absent; server tools (web_search_...) are refused
+
+
+class ToolChoice(WireModel):
+    type: Literal["auto", "any", "tool", "none"]
+    name: str | None = None
+    disable_parallel_tool_use: bool = False
+
+
+class ThinkingConfig(WireModel):
+    type: Literal["enabled", "disabled", "adaptive"]
+    budget_tokens: int | None = Field(None, ge=0)
+
+
+class Metadata(WireModel):
+    user_id: str | None = None
+
+
+class ConversationFields(WireModel):
+    """What shapes the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
+
+    model: str
+    messages: list[Message] = Field(min_length=1)
+    system: str | list[TextBlock] | None = None
+    tools: list[Tool] | None = None
+    tool_choice: ToolChoice | None = None
+    thinking: ThinkingConfig | None = None
+
+    @model_validator(mode="after")
+    def _check_tools(self) -> ConversationFields:
+        for i, tool in enumerate(self.tools or ()):
+            if tool.type not in (None, "custom"):
+                raise ValueError(f"tools.{i}: the server tool {tool.type!r} is not available here; "
+                                 "only client tools (name, description, input_schema) are")
+        return self
+
+
+class MessagesRequest(ConversationFields):
+    max_tokens: int = Field(ge=1)
+    stop_sequences: list[str] | None = None
+    stream: bool = False
+    temperature: float | None = Field(None, ge=0.0, le=1.0)
+    top_p: float | None = Field(None, gt=0.0, le=1.0)
+    top_k: int | None = Field(None, ge=0)
+    metadata: Metadata | None = None
+
+
+class CountTokensRequest(ConversationFields):
+    pass

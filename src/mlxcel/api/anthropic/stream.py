@@ -1,0 +1,122 @@
+"""Anthropic content blocks and the Messages event stream (E1).
+
+`ContentBlocks` turns the protocol-neutral output events of text/events.py (answer text,
+reasoning, tool calls) into Anthropic blocks: `text` (text_delta), `thinking` (thinking_delta)
+and `tool_use` (input_json_delta). Streaming sends the block events as they happen; a
+non-streaming reply reads `content()` from the same object, so both always agree.
+
+A stream is, in order: message_start, content_block_start, ping, content_block_delta...,
+content_block_stop, message_delta (stop_reason, usage), message_stop; a `ping` event also
+goes out whenever the stream is silent for the keepalive interval (A9).
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from typing import Any
+
+from mlxcel.api.anthropic.conversation import tool_use_input
+from mlxcel.api.errors import ApiError, error_body
+from mlxcel.api.sse import sse_frame, to_json, with_keepalive
+from mlxcel.text.events import (
+    ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
+)  # fmt: skip
+
+PING = {"type": "ping"}
+PING_FRAME = f"event: ping\ndata: {to_json(PING)}\n\n"
+
+Payload = dict[str, Any]
+
+
+def event_frame(payload: Payload) -> str:
+    """One SSE event named by its payload's `type`, as Anthropic sends them."""
+    return sse_frame(payload, event=payload["type"])
+
+
+class ContentBlocks:
+    """The reply's content blocks, built from output events; at most one block is open at a time."""
+
+    def __init__(self) -> None:
+        self.blocks: list[Payload] = []
+        self._open: int | None = None
+        self._tool_blocks: dict[int, int] = {}  # tool call index -> block index
+
+    @property
+    def has_tool_use(self) -> bool:
+        return bool(self._tool_blocks)
+
+    def open_text(self) -> list[Payload]:
+        """Start with an empty text block (what Anthropic streams first for a plain answer)."""
+        return self._start({"type": "text", "text": ""})
+
+    def feed(self, event: OutputEvent) -> list[Payload]:
+        """The stream events for one output event (none for an empty delta)."""
+        if isinstance(event, ContentDelta):
+            return self._append("text", event.text, {"type": "text", "text": ""}, "text_delta")
+        if isinstance(event, ReasoningDelta):
+            return self._append("thinking", event.text, {"type": "thinking", "thinking": "", "signature": ""},
+                                "thinking_delta")
+        if isinstance(event, ToolCallStart):
+            events = self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+            self._tool_blocks[event.index] = len(self.blocks) - 1
+            return events
+        if isinstance(event, ToolCallArguments):
+            index = self._tool_blocks[event.index]
+            return [_delta(index, {"type": "input_json_delta", "partial_json": event.text})] if event.text else []
+        assert isinstance(event, ToolCallEnd)
+        self.blocks[self._tool_blocks[event.index]]["input"] = tool_use_input(event.arguments)
+        return self.close()
+
+    def close(self) -> list[Payload]:
+        """Close the open block, if any."""
+        if self._open is None:
+            return []
+        index, self._open = self._open, None
+        return [{"type": "content_block_stop", "index": index}]
+
+    def content(self) -> list[Payload]:
+        """The blocks as a non-streaming reply lists them."""
+        return [dict(block) for block in self.blocks]
+
+    def _append(self, kind: str, text: str, empty: Payload, delta_type: str) -> list[Payload]:
+        if not text:
+            return []
+        events = [] if self._is_open(kind) else self._start(empty)
+        assert self._open is not None
+        self.blocks[self._open][kind] += text
+        return events + [_delta(self._open, {"type": delta_type, kind: text})]
+
+    def _is_open(self, kind: str) -> bool:
+        return self._open is not None and self.blocks[self._open]["type"] == kind
+
+    def _start(self, block: Payload) -> list[Payload]:
+        events = self.close()
+        self.blocks.append(block)
+        self._open = len(self.blocks) - 1
+        return events + [{"type": "content_block_start", "index": self._open, "content_block": dict(block)}]
+
+
+def _delta(index: int, delta: Payload) -> Payload:
+    return {"type": "content_block_delta", "index": index, "delta": delta}
+
+
+async def message_events(message_start: Payload, blocks: ContentBlocks, body: AsyncIterator[Payload],
+                         keepalive_s: float) -> AsyncIterator[str]:
+    """The whole SSE stream: the opening events, then `body` (block events, message_delta,
+    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event."""
+    yield event_frame(message_start)
+    for payload in blocks.open_text():
+        yield event_frame(payload)
+    yield PING_FRAME
+    frames = _frames(body)
+    async for frame in with_keepalive(frames, keepalive_s, keepalive_frame=PING_FRAME):
+        yield frame
+
+
+async def _frames(body: AsyncIterator[Payload]) -> AsyncIterator[str]:
+    try:
+        async for payload in body:
+            yield event_frame(payload)
+    except ApiError as exc:
+        yield sse_frame(error_body(exc, "anthropic"), event="error")
+
