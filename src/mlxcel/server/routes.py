@@ -18,6 +18,7 @@ from starlette.responses import Response
 
 from mlxcel.api import openai, providers
 from mlxcel.api.context import ApiContext
+from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import Reply
 from mlxcel.server import ops
@@ -134,10 +135,64 @@ async def rerank(request: Request, state: ServerState) -> Reply:
     return await run_until_disconnect(request, providers.rerank_documents(reranker, body, name))
 
 
+# ---- llama-server native routes (F4) ----
+
+async def native_completion(request: Request, state: ServerState) -> Reply:
+    req = llama_server.parse_completion_request(await read_json(request))  # D1: body errors first
+    ctx = state.require_api()
+    return await run_until_disconnect(request, llama_server.create_completion(ctx, req, request.headers))
+
+
+async def infill(request: Request, state: ServerState) -> Reply:
+    req = llama_server.parse_infill_request(await read_json(request))
+    ctx = state.require_api()
+    return await run_until_disconnect(request, llama_server.create_infill(ctx, req, request.headers))
+
+
+async def tokenize(request: Request, state: ServerState) -> Reply:
+    req = llama_server.parse_tokenize_request(await read_json(request))
+    return llama_server.tokenize_content(state.require_api().tokenizer, req)
+
+
+async def detokenize(request: Request, state: ServerState) -> Reply:
+    req = llama_server.parse_detokenize_request(await read_json(request))
+    return llama_server.detokenize_tokens(state.require_api().tokenizer, req)
+
+
+async def apply_template(request: Request, state: ServerState) -> Reply:
+    req = llama_server.parse_apply_template_request(await read_json(request))
+    return llama_server.apply_template(state.require_api(), req)
+
+
+# ---- Anthropic Messages (E1, E2) ----
+
+def _anthropic_options(state: ServerState) -> anthropic.AnthropicOptions:
+    return anthropic.AnthropicOptions(pin_billing_stamp=state.config.anthropic_pin_billing_stamp)
+
+
+async def messages(request: Request, state: ServerState) -> Reply:
+    req = anthropic.parse_messages_request(await read_json(request))  # D1: body errors first
+    ctx = state.require_api()
+    work = anthropic.create_message(ctx, req, request.headers, _anthropic_options(state))
+    return await run_until_disconnect(request, work)
+
+
+async def count_tokens(request: Request, state: ServerState) -> Reply:
+    req = anthropic.parse_count_tokens_request(await read_json(request))
+    return await anthropic.count_message_tokens(state.require_api(), req, _anthropic_options(state))
+
+
 ROUTES: tuple[Route, ...] = (
     Route(("/v1/chat/completions", "/chat/completions"), ("POST",), chat_completions),
     Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
     Route(("/v1/completions",), ("POST",), completions),
+    Route(("/completion", "/completions"), ("POST",), native_completion),
+    Route(("/infill",), ("POST",), infill),
+    Route(("/tokenize",), ("POST",), tokenize),
+    Route(("/detokenize",), ("POST",), detokenize),
+    Route(("/apply-template",), ("POST",), apply_template),
+    Route(("/v1/messages", "/messages"), ("POST",), messages, protocol="anthropic"),
+    Route(("/v1/messages/count_tokens", "/messages/count_tokens"), ("POST",), count_tokens, protocol="anthropic"),
     Route(("/v1/models", "/models"), ("GET",), models),
     Route(("/v1/embeddings",), ("POST",), embeddings),
     Route(("/embedding", "/embeddings"), ("POST",), native_embeddings),
