@@ -62,6 +62,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLXCEL_LOOP_DETECTION", str, None, "operator override of the n-gram repeat guard (P)"),
     EnvVar("MLXCEL_REASONING_ECHO_MAX_BYTES", int, 16 << 20, "reasoning echo store size; 0 disables (Q)"),
     EnvVar("MLXCEL_IMAGE_MODEL", str, None, "image generation checkpoint, as --image-model (J)"),
+    EnvVar("MLXCEL_RESPONSES_DB", _parse_path, None, "stored Responses database, as --responses-db (F2)"),
 )
 _BY_NAME = {var.name: var for var in ENV_VARS}
 

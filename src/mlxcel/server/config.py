@@ -3,8 +3,16 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 
 DEFAULT_MAX_BODY_BYTES = 32 << 20  # D1: --max-body-size default, 32 MiB
+RESPONSES_DB_FILENAME = "responses.sqlite3"
+
+
+def default_responses_db(models_dir: Path | None) -> Path:
+    """--responses-db default (F2): `<models dir>/responses.sqlite3`, else under ~/.cache/mlxcel."""
+    root = models_dir if models_dir is not None else Path.home() / ".cache" / "mlxcel"
+    return Path(root).expanduser() / RESPONSES_DB_FILENAME
 
 
 @dataclass(frozen=True, slots=True)
@@ -23,6 +31,7 @@ class ServerConfig:
     sse_keepalive_s: float = 15.0  # --sse-keepalive (A9)
     shutdown_timeout_s: float = 120.0  # A7 worker exit deadline
     anthropic_pin_billing_stamp: bool = True  # MLXCEL_ANTHROPIC_PIN_BILLING_STAMP (E2), read at startup
+    responses_db: Path | None = None  # --responses-db (F2); None = an in-memory store (tests, embedding)
 
     def __post_init__(self) -> None:
         if not self.is_unix_socket and not 0 <= self.port <= 65535:

@@ -16,7 +16,7 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mlxcel.api import openai, providers
+from mlxcel.api import openai, providers, responses
 from mlxcel.api.context import ApiContext
 from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
@@ -182,10 +182,55 @@ async def count_tokens(request: Request, state: ServerState) -> Reply:
     return await anthropic.count_message_tokens(state.require_api(), req, _anthropic_options(state))
 
 
+# ---- OpenAI Responses (F2, F5) ----
+
+async def responses_create(request: Request, state: ServerState) -> Reply:
+    req = responses.parse_create_request(await read_json(request))  # D1: body errors before availability
+    ctx = state.require_api()
+    return await run_until_disconnect(request, responses.create_response(ctx, state.responses, req, request.headers))
+
+
+async def responses_input_tokens(request: Request, state: ServerState) -> Reply:
+    req = responses.parse_input_tokens_request(await read_json(request))
+    return await responses.count_input_tokens(state.require_api(), state.responses, req)
+
+
+async def responses_compact(request: Request, state: ServerState) -> Reply:
+    req = responses.parse_compact_request(await read_json(request))
+    ctx = state.require_api()
+    return await run_until_disconnect(request, responses.compact_response(ctx, state.responses, req))
+
+
+async def responses_retrieve(request: Request, state: ServerState) -> Reply:
+    return await responses.retrieve_response(state.responses, request.path_params["response_id"],
+                                             request.query_params, keepalive_s=state.config.sse_keepalive_s)
+
+
+async def responses_delete(request: Request, state: ServerState) -> Reply:
+    return await responses.delete_response(state.responses, request.path_params["response_id"])
+
+
+async def responses_cancel(request: Request, state: ServerState) -> Reply:
+    return await responses.cancel_response(state.responses, request.path_params["response_id"])
+
+
+async def responses_input_items(request: Request, state: ServerState) -> Reply:
+    return await responses.list_input_items(state.responses, request.path_params["response_id"],
+                                            request.query_params)
+
+
 ROUTES: tuple[Route, ...] = (
     Route(("/v1/chat/completions", "/chat/completions"), ("POST",), chat_completions),
     Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
     Route(("/v1/completions",), ("POST",), completions),
+    Route(("/v1/responses", "/responses"), ("POST",), responses_create),
+    Route(("/v1/responses/input_tokens", "/responses/input_tokens"), ("POST",), responses_input_tokens),
+    Route(("/v1/responses/compact", "/responses/compact"), ("POST",), responses_compact),
+    Route(("/v1/responses/{response_id}", "/responses/{response_id}"), ("GET",), responses_retrieve),
+    Route(("/v1/responses/{response_id}", "/responses/{response_id}"), ("DELETE",), responses_delete),
+    Route(("/v1/responses/{response_id}/cancel", "/responses/{response_id}/cancel"), ("POST",), responses_cancel),
+    Route(("/v1/responses/{response_id}/input_items", "/responses/{response_id}/input_items"), ("GET",),
+          responses_input_items),
     Route(("/completion", "/completions"), ("POST",), native_completion),
     Route(("/infill",), ("POST",), infill),
     Route(("/tokenize",), ("POST",), tokenize),

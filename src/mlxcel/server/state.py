@@ -8,6 +8,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
 from mlxcel.api.modes import chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
+from mlxcel.api.responses import ResponsesService
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.runtime import ServedModel
 from mlxcel.side_models import SideModels
@@ -28,6 +29,7 @@ class ServerState:
         self.side = side or SideModels()  # embedding / rerank providers (spec I)
         self.media = media or MediaPolicy()  # C2-C5, handed to adapters through ApiContext
         self.metrics = ServerMetrics(self.engine_stats, self.worker_stats)
+        self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
         self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None

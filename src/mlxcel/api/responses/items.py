@@ -1,0 +1,201 @@
+"""Responses items: stored form, and the chat messages a template renders from them (F2).
+
+Every item of a conversation (request input or model output) is kept as a plain JSON dict in
+OpenAI's output shape, with an id, so it can be stored, listed by `input_items` and replayed
+by `previous_response_id`. `to_chat_messages` turns a conversation into template messages:
+
+    instructions + compaction summaries   -> one leading system message
+    message (user/system/developer)        -> {"role": ..., "content": text}  (developer -> system)
+    message (assistant) + reasoning        -> {"role": "assistant", "content", "reasoning_content"}
+    function_call                          -> tool_calls on the assistant message of that turn
+    function_call_output                   -> {"role": "tool", "tool_call_id", "name", "content"}
+"""
+
+from __future__ import annotations
+
+import uuid
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from mlxcel.api.errors import invalid_request
+from mlxcel.api.media import audio_data_url
+from mlxcel.api.responses.schemas import (
+    AudioPart, FunctionCallItem, FunctionCallOutputItem, FunctionTool, ImagePart, InputItem, MessageItem,
+    ReasoningItem,
+)  # fmt: skip
+from mlxcel.media import MediaKind, MediaRef
+
+Item = dict[str, Any]
+IdFactory = Callable[[str], str]
+COMPACTION_HEADING = "Summary of the earlier conversation:"
+ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
+               "compaction": "cmp"}
+
+
+def new_id(prefix: str) -> str:
+    """An OpenAI-style id: `resp_…`, `msg_…`, `fc_…`."""
+    return f"{prefix}_{uuid.uuid4().hex}"
+
+
+# ---- typed input items -> stored items ----
+
+def stored_items(items: Iterable[InputItem], make_id: IdFactory = new_id) -> list[Item]:
+    """Input items in their stored (output) shape, each with an id."""
+    return [_stored(item, make_id) for item in items]
+
+
+def _stored(item: InputItem, make_id: IdFactory) -> Item:
+    data = item.model_dump(exclude_none=True)
+    data["id"] = item.id or make_id(ID_PREFIXES[item.type])
+    if isinstance(item, MessageItem):
+        data["content"] = _message_parts(item)
+        data["status"] = item.status or "completed"
+    elif isinstance(item, FunctionCallItem | FunctionCallOutputItem):
+        data["status"] = item.status or "completed"
+    elif isinstance(item, ReasoningItem):
+        data.setdefault("summary", [])
+    return data
+
+
+def _message_parts(item: MessageItem) -> list[dict[str, Any]]:
+    kind = "output_text" if item.role == "assistant" else "input_text"
+    if isinstance(item.content, str):
+        parts = [{"type": kind, "text": item.content}]
+    else:
+        parts = [part.model_dump(exclude_none=True) for part in item.content]
+    for part in parts:
+        if part["type"] == "output_text":
+            part.setdefault("annotations", [])
+    return parts
+
+
+def media_refs(items: Sequence[InputItem]) -> list[MediaRef]:
+    """The media parts (input_image, input_audio) of the input, for the media layer to check."""
+    refs = []
+    for i, item in enumerate(items):
+        if isinstance(item, MessageItem) and not isinstance(item.content, str):
+            refs += [_media_ref(f"input.{i}.content.{j}", part) for j, part in enumerate(item.content)
+                     if part.type in ("input_image", "input_audio")]
+    return refs
+
+
+def _media_ref(where: str, part: ImagePart | AudioPart) -> MediaRef:
+    if isinstance(part, AudioPart):
+        audio = part.input_audio or {}
+        if not isinstance(audio.get("data"), str) or not isinstance(audio.get("format"), str):
+            raise invalid_request(f"{where}: input_audio needs input_audio.data and input_audio.format strings")
+        return MediaRef(MediaKind.AUDIO, audio_data_url(audio["data"], audio["format"]))
+    if not part.image_url:
+        raise invalid_request(f"{where}: input_image needs an image_url (the Files API, file_id, is not "
+                              "available on this server)")
+    return MediaRef(MediaKind.IMAGE, part.image_url)
+
+
+# ---- stored items -> chat template messages ----
+
+def to_chat_messages(instructions: str | None, conversation: Sequence[Item]) -> list[dict[str, Any]]:
+    """The template messages for a conversation; raises ApiError(400) for content a text model cannot read."""
+    builder = _ChatBuilder()
+    for index, item in enumerate(conversation):
+        builder.add(index, item)
+    preamble = [text for text in (instructions, *builder.summaries) if text]
+    head = [{"role": "system", "content": "\n\n".join(preamble)}] if preamble else []
+    return head + builder.messages
+
+
+class _ChatBuilder:
+    """Folds items into chat messages: reasoning waits for the assistant message it belongs to."""
+
+    def __init__(self) -> None:
+        self.messages: list[dict[str, Any]] = []
+        self.summaries: list[str] = []
+        self.pending_reasoning: list[str] = []
+        self.call_names: dict[str, str] = {}
+
+    def add(self, index: int, item: Item) -> None:
+        kind = item["type"]
+        if kind == "message":
+            self._message(index, item)
+        elif kind == "function_call":
+            self._function_call(item)
+        elif kind == "function_call_output":
+            self._function_output(index, item)
+        elif kind == "reasoning":
+            self.pending_reasoning.append(reasoning_text(item))
+        elif kind == "compaction":
+            self.summaries.append(f"{COMPACTION_HEADING}\n{item['encrypted_content']}")
+
+    def _message(self, index: int, item: Item) -> None:
+        text = parts_text(f"input.{index}", item["content"])
+        if item["role"] == "assistant":
+            self._assistant(for_calls=False)["content"] = text
+            return
+        role = "system" if item["role"] == "developer" else item["role"]
+        self.messages.append({"role": role, "content": text})
+
+    def _assistant(self, *, for_calls: bool) -> dict[str, Any]:
+        """A new assistant message, or for a call the current one when it has no calls' answers yet."""
+        last = self.messages[-1] if self.messages else None
+        if for_calls and last is not None and last["role"] == "assistant" and not self.pending_reasoning:
+            return last
+        message: dict[str, Any] = {"role": "assistant", "content": ""}
+        if self.pending_reasoning:
+            message["reasoning_content"] = "\n".join(self.pending_reasoning)
+            self.pending_reasoning = []
+        self.messages.append(message)
+        return message
+
+    def _function_call(self, item: Item) -> None:
+        message = self._assistant(for_calls=True)
+        call = {"id": item["call_id"], "type": "function",
+                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        message.setdefault("tool_calls", []).append(call)
+        self.call_names[item["call_id"]] = item["name"]
+
+    def _function_output(self, index: int, item: Item) -> None:
+        output = item["output"]
+        text = output if isinstance(output, str) else parts_text(f"input.{index}.output", output)
+        message = {"role": "tool", "tool_call_id": item["call_id"], "content": text}
+        if item["call_id"] in self.call_names:
+            message["name"] = self.call_names[item["call_id"]]
+        self.messages.append(message)
+
+
+def parts_text(where: str, parts: Sequence[dict[str, Any]]) -> str:
+    """The text of content parts, joined by newlines; anything but text is a 400 for a text model."""
+    texts = []
+    for j, part in enumerate(parts):
+        kind = part["type"]
+        if kind in ("input_text", "output_text"):
+            texts.append(part["text"])
+        elif kind == "refusal":
+            texts.append(part["refusal"])
+        elif kind in ("input_image", "input_audio"):
+            raise invalid_request(f"the served model does not accept {kind.removeprefix('input_')} input")
+        else:
+            raise invalid_request(f"{where}.content.{j}: content of type {kind!r} is not supported by this model "
+                                  "(text only)")
+    return "\n".join(texts)
+
+
+def reasoning_text(item: Item) -> str:
+    """A reasoning item's text: its reasoning_text content when present, else its summary."""
+    content = item.get("content") or item.get("summary") or []
+    return "\n".join(part["text"] for part in content)
+
+
+def template_tools(tools: Sequence[FunctionTool] | None) -> list[dict[str, Any]] | None:
+    """Responses function tools in the chat-template shape {"type": "function", "function": {...}}."""
+    if not tools:
+        return None
+    return [{"type": "function", "function": tool.model_dump(exclude={"type", "strict"}, exclude_none=True)}
+            for tool in tools]
+
+
+def conversation_turns(conversation: Sequence[Item]) -> tuple[list[Item], list[Item]]:
+    """(older items, the last turn): the last turn starts at the last user message."""
+    starts = [i for i, item in enumerate(conversation) if item["type"] == "message" and item["role"] == "user"]
+    cut = starts[-1] if starts else len(conversation)
+    return list(conversation[:cut]), list(conversation[cut:])
+
+

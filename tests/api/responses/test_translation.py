@@ -1,0 +1,176 @@
+"""Responses input translation (F2) as golden JSON: request items -> stored items -> chat messages,
+and request fields -> the engine's sampling parameters. Body errors are 400s naming the item (D1).
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+
+from mlxcel.api.errors import ApiError
+from mlxcel.api.responses.create import generation_params, parse_create_request
+from mlxcel.api.responses.items import (
+    COMPACTION_HEADING, conversation_turns, media_refs, stored_items, template_tools, to_chat_messages,
+)  # fmt: skip
+from mlxcel.api.responses.prompt import drop_first_turn
+from mlxcel.api.responses.schemas import parse_input_items
+from mlxcel.media import MediaKind, MediaRef
+from mlxcel.types import Priority, SamplingParams
+
+
+def counter_ids() -> Callable[[str], str]:
+    numbers = itertools.count(1)
+    return lambda prefix: f"{prefix}_{next(numbers)}"
+
+
+def stored(value: Any) -> list[dict[str, Any]]:
+    return stored_items(parse_input_items(value), counter_ids())
+
+
+AGENT_TURNS = [
+    {"role": "developer", "content": "Use tools."},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Weather in Oslo?"},
+                                                     {"type": "input_text", "text": "And Bergen?"}]},
+    {"type": "reasoning", "id": "rs_given", "summary": [{"type": "summary_text", "text": "Need the tool."}]},
+    {"type": "function_call", "call_id": "call_1", "name": "weather", "arguments": "{\"city\":\"Oslo\"}"},
+    {"type": "function_call", "call_id": "call_2", "name": "weather", "arguments": "{\"city\":\"Bergen\"}"},
+    {"type": "function_call_output", "call_id": "call_1", "output": "3 C"},
+    {"type": "function_call_output", "call_id": "call_2", "output": [{"type": "input_text", "text": "5 C"}]},
+    {"role": "assistant", "content": "Oslo 3 C, Bergen 5 C."},
+]
+
+
+def test_f2_string_input_is_one_user_message() -> None:
+    assert stored("Hi") == [{"type": "message", "id": "msg_1", "role": "user", "status": "completed",
+                             "content": [{"type": "input_text", "text": "Hi"}]}]
+    assert to_chat_messages("Be brief.", stored("Hi")) == [{"role": "system", "content": "Be brief."},
+                                                           {"role": "user", "content": "Hi"}]
+
+
+def test_f2_stored_items_golden() -> None:
+    items = stored(AGENT_TURNS)
+    assert items == [
+        {"type": "message", "id": "msg_1", "role": "developer", "status": "completed",
+         "content": [{"type": "input_text", "text": "Use tools."}]},
+        {"type": "message", "id": "msg_2", "role": "user", "status": "completed",
+         "content": [{"type": "input_text", "text": "Weather in Oslo?"},
+                     {"type": "input_text", "text": "And Bergen?"}]},
+        {"type": "reasoning", "id": "rs_given", "summary": [{"type": "summary_text", "text": "Need the tool."}]},
+        {"type": "function_call", "id": "fc_3", "call_id": "call_1", "name": "weather",
+         "arguments": "{\"city\":\"Oslo\"}", "status": "completed"},
+        {"type": "function_call", "id": "fc_4", "call_id": "call_2", "name": "weather",
+         "arguments": "{\"city\":\"Bergen\"}", "status": "completed"},
+        {"type": "function_call_output", "id": "fco_5", "call_id": "call_1", "output": "3 C", "status": "completed"},
+        {"type": "function_call_output", "id": "fco_6", "call_id": "call_2",
+         "output": [{"type": "input_text", "text": "5 C"}], "status": "completed"},
+        {"type": "message", "id": "msg_7", "role": "assistant", "status": "completed",
+         "content": [{"type": "output_text", "text": "Oslo 3 C, Bergen 5 C.", "annotations": []}]},
+    ]
+
+
+def test_f2_chat_messages_golden() -> None:
+    """developer -> system; reasoning joins the assistant turn; both calls on one assistant message."""
+    assert to_chat_messages(None, stored(AGENT_TURNS)) == [
+        {"role": "system", "content": "Use tools."},
+        {"role": "user", "content": "Weather in Oslo?\nAnd Bergen?"},
+        {"role": "assistant", "content": "", "reasoning_content": "Need the tool.", "tool_calls": [
+            {"id": "call_1", "type": "function", "function": {"name": "weather", "arguments": "{\"city\":\"Oslo\"}"}},
+            {"id": "call_2", "type": "function",
+             "function": {"name": "weather", "arguments": "{\"city\":\"Bergen\"}"}}]},
+        {"role": "tool", "tool_call_id": "call_1", "content": "3 C", "name": "weather"},
+        {"role": "tool", "tool_call_id": "call_2", "content": "5 C", "name": "weather"},
+        {"role": "assistant", "content": "Oslo 3 C, Bergen 5 C."},
+    ]
+
+
+def test_f2_compaction_joins_the_leading_system_message() -> None:
+    items = stored([{"type": "compaction", "encrypted_content": "User is Ada."}, {"role": "user", "content": "Hi"}])
+    assert items[0] == {"type": "compaction", "id": "cmp_1", "encrypted_content": "User is Ada."}
+    assert to_chat_messages("Be kind.", items) == [
+        {"role": "system", "content": f"Be kind.\n\n{COMPACTION_HEADING}\nUser is Ada."},
+        {"role": "user", "content": "Hi"}]
+
+
+def test_f2_turns_split_at_the_last_user_message() -> None:
+    items = stored([{"role": "user", "content": "a"}, {"role": "assistant", "content": "b"},
+                    {"role": "user", "content": "c"}, {"role": "assistant", "content": "d"}])
+    older, last = conversation_turns(items)
+    assert [i["id"] for i in older] == ["msg_1", "msg_2"] and [i["id"] for i in last] == ["msg_3", "msg_4"]
+    assert [i["id"] for i in drop_first_turn(items) or []] == ["msg_3", "msg_4"]
+    assert drop_first_turn(last) is None
+
+
+def test_f2_function_tools_in_template_shape() -> None:
+    req = parse_create_request({"input": "x", "tools": [
+        {"type": "function", "name": "weather", "description": "Get weather", "strict": True,
+         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]})
+    assert template_tools(req.tools) == [{"type": "function", "function": {
+        "name": "weather", "description": "Get weather",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+def test_f2_media_parts_become_refs() -> None:
+    items = parse_input_items([{"role": "user", "content": [
+        {"type": "input_text", "text": "see"},
+        {"type": "input_image", "image_url": "data:image/png;base64,AAAA", "detail": "low"},
+        {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]}])
+    assert media_refs(items) == [MediaRef(MediaKind.IMAGE, "data:image/png;base64,AAAA"),
+                                 MediaRef(MediaKind.AUDIO, "data:audio/wav;base64,AAAA")]
+
+
+@pytest.mark.parametrize(("value", "message"), [
+    ([{"type": "web_search_call", "id": "x"}], "input.0: items of type 'web_search_call' are not supported"),
+    ([{"type": "item_reference", "id": "msg_1"}], "input.0: item_reference is not supported"),
+    (["hi"], "input.0: each input item must be an object"),
+    ([{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}], "input.1.role: Input should be"),
+    ([{"role": "user", "content": [{"type": "input_text", "text": 5}]}], "input.0.content.list[tagged-union"),
+    ([{"type": "function_call", "call_id": "c", "name": "f", "arguments": {"a": 1}}], "input.0.arguments"),
+])
+def test_d1_bad_items_are_400s_naming_the_item(value: Any, message: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_input_items(value)
+    assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
+    assert message in caught.value.message
+
+
+def test_f2_image_without_url_and_files_are_refused() -> None:
+    with pytest.raises(ApiError, match="input_image needs an image_url"):
+        media_refs(parse_input_items([{"role": "user", "content": [{"type": "input_image", "file_id": "f"}]}]))
+    items = stored([{"role": "user", "content": [{"type": "input_file", "file_id": "file_1"}]}])
+    with pytest.raises(ApiError, match=r"input.0.content.0: content of type 'input_file' is not supported"):
+        to_chat_messages(None, items)
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"input": 5}, "input"),
+    ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
+    ({"input": "x", "temperature": 3}, "temperature"),
+    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "background": True, "store": False}, "background"),
+    ({"input": "x", "conversation": "conv_1"}, "conversation"),
+    ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "json_schema needs a name and a schema"),
+    ({"input": "x", "metadata": {"k": 1}}, "metadata.k"),
+    ([1, 2], "must be a JSON object"),
+])
+def test_d1_wrong_fields_are_400(body: Any, message: str) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse_create_request(body)
+    assert caught.value.status == 400 and message in caught.value.message
+
+
+class FakeContext:
+    """generation_params reads nothing of the context; this stands in for it."""
+
+
+def test_f2_sampling_fields_golden() -> None:
+    req = parse_create_request({"input": "x", "max_output_tokens": 7, "temperature": 0.5, "top_p": 0.9,
+                                "top_logprobs": 2, "include": ["message.output_text.logprobs"],
+                                "extra_body": {"top_k": 5, "seed": 3, "stop": "END", "cache_prompt": False}})
+    params = generation_params(FakeContext(), req, {"x-priority": "high"})  # type: ignore[arg-type]
+    assert params.sampling == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=3, max_tokens=7, logprobs=2)
+    assert params.stop == ("END",) and params.priority is Priority.HIGH and params.cache_prompt is False
+    default = generation_params(FakeContext(), parse_create_request({"input": "x"}), {})  # type: ignore[arg-type]
+    assert default.sampling == SamplingParams(temperature=1.0, max_tokens=None, logprobs=None)
