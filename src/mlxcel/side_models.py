@@ -206,7 +206,8 @@ def _single_purpose_mode(main_kind: CheckpointKind, embedding: ResolvedModel | N
         return SinglePurposeMode(name, "--reranker-model", "To serve chat as well, start it with -m CHAT_MODEL "
                                  "--reranker-model RERANKER_MODEL.")
     return SinglePurposeMode(name, "--reranker-model", "-m and --reranker-model name the same model, which selects "
-                             "a generative rerank-only process; give -m a different chat model to serve chat too.")
+                             "a generative rerank-only process; to serve chat as well, start it with "
+                             "-m CHAT_MODEL --reranker-model RERANKER_MODEL.")
 
 
 # ---- loading ----
