@@ -23,6 +23,7 @@ from mlxcel.env import Environment, EnvError, parse_bool
 from mlxcel.server.config import ServerConfig, default_responses_db
 
 if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
+    from mlxcel.text.chat_plan import FeatureSettings
     from mlxcel.api.generation import Prompt
     from mlxcel.loading import ResolvedModel
     from mlxcel.media.limits import MediaPolicy
@@ -92,6 +93,17 @@ OPTIONS: tuple[Option, ...] = (
            env="LLAMA_ARG_DTYPE", group="model", choices=("auto", "float32", "bfloat16", "float16")),
     Option(("--no-warmup",), "warmup", "skip the 1-token warmup before listening", default=True, kind="off",
            group="model"),
+    # chat behaviour (S, R, Q)
+    Option(("--reasoning-format",), "reasoning_format", "where reasoning goes: none (in the content), deepseek / "
+           "auto (reasoning_content), deepseek-legacy (both)", default="auto", env="LLAMA_ARG_THINK", group="chat",
+           choices=("none", "deepseek", "deepseek-legacy", "auto")),
+    Option(("--reasoning-budget",), "reasoning_budget", "reasoning tokens before </think> is forced: -1 unlimited, "
+           "0 none (requests may override)", default="-1", env="LLAMA_ARG_REASONING_BUDGET", metavar="N",
+           group="chat"),
+    Option(("--chat-template-kwargs",), "chat_template_kwargs", "default chat-template kwargs, a JSON object; "
+           "merged per key over LLAMA_ARG_CHAT_TEMPLATE_KWARGS", metavar="JSON", group="chat"),
+    Option(("--skip-chat-parsing",), "skip_chat_parsing", "return generated text as is: no reasoning or tool-call "
+           "parsing", default=False, kind="on", env="LLAMA_ARG_SKIP_CHAT_PARSING", group="chat"),
     # engine
     Option(("--parallel", "-np", "--n-parallel"), "parallel", "request slots served at once", parse=int, default=4,
            env="LLAMA_ARG_N_PARALLEL", metavar="N", group="engine", serve_names=("--n-parallel", "-np", "--parallel")),
@@ -192,7 +204,8 @@ GENERATE_OPTIONS: tuple[Option, ...] = (
 )
 _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
                     "verbose")
-GROUP_TITLES = {"model": "model", "engine": "engine", "server": "HTTP server", "logging": "logging",
+GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
+                "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input"}
 
 
@@ -308,7 +321,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
     keys, source = _api_keys(values)
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"],
                              chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
-                             warmup=values["warmup"])
+                             warmup=values["warmup"], chat=chat_settings(values, environment))
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
@@ -324,6 +337,19 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
                          _side_options(values, runtime), _media_policy(values, environment))
+
+
+def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSettings:
+    """The chat features' server settings (S, R, Q, P), checked now: bad JSON or values refuse startup."""
+    from mlxcel.text.chat_plan import FeatureSettings
+
+    settings = FeatureSettings(
+        reasoning_format=values["reasoning_format"], reasoning_budget=values["reasoning_budget"],
+        chat_template_kwargs=values["chat_template_kwargs"],
+        chat_template_kwargs_env=environment.raw.get("LLAMA_ARG_CHAT_TEMPLATE_KWARGS"),
+        loop_detection=environment["MLXCEL_LOOP_DETECTION"],
+        echo_max_bytes=environment["MLXCEL_REASONING_ECHO_MAX_BYTES"], skip_chat_parsing=values["skip_chat_parsing"])
+    return settings.checked()
 
 
 def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelOptions:

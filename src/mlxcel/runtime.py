@@ -19,6 +19,7 @@ from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.layers.quant import INT8_MAX_TOKENS, can_quantize_int8, quantize_int8
 from mlxcel.loading import LoadedModel, ResolvedModel, load_model
+from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Request, SamplingParams
@@ -36,6 +37,7 @@ class RuntimeOptions:
     chat_template_file: Path | None = None
     warmup: bool = True
     quantize: str = "auto"  # --quantize: auto = int8 weight-only linears on CPU, none = keep dtype
+    chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
 
     def is_int8(self) -> bool:
         if self.quantize not in ("auto", "int8", "none"):
@@ -61,6 +63,14 @@ class ServedModel:
     chat_template: ChatTemplate | None
     engine: EngineClient
     engine_config: EngineConfig
+    features: ChatFeatures | None = None  # built at startup; chat_features() builds defaults if missing
+
+    def chat_features(self) -> ChatFeatures:
+        """The model's chat features (S, R, Q, P, V); default settings when none were built."""
+        if self.features is None:
+            self.features = build_chat_features(self.name, self.loaded, self.tokenizer, self.chat_template,
+                                                FeatureSettings())
+        return self.features
 
     @property
     def context_size(self) -> int:
@@ -76,6 +86,13 @@ def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
         return Tokenizer.from_gguf(loaded.gguf.metadata)
     assert loaded.model_dir is not None
     return Tokenizer.from_pretrained_dir(loaded.model_dir)
+
+
+def build_chat_features(name: str, loaded: LoadedModel, tokenizer: Tokenizer, template: ChatTemplate | None,
+                        settings: FeatureSettings) -> ChatFeatures:
+    """Reasoning markers, tool-call format, grammar compiler and echo store for one model; a
+    ValueError for settings that cannot work (the server refuses to start)."""
+    return ChatFeatures.build(tokenizer, template, settings, model_name=name, model_type=loaded.model_type)
 
 
 def model_shape(loaded: LoadedModel) -> ModelShape:
@@ -96,11 +113,13 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
         gguf_metadata=loaded.gguf.metadata if loaded.gguf else None, model_dir=loaded.model_dir)
     log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
              else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
+    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
+    log.info("tool-call format: %s", features.tool_parser_name)
     engine_config = _clamp_parallel(loaded, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype)
     core.start()
-    served = ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config)
+    served = ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
     if options.warmup:
         warmup(served)
     return served

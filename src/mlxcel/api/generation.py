@@ -5,6 +5,11 @@ choice's TokenEvents through a `TextAssembler` (detokenizer + stop strings), con
 to text, and yields protocol-neutral `ChoiceDelta`s (streaming) or `ChoiceResult`s (collected).
 Protocol adapters only translate these to their JSON; none of this knows any wire format.
 
+Chat features plug in per choice through GenerationParams: `processors` (grammar mask, reasoning
+budget, loop guard: fresh TokenProcessors for each engine Request) and `output_parser` (reasoning /
+tool-call split, text/events.py). With a parser the stop strings are the parser's: they apply to
+the answer, never to reasoning, and each delta carries the parser's `events`.
+
     generation = Generation.start(ctx, [Prompt(ids)], params, n=2, request_id="chatcmpl-1")
     async for delta in generation.stream(): ...       # or: results = await generation.collect()
     usage = generation.usage()
@@ -15,16 +20,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator, Sequence
+from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, from_engine_error
 from mlxcel.engine.client import DecodeTimeoutError, RequestStream
+from mlxcel.text.chat_output import ParsedReply
+from mlxcel.text.events import ContentDelta, OutputEvent
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import (
-    EngineError, FinishReason, Priority, Request, SamplingParams, TokenEvent, TokenLogprob, Usage,
+    EngineError, FinishReason, Priority, Request, SamplingParams, TokenEvent, TokenLogprob, TokenProcessor, Usage,
 )
 
 
@@ -36,9 +44,23 @@ class Prompt:
     text: str | None = None
 
 
+class OutputParser(Protocol):
+    """One choice's text deltas -> events (text/chat_output.py, text/completion_output.py)."""
+
+    @property
+    def stop(self) -> str | None:
+        """The stop string that ended the output (then generation ends)."""
+
+    def feed(self, text: str) -> list[OutputEvent]: ...
+
+    def finish(self) -> list[OutputEvent]: ...
+
+    def result(self) -> ParsedReply: ...
+
+
 @dataclass(frozen=True, slots=True)
 class GenerationParams:
-    """Everything but the prompt: sampling, stop strings and scheduling (L, M)."""
+    """Everything but the prompt: sampling, stop strings and scheduling (L, M), chat features."""
 
     sampling: SamplingParams = field(default_factory=SamplingParams)
     stop: tuple[str, ...] = ()
@@ -46,6 +68,10 @@ class GenerationParams:
     cache_prompt: bool = True
     slot_id: int | None = None
     skip_special_tokens: bool = True
+    # Fresh TokenProcessors for one choice's engine Request (grammar, reasoning budget, loop guard).
+    processors: Callable[[Prompt], tuple[TokenProcessor, ...]] | None = None
+    # One choice's parser, given the prompt and `stop`; it then owns the stop strings.
+    output_parser: Callable[[Prompt, tuple[str, ...]], OutputParser] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,6 +95,7 @@ class ChoiceDelta:
     finish_reason: str | None = None  # "stop", "length", "abort", "loop"
     stop: str | None = None  # the stop string that ended the text
     token_ids: tuple[int, ...] = ()  # tokens generated since the previous delta (llama-server `tokens`)
+    events: tuple[OutputEvent, ...] = ()  # the output parser's events (with GenerationParams.output_parser)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,6 +125,7 @@ class ChoiceResult:
     num_prompt_tokens: int
     num_cached_tokens: int
     timings: ChoiceTimings
+    reply: ParsedReply | None = None  # the output parser's result (with GenerationParams.output_parser)
 
     @property
     def num_completion_tokens(self) -> int:
@@ -114,7 +142,9 @@ class _Choice:
         self.prompt_index = prompt_index
         self.stream = stream
         self.logprobs_n = params.sampling.logprobs
-        self.assembler = TextAssembler(ctx.tokenizer, stops=params.stop, skip_special_tokens=params.skip_special_tokens,
+        self.parser = params.output_parser(prompt, params.stop) if params.output_parser is not None else None
+        stops = params.stop if self.parser is None else ()  # a parser matches stops on the answer itself
+        self.assembler = TextAssembler(ctx.tokenizer, stops=stops, skip_special_tokens=params.skip_special_tokens,
                                        context_token_ids=prompt.token_ids)
         self.hidden = ctx.tokenizer.eos_token_ids
         self.num_prompt_tokens = len(prompt.token_ids)
@@ -137,18 +167,36 @@ class _Choice:
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
         step = self.assembler.push(event.token_ids)
         logprobs = self._logprob_texts(event)
-        text = step.text
-        if step.stop is not None:
+        text, stop, events = step.text, step.stop, ()
+        if self.parser is not None:
+            events, stop = self._parse(text, event.finish_reason)
+            text = "".join(e.text for e in events if isinstance(e, ContentDelta))
+        elif step.stop is not None:
             self.finish_reason = "stop"
         elif event.finish_reason is not None:
             text += self.assembler.finish()
             self.finish_reason = event.finish_reason.value  # "stop", "length", "abort" or "loop"
         self.text.append(text)
         self.logprobs.extend(logprobs)
-        if not text and not logprobs and self.finish_reason is None:
+        if not text and not events and not logprobs and self.finish_reason is None:
             return None
         token_ids, self.unsent_ids = tuple(self.unsent_ids), []
-        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, step.stop, token_ids)
+        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, stop, token_ids, events)
+
+    def _parse(self, text: str, engine_reason: FinishReason | None) -> tuple[tuple[OutputEvent, ...], str | None]:
+        """The parser's events for this step's text; ends the choice on its stop string or the engine's."""
+        assert self.parser is not None
+        parser = self.parser
+        events = parser.feed(text)
+        if parser.stop is None and engine_reason is not None:
+            events += parser.feed(self.assembler.finish())
+        if parser.stop is not None:
+            self.finish_reason = "stop"
+        elif engine_reason is not None:
+            self.finish_reason = engine_reason.value
+        if self.finish_reason is not None:
+            events += parser.finish()
+        return tuple(events), parser.stop
 
     def _observe(self, event: TokenEvent) -> None:
         if not event.token_ids:
@@ -169,9 +217,11 @@ class _Choice:
 
     def result(self) -> ChoiceResult:
         timings = ChoiceTimings(self.submitted_at, self.first_token_at, self.last_token_at or time.monotonic())
+        stop = self.parser.stop if self.parser is not None else self.assembler.stop
+        reply = self.parser.result() if self.parser is not None else None
         return ChoiceResult(self.index, self.prompt_index, "".join(self.text), tuple(self.token_ids),
-                            tuple(self.logprobs), self.finish_reason or "abort", self.assembler.stop,
-                            self.num_prompt_tokens, self.num_cached_tokens, timings)
+                            tuple(self.logprobs), self.finish_reason or "abort", stop,
+                            self.num_prompt_tokens, self.num_cached_tokens, timings, reply)
 
 
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:
@@ -282,5 +332,6 @@ def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, c
     sampling = params.sampling
     if sampling.seed is not None and choice_j:
         sampling = replace(sampling, seed=sampling.seed + choice_j)  # n > 1 with a seed: distinct samples
+    processors = params.processors(prompt) if params.processors is not None else ()
     return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
-                   cache_prompt=params.cache_prompt, slot_id=params.slot_id)
+                   cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors)

@@ -43,12 +43,17 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
         "observability": {"sequences_started": stats.sequences_started if stats else 0,
                           "sequences_completed": stats.sequences_completed if stats else 0},
         "context_size": stats.context_size if stats else 0,
-        "tool_call_parser": None,  # set once a tool-call parser is configured (spec V)
+        "tool_call_parser": _tool_call_parser(state),  # the format chosen from the chat template (V)
     }
     providers = providers_json(state.side)
     if providers:  # embedding / rerank workers (spec I); a chat-only server keeps K1's fields exactly
         body["providers"] = providers
     return body
+
+
+def _tool_call_parser(state: ServerState) -> str | None:
+    features = state.api.features if state.api is not None else None
+    return features.tool_parser_name if features is not None else None
 
 
 def providers_json(side: SideModels) -> list[dict[str, Any]]:

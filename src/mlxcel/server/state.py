@@ -8,7 +8,6 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
 from mlxcel.api.modes import chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
-from mlxcel.api.responses import ResponsesService
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.runtime import ServedModel
 from mlxcel.side_models import SideModels
@@ -29,7 +28,6 @@ class ServerState:
         self.side = side or SideModels()  # embedding / rerank providers (spec I)
         self.media = media or MediaPolicy()  # C2-C5, handed to adapters through ApiContext
         self.metrics = ServerMetrics(self.engine_stats, self.worker_stats)
-        self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
         self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
@@ -55,7 +53,8 @@ class ServerState:
         self.api = ApiContext(
             model_name=self.config.alias or served.name, engine=served.engine, tokenizer=served.tokenizer,
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
-            telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media)
+            telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
+            features=served.chat_features())
 
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None

@@ -2,17 +2,20 @@
 
 An adapter makes one `ChatOutputParser` per choice, feeds it every text delta the
 TextAssembler returns, calls `finish()` at the end, and reads `result()` for a non-streaming
-reply (text/events.py lists what it emits).
+reply (text/events.py lists what it emits). Stop strings given to the parser apply to the
+answer only: reasoning (and a budget's forced `</think>`) never ends the reply (R).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxcel.text.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallEnd,
 )  # fmt: skip
 from mlxcel.text.reasoning import ReasoningFormat, ReasoningSplitter, ThinkTokens
+from mlxcel.text.stop import StopMatcher
 from mlxcel.text.tools.base import ToolParser
 
 
@@ -43,15 +46,22 @@ class ChatOutputParser:
         reasoning_format: ReasoningFormat = ReasoningFormat.AUTO,
         starts_in_reasoning: bool = False,
         tool_parser: ToolParser | None = None,
+        stops: Sequence[str] = (),
     ) -> None:
         markers = (think.start, think.end) if think is not None else None
         self._splitter = ReasoningSplitter(
             markers, reasoning_format=reasoning_format, starts_in_reasoning=starts_in_reasoning
         )
         self._tools = tool_parser
+        self._stops = StopMatcher(stops)
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._is_finished = False
+
+    @property
+    def stop(self) -> str | None:
+        """The stop string that ended the answer, if one did (the caller then ends generation)."""
+        return self._stops.matched
 
     def feed(self, text: str) -> list[OutputEvent]:
         """One text delta in; the reasoning, content and tool-call events it completed out."""
@@ -71,15 +81,23 @@ class ChatOutputParser:
     def _route(self, split: list[ContentDelta | ReasoningDelta], *, is_final: bool) -> list[OutputEvent]:
         out: list[OutputEvent] = []
         for event in split:
-            if isinstance(event, ContentDelta) and self._tools is not None:
-                out.extend(self._tools.feed(event.text))
+            if isinstance(event, ContentDelta):
+                self._answer(self._stops.push(event.text)[0], out)
             else:
                 out.append(event)
-        if is_final and self._tools is not None:
-            out.extend(self._tools.finish())
+        if is_final:
+            self._answer(self._stops.flush(), out)
+            if self._tools is not None:
+                out.extend(self._tools.finish())
         for event in out:
             self._record(event)
         return out
+
+    def _answer(self, text: str, out: list[OutputEvent]) -> None:
+        """Answer text that passed the stop strings: to the tool parser, or out as content."""
+        if not text:
+            return
+        out.extend(self._tools.feed(text) if self._tools is not None else [ContentDelta(text)])
 
     def _record(self, event: OutputEvent) -> None:
         if isinstance(event, ContentDelta):

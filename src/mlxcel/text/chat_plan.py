@@ -12,13 +12,14 @@ Per chat request (any protocol; `body` is the JSON as received, before flattenin
     text = template.render(plan.messages, tools=..., **plan.template_kwargs)   # TemplateError -> 400
     plan.set_prompt(text)                                      # primed-think detection
     Request(..., processors=plan.processors())                 # fresh per choice
-    parser = plan.output_parser()                              # one per choice
-    for each text delta: events = parser.feed(delta)           # text/events.py
+    parser = plan.output_parser(stops)                         # one per choice; stops match the answer
+    for each text delta: events = parser.feed(delta)           # text/events.py; parser.stop ends it
     at the end:         events = parser.finish(); plan.remember(parser.result())
 
 Per raw completion (llama-server /completion, OpenAI /v1/completions):
 
     processors = features.completion_processors(body, prompt_text, max_tokens=...)
+    parser = features.completion_parser(body, prompt_text, stops=..., max_tokens=...)  # per choice
 """
 
 from __future__ import annotations
@@ -34,6 +35,7 @@ from mlxcel.text.budget import (
 )  # fmt: skip
 from mlxcel.text.chat_output import ChatOutputParser, ParsedReply
 from mlxcel.text.chat_template import ChatTemplate
+from mlxcel.text.completion_output import CompletionOutputParser
 from mlxcel.text.grammar import Grammar, GrammarCompiler, GrammarError
 from mlxcel.text.loop_guard import (
     LoopGuardError, LoopPolicy, family_policy, make_loop_guard, parse_operator_override, resolve_loop_policy,
@@ -66,6 +68,17 @@ class FeatureSettings:
     loop_detection: str | None = None  # MLXCEL_LOOP_DETECTION
     echo_max_bytes: int = 16 << 20  # MLXCEL_REASONING_ECHO_MAX_BYTES; 0 disables
     skip_chat_parsing: bool = False  # --skip-chat-parsing
+
+    def checked(self) -> FeatureSettings:
+        """These settings, after parsing each (a ValueError naming the flag or variable), so the
+        server refuses to start before loading a model."""
+        ReasoningFormat.parse(self.reasoning_format)
+        parse_server_budget(self.reasoning_budget)
+        server_template_kwargs(self.chat_template_kwargs, self.chat_template_kwargs_env)
+        parse_operator_override(self.loop_detection)
+        if self.echo_max_bytes < 0:
+            raise ValueError(f"MLXCEL_REASONING_ECHO_MAX_BYTES must be 0 (off) or more, not {self.echo_max_bytes}")
+        return self
 
 
 @dataclass(frozen=True)
@@ -144,6 +157,15 @@ class ChatFeatures:
         policy = resolve_loop_policy(self.loop_family, self.loop_operator, body)
         return _processors(self, budget, grammar, policy, is_primed(prompt_text, self.think))
 
+    def completion_parser(
+        self, body: Mapping[str, Any], prompt_text: str, *, stops: Sequence[str], max_tokens: int | None
+    ) -> CompletionOutputParser:
+        """The raw text parser for a completion: when the request budgets reasoning, its stop
+        strings skip the reasoning block, so a forced `</think>` never stops it (R)."""
+        budget = resolve_thinking_budget(body, self.reasoning_budget, max_tokens)
+        think = self.think if budget != UNLIMITED else None
+        return CompletionOutputParser(think, starts_in_reasoning=is_primed(prompt_text, self.think), stops=stops)
+
     def _chat_grammar(
         self, body: Mapping[str, Any], tools: Sequence[Mapping[str, Any]] | None, tool_choice: Any, parallel: bool
     ) -> Grammar | None:
@@ -199,13 +221,13 @@ class ChatPlan:
         """Fresh TokenProcessors for one choice's engine Request."""
         return _processors(self.features, self.budget, self.grammar, self.loop_policy, self.starts_in_reasoning)
 
-    def output_parser(self) -> ChatOutputParser:
-        """A fresh parser for one choice's text deltas."""
+    def output_parser(self, stops: Sequence[str] = ()) -> ChatOutputParser:
+        """A fresh parser for one choice's text deltas; `stops` end the answer (not the reasoning)."""
         features = self.features
         reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
         tools = make_tool_parser(self.tool_format) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
-                                starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools)
+                                starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops)
 
     def remember(self, reply: ParsedReply) -> None:
         """After a finished plain answer: keep its reasoning for the echo (Q)."""

@@ -14,6 +14,7 @@ from collections import Counter
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import Generation, GenerationParams, Prompt
@@ -29,7 +30,9 @@ from mlxcel.types import SamplingParams
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a /completion body; raises ApiError(400) naming the bad field."""
-    return validate_body(CompletionRequest, body)
+    req = validate_body(CompletionRequest, body)
+    req._body = body  # reasoning budget, json_schema / grammar and loop-guard fields (R, V, P)
+    return req
 
 
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -47,6 +50,9 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     sampling = sampling_params(ctx.tokenizer, fields)
     params = GenerationParams(sampling=sampling, stop=fields.stop_words, priority=request_priority(headers),
                               cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None)
+    max_tokens = fields.num_predict if fields.num_predict >= 0 else None  # R: a budget must fit in n_predict
+    params = chat_features.with_completion_features(ctx, params, fields._body or fields.model_dump(), prompts,
+                                                    max_tokens=max_tokens)
     generation = Generation.start(ctx, prompts, params, request_id=f"cmpl-{uuid.uuid4().hex}")
     options = reply_options(ctx, fields, sampling)
     texts = [prompt_text(ctx.tokenizer, p) for p in prompts]

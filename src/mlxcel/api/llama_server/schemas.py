@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, PrivateAttr, field_validator, model_validator
 
 from mlxcel.api.schema import WireModel
 
@@ -42,6 +42,7 @@ class CompletionFields(WireModel):
     id_slot: int = Field(-1, ge=-1)
     return_tokens: bool = False
     model: str | None = None
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)  # as received: budget, grammar, loop guard (R, V, P)
 
     @property
     def num_predict(self) -> int:
@@ -122,6 +123,7 @@ class ApplyTemplateRequest(WireModel):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)  # as received, for the template kwargs (S)
 
     @model_validator(mode="after")
     def _check_continue(self) -> ApplyTemplateRequest:

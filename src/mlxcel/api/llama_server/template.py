@@ -1,14 +1,15 @@
 """llama-server native `POST /apply-template` (F4): the exact prompt /v1/chat/completions would use.
 
 The messages take the chat route's shape and go through the same renderer (api/chat_prompt.py),
-so sending the returned `prompt` to `/completion` generates what chat would.
+so sending the returned `prompt` to `/completion` generates what chat would: server and request
+template kwargs (S) and the reasoning echo (Q) are applied as chat applies them.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from mlxcel.api import chat_prompt
+from mlxcel.api import chat_features, chat_prompt
 from mlxcel.api.context import ApiContext
 from mlxcel.api.llama_server.schemas import ApplyTemplateRequest
 from mlxcel.api.replies import JsonReply
@@ -17,13 +18,16 @@ from mlxcel.api.schema import flatten_extra_body, validate_body
 
 def parse_apply_template_request(body: Any) -> ApplyTemplateRequest:
     """Validate like a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
-    return validate_body(ApplyTemplateRequest, flatten_extra_body(body))
+    req = validate_body(ApplyTemplateRequest, flatten_extra_body(body))
+    req._body = body  # as received: template kwargs read extra_body and the root separately (S)
+    return req
 
 
 def apply_template(ctx: ApiContext, req: ApplyTemplateRequest) -> JsonReply:
     """`{"prompt": text}` rendered by the served model's chat template; a template failure is a 400."""
     messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    plan = chat_features.plan_chat(ctx, req._body or req.model_dump(exclude_none=True), messages, tools=req.tools)
     text = chat_prompt.render_chat_text(
-        ctx, messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+        ctx, plan.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+        continue_final_message=req.continue_final_message, template_kwargs=plan.template_kwargs)
     return JsonReply({"prompt": text})

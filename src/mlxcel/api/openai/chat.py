@@ -1,26 +1,37 @@
-"""POST /v1/chat/completions and /v1/chat/completions/input_tokens (F1, F5): JSON <-> Generation."""
+"""POST /v1/chat/completions and /v1/chat/completions/input_tokens (F1, F5): JSON <-> Generation.
+
+Chat features (S, R, Q, P, V) come from api/chat_features.py: template kwargs, reasoning split
+and echo, reasoning budget, tools and tool_choice, response_format / json_schema / grammar, and
+the loop guard; chat_events.py writes the reply's reasoning, content and tool calls.
+"""
 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from mlxcel.api import chat_prompt
+from mlxcel.api import chat_features, chat_prompt
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
 from mlxcel.api.media import validate_media
-from mlxcel.api.openai import common
+from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
 from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
+from mlxcel.text.chat_plan import ChatPlan
+from mlxcel.text.events import ToolCallStart
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
-    return validate_body(ChatCompletionRequest, flatten_extra_body(body))
+    """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400).
+    The body as received stays on the request for the chat features (their field precedence
+    tells extra_body from the root)."""
+    req = validate_body(ChatCompletionRequest, flatten_extra_body(body))
+    req._body = body
+    return req
 
 
 async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -29,17 +40,17 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     `headers` (lower-case names) may carry X-Priority. Raises ApiError before any stream starts.
     """
     await validate_media(ctx, media_refs(req))  # C2-C5: resolved and checked first, then refused (text model)
-    prompt = render_chat_prompt(ctx, req)
+    plan, prompt = prepare_chat(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = common.sampling_params(ctx, req, max_tokens=req.max_completion_tokens or req.max_tokens,
-                                      logprobs=logprobs)
-    params = common.generation_params(req, sampling, headers)
+    sampling = common.sampling_params(ctx, req, max_tokens=_max_tokens(req), logprobs=logprobs)
+    params = chat_features.with_chat_features(common.generation_params(req, sampling, headers), plan)
     completion_id = common.new_id("chatcmpl")
     generation = Generation.start(ctx, [prompt], params, n=req.n, request_id=completion_id)
     if req.stream:
-        frames = _stream_frames(ctx, generation, req, completion_id)
+        frames = _stream_frames(ctx, generation, req, plan, completion_id)
         return StreamReply(with_keepalive(frames, ctx.sse_keepalive_s), on_close=generation.aclose)
     results = await generation.collect()
+    chat_features.remember_replies(plan, results)
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: counted the same streamed or not
     return JsonReply({
@@ -50,25 +61,39 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
 
 def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> JsonReply:
     """F5: the prompt token count a chat request would have, without generating."""
-    prompt = render_chat_prompt(ctx, req)
+    _, prompt = prepare_chat(ctx, req)
     return JsonReply({"object": "chat.completion.input_tokens", "model": ctx.model_name,
                       "input_tokens": len(prompt.token_ids)})
 
 
-def render_chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> Prompt:
-    """Render the chat template through the shared renderer (a failure is a 400) and tokenize."""
+def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[ChatPlan, Prompt]:
+    """The request's chat plan and its rendered prompt (a failure of either is a 400)."""
     messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-    return chat_prompt.render_chat_prompt(
-        ctx, messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
-        continue_final_message=req.continue_final_message, template_kwargs=req.chat_template_kwargs)
+    plan = chat_features.plan_chat(
+        ctx, req._body or req.model_dump(exclude_none=True), messages, tools=req.tools,
+        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, max_tokens=_max_tokens(req),
+        cache_prompt=req.cache_prompt)
+    prompt = chat_features.render_plan(ctx, plan, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+                                       continue_final_message=req.continue_final_message)
+    return plan, prompt
+
+
+def render_chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> Prompt:
+    """The prompt the request generates from (template kwargs and reasoning echo applied)."""
+    return prepare_chat(ctx, req)[1]
+
+
+def _max_tokens(req: ChatCompletionRequest) -> int | None:
+    return req.max_completion_tokens or req.max_tokens
 
 
 def _choice_json(result: ChoiceResult, want_logprobs: bool) -> dict[str, Any]:
+    assert result.reply is not None  # chat generations always parse their output
     return {
         "index": result.index,
-        "message": {"role": "assistant", "content": result.text},
+        "message": chat_events.message_json(result.reply),
         "logprobs": logprobs_json(result.logprobs) if want_logprobs else None,
-        "finish_reason": result.finish_reason,
+        "finish_reason": chat_events.finish_reason(result.finish_reason, result.reply.has_tool_calls),
     }
 
 
@@ -79,7 +104,7 @@ def logprobs_json(entries: Sequence[LogprobText]) -> dict[str, Any]:
     return {"content": [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries]}
 
 
-async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompletionRequest,
+async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompletionRequest, plan: ChatPlan,
                          completion_id: str) -> AsyncIterator[str]:
     created = common.now()
     with_usage = common.include_usage(req)
@@ -94,12 +119,15 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
         for index in range(req.n):
             yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                           "finish_reason": None}])
+        called: set[int] = set()  # choices that made tool calls
         async for delta in generation.stream():
-            yield chunk([_delta_json(delta, req.logprobs)])
+            for choice in _delta_choices(delta, req.logprobs, called):
+                yield chunk([choice])
     except ApiError as exc:  # a failure after the headers went out: an error event, then the end
         yield sse_frame(error_body(exc))
         yield DONE_FRAME
         return
+    chat_features.remember_replies(plan, generation.results())
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: at the end, whether or not usage was asked for
     if with_usage:
@@ -107,10 +135,16 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
     yield DONE_FRAME
 
 
-def _delta_json(delta: ChoiceDelta, want_logprobs: bool) -> dict[str, Any]:
-    return {
-        "index": delta.index,
-        "delta": {"content": delta.text} if delta.text else {},
-        "logprobs": logprobs_json(delta.logprobs) if want_logprobs and delta.logprobs else None,
-        "finish_reason": delta.finish_reason,
-    }
+def _delta_choices(delta: ChoiceDelta, want_logprobs: bool, called: set[int]) -> list[dict[str, Any]]:
+    """One chunk choice per output event; logprobs ride on the first, the finish reason on the last."""
+    if any(isinstance(e, ToolCallStart) for e in delta.events):
+        called.add(delta.index)
+    logprobs = logprobs_json(delta.logprobs) if want_logprobs and delta.logprobs else None
+    deltas = chat_events.event_deltas(delta.events)
+    if not deltas and logprobs is None and delta.finish_reason is None:
+        return []
+    choices = [{"index": delta.index, "delta": d, "logprobs": None, "finish_reason": None} for d in deltas or [{}]]
+    choices[0]["logprobs"] = logprobs
+    if delta.finish_reason is not None:
+        choices[-1]["finish_reason"] = chat_events.finish_reason(delta.finish_reason, delta.index in called)
+    return choices

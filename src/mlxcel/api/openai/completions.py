@@ -5,6 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
@@ -17,14 +18,18 @@ from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a completions body (extra_body fields lifted to the root); raises ApiError(400)."""
-    return validate_body(CompletionRequest, flatten_extra_body(body))
+    req = validate_body(CompletionRequest, flatten_extra_body(body))
+    req._body = body  # as received: the reasoning budget, grammar and loop guard read it (R, V, P)
+    return req
 
 
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
     """Run a text completion for one or more prompts, n choices each; raises ApiError before streaming."""
     prompts = completion_prompts(ctx, req.prompt)
     sampling = common.sampling_params(ctx, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    params = common.generation_params(req, sampling, headers)
+    params = chat_features.with_completion_features(
+        ctx, common.generation_params(req, sampling, headers), req._body or req.model_dump(exclude_none=True),
+        prompts, max_tokens=req.max_tokens)
     completion_id = common.new_id("cmpl")
     generation = Generation.start(ctx, prompts, params, n=req.n, request_id=completion_id)
     if req.stream:

@@ -8,12 +8,13 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from mlxcel.api.schema import WireModel
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
+TOOL_CHOICES = ("auto", "none", "required")
 
 
 class MediaUrl(WireModel):
@@ -46,6 +47,7 @@ class ChatMessage(WireModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+    reasoning: str | None = None  # the other spelling clients send reasoning back in (Q)
 
 
 class StreamOptions(WireModel):
@@ -81,6 +83,9 @@ class SamplingFields(WireModel):
     id_slot: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     extra_body: dict[str, Any] | None = None
+    # The body as received (before extra_body is flattened): chat features read their fields
+    # there (S, R, P, V: template kwargs, budget, loop guard, json_schema / grammar).
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_best_of(self) -> SamplingFields:
@@ -97,6 +102,10 @@ class ChatCompletionRequest(SamplingFields):
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool = True
+    response_format: dict[str, Any] | None = None  # text, json_object, json_schema (V)
+    reasoning_effort: str | None = None  # a template kwarg when the template reads it (S)
+    prompt_cache_key: str | None = None  # the reasoning echo's session key (Q)
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
@@ -107,6 +116,9 @@ class ChatCompletionRequest(SamplingFields):
             raise ValueError("top_logprobs: needs logprobs set to true")
         if self.continue_final_message and self.add_generation_prompt:
             raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        if isinstance(self.tool_choice, str) and self.tool_choice not in TOOL_CHOICES:
+            raise ValueError(f"tool_choice: must be one of {', '.join(TOOL_CHOICES)} or a named function, "
+                             f"not {self.tool_choice!r}")
         return self
 
 
