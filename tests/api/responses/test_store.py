@@ -48,6 +48,15 @@ def test_f2_file_is_wal_and_versioned(tmp_path: Path) -> None:
     raw.close()
     with pytest.raises(sqlite3.DatabaseError, match="schema version 99"):
         ResponseStore(path)
+    with pytest.raises(OSError, match=r"--responses-db .*schema version 99"):
+        AsyncResponseStore.open(path)
+
+
+def test_f2_a_file_that_is_not_a_database_is_one_clear_error(tmp_path: Path) -> None:
+    path = tmp_path / "r.sqlite3"
+    path.write_bytes(b"not a database at all, just some bytes" * 10)
+    with pytest.raises(OSError, match="cannot open the responses database"):
+        AsyncResponseStore.open(path)
 
 
 def test_f2_save_replaces_the_row(tmp_path: Path) -> None:

@@ -156,8 +156,16 @@ class AsyncResponseStore:
 
     @classmethod
     def open(cls, path: Path | None) -> AsyncResponseStore:
-        """Open (or create) the database and fail what an earlier process left unfinished."""
-        async_store = cls(ResponseStore(path))
+        """Open (or create) the database and fail what an earlier process left unfinished.
+
+        Raises OSError naming the file when it cannot be opened (unwritable folder, not a
+        database, another schema version), so startup can refuse with one line.
+        """
+        try:
+            store = ResponseStore(path)
+        except (sqlite3.Error, OSError) as exc:
+            raise OSError(f"--responses-db {path}: cannot open the responses database: {exc}") from None
+        async_store = cls(store)
         async_store.submit(async_store.store.fail_unfinished).result()
         return async_store
 
