@@ -1,0 +1,130 @@
+"""Structured output and forced tool calls on the real default model (SmolLM2), through the server
+(V): response_format json_schema / json_object, llama-server json_schema and GBNF grammar, every
+output validated with `jsonschema`; a constrained and a free request sharing a batch."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from typing import Any
+
+import httpx
+import jsonschema
+import openai
+import pytest
+
+from mlxcel.server.lifecycle import ServerThread
+from tests.server.conftest import chat_body
+
+pytestmark = pytest.mark.slow
+
+PERSON = {
+    "type": "object",
+    "properties": {"name": {"type": "string", "maxLength": 10}, "age": {"type": "integer", "minimum": 0,
+                                                                        "maximum": 120}},
+    "required": ["name", "age"],
+    "additionalProperties": False,
+}
+ASK = "Give me a person as JSON."
+WEATHER_TOOL = {"type": "function", "function": {
+    "name": "get_weather", "parameters": {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12}},
+                                          "required": ["city"], "additionalProperties": False}}}
+TIME_TOOL = {"type": "function", "function": {"name": "get_time", "parameters": {"type": "object", "properties": {}}}}
+
+
+@pytest.fixture()
+def sdk(server: ServerThread) -> Iterator[openai.OpenAI]:
+    with openai.OpenAI(base_url=server.address + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
+        yield client
+
+
+def schema_format(strict: bool = True) -> dict[str, Any]:
+    return {"type": "json_schema", "json_schema": {"name": "person", "schema": PERSON, "strict": strict}}
+
+
+def test_v_health_reports_generic_tool_calls_for_smollm2(client: httpx.Client) -> None:
+    assert client.get("/health").json()["tool_call_parser"] == "generic"
+
+
+def test_v_json_schema_response_validates(sdk: openai.OpenAI) -> None:
+    completion = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK}], temperature=0,
+                                             max_tokens=40, response_format=schema_format())
+    choice = completion.choices[0]
+    assert choice.finish_reason == "stop"
+    jsonschema.validate(json.loads(choice.message.content), PERSON)
+
+
+def test_v_json_schema_streamed_validates(sdk: openai.OpenAI) -> None:
+    stream = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": ASK}], temperature=0,
+                                         max_tokens=40, response_format=schema_format(strict=False), stream=True)
+    text = "".join(chunk.choices[0].delta.content or "" for chunk in stream if chunk.choices)
+    jsonschema.validate(json.loads(text), PERSON)
+
+
+def test_v_json_object(sdk: openai.OpenAI) -> None:
+    completion = sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Describe a cat."}],
+                                             temperature=0, max_tokens=60, response_format={"type": "json_object"})
+    assert isinstance(json.loads(completion.choices[0].message.content), dict)
+
+
+def test_v_llama_server_json_schema_and_gbnf_on_completion(client: httpx.Client) -> None:
+    native = client.post("/completion", json={"prompt": "A person: ", "n_predict": 40, "temperature": 0,
+                                              "json_schema": PERSON}).json()
+    jsonschema.validate(json.loads(native["content"]), PERSON)
+    grammar = 'root ::= "The answer is " ("yes" | "no") "."'
+    gbnf = client.post("/completion", json={"prompt": "Is water wet?", "n_predict": 12, "temperature": 0,
+                                            "grammar": grammar}).json()
+    assert gbnf["content"] in ("The answer is yes.", "The answer is no.")
+    openai_style = client.post("/v1/completions", json={"prompt": "Is water wet?", "max_tokens": 12,
+                                                         "temperature": 0, "grammar": grammar}).json()
+    assert openai_style["choices"][0]["text"] in ("The answer is yes.", "The answer is no.")
+
+
+@pytest.mark.parametrize("fields", [
+    {"response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "nope"}}}},
+    {"grammar": "root ::= ("},
+    {"response_format": {"type": "xml"}},
+])  # fmt: skip
+def test_v_invalid_constraints_are_400s_before_streaming(client: httpx.Client, fields: dict[str, Any]) -> None:
+    reply = client.post("/v1/chat/completions", json=chat_body(stream=True, **fields))
+    assert reply.status_code == 400 and reply.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_v_constrained_and_free_requests_share_a_batch(client: httpx.Client) -> None:
+    constrained = chat_body(ASK, max_tokens=40, response_format=schema_format())
+    free = chat_body("Say hello.", max_tokens=12)
+    with ThreadPoolExecutor(2) as pool:
+        replies = list(pool.map(lambda body: client.post("/v1/chat/completions", json=body).json(),
+                                [constrained, free]))
+    jsonschema.validate(json.loads(replies[0]["choices"][0]["message"]["content"]), PERSON)
+    text = replies[1]["choices"][0]["message"]["content"]
+    assert text and not text.lstrip().startswith("{")  # the free one was not masked
+
+
+@pytest.mark.parametrize("tool_choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_v_forced_tool_call_is_well_formed(sdk: openai.OpenAI, tool_choice: Any) -> None:
+    completion = sdk.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        max_tokens=60, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=tool_choice, parallel_tool_calls=False)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    if isinstance(tool_choice, dict):
+        assert call.function.name == "get_weather"
+    tool = WEATHER_TOOL if call.function.name == "get_weather" else TIME_TOOL
+    jsonschema.validate(json.loads(call.function.arguments), tool["function"]["parameters"])
+
+
+def test_v_forced_tool_call_streamed_by_the_sdk_helper(sdk: openai.OpenAI) -> None:
+    with sdk.chat.completions.stream(
+        model="m", messages=[{"role": "user", "content": "Weather in Rome?"}], temperature=0, max_tokens=60,
+        tools=[WEATHER_TOOL], tool_choice="required",
+    ) as stream:
+        completion = stream.get_final_completion()
+    calls = completion.choices[0].message.tool_calls  # parallel calls allowed: every one well-formed
+    assert calls and completion.choices[0].finish_reason == "tool_calls"
+    assert [c.index for c in calls] == list(range(len(calls))) and len({c.id for c in calls}) == len(calls)
+    for call in calls:
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
