@@ -243,7 +243,7 @@ def test_d1_body_errors_before_availability(small_server: ServerThread, path: st
         def post(content: bytes, content_type: str | None = "application/json") -> httpx.Response:
             headers = {"Content-Type": content_type} if content_type else {}
             return http.post(path, content=content, headers=headers)
-        cases = [(post(b"{\"input\": "), 400), (post(b""), 400), (post(b"[1]"), 400),
+        cases = [(post(b"{\"input\": "), 400), (post(b""), 400), (post(b"[1]"), 400), (post(b"{}"), 400),
                  (post(b"{\"input\": 5}"), 400), (post(b"{\"input\": \"x\", \"instructions\": 5}"), 400),
                  (post(b"{\"input\": [{\"role\": \"user\"}]}"), 400),
                  (post(b"{\"input\": \"x\"}", None), 415), (post(b"{\"input\": \"x\"}", "text/plain"), 415),

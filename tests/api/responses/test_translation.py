@@ -146,6 +146,8 @@ def test_f2_image_without_url_and_files_are_refused() -> None:
 
 @pytest.mark.parametrize(("body", "message"), [
     ({"input": 5}, "input"),
+    ({}, "input: at least one input item"),
+    ({"input": []}, "input: at least one input item"),
     ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "temperature"),
     ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),

@@ -50,7 +50,7 @@ async def compact_response(ctx: ApiContext, service: ResponsesService, req: Comp
     await validate_media(ctx, media_refs(items))
     conversation = await service.history(req.previous_response_id) + stored_items(items)
     if not conversation:
-        raise invalid_request("input: there is nothing to compact (no input and no previous_response_id)")
+        raise invalid_request("there is nothing to compact: the previous response holds no items")
     older, kept = conversation_turns(conversation)
     if not older:
         older, kept = conversation, []

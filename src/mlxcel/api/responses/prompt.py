@@ -44,8 +44,6 @@ async def plan_prompt(ctx: ApiContext, service: ResponsesService, req: Conversat
     reason), then refused: the served model reads text only (api/media.py).
     """
     items = parse_input_items(req.input)
-    if not items and req.previous_response_id is None:
-        raise invalid_request("input: at least one input item (or a previous_response_id) is required")
     await validate_media(ctx, media_refs(items))
     conversation = await service.history(req.previous_response_id) + stored_items(items)
     return render_conversation(ctx, req, conversation)

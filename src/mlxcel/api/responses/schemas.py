@@ -209,6 +209,8 @@ class ConversationFields(WireModel):
 
     @model_validator(mode="after")
     def _check_conversation(self) -> ConversationFields:
+        if not self.input and self.previous_response_id is None:
+            raise ValueError("input: at least one input item (or a previous_response_id) is required")
         if self.conversation is not None:
             raise ValueError("conversation: the Conversations API is not available on this server; "
                              "chain turns with previous_response_id")
