@@ -16,7 +16,7 @@ from mlxcel.api.anthropic.billing import pin_billing_stamp
 from mlxcel.api.anthropic.conversation import template_messages, template_tools
 from mlxcel.api.anthropic.count_tokens import count_message_tokens
 from mlxcel.api.anthropic.messages import stop_reason
-from mlxcel.api.anthropic.stream import PING_FRAME, ContentBlocks
+from mlxcel.api.anthropic.stream import PING_FRAME, ContentBlocks, message_events
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_api_key, invalid_request, unavailable
 from mlxcel.api.generation import ChoiceResult, ChoiceTimings
@@ -289,3 +289,26 @@ def test_d1_anthropic_envelopes() -> None:
     too_big = ApiError(413, "too big", "invalid_request_error", code=413)
     assert error_body(too_big, "anthropic") == {"error": {"message": "too big", "type": "invalid_request_error",
                                                           "code": 413}}  # 413 keeps the OpenAI envelope (D1)
+
+
+# ---- A9 pings while silent; a failure after the headers is an error event ----
+
+def test_e1_pings_while_silent_and_error_event() -> None:
+    async def slow_then_fail() -> Any:
+        await asyncio.sleep(0.35)
+        yield {"type": "content_block_delta", "index": 0, "delta": {"type": "text_delta", "text": "late"}}
+        raise ApiError(504, "no token for 600 s", "timeout_error", code=504)
+
+    async def collect() -> list[str]:
+        start = {"type": "message_start", "message": {}}
+        return [frame async for frame in message_events(start, ContentBlocks(), slow_then_fail(), 0.1)]
+
+    frames = asyncio.run(collect())
+    assert frames[:3] == ['event: message_start\ndata: {"type":"message_start","message":{}}\n\n',
+                          'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
+                          '"content_block":{"type":"text","text":""}}\n\n', PING_FRAME]
+    late = frames.index('event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
+                        '"delta":{"type":"text_delta","text":"late"}}\n\n')
+    assert late >= 5 and set(frames[3:late]) == {PING_FRAME}  # at least two pings while silent
+    assert frames[late + 1:] == ['event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
+                                 '"message":"no token for 600 s"}}\n\n']
