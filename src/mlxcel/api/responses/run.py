@@ -95,7 +95,7 @@ class ResponseRun:
                 final = self._finish("failed", error={"code": "server_error", "message": exc.message})
             for event in self._record(final):
                 yield event
-            await self._save()
+            await asyncio.shield(self._save())  # the final row is written even if the listener leaves now
         finally:
             if not self.draft.is_done:  # cancelled task or closed stream: record it without awaiting
                 list(self._record(self._finish("cancelled")))
