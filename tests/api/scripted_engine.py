@@ -8,6 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlxcel.api.context import ApiContext
+from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import FinishReason, Request, TokenEvent, TokenLogprob
@@ -67,9 +68,12 @@ def _logprobs(request: Request, token_id: int) -> tuple[TokenLogprob, ...] | Non
 
 
 def scripted_context(tokenizer: Tokenizer, engine: ScriptedEngine, gguf_metadata: dict | None = None) -> ApiContext:
+    """The served-model context the adapters see, with the chat features the server builds."""
     template = load_chat_template(gguf_metadata=gguf_metadata) if gguf_metadata is not None else None
+    features = ChatFeatures.build(tokenizer, template, FeatureSettings(), model_name="SmolLM2-135M-Instruct",
+                                  model_type="llama")
     return ApiContext(model_name="SmolLM2-135M-Instruct", engine=engine, tokenizer=tokenizer,  # type: ignore[arg-type]
-                      chat_template=template, context_size=1024, created=int(time.time()))
+                      chat_template=template, context_size=1024, created=int(time.time()), features=features)
 
 
 def smollm2_metadata() -> dict:
