@@ -7,10 +7,20 @@ Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+# The step being computed on this thread, for layers that choose kernels per row (quant.py).
+_CURRENT_STEP: ContextVar[AttentionContext | None] = ContextVar("mlxcel_current_step", default=None)
+
+
+def current_step() -> AttentionContext | None:
+    return _CURRENT_STEP.get()
 
 
 class KVCache:
@@ -52,9 +62,20 @@ class AttentionContext:
         self._masks: dict[tuple[str, int | None], object] = {}
         self.slot_mapping = self._slot_mapping() if kv is not None else None
         decode = [i for i, s in enumerate(seqs) if s.q_len == 1 and kv is not None]
-        self.decode_rows = decode if len(decode) > 1 else []
+        self.decode_rows = decode  # one batched path for every decode row, alone or not
         self.other_rows = [i for i in range(len(seqs)) if i not in set(self.decode_rows)]
+        self.num_tokens = sum(s.q_len for s in seqs)
+        self.num_leading_single_rows = next((i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()
+
+    @contextlib.contextmanager
+    def active(self) -> Iterator[AttentionContext]:
+        """Make this the current step of the thread while the model runs it."""
+        token = _CURRENT_STEP.set(self)
+        try:
+            yield self
+        finally:
+            _CURRENT_STEP.reset(token)
 
     # ---- index building (once per step) ----
 

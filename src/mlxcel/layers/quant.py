@@ -3,7 +3,10 @@
 At one token a step a linear is bound by the bytes of its weights, so int8 weights with
 bfloat16 activations (`aten._weight_int8pack_mm`) run about 2.4x faster than bfloat16;
 from about 8 tokens a step oneDNN's bfloat16 matmul wins (PERF.md). `Int8Linear` keeps
-both forms and picks by the number of tokens in the step.
+both forms. Inside an engine step it picks per row, not per step: the rows of single-token
+sequences (decode) go through int8, the rows of prefill chunks through bfloat16. Both
+kernels give each row the same bits whatever else is in the batch, so a request's greedy
+output does not depend on its batch neighbours.
 """
 
 from __future__ import annotations
@@ -13,6 +16,8 @@ import logging
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from mlxcel.layers.attention import current_step
 
 log = logging.getLogger(__name__)
 
@@ -34,13 +39,26 @@ class Int8Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
-        if xb.shape[0] < INT8_MAX_TOKENS:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
-            if self.bias is not None:
-                y = y + self.bias
-        else:
+        num_int8 = _num_int8_rows(xb.shape[0])
+        if num_int8 == xb.shape[0]:
+            y = self.int8_rows(xb)
+        elif num_int8 == 0:
             y = F.linear(xb, self.weight, self.bias)
+        else:
+            y = torch.cat((self.int8_rows(xb[:num_int8]), F.linear(xb[num_int8:], self.weight, self.bias)))
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
+
+    def int8_rows(self, xb: torch.Tensor) -> torch.Tensor:
+        y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
+        return y if self.bias is None else y + self.bias
+
+
+def _num_int8_rows(num_rows: int) -> int:
+    """How many leading rows take the int8 kernel: an engine step's single-token rows, else by size."""
+    step = current_step()
+    if step is not None and step.num_tokens == num_rows:
+        return step.num_leading_single_rows
+    return num_rows if num_rows < INT8_MAX_TOKENS else 0
 
 
 class Int8Head(nn.Module):
@@ -57,7 +75,8 @@ class Int8Head(nn.Module):
         self.num_refined = min(num_refined, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.linear(hidden).float()  # [N, vocab]
+        # Always the int8 kernel: one row per sampled sequence, bits independent of the batch.
+        logits = self.linear.int8_rows(hidden.to(torch.bfloat16)).float()  # [N, vocab]
         top = logits.topk(self.num_refined, dim=-1).indices  # [N, k]
         rows = self.linear.weight[top].float()  # [N, k, hidden]
         exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
