@@ -42,7 +42,18 @@ class LoadedModel:
 
 
 def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Read a GGUF file or an HF-layout folder fully into memory on `device`."""
+    """Read a GGUF file or an HF-layout folder fully into memory on `device`.
+
+    Raises ModelLoadError with one line that names `path` and what was wrong with it."""
+    try:
+        return _load(path, device, dtype)
+    except ModelLoadError as exc:
+        if str(path) in str(exc):
+            raise
+        raise ModelLoadError(f"{path}: {exc}") from exc
+
+
+def _load(path: Path, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
     started = time.monotonic()
     if is_gguf_file(path):
         gguf = GGUFFile(path)

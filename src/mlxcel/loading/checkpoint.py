@@ -71,13 +71,18 @@ def supported_model_types(*, generative: bool = True) -> list[str]:
                   if hasattr(mod, "Model") and (not generative or hasattr(mod.Model, "compute_logits")))
 
 
-def family_module(model_type: str) -> ModuleType:
-    try:
-        return importlib.import_module(f"mlxcel.models.{model_type}")
-    except ModuleNotFoundError:
-        raise ModelLoadError(
-            f"model type {model_type!r} is not supported (supported: {', '.join(supported_model_types())})"
-        ) from None
+def family_module(model_type: str, *, kind: str = "model type") -> ModuleType:
+    """The family module for `model_type`; `kind` names the field in the error ("GGUF architecture")."""
+    module = None
+    if isinstance(model_type, str) and model_type and not model_type.startswith("_"):
+        try:
+            module = importlib.import_module(f"mlxcel.models.{model_type}")
+        except ModuleNotFoundError as exc:
+            if exc.name != f"mlxcel.models.{model_type}":  # a family's own missing import is a real bug
+                raise
+    if module is None or not hasattr(module, "Model"):
+        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {', '.join(supported_model_types())})")
+    return module
 
 
 def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
@@ -100,7 +105,7 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
             "factor": gguf.arch_value("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": gguf.arch_value("rope.scaling.original_context_length"),
         }
-    module = family_module(arch)
+    module = family_module(arch, kind="GGUF architecture")
     refine: Callable[[dict[str, Any], GGUFFile], dict[str, Any]] | None = getattr(module, "gguf_config", None)
     return refine(config, gguf) if refine else config
 
@@ -136,6 +141,8 @@ def hf_config(model_dir: Path) -> dict[str, Any]:
         config = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as exc:
         raise ModelLoadError(f"{path}: cannot read the model config ({exc})") from exc
+    if not isinstance(config, dict):
+        raise ModelLoadError(f"{path}: config.json is not a JSON object")
     if "text_config" in config and "model_type" in config["text_config"]:
         config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
     if "model_type" not in config:

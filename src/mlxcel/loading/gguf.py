@@ -23,6 +23,9 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 )  # fmt: skip
 
 
+KNOWN_GGUF_VERSIONS = frozenset({1, 2, 3})  # the header versions the format has had
+
+
 @dataclass(frozen=True, slots=True)
 class GGUFTensor:
     name: str
@@ -41,7 +44,7 @@ class GGUFFile:
         try:
             reader = gguf.GGUFReader(str(self.path))
         except Exception as exc:  # noqa: BLE001 - the gguf package raises many kinds
-            raise ModelLoadError(f"{self.path}: not a readable GGUF file ({exc})") from exc
+            raise ModelLoadError(_unreadable_message(self.path, exc)) from exc
         self.metadata = {key: _field_value(field) for key, field in reader.fields.items()}
         self.tensors = {t.name: _tensor(t) for t in reader.tensors}
         self._check_tensor_types()
@@ -86,6 +89,23 @@ def _field_value(field: Any) -> Any:
         return field.contents()
     except Exception:  # noqa: BLE001 - an odd field must not stop the load
         return None
+
+
+def _unreadable_message(path: Path, exc: Exception) -> str:
+    """One line saying why the reader gave up: a bad header, or data that stops short."""
+    if not path.is_file():
+        return f"{path}: cannot open the GGUF file ({exc})"
+    with path.open("rb") as handle:
+        header = handle.read(8)
+    size = path.stat().st_size
+    if len(header) < 8 or header[:4] != b"GGUF":
+        return f"{path}: not a GGUF file (bad magic or shorter than the 8-byte header; {size} bytes)"
+    version = int.from_bytes(header[4:], "little")
+    if version not in KNOWN_GGUF_VERSIONS and int.from_bytes(header[4:], "big") not in KNOWN_GGUF_VERSIONS:
+        return f"{path}: corrupt GGUF header (version field {version}; GGUF versions are 1-3)"
+    # The metadata or the tensor table runs past the end, or an entry is garbage.
+    reason = " ".join(str(exc).split()) or type(exc).__name__
+    return f"{path}: truncated or corrupt GGUF file ({size} bytes; reading stopped: {reason})"
 
 
 def is_gguf_file(path: Path) -> bool:

@@ -54,6 +54,9 @@ def resolve_model(arg: str | None, *, models_dir: Path | None = None, default_or
     path = Path(arg).expanduser()
     if path.exists():
         return ResolvedModel(_local_model_path(path), _display_name(path), f"local path {path}")
+    if _is_path_like(arg):
+        where = "" if path.is_absolute() else f" (looked for {path.resolve()})"
+        raise ModelLoadError(f"model {arg!r}: no such file or folder{where}")
     if _REPO_ID.match(arg):
         repo_id = arg
     elif _BARE_NAME.match(arg):
@@ -78,6 +81,11 @@ def _local_model_path(path: Path) -> Path:
     raise ModelLoadError(f"{path}: neither a GGUF file nor a folder with config.json or a .gguf file")
 
 
+def _is_path_like(arg: str) -> bool:
+    # A missing `x.gguf`, `./x` or `/abs/x` was meant as a file: report it, never ask the hub.
+    return arg.lower().endswith(".gguf") or arg.startswith(("/", "./", "../", "~")) or arg in (".", "..")
+
+
 def _display_name(path: Path) -> str:
     return path.stem if path.is_file() else path.resolve().name
 
@@ -94,9 +102,24 @@ def _download(repo_id: str, models_dir: Path | None, allow_download: bool, tried
     if not allow_download:
         raise ModelLoadError(f"model {tried!r}: {repo_id} is not in the local store and downloads are off")
     log.info("downloading %s into %s", repo_id, cache_dir or "the Hugging Face cache")
+    hub = _hub_endpoint()
     try:
         return Path(snapshot_download(repo_id, cache_dir=cache_dir))  # tqdm shows progress
     except RepositoryNotFoundError:
-        raise ModelLoadError(f"model {tried!r}: repository {repo_id} was not found on the hub") from None
+        raise ModelLoadError(f"model {tried!r}: no such local path, and repository {repo_id} was not found on {hub}"
+                             ) from None
     except (HfHubHTTPError, OSError, ValueError) as exc:
-        raise ModelLoadError(f"model {tried!r}: downloading {repo_id} failed ({exc})") from None
+        raise ModelLoadError(f"model {tried!r}: downloading {repo_id} from {hub} failed ({_first_line(exc)})") from None
+
+
+def _hub_endpoint() -> str:
+    from huggingface_hub import constants
+
+    return constants.ENDPOINT  # HF_ENDPOINT, read by huggingface_hub when it is imported
+
+
+def _first_line(exc: BaseException) -> str:
+    # huggingface_hub messages span several lines; the CLI prints one. "Got: X: y" wraps the cause.
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    text = lines[0] if lines else type(exc).__name__
+    return text.removeprefix("Got: ")
