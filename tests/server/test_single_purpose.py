@@ -28,7 +28,10 @@ from tests.server.test_process import read_address
 pytestmark = pytest.mark.slow
 
 SERVER = "import sys; from mlxcel.cli import server_main; sys.exit(server_main())"
-CHAT_LIKE = ("/v1/chat/completions", "/v1/completions", "/chat/completions")
+MESSAGES = [{"role": "user", "content": "Hi"}]
+CHAT_LIKE = {"/v1/chat/completions": {"messages": MESSAGES}, "/chat/completions": {"messages": MESSAGES},
+             "/v1/completions": {"prompt": "Hi"}, "/completion": {"prompt": "Hi"}, "/tokenize": {"content": "Hi"},
+             "/detokenize": {"tokens": [1]}, "/apply-template": {"messages": MESSAGES}, "/v1/responses": {"input": "Hi"}}
 
 
 @contextmanager
@@ -49,13 +52,14 @@ def server_process(*args: str, env: dict[str, str] | None = None) -> Iterator[tu
 
 
 def assert_chat_routes_501(address: str, mode: str, flag: str) -> None:
-    for path in CHAT_LIKE:
-        body = {"messages": [{"role": "user", "content": "Hi"}], "prompt": "Hi"}
+    for path, body in CHAT_LIKE.items():
         response = httpx.post(address + path, json=body)
         assert response.status_code == 501, (path, response.text)
         error = response.json()["error"]
         assert (error["type"], error["code"], error["mode"], error["flag"]) == ("not_supported_error", 501, mode, flag)
         assert mode in error["message"] and "-m CHAT_MODEL" in error["message"]
+    anthropic = httpx.post(address + "/v1/messages", json={"model": "m", "max_tokens": 4, "messages": MESSAGES})
+    assert anthropic.status_code == 501 and mode in anthropic.json()["error"]["message"]
 
 
 def test_i_embedding_checkpoint_as_m_starts_an_embedding_only_process() -> None:
