@@ -164,7 +164,7 @@ class BatchWorker(Generic[ItemT, OutT]):
         self._queue.put(_STOP)  # room is certain: submit is closed and the queue drained
         self._thread.join(timeout)
         is_clean = not self._thread.is_alive()
-        if not is_clean:
+        if not is_clean and timeout:  # a 0 s stop only asks (the A7 abort phase); the join comes later
             logger.warning("%s worker still running after %.0f s", self.name, timeout or 0)
         return is_clean
 
