@@ -93,7 +93,8 @@ def quantize_q6_k(values: np.ndarray) -> np.ndarray:
     ql = (u[:, :, 0:64] & 0x0F) | ((u[:, :, 64:128] & 0x0F) << 4)  # [blocks, 2, 64]
     hi = (u >> 4).reshape(-1, 2, 4, 32)
     qh = hi[:, :, 0] | (hi[:, :, 1] << 2) | (hi[:, :, 2] << 4) | (hi[:, :, 3] << 6)  # [blocks, 2, 32]
-    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8), d.view(np.uint8).reshape(-1, 2)]
+    parts = [ql.reshape(-1, 128), qh.reshape(-1, 64), sc.astype(np.int8).view(np.uint8),
+             d.view(np.uint8).reshape(-1, 2)]
     return np.concatenate(parts, axis=1).reshape(values.shape[0], -1)
 
 

@@ -42,13 +42,12 @@ def tiny_llama_state(config: dict[str, Any], seed: int = 0) -> dict[str, torch.T
     head_dim = hidden // config["num_attention_heads"]
     kv = config["num_key_value_heads"] * head_dim
     shapes = {"model.embed_tokens.weight": (config["vocab_size"], hidden), "model.norm.weight": (hidden,)}
+    layer = {"input_layernorm": (hidden,), "post_attention_layernorm": (hidden,),
+             "self_attn.q_proj": (hidden, hidden), "self_attn.k_proj": (kv, hidden),
+             "self_attn.v_proj": (kv, hidden), "self_attn.o_proj": (hidden, hidden),
+             "mlp.gate_proj": (inter, hidden), "mlp.up_proj": (inter, hidden), "mlp.down_proj": (hidden, inter)}
     for i in range(config["num_hidden_layers"]):
-        prefix = f"model.layers.{i}."
-        shapes |= {prefix + "input_layernorm.weight": (hidden,), prefix + "post_attention_layernorm.weight": (hidden,),
-                   prefix + "self_attn.q_proj.weight": (hidden, hidden), prefix + "self_attn.k_proj.weight": (kv, hidden),
-                   prefix + "self_attn.v_proj.weight": (kv, hidden), prefix + "self_attn.o_proj.weight": (hidden, hidden),
-                   prefix + "mlp.gate_proj.weight": (inter, hidden), prefix + "mlp.up_proj.weight": (inter, hidden),
-                   prefix + "mlp.down_proj.weight": (hidden, inter)}
+        shapes |= {f"model.layers.{i}.{part}.weight": shape for part, shape in layer.items()}
     return {name: torch.randn(shape, generator=gen) * 0.2 + (1.0 if name.endswith("norm.weight") else 0.0)
             for name, shape in shapes.items()}
 

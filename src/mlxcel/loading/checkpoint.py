@@ -81,7 +81,8 @@ def family_module(model_type: str, *, kind: str = "model type") -> ModuleType:
             if exc.name != f"mlxcel.models.{model_type}":  # a family's own missing import is a real bug
                 raise
     if module is None or not hasattr(module, "Model"):
-        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {', '.join(supported_model_types())})")
+        supported = ", ".join(supported_model_types())
+        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {supported})")
     return module
 
 
