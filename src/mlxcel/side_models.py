@@ -22,6 +22,7 @@ import torch
 from mlxcel.api.modes import ModelEntry, SinglePurposeMode
 from mlxcel.loading import ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
+from mlxcel.runtime import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
 from mlxcel.workers.base import WorkerConfig, WorkerStats
 from mlxcel.workers.causal_lm import last_position_logits
 from mlxcel.workers.embedding import (
@@ -285,8 +286,6 @@ def _load_reranker(side: SideModels, plan: ProcessPlan, config: RerankConfig, cr
 
 def load_generative_reranker(path: Path, config: RerankConfig) -> GenerativeReranker:
     """A causal LM scored by its yes/no logits; its worker thread is the model's only user."""
-    from mlxcel.runtime import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
-
     loaded = load_model(path, device=config.device, dtype=parse_dtype(config.dtype))
     tokenizer = load_tokenizer(loaded)
     model, device = loaded.model, config.device
