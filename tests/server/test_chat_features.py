@@ -9,6 +9,7 @@ import json
 from collections.abc import Callable, Iterator
 from typing import Any
 
+import anthropic
 import httpx
 import openai
 import pytest
@@ -251,3 +252,71 @@ def test_scripted_model_writes_its_script(scripted: ServedModel) -> None:
     tokenizer = scripted.tokenizer
     ids = tokenizer.encode(REASONING_TEXT + "\n</think>", add_special_tokens=False)
     assert [tokenizer.decode([i]) for i in ids] == [*REASONING, "</think>"]
+
+
+# ---- Anthropic Messages (E1 with V, R, Q) ----
+
+CLAUDE_TOOL = {"name": "get_weather", "description": "Current weather",
+               "input_schema": WEATHER_TOOL["function"]["parameters"]}
+
+
+@pytest.fixture()
+def claude(server_t: ServerThread) -> Iterator[anthropic.Anthropic]:
+    with anthropic.Anthropic(base_url=server_t.address, api_key="unused", max_retries=0, timeout=60) as client:
+        yield client
+
+
+def test_e1_v_tool_use_streamed_by_the_anthropic_sdk(claude: anthropic.Anthropic) -> None:
+    with claude.messages.stream(model="claude-x", max_tokens=40, messages=QUESTION, tools=[CLAUDE_TOOL]) as stream:
+        kinds = [event.delta.type for event in stream if event.type == "content_block_delta"]
+        message = stream.get_final_message()
+    assert message.stop_reason == "tool_use"
+    assert "input_json_delta" in kinds and "thinking_delta" not in kinds  # thinking not enabled: hidden
+    (tool_use,) = [b for b in message.content if b.type == "tool_use"]
+    assert tool_use.name == "get_weather" and tool_use.input == ARGUMENTS
+
+
+def test_e1_r_thinking_block_when_enabled_with_its_budget(claude: anthropic.Anthropic) -> None:
+    thinking = {"type": "enabled", "budget_tokens": 1}
+    message = claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION, tools=[CLAUDE_TOOL],
+                                     thinking=thinking)
+    assert [b.type for b in message.content] == ["thinking", "tool_use"]
+    assert message.content[0].thinking == REASONING[0]  # the budget forced </think> after one token
+    with claude.messages.stream(model="claude-x", max_tokens=40, messages=QUESTION, thinking=thinking,
+                                tools=[CLAUDE_TOOL]) as stream:
+        streamed = stream.get_final_message()
+    assert [b.type for b in streamed.content] == ["thinking", "tool_use"] and streamed.stop_reason == "tool_use"
+
+
+def test_e1_v_tool_choice_none_and_bad_tool_choice(claude: anthropic.Anthropic) -> None:
+    message = claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION, tools=[CLAUDE_TOOL],
+                                     tool_choice={"type": "none"})
+    assert message.stop_reason == "end_turn" and [b.type for b in message.content] == ["text"]
+    with pytest.raises(anthropic.BadRequestError):
+        claude.messages.create(model="claude-x", max_tokens=40, messages=QUESTION, tools=[CLAUDE_TOOL],
+                               tool_choice={"type": "tool", "name": "missing"})
+
+
+# ---- Responses (F2 with V, R) ----
+
+RESPONSES_TOOL = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}
+
+
+def test_f2_v_function_call_and_reasoning_items(sdk: openai.OpenAI) -> None:
+    response = sdk.responses.create(model="m", input="Weather in Paris?", tools=[RESPONSES_TOOL], temperature=0,
+                                    max_output_tokens=40, store=False)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "function_call"] and response.status == "completed"
+    assert response.output[0].content[0].text == REASONING_TEXT
+    call = response.output[1]
+    assert call.name == "get_weather" and json.loads(call.arguments) == ARGUMENTS and call.call_id.startswith("call_")
+
+
+def test_f2_v_streamed_function_call_arguments(sdk: openai.OpenAI) -> None:
+    events = list(sdk.responses.create(model="m", input="Weather in Paris?", tools=[RESPONSES_TOOL], temperature=0,
+                                       max_output_tokens=40, store=False, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.function_call_arguments.delta"]
+    (done,) = [e for e in events if e.type == "response.function_call_arguments.done"]
+    assert len(deltas) >= 2 and "".join(deltas) == done.arguments and json.loads(done.arguments) == ARGUMENTS
+    reasoning = "".join(e.delta for e in events if e.type == "response.reasoning_text.delta")
+    assert reasoning == REASONING_TEXT and events[-1].type == "response.completed"

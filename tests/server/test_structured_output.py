@@ -128,3 +128,19 @@ def test_v_forced_tool_call_streamed_by_the_sdk_helper(sdk: openai.OpenAI) -> No
     for call in calls:
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+def test_v_responses_text_format_json_schema(sdk: openai.OpenAI) -> None:
+    response = sdk.responses.create(model="m", input=ASK, temperature=0, max_output_tokens=40, store=False,
+                                    text={"format": {"type": "json_schema", "name": "person", "schema": PERSON,
+                                                     "strict": True}})
+    jsonschema.validate(json.loads(response.output_text), PERSON)
+
+
+@pytest.mark.parametrize("field", ["output_format", "output_config"])
+def test_v_anthropic_output_format_json_schema(client: httpx.Client, field: str) -> None:
+    fmt = {"type": "json_schema", "schema": PERSON}
+    body = {"model": "claude-x", "max_tokens": 40, "temperature": 0, "messages": [{"role": "user", "content": ASK}],
+            field: fmt if field == "output_format" else {"format": fmt}}
+    message = client.post("/v1/messages", json=body).json()
+    jsonschema.validate(json.loads(message["content"][0]["text"]), PERSON)

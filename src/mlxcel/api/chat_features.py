@@ -21,16 +21,15 @@ from typing import Any
 
 from mlxcel.api import chat_prompt
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError, invalid_request
+from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import ChoiceResult, GenerationParams, Prompt
 from mlxcel.text.chat_plan import REQUEST_ERRORS, ChatFeatures, ChatPlan
 from mlxcel.types import TokenProcessor
 
 
 def features_of(ctx: ApiContext) -> ChatFeatures:
-    """The served model's chat features (the server always builds them at startup)."""
-    if ctx.features is None:
-        raise ApiError(500, "this API context was built without chat features", "server_error", code=500)
+    """The served model's chat features (built at startup; an ApiContext always has them)."""
+    assert ctx.features is not None  # ApiContext.__post_init__ fills in defaults
     return ctx.features
 
 
@@ -82,9 +81,7 @@ def with_completion_features(
     """`params` for a raw-prompt completion: reasoning budget, grammar (`json_schema`, `grammar`,
     `response_format`) and loop guard per choice; stop strings spare a budgeted reasoning block.
     Checks the fields first, so an invalid one is a 400 before anything is submitted."""
-    features = ctx.features
-    if features is None:
-        return params
+    features = features_of(ctx)
     try:
         for prompt in prompts:
             features.completion_processors(body, _text(ctx, prompt), max_tokens=max_tokens)

@@ -12,7 +12,7 @@ from typing import Protocol
 from mlxcel.api.sse import KEEPALIVE_INTERVAL_S
 from mlxcel.engine.client import EngineClient
 from mlxcel.media.limits import MediaPolicy
-from mlxcel.text.chat_plan import ChatFeatures
+from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Usage
@@ -54,5 +54,11 @@ class ApiContext:
     created: int  # unix time the model was loaded (the `created` of /v1/models)
     telemetry: Telemetry = field(default_factory=NullTelemetry)
     sse_keepalive_s: float = KEEPALIVE_INTERVAL_S
-    features: ChatFeatures | None = None  # reasoning, tools, grammar, budget, echo (S-V); None: plain text
+    features: ChatFeatures | None = None  # reasoning, tools, grammar, budget, echo (S-V); None: defaults
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # C2-C5: api.media.validate_media reads it
+
+    def __post_init__(self) -> None:
+        if self.features is None:  # a context built outside the server (CLI, tests): default settings
+            defaults = ChatFeatures.build(self.tokenizer, self.chat_template, FeatureSettings(),
+                                          model_name=self.model_name, model_type="")
+            object.__setattr__(self, "features", defaults)

@@ -14,6 +14,7 @@ from mlxcel.api.responses.create import parse_create_request
 from mlxcel.api.responses.items import stored_items
 from mlxcel.api.responses.prompt import render_conversation, render_prompt
 from mlxcel.api.responses.schemas import parse_input_items
+from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
 from tests.text.conftest import tiny_byte_level_metadata
@@ -33,12 +34,15 @@ class TemplateContext:
 
     chat_template: ChatTemplate | None
     tokenizer: Tokenizer
+    features: ChatFeatures  # template kwargs and the rest of the chat features (S-V)
     context_size: int = 4096
 
 
 @pytest.fixture(scope="module")
 def ctx() -> TemplateContext:
-    return TemplateContext(ChatTemplate(SOURCE), Tokenizer.from_gguf(tiny_byte_level_metadata()))
+    template, tokenizer = ChatTemplate(SOURCE), Tokenizer.from_gguf(tiny_byte_level_metadata())
+    features = ChatFeatures.build(tokenizer, template, FeatureSettings(), model_name="tiny", model_type="llama")
+    return TemplateContext(template, tokenizer, features)
 
 
 def conversation(value: Any) -> list[dict[str, Any]]:
@@ -73,7 +77,7 @@ def test_f2_prompt_golden(ctx: TemplateContext) -> None:
 def test_f2_truncation_auto_drops_whole_turns(ctx: TemplateContext) -> None:
     items = conversation([{"role": "user", "content": "first " * 30}, {"role": "assistant", "content": "ok"},
                           {"role": "user", "content": "second"}])
-    small = TemplateContext(ctx.chat_template, ctx.tokenizer, context_size=60)
+    small = TemplateContext(ctx.chat_template, ctx.tokenizer, ctx.features, context_size=60)
     auto = parse_create_request({"input": "x", "truncation": "auto"})
     kept = render_conversation(small, auto, items)  # type: ignore[arg-type]
     assert [item["content"][0]["text"] for item in kept.conversation] == ["second"]
@@ -84,8 +88,8 @@ def test_f2_truncation_auto_drops_whole_turns(ctx: TemplateContext) -> None:
 
 def test_f2_reserved_kwargs_and_missing_template_are_400(ctx: TemplateContext) -> None:
     reserved = parse_create_request({"input": "x", "chat_template_kwargs": {"messages": []}})
-    with pytest.raises(ApiError, match="chat_template_kwargs: messages cannot be set here"):
+    with pytest.raises(ApiError, match="chat_template_kwargs may not set messages"):
         render_prompt(ctx, reserved, conversation("x"))  # type: ignore[arg-type]
-    bare = TemplateContext(None, ctx.tokenizer)
+    bare = TemplateContext(None, ctx.tokenizer, ctx.features)
     with pytest.raises(ApiError, match="no chat template"):
         render_prompt(bare, parse_create_request({"input": "x"}), conversation("x"))  # type: ignore[arg-type]

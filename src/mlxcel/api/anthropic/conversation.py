@@ -8,16 +8,21 @@
   `tool_use` blocks into `tool_calls` (arguments as an object, as chat templates read them).
 - `tools` become OpenAI-style function definitions, the shape templates are written for.
 - image blocks pass the media checks (C2-C5) and are then refused: the served model reads text only.
+
+The chat features (api/chat_features.py) plan each request: `thinking` sets the template's
+`enable_thinking` (and `budget_tokens` the reasoning budget, R), `tool_choice` auto/any/tool/none
+(any and a named tool by constrained decoding, V), `output_config.format` / `output_format` a
+JSON schema (V); reasoning is remembered for the echo only when thinking is shown (Q).
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcel.api import chat_prompt
+from mlxcel.api import chat_features
 from mlxcel.api.anthropic import billing
 from mlxcel.api.anthropic.schemas import (
     ConversationFields, ImageBlock, Message, TextBlock, ThinkingBlock, Tool,
@@ -27,6 +32,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import base64_data_url, validate_media
 from mlxcel.media import MediaKind, MediaRef
+from mlxcel.text.chat_plan import ChatPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -38,9 +44,38 @@ class AnthropicOptions:
 
 async def render_prompt(ctx: ApiContext, req: ConversationFields, options: AnthropicOptions) -> Prompt:
     """The tokenized prompt for `req`; raises ApiError(400) for images and templates that fail."""
+    return (await prepare_prompt(ctx, req, options))[1]
+
+
+async def prepare_prompt(ctx: ApiContext, req: ConversationFields, options: AnthropicOptions,
+                         max_tokens: int | None = None) -> tuple[ChatPlan, Prompt]:
+    """The request's chat plan and tokenized prompt; raises ApiError(400) for images, invalid
+    chat-feature fields and templates that fail."""
     await reject_images(ctx, req)
     messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
-    return chat_prompt.render_chat_prompt(ctx, messages, tools=template_tools(req.tools))
+    tools = template_tools(req.tools)
+    body = features_body(req)
+    choice = req.tool_choice
+    plan = chat_features.plan_chat(
+        ctx, body, messages, tools=tools, tool_choice=choice.model_dump(exclude_none=True) if choice else None,
+        parallel_tool_calls=not (choice and choice.disable_parallel_tool_use), max_tokens=max_tokens,
+        cache_prompt=body.get("cache_prompt") is not False, remembers_reasoning=req.shows_thinking)
+    return plan, chat_features.render_plan(ctx, plan, tools=tools)
+
+
+def features_body(req: ConversationFields) -> dict[str, Any]:
+    """The body the chat features read: as received, with `thinking` as the template's
+    `enable_thinking` (an explicit chat_template_kwargs key wins) and an enabled thinking's
+    `budget_tokens` as the reasoning budget (an explicit thinking_budget_tokens wins)."""
+    body = dict(req._body or req.model_dump(exclude_none=True))
+    if req.thinking is None:
+        return body
+    kwargs = body.get("chat_template_kwargs")
+    if kwargs is None or isinstance(kwargs, Mapping):
+        body["chat_template_kwargs"] = {"enable_thinking": req.shows_thinking, **(kwargs or {})}
+    if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
+        body.setdefault("thinking_budget_tokens", req.thinking.budget_tokens)
+    return body
 
 
 def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> list[dict[str, Any]]:
@@ -142,5 +177,5 @@ def _image_url(block: ImageBlock) -> str:
     return source.url
 
 
-__all__ = ["AnthropicOptions", "render_prompt", "system_text", "template_messages",
-           "template_tools", "tool_use_input"]
+__all__ = ["AnthropicOptions", "features_body", "prepare_prompt", "render_prompt", "system_text",
+           "template_messages", "template_tools", "tool_use_input"]

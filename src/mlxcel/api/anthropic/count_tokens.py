@@ -17,7 +17,9 @@ from mlxcel.api.schema import validate_body
 
 def parse_count_tokens_request(body: Any) -> CountTokensRequest:
     """Validate like a Messages body, without max_tokens; raises ApiError(400) (D1)."""
-    return validate_body(CountTokensRequest, body)
+    req = validate_body(CountTokensRequest, body)
+    req._body = body  # template kwargs and thinking shape the prompt as in /v1/messages (S)
+    return req
 
 
 async def count_message_tokens(ctx: ApiContext, req: CountTokensRequest, options: AnthropicOptions) -> JsonReply:

@@ -5,15 +5,21 @@ reply echoes the name the client sent. stop_reason: end_turn (end of sequence), 
 stop_sequence (with `stop_sequence` set), tool_use (a tool call was made). usage reports
 Anthropic's split: input_tokens are the prompt tokens not read from the prefix cache,
 cache_read_input_tokens the ones that were.
+
+The reply is parsed by the chat features' output parser (reasoning split, the template's tool-call
+format): tool calls become tool_use blocks streamed as input_json_delta, reasoning becomes
+thinking blocks when the request enables thinking (and is dropped otherwise). Stop sequences
+apply to the answer, not to the reasoning.
 """
 
 from __future__ import annotations
 
 import uuid
-from collections.abc import AsyncIterator, Mapping
-from typing import Any, Protocol
+from collections.abc import AsyncIterator, Iterable, Mapping
+from typing import Any
 
-from mlxcel.api.anthropic.conversation import AnthropicOptions, render_prompt
+from mlxcel.api import chat_features
+from mlxcel.api.anthropic.conversation import AnthropicOptions, prepare_prompt
 from mlxcel.api.anthropic.schemas import MessagesRequest
 from mlxcel.api.anthropic.stream import ContentBlocks, Payload, message_events
 from mlxcel.api.context import ApiContext
@@ -22,34 +28,22 @@ from mlxcel.api.generation import ChoiceResult, Generation, GenerationParams
 from mlxcel.api.headers import request_priority
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import validate_body
-from mlxcel.text.events import ContentDelta, OutputEvent
+from mlxcel.text.chat_output import ParsedReply
+from mlxcel.text.chat_plan import ChatPlan
+from mlxcel.text.events import (
+    ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
+)  # fmt: skip
 from mlxcel.types import SamplingParams, Usage
 
 CLAUDE_PREFIX = "claude-"
 DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 
 
-class OutputParser(Protocol):
-    """Splits reply text into output events; text/chat_output.ChatOutputParser fits here."""
-
-    def feed(self, text: str) -> list[OutputEvent]: ...
-
-    def finish(self) -> list[OutputEvent]: ...
-
-
-class PlainText:
-    """The reply is all answer text (no reasoning split or tool-call parsing for this request)."""
-
-    def feed(self, text: str) -> list[OutputEvent]:
-        return [ContentDelta(text)] if text else []
-
-    def finish(self) -> list[OutputEvent]:
-        return []
-
-
 def parse_messages_request(body: Any) -> MessagesRequest:
     """Validate a Messages body; raises ApiError(400) naming the bad field (D1)."""
-    return validate_body(MessagesRequest, body)
+    req = validate_body(MessagesRequest, body)
+    req._body = body  # as received, for the chat features' fields
+    return req
 
 
 def check_model(ctx: ApiContext, model: str) -> None:
@@ -64,28 +58,45 @@ async def create_message(ctx: ApiContext, req: MessagesRequest, headers: Mapping
                          options: AnthropicOptions) -> Reply:
     """Run one Messages call; raises ApiError (in Anthropic's envelope at the route) before streaming."""
     check_model(ctx, req.model)
-    prompt = await render_prompt(ctx, req, options)
+    plan, prompt = await prepare_prompt(ctx, req, options, max_tokens=req.max_tokens)
     params = GenerationParams(sampling=sampling_params(req), stop=tuple(req.stop_sequences or ()),
                               priority=request_priority(headers))
+    params = chat_features.with_chat_features(params, plan)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     generation = Generation.start(ctx, [prompt], params, request_id=message_id)
-    parser = output_parser(req)
+    shows_thinking = req.shows_thinking
     if req.stream:
         blocks = ContentBlocks()
         start = message_start(message_id, req.model, len(prompt.token_ids))
-        frames = message_events(start, blocks, _stream_body(ctx, generation, blocks, parser), ctx.sse_keepalive_s)
+        body = _stream_body(ctx, generation, blocks, shows_thinking, plan)
+        # With thinking shown the thinking block comes first; otherwise an empty text block opens.
+        frames = message_events(start, blocks, body, ctx.sse_keepalive_s, opens_with_text=not shows_thinking)
         return StreamReply(frames, on_close=generation.aclose)
     result = (await generation.collect())[0]
+    chat_features.remember_replies(plan, [result])
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: counted like a chat completion
-    blocks = collected_blocks(result.text, parser)
+    assert result.reply is not None  # the chat features always parse the reply
+    blocks = collected_blocks(result.reply, shows_thinking)
     reason, sequence = stop_reason(result, blocks.has_tool_use)
     return JsonReply(message_json(message_id, req.model, blocks.content(), reason, sequence, usage))
 
 
-def output_parser(req: MessagesRequest) -> OutputParser:
-    """Where reasoning and tool-call parsing plug in (the chat features' output parser)."""
-    return PlainText()
+def visible_events(events: Iterable[OutputEvent], shows_thinking: bool) -> list[OutputEvent]:
+    """The events that become blocks: reasoning only when the request enabled thinking."""
+    return [e for e in events if shows_thinking or not isinstance(e, ReasoningDelta)]
+
+
+def reply_events(reply: ParsedReply) -> list[OutputEvent]:
+    """A whole reply as output events, in block order: thinking, text, tool calls."""
+    events: list[OutputEvent] = [ReasoningDelta(reply.reasoning)] if reply.reasoning else []
+    if reply.content:
+        events.append(ContentDelta(reply.content))
+    for call in reply.tool_calls:
+        events += [ToolCallStart(call.index, call.id, call.name),
+                   ToolCallArguments(call.index, call.arguments), ToolCallEnd(call.index, call.id, call.name,
+                                                                              call.arguments)]
+    return events
 
 
 def sampling_params(req: MessagesRequest) -> SamplingParams:
@@ -94,26 +105,27 @@ def sampling_params(req: MessagesRequest) -> SamplingParams:
                           max_tokens=req.max_tokens)
 
 
-def collected_blocks(text: str, parser: OutputParser) -> ContentBlocks:
+def collected_blocks(reply: ParsedReply, shows_thinking: bool) -> ContentBlocks:
+    """The blocks of a non-streaming reply, built as the stream builds them."""
     blocks = ContentBlocks()
-    blocks.open_text()
-    for event in [*parser.feed(text), *parser.finish()]:
+    events = visible_events(reply_events(reply), shows_thinking)
+    if not events or not isinstance(events[0], ReasoningDelta):
+        blocks.open_text()
+    for event in events:
         blocks.feed(event)
     blocks.close()
     return blocks
 
 
-async def _stream_body(ctx: ApiContext, generation: Generation, blocks: ContentBlocks,
-                       parser: OutputParser) -> AsyncIterator[Payload]:
+async def _stream_body(ctx: ApiContext, generation: Generation, blocks: ContentBlocks, shows_thinking: bool,
+                       plan: ChatPlan) -> AsyncIterator[Payload]:
     async for delta in generation.stream():
-        for event in parser.feed(delta.text):
+        for event in visible_events(delta.events, shows_thinking):
             for payload in blocks.feed(event):
                 yield payload
-    for event in parser.finish():
-        for payload in blocks.feed(event):
-            yield payload
     for payload in blocks.close():
         yield payload
+    chat_features.remember_replies(plan, generation.results())
     result = generation.results()[0]
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, model_validator
+from pydantic import Field, PrivateAttr, model_validator
 
 from mlxcel.api.schema import WireModel
 
@@ -113,6 +113,14 @@ class ConversationFields(WireModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
+    # The body as received: the chat features read output_config / output_format, loop-guard and
+    # template-kwarg extensions there (S, P, V).
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
+
+    @property
+    def shows_thinking(self) -> bool:
+        """Whether the reply carries thinking blocks: only when the request enables thinking."""
+        return self.thinking is not None and self.thinking.type != "disabled"
 
     @model_validator(mode="after")
     def _check_tools(self) -> ConversationFields:

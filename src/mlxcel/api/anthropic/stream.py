@@ -101,11 +101,12 @@ def _delta(index: int, delta: Payload) -> Payload:
 
 
 async def message_events(message_start: Payload, blocks: ContentBlocks, body: AsyncIterator[Payload],
-                         keepalive_s: float) -> AsyncIterator[str]:
+                         keepalive_s: float, *, opens_with_text: bool = True) -> AsyncIterator[str]:
     """The whole SSE stream: the opening events, then `body` (block events, message_delta,
-    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event."""
+    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event.
+    `opens_with_text`: start with an empty text block (not when a thinking block comes first)."""
     yield event_frame(message_start)
-    for payload in blocks.open_text():
+    for payload in blocks.open_text() if opens_with_text else ():
         yield event_frame(payload)
     yield PING_FRAME
     frames = _frames(body)

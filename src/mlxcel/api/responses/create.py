@@ -8,6 +8,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import Generation, GenerationParams
@@ -32,12 +33,14 @@ def parse_create_request(body: Any) -> ResponseCreateRequest:
     """Validate a POST /v1/responses body (extra_body fields lifted) and its items; raises ApiError(400)."""
     req = validate_body(ResponseCreateRequest, flatten_extra_body(body))
     parse_input_items(req.input)  # D1: a bad item is a body error, answered before availability
+    req._body = body  # as received, for the chat features (S, R, P, V)
     return req
 
 
 def parse_input_tokens_request(body: Any) -> InputTokensRequest:
     req = validate_body(InputTokensRequest, flatten_extra_body(body))
     parse_input_items(req.input)
+    req._body = body
     return req
 
 
@@ -50,10 +53,12 @@ async def create_response(ctx: ApiContext, service: ResponsesService, req: Respo
     """
     plan = await plan_prompt(ctx, service, req)
     response_id = new_id("resp")
-    generation = Generation.start(ctx, [plan.prompt], generation_params(ctx, req, headers), request_id=response_id)
+    params = chat_features.with_chat_features(generation_params(ctx, req, headers), plan.chat)
+    generation = Generation.start(ctx, [plan.prompt], params, request_id=response_id)
     draft = ResponseDraft(response_id, ctx.model_name, request_echo(req), background=req.background,
                           status="queued" if req.background else "in_progress")
-    run = ResponseRun(ctx, service.store, draft, plan.conversation, generation, should_store=req.store)
+    run = ResponseRun(ctx, service.store, draft, plan.conversation, generation, should_store=req.store,
+                      plan=plan.chat)
     if req.background:
         reply = draft.to_json()
         service.launch(run)

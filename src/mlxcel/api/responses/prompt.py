@@ -5,7 +5,8 @@
     prompt       = template.render(messages, tools=...) -> token ids
 
 Used the same way by create, input_tokens and compact, so `input_tokens` counts exactly the
-prompt a create would run. With `truncation: "auto"` whole turns are dropped from the start
+prompt a create would run. The chat features plan each render (api/chat_features.py): template
+kwargs, reasoning echo into assistant turns, tools and tool_choice, `text.format`, budget. With `truncation: "auto"` whole turns are dropped from the start
 until the prompt fits the context; with "disabled" an oversized prompt is a 400 (as OpenAI).
 """
 
@@ -13,28 +14,25 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media
 from mlxcel.api.responses.items import Item, media_refs, stored_items, template_tools, to_chat_messages
 from mlxcel.api.responses.schemas import ConversationFields, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
-from mlxcel.text.chat_template import TemplateError
-
-# Template variables the request sets through its own fields, never through chat_template_kwargs.
-RESERVED_TEMPLATE_NAMES = frozenset({"messages", "tools", "documents", "add_generation_prompt",
-                                     "continue_final_message"})
+from mlxcel.text.chat_plan import ChatPlan
 
 
 @dataclass(frozen=True, slots=True)
 class PromptPlan:
-    """The conversation a response continues (stored with it) and the prompt it renders to."""
+    """The conversation a response continues (stored with it), the prompt it renders to and the
+    chat features' plan for it (processors, output parser, echo)."""
 
     conversation: list[Item]
     prompt: Prompt
+    chat: ChatPlan
 
 
 async def plan_prompt(ctx: ApiContext, service: ResponsesService, req: ConversationFields) -> PromptPlan:
@@ -51,12 +49,12 @@ async def plan_prompt(ctx: ApiContext, service: ResponsesService, req: Conversat
 
 def render_conversation(ctx: ApiContext, req: ConversationFields, conversation: list[Item]) -> PromptPlan:
     """The prompt for `conversation`; with truncation "auto" the oldest turns go until it fits."""
-    plan = PromptPlan(conversation, render_prompt(ctx, req, conversation))
+    plan = PromptPlan(conversation, *plan_render(ctx, req, conversation))
     while req.truncation == "auto" and len(plan.prompt.token_ids) >= ctx.context_size:
         shorter = drop_first_turn(plan.conversation)
         if shorter is None:
             break  # one turn left: the engine's context error says how large it is
-        plan = PromptPlan(shorter, render_prompt(ctx, req, shorter))
+        plan = PromptPlan(shorter, *plan_render(ctx, req, shorter))
     return plan
 
 
@@ -69,22 +67,16 @@ def drop_first_turn(conversation: Sequence[Item]) -> list[Item] | None:
 
 def render_prompt(ctx: ApiContext, req: ConversationFields, conversation: Sequence[Item]) -> Prompt:
     """Render the chat template (a failure is a 400, never a fallback) and tokenize the result."""
-    if ctx.chat_template is None:
-        raise invalid_request("this model has no chat template: start the server with --chat-template "
-                              "or --chat-template-file, or use /v1/completions")
+    return plan_render(ctx, req, conversation)[0]
+
+
+def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence[Item]) -> tuple[Prompt, ChatPlan]:
+    """Plan the chat features and render the chat template (a failure of either is a 400, never a
+    fallback); the tokenized prompt and the plan."""
     messages = to_chat_messages(req.instructions, conversation)
-    kwargs = template_kwargs(req)
-    try:
-        text = ctx.chat_template.render(messages, add_generation_prompt=True, tools=template_tools(req.tools),
-                                        **kwargs)
-    except TemplateError as exc:
-        raise invalid_request(f"the chat template could not render these messages: {exc}") from None
-    return Prompt(tuple(ctx.tokenizer.encode(text, add_special_tokens=False)), text)
-
-
-def template_kwargs(req: ConversationFields) -> dict[str, Any]:
-    kwargs = req.chat_template_kwargs or {}
-    reserved = sorted(RESERVED_TEMPLATE_NAMES.intersection(kwargs))
-    if reserved:
-        raise invalid_request(f"chat_template_kwargs: {', '.join(reserved)} cannot be set here")
-    return dict(kwargs)
+    tools = template_tools(req.tools)
+    plan = chat_features.plan_chat(
+        ctx, req._body or req.model_dump(exclude_none=True, by_alias=True), messages, tools=tools,
+        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+        max_tokens=getattr(req, "max_output_tokens", None), cache_prompt=getattr(req, "cache_prompt", True))
+    return chat_features.render_plan(ctx, plan, tools=tools), plan

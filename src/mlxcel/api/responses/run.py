@@ -1,7 +1,9 @@
 """One response being generated (F2): Generation deltas -> parsed output -> events -> store.
 
 A `ResponseRun` is driven by whoever needs its events: the SSE stream of a `stream: true`
-request, the handler of a plain request, or a background task. It writes the store when it
+request, the handler of a plain request, or a background task. The deltas carry the chat
+features' parsed output (reasoning, answer text, function calls; api/chat_features.py), and a
+finished plain answer's reasoning is remembered for the echo (Q). It writes the store when it
 starts (so `GET` finds it in progress) and when it ends, whatever the ending: completed,
 incomplete (token limit), failed, or cancelled (cancel call, client gone). A background run
 also keeps its event log so `GET ?stream=true` can replay and follow it.
@@ -12,8 +14,9 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import AsyncIterator, Iterable
-from typing import Any, Protocol
+from typing import Any
 
+from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError
 from mlxcel.api.generation import ChoiceDelta, Generation
@@ -21,7 +24,8 @@ from mlxcel.api.responses.items import Item
 from mlxcel.api.responses.objects import ResponseDraft, usage_json
 from mlxcel.api.responses.store import AsyncResponseStore, StoredResponse
 from mlxcel.api.responses.stream import Event, ResponseEvents
-from mlxcel.text.events import ContentDelta, OutputEvent
+from mlxcel.text.chat_plan import ChatPlan
+from mlxcel.text.events import ContentDelta
 
 CANCEL_WAIT_S = 30.0  # how long a cancel call waits for the run to record its end
 ABORTED_ERROR = {"code": "server_error", "message": "generation was aborted before it finished "
@@ -31,36 +35,18 @@ FINISH_STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_outp
                  "loop": ("incomplete", "loop_detected")}
 
 
-class OutputParser(Protocol):
-    """Splits generated text into answer text, reasoning and tool calls (text/chat_output.py)."""
-
-    def feed(self, text: str) -> list[OutputEvent]: ...
-
-    def finish(self) -> list[OutputEvent]: ...
-
-
-class PlainTextOutput:
-    """Every character is answer text: the reply is not parsed for reasoning or tool calls."""
-
-    def feed(self, text: str) -> list[OutputEvent]:
-        return [ContentDelta(text)] if text else []
-
-    def finish(self) -> list[OutputEvent]:
-        return []
-
-
 class ResponseRun:
     """One response's generation, events and storage."""
 
     def __init__(self, ctx: ApiContext, store: AsyncResponseStore, draft: ResponseDraft, conversation: list[Item],
-                 generation: Generation, *, should_store: bool, parser: OutputParser | None = None) -> None:
+                 generation: Generation, *, should_store: bool, plan: ChatPlan | None = None) -> None:
         self.ctx = ctx
         self.store = store
         self.events = ResponseEvents(draft)
         self.conversation = conversation
         self.generation = generation
         self.should_store = should_store
-        self.parser = parser or PlainTextOutput()
+        self.plan = plan  # for the reasoning echo
         self.log: list[Event] | None = [] if draft.background else None
         self.is_cancel_requested = False
         self.is_finished = False
@@ -91,6 +77,8 @@ class ResponseRun:
                         yield event
                     finish_reason = delta.finish_reason or finish_reason
                 final = self._final(finish_reason)
+                if self.plan is not None:
+                    chat_features.remember_replies(self.plan, self.generation.results())
             except ApiError as exc:  # a failure after the response began (decode timeout, engine error)
                 final = self._finish("failed", error={"code": "server_error", "message": exc.message})
             for event in self._record(final):
@@ -104,9 +92,7 @@ class ResponseRun:
             self._wake()
 
     def _output(self, delta: ChoiceDelta) -> list[Event]:
-        parsed = self.parser.feed(delta.text)
-        if delta.finish_reason is not None:
-            parsed += self.parser.finish()
+        parsed = delta.events if delta.events or not delta.text else (ContentDelta(delta.text),)
         events = []
         logprobs = delta.logprobs
         for piece in parsed:

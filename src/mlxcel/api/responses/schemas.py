@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.schema import WireModel
@@ -206,6 +206,9 @@ class ConversationFields(WireModel):
     chat_template_kwargs: dict[str, Any] | None = None  # extra: as on chat (the spec's advice for reasoning)
     prompt_cache_key: str | None = None
     extra_body: dict[str, Any] | None = None
+    # The body as received (extra_body not flattened): the chat features read text.format, template
+    # kwargs, the reasoning budget and loop-guard fields there (S, R, P, V).
+    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
 
     @model_validator(mode="after")
     def _check_conversation(self) -> ConversationFields:
