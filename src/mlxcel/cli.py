@@ -93,6 +93,10 @@ OPTIONS: tuple[Option, ...] = (
            env="LLAMA_ARG_DTYPE", group="model", choices=("auto", "float32", "bfloat16", "float16")),
     Option(("--no-warmup",), "warmup", "skip the 1-token warmup before listening", default=True, kind="off",
            group="model"),
+    Option(("-t", "--threads"), "threads", "CPU threads for the model (0 = torch's default: every core)",
+           parse=int, default=0, env="LLAMA_ARG_THREADS", metavar="N", group="model"),
+    Option(("--quantize",), "quantize", "CPU decode path: auto = int8 weight-only linears on CPU, none = keep --dtype",
+           default="auto", env="MLXCEL_QUANTIZE", group="model", choices=("auto", "int8", "none")),
     # chat behaviour (S, R, Q)
     Option(("--reasoning-format",), "reasoning_format", "where reasoning goes: none (in the content), deepseek / "
            "auto (reasoning_content), deepseek-legacy (both)", default="auto", env="LLAMA_ARG_THINK", group="chat",
@@ -321,7 +325,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
     keys, source = _api_keys(values)
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"],
                              chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
-                             warmup=values["warmup"], chat=chat_settings(values, environment))
+                             warmup=values["warmup"], chat=chat_settings(values, environment),
+                             threads=values["threads"], quantize=values["quantize"])
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
@@ -497,7 +502,8 @@ def run_generate(values: dict[str, Any], environment: Environment) -> int:
         resolved = resolve_model(values["model"], models_dir=values["models_dir"],
                                  default_org=environment["MLXCEL_DEFAULT_ORG"])
         runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
-                                 chat_template=values["chat_template"], chat_template_file=values["chat_template_file"])
+                                 chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
+                                 threads=values["threads"], quantize=values["quantize"])
         served = start_served_model(resolved, runtime, EngineConfig(max_num_seqs=1, ctx_size=values["ctx_size"]))
     except (ModelLoadError, ValueError, OSError) as exc:
         log.error("cannot load the model: %s", exc)

@@ -37,6 +37,7 @@ class RuntimeOptions:
     chat_template_file: Path | None = None
     warmup: bool = True
     quantize: str = "auto"  # --quantize: auto = int8 weight-only linears on CPU, none = keep dtype
+    threads: int = 0  # --threads: torch intra-op threads; 0 = torch's default (every core)
     chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
 
     def is_int8(self) -> bool:
@@ -104,6 +105,8 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
     """Load everything, start the engine thread and (unless disabled) run a 1-token warmup."""
     dtype = options.torch_dtype()
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
     loaded = load_model(resolved.path, device=options.device, dtype=dtype)
     log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
     log.info("decode path: %s", _decode_path(loaded, options))
