@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxcel.text.events import (
-    ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallEnd,
+    ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
 from mlxcel.text.reasoning import ReasoningFormat, ReasoningSplitter, ThinkTokens
 from mlxcel.text.stop import StopMatcher
@@ -47,6 +47,7 @@ class ChatOutputParser:
         starts_in_reasoning: bool = False,
         tool_parser: ToolParser | None = None,
         stops: Sequence[str] = (),
+        max_tool_calls: int | None = None,
     ) -> None:
         markers = (think.start, think.end) if think is not None else None
         self._splitter = ReasoningSplitter(
@@ -54,6 +55,7 @@ class ChatOutputParser:
         )
         self._tools = tool_parser
         self._stops = StopMatcher(stops)
+        self._max_calls = max_tool_calls  # parallel_tool_calls false: calls after the first are dropped
         self._content: list[str] = []
         self._calls: list[ToolCall] = []
         self._is_finished = False
@@ -89,9 +91,14 @@ class ChatOutputParser:
             self._answer(self._stops.flush(), out)
             if self._tools is not None:
                 out.extend(self._tools.finish())
+        out = [e for e in out if self._is_allowed(e)]
         for event in out:
             self._record(event)
         return out
+
+    def _is_allowed(self, event: OutputEvent) -> bool:
+        is_call = isinstance(event, ToolCallStart | ToolCallArguments | ToolCallEnd)
+        return not is_call or self._max_calls is None or event.index < self._max_calls
 
     def _answer(self, text: str, out: list[OutputEvent]) -> None:
         """Answer text that passed the stop strings: to the tool parser, or out as content."""

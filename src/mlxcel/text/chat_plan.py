@@ -145,7 +145,7 @@ class ChatFeatures:
             grammar=self._chat_grammar(body, tools, tool_choice, parallel_tool_calls),
             loop_policy=resolve_loop_policy(self.loop_family, self.loop_operator, body),
             tool_format=self.tool_parser_name if uses_tools else None,
-            signature=signature, is_echo_on=is_echo_on, session=session,
+            signature=signature, is_echo_on=is_echo_on, session=session, is_parallel=parallel_tool_calls,
         )
 
     def completion_processors(
@@ -201,6 +201,7 @@ class ChatPlan:
     signature: str
     is_echo_on: bool
     session: str
+    is_parallel: bool = True  # parallel_tool_calls: false keeps only the first call
     starts_in_reasoning: bool = field(default=False)
 
     @property
@@ -227,7 +228,8 @@ class ChatPlan:
         reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
         tools = make_tool_parser(self.tool_format) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
-                                starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops)
+                                starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops,
+                                max_tool_calls=None if self.is_parallel else 1)
 
     def remember(self, reply: ParsedReply) -> None:
         """After a finished plain answer: keep its reasoning for the echo (Q)."""
