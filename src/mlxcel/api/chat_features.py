@@ -22,7 +22,7 @@ from typing import Any
 from mlxcel.api import chat_prompt
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import invalid_request
-from mlxcel.api.generation import ChoiceResult, GenerationParams, Prompt
+from mlxcel.api.generation import ChoiceResult, GenerationParams, OutputParser, Prompt
 from mlxcel.text.chat_plan import REQUEST_ERRORS, ChatFeatures, ChatPlan
 from mlxcel.types import TokenProcessor
 
@@ -67,7 +67,7 @@ def with_chat_features(params: GenerationParams, plan: ChatPlan) -> GenerationPa
     def processors(prompt: Prompt) -> tuple[TokenProcessor, ...]:
         return plan.processors()
 
-    def parser(prompt: Prompt, stops: tuple[str, ...]) -> Any:
+    def parser(prompt: Prompt, stops: tuple[str, ...]) -> OutputParser:
         return plan.output_parser(stops)
 
     skip = params.skip_special_tokens and not plan.keeps_special_tokens
@@ -75,7 +75,7 @@ def with_chat_features(params: GenerationParams, plan: ChatPlan) -> GenerationPa
 
 
 def with_completion_features(
-    ctx: ApiContext, params: GenerationParams, body: Mapping[str, Any], prompts: Iterable[Prompt],
+    ctx: ApiContext, params: GenerationParams, body: Mapping[str, Any], prompts: Sequence[Prompt],
     *, max_tokens: int | None,
 ) -> GenerationParams:
     """`params` for a raw-prompt completion: reasoning budget, grammar (`json_schema`, `grammar`,
@@ -91,7 +91,7 @@ def with_completion_features(
     def processors(prompt: Prompt) -> tuple[TokenProcessor, ...]:
         return features.completion_processors(body, _text(ctx, prompt), max_tokens=max_tokens)
 
-    def parser(prompt: Prompt, stops: tuple[str, ...]) -> Any:
+    def parser(prompt: Prompt, stops: tuple[str, ...]) -> OutputParser:
         return features.completion_parser(body, _text(ctx, prompt), stops=stops, max_tokens=max_tokens)
 
     return replace(params, processors=processors, output_parser=parser)
