@@ -18,7 +18,7 @@ from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.layers.quant import INT8_MAX_TOKENS, can_quantize_int8, quantize_int8
-from mlxcel.loading import LoadedModel, ResolvedModel, load_model
+from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
 from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
@@ -82,11 +82,15 @@ class ServedModel:
         return self.engine.core.stop(timeout)
 
 
-def load_tokenizer(loaded: LoadedModel) -> Tokenizer:
-    if loaded.gguf is not None:
-        return Tokenizer.from_gguf(loaded.gguf.metadata)
-    assert loaded.model_dir is not None
-    return Tokenizer.from_pretrained_dir(loaded.model_dir)
+def load_tokenizer(checkpoint: Checkpoint | LoadedModel) -> Tokenizer:
+    """The checkpoint's tokenizer (GGUF metadata or tokenizer.json); errors name the file."""
+    try:
+        if checkpoint.gguf is not None:
+            return Tokenizer.from_gguf(checkpoint.gguf.metadata)
+        assert checkpoint.model_dir is not None
+        return Tokenizer.from_pretrained_dir(checkpoint.model_dir)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
 
 
 def build_chat_features(name: str, loaded: LoadedModel, tokenizer: Tokenizer, template: ChatTemplate | None,
@@ -103,19 +107,21 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 
 
 def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
-    """Load everything, start the engine thread and (unless disabled) run a 1-token warmup."""
+    """A6 order: tokenizer and chat template (from the checkpoint's metadata) before the weights,
+    so a bad template fails fast; then weights fully loaded, decode path, engine, warmup."""
     dtype = options.torch_dtype()
     if options.threads > 0:
         torch.set_num_threads(options.threads)
-    loaded = load_model(resolved.path, device=options.device, dtype=dtype)
-    log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
-    log.info("decode path: %s", _decode_path(loaded, options))
-    tokenizer = load_tokenizer(loaded)
+    checkpoint = open_checkpoint(resolved.path)
+    tokenizer = load_tokenizer(checkpoint)
     template = load_chat_template(
         override_source=options.chat_template, override_file=options.chat_template_file,
-        gguf_metadata=loaded.gguf.metadata if loaded.gguf else None, model_dir=loaded.model_dir)
+        gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
     log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
              else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
+    loaded = load_weights(checkpoint, device=options.device, dtype=dtype)
+    log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
+    log.info("decode path: %s", _decode_path(loaded, options))
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)
     engine_config = _clamp_parallel(loaded, engine_config)

@@ -64,5 +64,7 @@ def test_a7_sigterm_with_a_request_in_flight_exits_clean(tmp_path: Path) -> None
             process.wait()
     text = (tmp_path / "server.log").read_text()
     assert "SIGTERM received" in text and "shutdown complete" in text
-    order = [text.index(s) for s in ("API key authentication: off", "Model loaded", "KV cache:", LISTENING_PREFIX)]
-    assert order == sorted(order)  # A6: key, weights, engine, then the socket
+    steps = ("API key authentication: off", "chat template:", "Model loaded", "decode path:", "KV cache:",
+             LISTENING_PREFIX)
+    order = [text.index(s) for s in steps]
+    assert order == sorted(order)  # A6: key, template, weights, decode path, engine, then the socket

@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,9 +19,23 @@ from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
 from mlxcel.loading.resolve import ResolvedModel, default_model_path, resolve_model
 
-__all__ = ["LoadedModel", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
+__all__ = ["Checkpoint", "LoadedModel", "load_weights", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
 
 log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Checkpoint:
+    """An opened checkpoint: config and metadata read (tokenizer, template), weights not yet."""
+
+    path: Path
+    config: dict[str, Any]
+    gguf: GGUFFile | None  # set for GGUF checkpoints (tokenizer and template live in its metadata)
+    model_dir: Path | None  # set for HF-layout folders
+
+    @property
+    def model_type(self) -> str:
+        return str(self.config["model_type"])
 
 
 @dataclass
@@ -29,8 +45,8 @@ class LoadedModel:
     model: torch.nn.Module
     config: dict[str, Any]
     path: Path
-    gguf: GGUFFile | None  # set for GGUF checkpoints (tokenizer and template live in its metadata)
-    model_dir: Path | None  # set for HF-layout folders
+    gguf: GGUFFile | None
+    model_dir: Path | None
 
     @property
     def model_type(self) -> str:
@@ -41,31 +57,50 @@ class LoadedModel:
         return bool(getattr(family_module(self.model_type), "SUPPORTS_BATCHING", True))
 
 
-def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Read a GGUF file or an HF-layout folder fully into memory on `device`.
+def open_checkpoint(path: Path) -> Checkpoint:
+    """Read a checkpoint's config and metadata, and check its family is supported (no weights).
 
     Raises ModelLoadError with one line that names `path` and what was wrong with it."""
+    with _naming(path):
+        if is_gguf_file(path):
+            gguf = GGUFFile(path)
+            config = gguf_config(gguf)
+            family_module(config["model_type"])
+            return Checkpoint(path, config, gguf, None)
+        if path.is_dir():
+            config = hf_config(path)
+            family_module(config["model_type"])  # fail early, naming the supported types
+            return Checkpoint(path, config, None, path)
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
+
+
+def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
+                 dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Materialize an opened checkpoint's weights fully on `device`."""
+    started = time.monotonic()
+    path, config = checkpoint.path, checkpoint.config
+    with _naming(path):
+        if checkpoint.gguf is not None:
+            state = gguf_state_dict(checkpoint.gguf, family_module(config["model_type"]), config)
+        else:
+            state = hf_state_dict(path)
+        model = build_model(config, state, device=device, dtype=dtype)
+    loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
+    log.info("loaded %s weights (%s) from %s in %.1f s", loaded.model_type, dtype, path, time.monotonic() - started)
+    return loaded
+
+
+def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Read a GGUF file or an HF-layout folder fully into memory on `device` (open + load_weights)."""
+    return load_weights(open_checkpoint(path), device=device, dtype=dtype)
+
+
+@contextlib.contextmanager
+def _naming(path: Path) -> Iterator[None]:
+    """Put the path in front of a ModelLoadError that does not name it already."""
     try:
-        return _load(path, device, dtype)
+        yield
     except ModelLoadError as exc:
         if str(path) in str(exc):
             raise
         raise ModelLoadError(f"{path}: {exc}") from exc
-
-
-def _load(path: Path, device: torch.device | str, dtype: torch.dtype) -> LoadedModel:
-    started = time.monotonic()
-    if is_gguf_file(path):
-        gguf = GGUFFile(path)
-        config = gguf_config(gguf)
-        state = gguf_state_dict(gguf, family_module(config["model_type"]), config)
-        loaded = LoadedModel(build_model(config, state, device=device, dtype=dtype), config, path, gguf, None)
-    elif path.is_dir():
-        config = hf_config(path)
-        family_module(config["model_type"])  # fail early, naming the supported types
-        state = hf_state_dict(path)
-        loaded = LoadedModel(build_model(config, state, device=device, dtype=dtype), config, path, None, path)
-    else:
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
-    log.info("loaded %s weights (%s) from %s in %.1f s", loaded.model_type, dtype, path, time.monotonic() - started)
-    return loaded
