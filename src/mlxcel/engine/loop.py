@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
@@ -22,7 +23,7 @@ from mlxcel.engine.kv_cache import BlockPool
 from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.runner import Runner
 from mlxcel.engine.sampler import SamplingRow, sample
-from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, StepResult
+from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult
 from mlxcel.engine import slots as slot_files
 from mlxcel.layers.attention import KVCache
 from mlxcel.types import (
@@ -233,6 +234,7 @@ class EngineCore:
             sink = self._sinks.get(seq.request_id)
             if r.finish_reason is not None:
                 self._sinks.pop(seq.request_id, None)
+                log_finished(seq, r.finish_reason)
             if sink is not None:
                 sink(TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
                                 num_prompt_tokens=seq.num_prompt_tokens,
@@ -246,3 +248,16 @@ class EngineCore:
             if sink is not None:
                 sink(TokenEvent(item.seq.request_id, (), finish_reason=FinishReason.ERROR,
                                 error="internal engine error; see the server log"))
+
+
+def log_finished(seq: Sequence, reason: FinishReason) -> None:
+    """One line per finished request: sizes, cache reuse and speeds (as llama-server's timings)."""
+    now = time.monotonic()
+    first = seq.first_token_time or now
+    prefill_s = max(first - seq.request.arrival_time, 1e-9)
+    decode_s = max(now - first, 1e-9)
+    num_out = seq.num_output_tokens
+    log.info("request %s finished (%s): prompt %d tokens (%d cached), time to first token %.0f ms; "
+             "generated %d tokens, %.1f tok/s", seq.request_id, reason.value, seq.num_prompt_tokens,
+             seq.num_cached_tokens, prefill_s * 1000, num_out,
+             (num_out - 1) / decode_s if num_out > 1 else 0.0)

@@ -12,6 +12,7 @@ import enum
 import heapq
 import itertools
 import logging
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -45,6 +46,7 @@ class Sequence:
     generator: torch.Generator | None = None
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
+    first_token_time: float | None = None  # time.monotonic() of the first generated token
 
     @property
     def request_id(self) -> str:
@@ -239,6 +241,8 @@ class Scheduler:
                 continue
             token, logprob = sampled[seq.request_id]
             seq.token_ids.append(token)
+            if seq.first_token_time is None:
+                seq.first_token_time = time.monotonic()
             self.num_generated += 1
             reason = self._check_finish(seq, token)
             results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason))
