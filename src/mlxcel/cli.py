@@ -95,8 +95,9 @@ OPTIONS: tuple[Option, ...] = (
            group="model"),
     Option(("-t", "--threads"), "threads", "CPU threads for the model (0 = torch's default: every core)",
            parse=int, default=0, env="LLAMA_ARG_THREADS", metavar="N", group="model"),
-    Option(("--quantize",), "quantize", "CPU decode path: auto = int8 weight-only linears on CPU, none = keep --dtype",
-           default="auto", env="MLXCEL_QUANTIZE", group="model", choices=("auto", "int8", "none")),
+    Option(("--quantize",), "quantize", "CPU decode matmuls: auto = weight-only 4-bit (where the checkpoint is "
+           "4-bit) or int8; off = plain --dtype", default="auto", env="MLXCEL_QUANTIZE", group="model",
+           choices=("auto", "off")),
     # chat behaviour (S, R, Q)
     Option(("--reasoning-format",), "reasoning_format", "where reasoning goes: none (in the content), deepseek / "
            "auto (reasoning_content), deepseek-legacy (both)", default="auto", env="LLAMA_ARG_THINK", group="chat",

@@ -17,7 +17,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
-from mlxcel.layers.quant import INT8_MAX_TOKENS, can_quantize_int8, quantize_int8
+from mlxcel.layers.quant import can_quantize, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
 from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
@@ -36,16 +36,13 @@ class RuntimeOptions:
     chat_template: str | None = None  # --chat-template: a built-in name or Jinja source
     chat_template_file: Path | None = None
     warmup: bool = True
-    quantize: str = "auto"  # --quantize: auto = int8 weight-only linears on CPU, none = keep dtype
+    quantize: str = "auto"  # --quantize: auto = packed weight-only decode matmuls on CPU, off = keep dtype
     threads: int = 0  # --threads: torch intra-op threads; 0 = torch's default (every core)
-    chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
 
-    def is_int8(self) -> bool:
-        if self.quantize not in ("auto", "int8", "none"):
-            raise ValueError(f"--quantize must be auto, int8 or none; not {self.quantize!r}")
-        if self.quantize == "none":
-            return False
-        return self.quantize == "int8" or (self.device == "cpu" and can_quantize_int8())
+    def is_quantized(self) -> bool:
+        if self.quantize not in ("auto", "off"):
+            raise ValueError(f"--quantize must be auto or off; not {self.quantize!r}")
+        return self.quantize == "auto" and self.device == "cpu" and can_quantize()
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -135,10 +132,8 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
 
 
 def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
-    if options.is_int8():
-        count = quantize_int8(loaded.model)
-        return (f"int8 weight-only linears ({count}) below {INT8_MAX_TOKENS} tokens a step, bfloat16 matmuls above; "
-                f"{options.torch_dtype()} activations and KV cache")
+    if options.is_quantized():
+        return f"{quantize(loaded.model)}; {options.torch_dtype()} activations and KV cache"
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 

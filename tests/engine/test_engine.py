@@ -179,16 +179,16 @@ def test_slot_save_restore_erase(tiny_model, tmp_path) -> None:
         fresh.core.stop(10)
 
 
-@pytest.mark.skipif(not __import__("mlxcel.layers.quant", fromlist=["x"]).can_quantize_int8(), reason="no int8 kernel")
-def test_int8_cpu_path_gives_the_same_tokens_alone_and_batched(tiny_model) -> None:
+@pytest.mark.skipif(not __import__("mlxcel.layers.quant", fromlist=["x"]).can_quantize(), reason="no int8 kernel")
+def test_quantized_cpu_path_gives_the_same_tokens_alone_and_batched(tiny_model) -> None:
     """The default CPU path picks int8 or bfloat16 per row kind, not per step (layers/quant.py),
     so a request's tokens do not depend on what else is in its batch."""
     import copy
 
-    from mlxcel.layers.quant import quantize_int8
+    from mlxcel.layers.quant import quantize
 
     model = copy.deepcopy(tiny_model)
-    quantize_int8(model)
+    quantize(model)
     client = make_engine(model)
     async def batch():
         return await asyncio.gather(*(collect(client, Request(f"b{i}", p, greedy(12))) for i, p in enumerate(PROMPTS)))

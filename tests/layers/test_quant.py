@@ -6,15 +6,16 @@ import pytest
 import torch
 from torch import nn
 
-from mlxcel.layers.quant import FusedInt8Linear, FusedOutput, Int8Head, Int8Linear, can_quantize_int8, quantize_int8
+from mlxcel.layers.quant import FusedOutput, FusedQuantLinear, QuantHead, QuantLinear, can_quantize, quantize
 
-pytestmark = pytest.mark.skipif(not can_quantize_int8(), reason="no int8 weight-only kernel in this torch build")
+pytestmark = pytest.mark.skipif(not can_quantize(), reason="no int8 weight-only kernel in this torch build")
 
 
-def test_int8_linear_is_close_to_the_float_linear_on_both_paths() -> None:
+def test_quant_linear_is_close_to_the_float_linear_on_both_paths() -> None:
     torch.manual_seed(0)
     lin = nn.Linear(64, 96)
-    q = Int8Linear(lin.weight, lin.bias)
+    q = QuantLinear(lin.weight, lin.bias)
+    assert q.bits == 8  # random weights are not on a 4-bit grid
     for rows in (1, 3, 8, 40):  # below and above the int8/bf16 switch
         x = torch.randn(rows, 64)
         ref = lin(x)
@@ -25,7 +26,7 @@ def test_int8_linear_is_close_to_the_float_linear_on_both_paths() -> None:
 def test_fused_outputs_equal_their_own_slices_and_compute_once() -> None:
     torch.manual_seed(1)
     parts = [nn.Linear(32, n, bias=False) for n in (32, 8, 8)]
-    fused = FusedInt8Linear(parts)
+    fused = FusedQuantLinear(parts)
     outs = [FusedOutput(fused, i) for i in range(3)]
     x = torch.randn(2, 32)
     whole = fused.linear(x)
@@ -41,7 +42,7 @@ def test_head_ranks_its_top_candidates_in_float32() -> None:
     """bfloat16 logits tie at ~0.125 resolution; the refined top must equal float32 math."""
     torch.manual_seed(2)
     weight = torch.randn(1000, 64)
-    head = Int8Head(weight, num_refined=8)
+    head = QuantHead(weight, num_refined=8)
     hidden = torch.randn(3, 64) * 4
     logits = head(hidden)
     exact = hidden @ head.linear.weight.float().t()  # bf16-stored weights, float32 accumulation
@@ -57,7 +58,43 @@ def test_quantize_rewrites_every_linear_and_a_tied_head() -> None:
     args = llama.ModelArgs(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                            intermediate_size=96, vocab_size=50, tie_word_embeddings=True)
     model = llama.Model(args).eval()
-    count = quantize_int8(model)
-    assert count == 2 * 7 + 1  # 7 linears a layer (q/k/v and gate/up fused) plus the tied head
+    summary = quantize(model)
+    # per layer: fused q/k/v, o, fused gate/up, down; plus the tied head
+    assert summary.num_int4 + summary.num_int8 == 2 * 4 + 1
     assert not any(isinstance(m, nn.Linear) for m in model.modules())
-    assert isinstance(model.lm_head, Int8Head)
+    assert isinstance(model.lm_head, QuantHead)
+
+
+def _on_4bit_grid(n: int, k: int) -> torch.Tensor:
+    """Weights as a Q4_1 GGUF tensor dequantizes them: q * scale + min per block of 32."""
+    q = torch.randint(0, 16, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = 0, 15  # each block spans its grid, as the quantizer makes it
+    scale, low = torch.rand(n, k // 32, 1) * 0.02 + 0.001, torch.randn(n, k // 32, 1) * 0.05
+    return (q * scale + low).view(n, k)
+
+
+def test_4bit_source_weights_pack_to_4_bits_without_a_second_rounding() -> None:
+    from mlxcel.layers.quant import can_pack_int4
+
+    if not can_pack_int4():
+        pytest.skip("no 4-bit CPU kernel in this torch build")
+    torch.manual_seed(4)
+    weight = _on_4bit_grid(64, 128)
+    q = QuantLinear(weight, None)
+    assert q.bits == 4
+    x = torch.randn(3, 128)
+    exact = x.bfloat16().float() @ weight.t()
+    # Only the bfloat16 rounding of activations, scales and output remains.
+    assert (q.packed_rows(x.bfloat16()).float() - exact).abs().max() < 0.02 * exact.abs().max()
+    noisy = weight + torch.randn_like(weight) * 1e-3  # off the grid: int8 keeps more
+    assert QuantLinear(noisy, None).bits == 8
+
+
+def test_packed_kernels_give_each_row_the_same_bits_in_any_batch() -> None:
+    """The property the engine's batch invariance rests on (tests/engine: alone == batched)."""
+    torch.manual_seed(5)
+    for weight in (torch.randn(64, 128), _on_4bit_grid(64, 128)):
+        q = QuantLinear(weight, None)
+        x = torch.randn(8, 128).bfloat16()
+        together = q.packed_rows(x)
+        assert all(torch.equal(together[i:i + 1], q.packed_rows(x[i:i + 1])) for i in range(8)), q.bits

@@ -1,17 +1,24 @@
-"""Weight-only int8 linears for CPU decode: a rewrite of a finished model (DESIGN rule 3).
+"""Weight-only quantized linears for CPU decode: a rewrite of a finished model (DESIGN rule 3).
 
-At one token a step a linear is bound by the bytes of its weights, so int8 weights with
-bfloat16 activations (`aten._weight_int8pack_mm`) run about 2.4x faster than bfloat16;
-from about 8 tokens a step oneDNN's bfloat16 matmul wins (PERF.md). `Int8Linear` keeps
-both forms. Inside an engine step it picks per row, not per step: the rows of single-token
-sequences (decode) go through int8, the rows of prefill chunks through bfloat16. Both
-kernels give each row the same bits whatever else is in the batch, so a request's greedy
-output does not depend on its batch neighbours.
+At one token a step a linear is bound by the bytes of its weights. `QuantLinear` keeps each
+weight twice: packed for the decode kernels, and as bfloat16 for prefill, where oneDNN's
+bfloat16 matmul wins from about 8 rows (PERF.md). The packed form is 4-bit
+(`aten._weight_int4pack_mm_for_cpu`, groups of 32) when that is lossless, i.e. when the
+weight came from a 4-bit GGUF type (Q4_0, Q4_1, Q4_K: every group of 32 lies on a 16-level
+grid), and per-channel int8 (`aten._weight_int8pack_mm`) otherwise: no second rounding of
+already-quantized weights, and half the bytes where the checkpoint allows it.
+
+Inside an engine step the kernel is picked per row, not per step: the rows of single-token
+sequences (decode) go through the packed kernel, the rows of prefill chunks through
+bfloat16. Both give each row the same bits whatever else is in the batch, so a request's
+greedy output does not depend on its batch neighbours.
 """
 
 from __future__ import annotations
 
+import functools
 import logging
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
@@ -21,48 +28,79 @@ from mlxcel.layers.attention import current_step
 
 log = logging.getLogger(__name__)
 
-INT8_MAX_TOKENS = 8  # below this many rows a step uses the int8 kernel
+PACKED_MAX_ROWS = 8  # outside an engine step, fewer rows than this use the packed kernel
 
 
-class Int8Linear(nn.Module):
-    """y = x @ W.T (+ b) with W kept as per-output-channel symmetric int8 and as bfloat16."""
+INT4_GROUP = 32  # GGUF's 4-bit types scale blocks of 32 weights
+
+
+class QuantLinear(nn.Module):
+    """y = x @ W.T (+ b), W kept packed (4-bit when lossless, else int8) and as bfloat16."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
         super().__init__()
         w = weight.detach().float()
-        scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-        self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
-        self.register_buffer("scale", scale.to(torch.bfloat16))
-        self.register_buffer("weight", weight.detach().to(torch.bfloat16))
+        self.register_buffer("weight", w.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
-        self.in_features, self.out_features = weight.shape[1], weight.shape[0]
+        self.in_features, self.out_features = w.shape[1], w.shape[0]
+        int4 = pack_int4_if_lossless(w)
+        self.bits = 4 if int4 is not None else 8
+        if int4 is not None:
+            self.register_buffer("qweight", int4[0])
+            self.register_buffer("scale", int4[1])  # [K / 32, N, 2]: scale and zero per group
+        else:
+            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+            self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            self.register_buffer("scale", scale.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
-        num_int8 = _num_int8_rows(xb.shape[0])
-        if num_int8 == xb.shape[0]:
-            y = self.int8_rows(xb)
-        elif num_int8 == 0:
+        num_packed = _num_packed_rows(xb.shape[0])
+        if num_packed == xb.shape[0]:
+            y = self.packed_rows(xb)
+        elif num_packed == 0:
             y = F.linear(xb, self.weight, self.bias)
         else:
-            y = torch.cat((self.int8_rows(xb[:num_int8]), F.linear(xb[num_int8:], self.weight, self.bias)))
+            y = torch.cat((self.packed_rows(xb[:num_packed]), F.linear(xb[num_packed:], self.weight, self.bias)))
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def int8_rows(self, xb: torch.Tensor) -> torch.Tensor:
-        y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
+    def packed_rows(self, xb: torch.Tensor) -> torch.Tensor:
+        """The decode kernel on bfloat16 rows [M, in_features]."""
+        if self.bits == 4:
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, INT4_GROUP, self.scale)
+        else:
+            y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
         return y if self.bias is None else y + self.bias
 
 
-def _num_int8_rows(num_rows: int) -> int:
-    """How many leading rows take the int8 kernel: an engine step's single-token rows, else by size."""
+def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """4-bit packing of `w` [N, K] when every group of 32 along K already lies on a 16-level grid."""
+    n, k = w.shape
+    if k % INT4_GROUP or not can_pack_int4():
+        return None
+    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = ((high - low) / 15).clamp(min=1e-12)
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
+    error = (q * step[..., None] + low[..., None] - groups).abs().amax()
+    if error > 1e-4 * float(w.abs().amax()):  # not a 4-bit source: int8 keeps more
+        return None
+    # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
+    scales = torch.stack((step, low + 8 * step), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 2)
+    return packed, scales
+
+
+def _num_packed_rows(num_rows: int) -> int:
+    """How many leading rows take the packed kernel: an engine step's single-token rows, else by size."""
     step = current_step()
     if step is not None and step.num_tokens == num_rows:
         return step.num_leading_single_rows
-    return num_rows if num_rows < INT8_MAX_TOKENS else 0
+    return num_rows if num_rows < PACKED_MAX_ROWS else 0
 
 
-class Int8Head(nn.Module):
-    """Output head: int8/bfloat16 logits, with the top candidates recomputed in float32.
+class QuantHead(nn.Module):
+    """Output head: packed-kernel logits, with the top candidates recomputed in float32.
 
     bfloat16 logits near 25 are only resolved to 0.125, enough to flip a greedy choice
     (SmolLM2's "The" vs "L" differ by 0.08). The best `num_refined` rows of each step are
@@ -71,12 +109,12 @@ class Int8Head(nn.Module):
 
     def __init__(self, weight: torch.Tensor, num_refined: int = 16) -> None:
         super().__init__()
-        self.linear = Int8Linear(weight, None)
+        self.linear = QuantLinear(weight, None)
         self.num_refined = min(num_refined, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
-        # Always the int8 kernel: one row per sampled sequence, bits independent of the batch.
-        logits = self.linear.int8_rows(hidden.to(torch.bfloat16)).float()  # [N, vocab]
+        # Always the packed kernel: one row per sampled sequence, bits independent of the batch.
+        logits = self.linear.packed_rows(hidden.to(torch.bfloat16)).float()  # [N, vocab]
         top = logits.topk(self.num_refined, dim=-1).indices  # [N, k]
         rows = self.linear.weight[top].float()  # [N, k, hidden]
         exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
@@ -87,8 +125,8 @@ class Int8Head(nn.Module):
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
-class FusedInt8Linear(nn.Module):
-    """Several linears over one input computed as a single int8/bfloat16 matmul.
+class FusedQuantLinear(nn.Module):
+    """Several linears over one input computed as a single quantized/bfloat16 matmul.
 
     The model still calls each projection by its own name: `FusedOutput` modules stand in
     for them and return their slice of the fused result, computed once per input tensor.
@@ -99,7 +137,7 @@ class FusedInt8Linear(nn.Module):
         weight = torch.cat([lin.weight for lin in linears])
         has_bias = all(lin.bias is not None for lin in linears)
         bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
-        self.linear = Int8Linear(weight, bias)
+        self.linear = QuantLinear(weight, bias)
         self.sizes = [lin.out_features for lin in linears]
         self._input: torch.Tensor | None = None
         self._outputs: tuple[torch.Tensor, ...] = ()
@@ -112,7 +150,7 @@ class FusedInt8Linear(nn.Module):
 
 
 class FusedOutput(nn.Module):
-    def __init__(self, fused: FusedInt8Linear, index: int) -> None:
+    def __init__(self, fused: FusedQuantLinear, index: int) -> None:
         super().__init__()
         self._fused = [fused]  # a list: the group is registered once, on the parent
         self.index = index
@@ -127,7 +165,7 @@ def _fuse_groups(parent: nn.Module) -> int:
         linears = [getattr(parent, n, None) for n in names]
         if not all(isinstance(lin, nn.Linear) for lin in linears):
             continue
-        fused = FusedInt8Linear(linears)  # type: ignore[arg-type]
+        fused = FusedQuantLinear(linears)  # type: ignore[arg-type]
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedOutput(fused, index))
@@ -135,30 +173,50 @@ def _fuse_groups(parent: nn.Module) -> int:
     return count
 
 
-def can_quantize_int8() -> bool:
+def can_quantize() -> bool:
+    """Whether this torch build has the int8 weight-only CPU kernel (the 4-bit one is optional)."""
     try:
         x = torch.zeros(1, 32, dtype=torch.bfloat16)
         torch.ops.aten._weight_int8pack_mm(x, torch.zeros(32, 32, dtype=torch.int8), torch.ones(32, dtype=torch.bfloat16))
         return True
-    except (RuntimeError, AttributeError):
+    except (RuntimeError, AttributeError, NotImplementedError):
         return False
 
 
-def quantize_int8(model: nn.Module) -> int:
-    """Replace every nn.Linear (and a tied output head) in place; returns how many were replaced."""
-    count = 0
-    for parent in list(model.modules()):
-        count += _fuse_groups(parent)
-        for name, child in list(parent.named_children()):
-            if isinstance(child, nn.Linear):
-                setattr(parent, name, Int8Linear(child.weight, child.bias))
-                count += 1
+@functools.cache
+def can_pack_int4() -> bool:
+    try:
+        packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(torch.zeros(32, 64, dtype=torch.int32), 2)
+        scales = torch.ones(64 // INT4_GROUP, 32, 2, dtype=torch.bfloat16)
+        torch.ops.aten._weight_int4pack_mm_for_cpu(torch.zeros(1, 64, dtype=torch.bfloat16), packed, INT4_GROUP, scales)
+        return True
+    except (RuntimeError, AttributeError, NotImplementedError):
+        return False
+
+
+def quantize(model: nn.Module) -> QuantSummary:
+    """Replace every nn.Linear (and a tied output head) in place; says how many went 4-bit and 8-bit."""
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    if isinstance(head, Int8Linear):  # untied: replaced above as a plain linear
-        model.lm_head = Int8Head(head.weight)
+    if isinstance(head, nn.Linear):
+        model.lm_head = QuantHead(head.weight)
     elif head is None and isinstance(embed, nn.Embedding):
         # Tied output head: the largest matmul of a decode step, quantized like the rest.
-        model.lm_head = Int8Head(embed.weight)
-        count += 1
-    return count
+        model.lm_head = QuantHead(embed.weight)
+    for parent in list(model.modules()):
+        _fuse_groups(parent)
+        for name, child in list(parent.named_children()):
+            if isinstance(child, nn.Linear):
+                setattr(parent, name, QuantLinear(child.weight, child.bias))
+    kinds = [m.bits for m in model.modules() if isinstance(m, QuantLinear)]
+    return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8))
+
+
+@dataclass(frozen=True, slots=True)
+class QuantSummary:
+    num_int4: int
+    num_int8: int
+
+    def __str__(self) -> str:
+        return (f"{self.num_int4} 4-bit and {self.num_int8} int8 weight-only matmuls for decode rows "
+                f"(4-bit where the checkpoint's weights are 4-bit), bfloat16 for prefill rows")
