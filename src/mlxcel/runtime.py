@@ -7,8 +7,10 @@ This is the startup path shared by `mlxcel serve`, `mlxcel-server` and `mlxcel g
 from __future__ import annotations
 
 import logging
+import threading
 import time
 import uuid
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -38,6 +40,7 @@ class RuntimeOptions:
     warmup: bool = True
     quantize: str = "auto"  # --quantize: auto = packed weight-only decode matmuls on CPU, off = keep dtype
     threads: int = 0  # --threads: torch intra-op threads; 0 = torch's default (every core)
+    chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -105,8 +108,11 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 
 def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
     """A6 order: tokenizer and chat template (from the checkpoint's metadata) before the weights,
-    so a bad template fails fast; then weights fully loaded, decode path, engine, warmup."""
-    dtype = options.torch_dtype()
+    so a bad template fails fast; then weights fully loaded, decode path, engine, warmup.
+
+    The weights are loaded on the thread that then runs the engine loop, so one thread does
+    all of the model's parallel work (see EngineCore.run_on_this_thread).
+    """
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     checkpoint = open_checkpoint(resolved.path)
@@ -116,6 +122,15 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
         gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
     log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
              else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
+    served = _on_engine_thread(lambda: _build_served(resolved, checkpoint, tokenizer, template, options, engine_config))
+    if options.warmup:
+        warmup(served)
+    return served
+
+
+def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
+                  template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+    dtype = options.torch_dtype()
     loaded = load_weights(checkpoint, device=options.device, dtype=dtype)
     log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
     log.info("decode path: %s", _decode_path(loaded, options))
@@ -124,11 +139,29 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     engine_config = _clamp_parallel(loaded, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype)
-    core.start()
-    served = ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
-    if options.warmup:
-        warmup(served)
-    return served
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
+
+
+def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
+    """Run `build` on a new thread that then becomes the engine loop; errors come back here."""
+    result: list[ServedModel | BaseException] = []
+    ready = threading.Event()
+
+    def main() -> None:
+        try:
+            result.append(build())
+        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
+            result.append(exc)
+            return
+        finally:
+            ready.set()
+        result[0].engine.core.run_on_this_thread()  # type: ignore[union-attr]
+
+    threading.Thread(target=main, name="mlxcel-engine", daemon=True).start()
+    ready.wait()
+    if isinstance(result[0], BaseException):
+        raise result[0]
+    return result[0]
 
 
 def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:

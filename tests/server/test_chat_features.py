@@ -30,7 +30,7 @@ def scripted(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServedModel]:
 
     folder = write_scripted_model(tmp_path_factory.mktemp("scripted") / "model")
     # A server default kwarg (S): the template prints `note` as a system turn.
-    options = RuntimeOptions(warmup=False, quantize="none", chat=FeatureSettings(chat_template_kwargs='{"note": "srv"}'))
+    options = RuntimeOptions(warmup=False, quantize="off", chat=FeatureSettings(chat_template_kwargs='{"note": "srv"}'))
     model = start_served_model(resolve_model(str(folder)), options, EngineConfig(max_num_seqs=2, ctx_size=4096))
     yield model
     model.close(30)

@@ -219,7 +219,7 @@ def fim_server(tmp_path_factory: pytest.TempPathFactory, served: ServedModel,
                          num_hidden_layers=1, num_attention_heads=2, num_key_value_heads=1,
                          max_position_embeddings=256, tie_word_embeddings=True)
     save_tiny_hf(config, folder)
-    model = start_served_model(resolve_model(str(folder)), RuntimeOptions(warmup=False, quantize="none"),
+    model = start_served_model(resolve_model(str(folder)), RuntimeOptions(warmup=False, quantize="off"),
                                EngineConfig(max_num_seqs=1, ctx_size=256))
     yield start_server(model, ServerConfig(port=0))
     model.close(30)

@@ -23,13 +23,21 @@ from mlxcel.server.state import ServerState
 
 pytestmark = pytest.mark.slow
 HI = {"model": "m", "temperature": 0}
-GREETING = "Hello! How can I help you today?"  # SmolLM2's greedy answer to "Hi"
 
 
 @pytest.fixture()
 def sdk(server: ServerThread) -> Iterator[openai.OpenAI]:
     with openai.OpenAI(base_url=server.address + "/v1", api_key="unused", max_retries=0, timeout=120) as client:
         yield client
+
+
+@pytest.fixture()
+def greeting(sdk: openai.OpenAI) -> str:
+    """SmolLM2's greedy chat answer to "Hi" on this server, which every Responses reply must equal."""
+    text = sdk.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=32, **HI)
+    content = text.choices[0].message.content
+    assert content.startswith("Hello!"), content
+    return content
 
 
 def wait_for_status(sdk: openai.OpenAI, response_id: str, timeout: float = 60.0) -> openai.types.responses.Response:
@@ -43,7 +51,7 @@ def wait_for_status(sdk: openai.OpenAI, response_id: str, timeout: float = 60.0)
 
 # ---- create ----
 
-def test_f2_create_string_input_matches_chat(sdk: openai.OpenAI) -> None:
+def test_f2_create_string_input_matches_chat(sdk: openai.OpenAI, greeting: str) -> None:
     response = sdk.responses.create(input="Hi", max_output_tokens=32, **HI)
     chat = sdk.chat.completions.create(messages=[{"role": "user", "content": "Hi"}], max_tokens=32, **HI)
     assert response.id.startswith("resp_") and response.object == "response" and response.status == "completed"
@@ -51,7 +59,7 @@ def test_f2_create_string_input_matches_chat(sdk: openai.OpenAI) -> None:
     message = response.output[0]
     assert message.type == "message" and message.id.startswith("msg_") and message.role == "assistant"
     assert message.content[0].type == "output_text" and message.content[0].annotations == []
-    assert response.output_text == chat.choices[0].message.content == GREETING
+    assert response.output_text == chat.choices[0].message.content == greeting
     usage = response.usage
     assert usage.input_tokens == chat.usage.prompt_tokens and usage.output_tokens == chat.usage.completion_tokens
     assert usage.total_tokens == usage.input_tokens + usage.output_tokens
@@ -72,7 +80,7 @@ def test_f2_item_input_and_instructions(sdk: openai.OpenAI) -> None:
 
 # ---- stream ----
 
-def test_f2_stream_events_in_order_and_deltas_assemble(sdk: openai.OpenAI) -> None:
+def test_f2_stream_events_in_order_and_deltas_assemble(sdk: openai.OpenAI, greeting: str) -> None:
     events = list(sdk.responses.create(input="Hi", max_output_tokens=32, stream=True, **HI))
     types = [e.type for e in events]
     assert types[:4] == ["response.created", "response.in_progress", "response.output_item.added",
@@ -82,17 +90,17 @@ def test_f2_stream_events_in_order_and_deltas_assemble(sdk: openai.OpenAI) -> No
     assert set(types[4:-4]) == {"response.output_text.delta"} and len(types[4:-4]) > 3
     assert [e.sequence_number for e in events] == list(range(len(events)))
     text = "".join(e.delta for e in events if e.type == "response.output_text.delta")
-    assert text == GREETING == events[-4].text == events[-1].response.output_text
+    assert text == greeting == events[-4].text == events[-1].response.output_text
     ids = {e.response.id for e in events if e.type.startswith("response.") and hasattr(e, "response")}
     assert len(ids) == 1 and events[2].item.id == events[-2].item.id
 
 
-def test_f2_sdk_stream_helper_final_response(sdk: openai.OpenAI) -> None:
+def test_f2_sdk_stream_helper_final_response(sdk: openai.OpenAI, greeting: str) -> None:
     with sdk.responses.stream(input="Hi", max_output_tokens=32, **HI) as stream:
         deltas = [e.delta for e in stream if e.type == "response.output_text.delta"]
         final = stream.get_final_response()
-    assert "".join(deltas) == final.output_text == GREETING and final.status == "completed"
-    assert sdk.responses.retrieve(final.id).output_text == GREETING  # stored once the stream ended
+    assert "".join(deltas) == final.output_text == greeting and final.status == "completed"
+    assert sdk.responses.retrieve(final.id).output_text == greeting  # stored once the stream ended
 
 
 def test_f2_stream_cut_by_max_output_tokens_is_incomplete(sdk: openai.OpenAI) -> None:

@@ -76,6 +76,16 @@ class EngineCore:
     def start(self) -> None:
         self._thread.start()
 
+    def run_on_this_thread(self) -> None:
+        """Run the loop on the calling thread until stop() (instead of start()).
+
+        NOTE: OpenMP keeps one worker pool per thread that runs parallel regions; two pools on
+        2 cores throttle each other's spin-waits, which slowed every decode step by ~50 %.
+        A thread that loaded the model and then runs the loop keeps the process at one pool.
+        """
+        self._thread = threading.current_thread()
+        self._run()
+
     def stop(self, timeout: float = 120.0) -> bool:
         """Abort everything in flight and join the loop thread; True when it exited in time."""
         self._stopping.set()
