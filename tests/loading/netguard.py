@@ -3,22 +3,7 @@ sitecustomize.py, in CLI subprocesses. No loading test may reach a non-loopback 
 
 from __future__ import annotations
 
-import ipaddress
-from typing import Any
-
-
-class NonLoopbackAccess(BaseException):
-    """A BaseException, so no `except Exception` in the code under test can swallow it."""
-
-
-def is_loopback(host: Any) -> bool:
-    if host in (None, "localhost", b"localhost"):
-        return True
-    try:
-        text = host.decode() if isinstance(host, bytes) else str(host)
-        return ipaddress.ip_address(text.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
+from tests.netguard import NonLoopbackAccess, is_loopback  # noqa: F401 - re-exported for the loading tests
 
 
 # The guard, for CLI subprocesses: a sitecustomize.py on PYTHONPATH installs it at start-up.

