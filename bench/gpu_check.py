@@ -82,10 +82,6 @@ def main() -> None:
     from mlxcel.engine.loop import EngineCore, ModelShape
     from mlxcel.loading import load_model
 
-    def model_shape(loaded):  # noqa: ANN001, ANN202 - as runtime.model_shape, without the text layer
-        a = loaded.model.args
-        return ModelShape(a.num_hidden_layers, a.kv_heads, a.dim_per_head, a.max_position_embeddings)
-
     path = args.gguf or random_checkpoint(Path("/tmp/smol-random"))
     report: dict = {"checkpoint": str(path), "device": torch.cuda.get_device_name()}
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
@@ -93,7 +89,7 @@ def main() -> None:
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 64, 200, 731)]
     report["logits_bf16"] = compare_logits(loaded.model, ref, prompts)
-    core = EngineCore(loaded.model, model_shape(loaded), EngineConfig(max_num_seqs=64, ctx_size=64 * 1024,
+    core = EngineCore(loaded.model, ModelShape.of(loaded.model.args), EngineConfig(max_num_seqs=64, ctx_size=64 * 1024,
                       max_num_batched_tokens=2048), eos_token_ids=frozenset(), device="cuda", dtype=torch.bfloat16)
     core.start()
     client = EngineClient(core)

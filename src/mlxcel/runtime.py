@@ -101,9 +101,7 @@ def build_chat_features(name: str, loaded: LoadedModel, tokenizer: Tokenizer, te
 
 
 def model_shape(loaded: LoadedModel) -> ModelShape:
-    args = loaded.model.args
-    return ModelShape(num_layers=args.num_hidden_layers, num_kv_heads=args.kv_heads,
-                      head_dim=args.dim_per_head, context_length=args.max_position_embeddings)
+    return ModelShape.of(loaded.model.args)
 
 
 def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:

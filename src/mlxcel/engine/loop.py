@@ -45,6 +45,11 @@ class ModelShape:
     head_dim: int
     context_length: int
 
+    @classmethod
+    def of(cls, args: Any) -> ModelShape:
+        """From a family's ModelArgs (every decoder family exposes these four)."""
+        return cls(args.num_hidden_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
+
 
 class EngineCore:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: EngineConfig, *,
