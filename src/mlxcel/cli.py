@@ -126,6 +126,9 @@ OPTIONS: tuple[Option, ...] = (
            parse=parse_bool_arg, default=True, kind="bool", env="LLAMA_ARG_APC_ENABLED", group="engine"),
     Option(("--max-kv-size",), "max_kv_size", "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
            parse=int, default=0, env="LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
+    Option(("--kv-cache-memory",), "kv_cache_memory", "cap the KV pool at this many bytes (e.g. 512M; 0 = room "
+           "for every slot's full context); a smaller pool preempts and recomputes under pressure", parse=parse_size,
+           default=0, env="MLXCEL_KV_CACHE_MEMORY", metavar="SIZE", group="engine"),
     Option(("--decode-timeout",), "decode_timeout", "abort a request that produces no token for this long "
            "(not applied to prefill)", parse=float, default=600.0, env="LLAMA_ARG_DECODE_TIMEOUT",
            metavar="SECONDS", group="engine"),
@@ -333,6 +336,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
         max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
         max_kv_size=values["max_kv_size"], decode_timeout_s=values["decode_timeout"],
+        kv_cache_bytes=values["kv_cache_memory"],
         slot_save_path=values["slot_save_path"])
     server = ServerConfig(
         host=values["host"], port=values["port"], api_keys=keys, alias=values["alias"], timeout_s=values["timeout"],

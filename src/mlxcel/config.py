@@ -21,6 +21,7 @@ class EngineConfig:
     max_kv_size: int = 0  # --max-kv-size (spec N); 0 = off
     decode_timeout_s: float = 600.0  # --decode-timeout (A8)
     slot_save_path: str | None = None  # --slot-save-path (F12)
+    kv_cache_bytes: int = 0  # --kv-cache-memory: cap on the KV pool; 0 = sized from the context alone
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -39,9 +40,23 @@ class EngineConfig:
             return max(self.ctx_size // self.max_num_seqs, self.block_size)
         return model_context
 
-    def num_blocks(self, model_context: int) -> int:
+    def num_blocks(self, model_context: int, bytes_per_token: int) -> int:
+        """KV blocks for every slot's full context, capped by the memory budget when one is set.
+
+        A smaller pool still serves every slot: blocks are shared and handed out on demand, and
+        when they run out the newest request is preempted and recomputed later.
+        """
         per_slot = self.slot_context(model_context)
         if self.max_kv_size:
             per_slot = min(per_slot, self.max_kv_size + 2 * self.block_size)
         blocks_per_slot = -(-per_slot // self.block_size) + 1
-        return blocks_per_slot * self.max_num_seqs
+        wanted = blocks_per_slot * self.max_num_seqs
+        if not self.kv_cache_bytes:
+            return wanted
+        affordable = self.kv_cache_bytes // (bytes_per_token * self.block_size)
+        if affordable < blocks_per_slot:
+            raise ValueError(
+                f"--kv-cache-memory {self.kv_cache_bytes} bytes holds {affordable * self.block_size} tokens, "
+                f"less than one slot's context ({per_slot} tokens); raise it or lower --ctx-size"
+            )
+        return min(wanted, affordable)

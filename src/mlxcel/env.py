@@ -54,6 +54,7 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLXCEL_MODELS_DIR", _parse_path, None, "model store, as --models-dir (A2)"),
     EnvVar("MLXCEL_WEIGHT_MATERIALIZATION", str, "eager", "eager or lazy weight loading (A6)"),
     EnvVar("MLXCEL_QUANTIZE", str, "auto", "CPU decode matmuls, as --quantize: auto or off"),
+    EnvVar("MLXCEL_KV_CACHE_MEMORY", str, None, "KV pool cap, as --kv-cache-memory (e.g. 512M)"),
     EnvVar("MLXCEL_ALLOW_PRIVATE_MEDIA_URLS", parse_bool, False, "skip the media address checks (C3)"),
     EnvVar("MLXCEL_VIDEO_MAX_FRAMES", int, 16, "frames kept per video block (C5)"),
     EnvVar("MLXCEL_VIDEO_FPS", float, 2.0, "video sampling rate when a block gives none (C5)"),

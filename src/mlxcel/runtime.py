@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
@@ -134,7 +134,7 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     log.info("decode path: %s", _decode_path(loaded, options))
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)
-    engine_config = _clamp_parallel(loaded, engine_config)
+    engine_config = _fit_engine_config(loaded, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype)
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
@@ -168,13 +168,16 @@ def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 
-def _clamp_parallel(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
-    if loaded.supports_batching or config.max_num_seqs == 1:
-        return config
-    log.warning("%s cannot batch requests: --parallel %d clamped to 1", loaded.model_type, config.max_num_seqs)
-    from dataclasses import replace
-
-    return replace(config, max_num_seqs=1)
+def _fit_engine_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
+    """Settings the model overrides: families that cannot batch get one slot (A3); models with
+    their own sliding window ignore --max-kv-size (N)."""
+    if not loaded.supports_batching and config.max_num_seqs != 1:
+        log.warning("%s cannot batch requests: --parallel %d clamped to 1", loaded.model_type, config.max_num_seqs)
+        config = replace(config, max_num_seqs=1)
+    if config.max_kv_size and getattr(loaded.model.args, "sliding_window", None):
+        log.info("--max-kv-size %d ignored: %s has its own sliding window", config.max_kv_size, loaded.model_type)
+        config = replace(config, max_kv_size=0)
+    return config
 
 
 def warmup(served: ServedModel) -> None:

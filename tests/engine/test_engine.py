@@ -198,3 +198,47 @@ def test_quantized_cpu_path_gives_the_same_tokens_alone_and_batched(tiny_model) 
     finally:
         client.core.stop(10)
     assert together == alone
+
+
+def test_kv_memory_budget_caps_the_pool_and_still_serves_every_request(tiny_model) -> None:
+    """A3: the pool is sized from --ctx-size, or capped by a memory budget; a pool smaller than
+    every slot's full context shares blocks and preempts under pressure, losing nothing."""
+    from mlxcel.config import EngineConfig
+
+    bytes_per_token = 2 * 2 * 2 * 16 * 4  # K and V, 2 layers, 2 KV heads, head_dim 16, float32
+    config = EngineConfig(max_num_seqs=8, ctx_size=8 * 64, block_size=4, kv_cache_bytes=30 * 4 * bytes_per_token)
+    assert config.num_blocks(512, bytes_per_token) == 30  # instead of 8 * (64 / 4 + 1) = 136
+    with pytest.raises(ValueError, match="kv-cache-memory"):
+        EngineConfig(ctx_size=8 * 64, max_num_seqs=8, block_size=4, kv_cache_bytes=100).num_blocks(512, bytes_per_token)
+    client = make_engine(tiny_model, ctx_size=8 * 64, kv_cache_bytes=30 * 4 * bytes_per_token)
+    prompts = [p[:20] for p in PROMPTS]
+    async def main():
+        return await asyncio.gather(*(collect(client, Request(f"m{i}", p, greedy(10))) for i, p in enumerate(prompts)))
+    try:
+        assert client.core.kv.pool.num_blocks == 30
+        results = run(main())
+        assert client.core.kv.pool.num_free_blocks == 30
+    finally:
+        client.core.stop(10)
+    for prompt, (tokens, _) in zip(prompts, results):
+        assert tokens == reference_greedy(tiny_model, prompt, 10)
+
+
+def test_models_with_their_own_sliding_window_ignore_max_kv_size() -> None:
+    """N: --max-kv-size is dropped (with a log line) for a model that has a sliding window."""
+    import torch
+
+    from mlxcel.config import EngineConfig
+    from mlxcel.loading import LoadedModel
+    from mlxcel.models import gemma3, llama
+    from mlxcel.runtime import _fit_engine_config
+
+    config = EngineConfig(max_kv_size=128)
+    with torch.device("meta"):
+        windowed = gemma3.Model(gemma3.ModelArgs.from_dict(dict(
+            hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+            intermediate_size=96, vocab_size=50, sliding_window=8, query_pre_attn_scalar=16)))
+        plain = llama.Model(llama.ModelArgs(hidden_size=64, num_hidden_layers=2, num_attention_heads=4,
+                                            intermediate_size=96, vocab_size=50))
+    assert _fit_engine_config(LoadedModel(windowed, {"model_type": "gemma3"}, None, None, None), config).max_kv_size == 0
+    assert _fit_engine_config(LoadedModel(plain, {"model_type": "llama"}, None, None, None), config).max_kv_size == 128

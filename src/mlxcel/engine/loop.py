@@ -57,7 +57,8 @@ class EngineCore:
                  dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.slot_context = config.slot_context(shape.context_length)
-        num_blocks = config.num_blocks(shape.context_length)
+        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
         self.kv_cache = KVCache(shape.num_layers, num_blocks, config.block_size, shape.num_kv_heads,
                                 shape.head_dim, dtype, device)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
