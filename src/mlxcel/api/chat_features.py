@@ -37,14 +37,17 @@ def plan_chat(
     ctx: ApiContext, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
     tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
     max_tokens: int | None = None, cache_prompt: bool = True, remembers_reasoning: bool = True,
+    reasoning_control: bool = False,
 ) -> ChatPlan:
     """Template kwargs, reasoning echo, budget, grammar and loop guard for one request, decided
     before rendering. `body` is the JSON as received (extra_body not flattened); `messages` are
-    in the template's dict form. An invalid field of these features is a 400."""
+    in the template's dict form; `reasoning_control` arms live control (F5, api/control.py).
+    An invalid field of these features is a 400."""
     try:
         return features_of(ctx).plan_chat(
             body, messages, tools=tools, tool_choice=tool_choice, parallel_tool_calls=parallel_tool_calls,
-            max_tokens=max_tokens, cache_prompt=cache_prompt, remembers_reasoning=remembers_reasoning)
+            max_tokens=max_tokens, cache_prompt=cache_prompt, remembers_reasoning=remembers_reasoning,
+            reasoning_control=reasoning_control)
     except REQUEST_ERRORS as exc:
         raise invalid_request(str(exc)) from None
 

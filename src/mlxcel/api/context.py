@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Protocol
 
+from mlxcel.api.control import CompletionControls
 from mlxcel.api.sse import KEEPALIVE_INTERVAL_S
 from mlxcel.engine.client import EngineClient
 from mlxcel.media.limits import MediaPolicy
@@ -56,6 +57,7 @@ class ApiContext:
     sse_keepalive_s: float = KEEPALIVE_INTERVAL_S
     features: ChatFeatures | None = None  # reasoning, tools, grammar, budget, echo (S-V); None: defaults
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # C2-C5: api.media.validate_media reads it
+    controls: CompletionControls = field(default_factory=CompletionControls)  # F5: running chat completions
 
     def __post_init__(self) -> None:
         if self.features is None:  # a context built outside the server (CLI, tests): default settings

@@ -95,6 +95,11 @@ async def chat_input_tokens(request: Request, state: ServerState) -> Reply:
     return openai.count_chat_input_tokens(state.require_api(), req)
 
 
+async def chat_control(request: Request, state: ServerState) -> Reply:
+    req = openai.parse_control_request(await read_json(request))  # D1: body errors before availability
+    return openai.control_chat_completion(state.require_api(), req)
+
+
 async def completions(request: Request, state: ServerState) -> Reply:
     req = openai.parse_completion_request(await read_json(request))
     ctx = state.require_api()
@@ -222,6 +227,7 @@ async def responses_input_items(request: Request, state: ServerState) -> Reply:
 ROUTES: tuple[Route, ...] = (
     Route(("/v1/chat/completions", "/chat/completions"), ("POST",), chat_completions),
     Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
+    Route(("/v1/chat/completions/control", "/chat/completions/control"), ("POST",), chat_control),
     Route(("/v1/completions",), ("POST",), completions),
     Route(("/v1/responses", "/responses"), ("POST",), responses_create),
     Route(("/v1/responses/input_tokens", "/responses/input_tokens"), ("POST",), responses_input_tokens),

@@ -8,11 +8,16 @@ forced tokens are ordinary sampled tokens: they stream as text deltas like any o
 Where the budget comes from, highest first: the request (`thinking_budget_tokens`, then its
 aliases `thinking_token_budget` (vLLM) and `thinking_budget` (Qwen)), `--reasoning-budget`,
 `LLAMA_ARG_REASONING_BUDGET`, else -1.
+
+The same processor carries live control (F5, llama-server's `reasoning_control`): a request that
+opts in gets one even without a budget, and `end_reasoning()`, called from any thread, makes it
+force the end marker from the next step on.
 """
 
 from __future__ import annotations
 
 import logging
+import threading
 from collections.abc import Mapping, Sequence
 from typing import Any
 
@@ -81,26 +86,38 @@ def warn_if_unsupported(budget: int, think: ThinkTokens | None) -> None:
 
 
 class ReasoningBudget:
-    """A TokenProcessor that forces the end marker once the block has used its budget."""
+    """A TokenProcessor that forces the end marker once the block has used its budget, or once
+    `end_reasoning()` asked for it (budget UNLIMITED: only then)."""
 
     def __init__(self, think: ThinkTokens, budget: int, *, starts_in_reasoning: bool) -> None:
-        if budget < 0:
-            raise ValueError(f"a reasoning budget processor needs a budget of 0 or more, not {budget}")
+        if budget < UNLIMITED:
+            raise ValueError(f"a reasoning budget processor needs a budget of -1 (unlimited) or more, not {budget}")
         self.budget = budget
         self._tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning)
         self._is_forcing = False
+        # Set from the event-loop thread, read by the engine thread in process(): a flag, no lock.
+        self._end_requested = threading.Event()
 
     @property
     def num_reasoning_tokens(self) -> int:
         return self._tracker.num_reasoning_tokens
 
+    def end_reasoning(self) -> bool:
+        """Force the end marker from the next step on (thread-safe). True when the reply has not
+        left its reasoning block yet (it is inside it, or may still open it)."""
+        self._end_requested.set()
+        return self._tracker.phase != ThinkTracker.AFTER
+
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
         tracker = self._tracker
         if tracker.phase != ThinkTracker.REASONING:
             return
-        if self._is_forcing or tracker.num_reasoning_tokens >= self.budget:
+        if self._is_forcing or self._is_spent() or self._end_requested.is_set():
             self._is_forcing = True
             force_token(logits, tracker.next_end_token)
+
+    def _is_spent(self) -> bool:
+        return self.budget != UNLIMITED and self._tracker.num_reasoning_tokens >= self.budget
 
     def accept(self, token_id: int) -> FinishReason | None:
         self._tracker.advance(token_id)
@@ -115,9 +132,10 @@ def force_token(logits: torch.Tensor, token_id: int) -> None:
 
 
 def make_budget_processor(
-    think: ThinkTokens | None, budget: int, *, starts_in_reasoning: bool
+    think: ThinkTokens | None, budget: int, *, starts_in_reasoning: bool, is_controlled: bool = False
 ) -> ReasoningBudget | None:
-    """The processor for a request's budget; None when unlimited or the model cannot think."""
-    if think is None or budget == UNLIMITED:
+    """The processor for a request's budget; None when the model cannot think, or when the
+    budget is unlimited and the request did not opt in to live control (`is_controlled`)."""
+    if think is None or (budget == UNLIMITED and not is_controlled):
         return None
     return ReasoningBudget(think, budget, starts_in_reasoning=starts_in_reasoning)

@@ -8,7 +8,7 @@ At startup, per served model:
 Per chat request (any protocol; `body` is the JSON as received, before flattening):
 
     plan = features.plan_chat(body, messages, tools=..., tool_choice=..., max_tokens=...,
-                              cache_prompt=...)                # REQUEST_ERRORS -> 400
+                              cache_prompt=..., reasoning_control=...)   # REQUEST_ERRORS -> 400
     text = template.render(plan.messages, tools=..., **plan.template_kwargs)   # TemplateError -> 400
     plan.set_prompt(text)                                      # primed-think detection
     Request(..., processors=plan.processors())                 # fresh per choice
@@ -122,12 +122,14 @@ class ChatFeatures:
         self, body: Mapping[str, Any], messages: Sequence[Mapping[str, Any]], *,
         tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None,
         parallel_tool_calls: bool = True, max_tokens: int | None = None, cache_prompt: bool = True,
-        remembers_reasoning: bool = True,
+        remembers_reasoning: bool = True, reasoning_control: bool = False,
     ) -> ChatPlan:
         """Everything decided before rendering; raises one of REQUEST_ERRORS (a 400).
 
         `messages` are the client's, in the template's dict form; `remembers_reasoning` is
-        False where the route does not echo (Anthropic without extended thinking).
+        False where the route does not echo (Anthropic without extended thinking);
+        `reasoning_control` (F5) gives each choice a budget processor that can be told to end
+        its reasoning while it runs.
         """
         kwargs = effective_template_kwargs(self.template_kwargs, body, self.template)
         signature = template_signature(self.template.source if self.template else "", kwargs, tools)
@@ -146,6 +148,7 @@ class ChatFeatures:
             loop_policy=resolve_loop_policy(self.loop_family, self.loop_operator, body),
             tool_format=self.tool_parser_name if uses_tools else None,
             signature=signature, is_echo_on=is_echo_on, session=session, is_parallel=parallel_tool_calls,
+            is_controlled=reasoning_control,
         )
 
     def completion_processors(
@@ -202,6 +205,7 @@ class ChatPlan:
     is_echo_on: bool
     session: str
     is_parallel: bool = True  # parallel_tool_calls: false keeps only the first call
+    is_controlled: bool = False  # reasoning_control: true (F5): the budget processor is always made
     starts_in_reasoning: bool = field(default=False)
 
     @property
@@ -220,7 +224,8 @@ class ChatPlan:
 
     def processors(self) -> tuple[TokenProcessor, ...]:
         """Fresh TokenProcessors for one choice's engine Request."""
-        return _processors(self.features, self.budget, self.grammar, self.loop_policy, self.starts_in_reasoning)
+        return _processors(self.features, self.budget, self.grammar, self.loop_policy, self.starts_in_reasoning,
+                           is_controlled=self.is_controlled)
 
     def output_parser(self, stops: Sequence[str] = ()) -> ChatOutputParser:
         """A fresh parser for one choice's text deltas; `stops` end the answer (not the reasoning)."""
@@ -240,12 +245,13 @@ class ChatPlan:
 
 
 def _processors(
-    features: ChatFeatures, budget: int, grammar: Grammar | None, policy: LoopPolicy, primed: bool
+    features: ChatFeatures, budget: int, grammar: Grammar | None, policy: LoopPolicy, primed: bool, *,
+    is_controlled: bool = False,
 ) -> tuple[TokenProcessor, ...]:
     # Order matters only for `process`: the budget may force `</think>`; the grammar is idle
     # while reasoning; the loop guard only watches.
     found: list[TokenProcessor | None] = [
-        make_budget_processor(features.think, budget, starts_in_reasoning=primed) if budget != UNLIMITED else None,
+        make_budget_processor(features.think, budget, starts_in_reasoning=primed, is_controlled=is_controlled),
         features.grammar.processor(grammar, think=features.think, starts_in_reasoning=primed) if grammar else None,
         make_loop_guard(policy),
     ]

@@ -2,7 +2,8 @@
 
 Chat features (S, R, Q, P, V) come from api/chat_features.py: template kwargs, reasoning split
 and echo, reasoning budget, tools and tool_choice, response_format / json_schema / grammar, and
-the loop guard; chat_events.py writes the reply's reasoning, content and tool calls.
+the loop guard; chat_events.py writes the reply's reasoning, content and tool calls. Every
+completion is registered in `ctx.controls` while it runs, for live control (F5, control.py).
 """
 
 from __future__ import annotations
@@ -10,10 +11,10 @@ from __future__ import annotations
 from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
-from mlxcel.api import chat_features, chat_prompt
+from mlxcel.api import chat_features, chat_prompt, control
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
-from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
+from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, GenerationParams, LogprobText, Prompt
 from mlxcel.api.media import validate_media
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
@@ -45,11 +46,18 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     sampling = common.sampling_params(ctx, req, max_tokens=_max_tokens(req), logprobs=logprobs)
     params = chat_features.with_chat_features(common.generation_params(req, sampling, headers), plan)
     completion_id = common.new_id("chatcmpl")
-    generation = Generation.start(ctx, [prompt], params, n=req.n, request_id=completion_id)
+    generation = _start_registered(ctx, req, prompt, params, completion_id)
     if req.stream:
+        async def close() -> None:
+            ctx.controls.unregister(completion_id)
+            await generation.aclose()
+
         frames = _stream_frames(ctx, generation, req, plan, completion_id)
-        return StreamReply(with_keepalive(frames, ctx.sse_keepalive_s), on_close=generation.aclose)
-    results = await generation.collect()
+        return StreamReply(with_keepalive(frames, ctx.sse_keepalive_s), on_close=close)
+    try:
+        results = await generation.collect()
+    finally:
+        ctx.controls.unregister(completion_id)
     chat_features.remember_replies(plan, results)
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: counted the same streamed or not
@@ -57,6 +65,18 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
         "id": completion_id, "object": "chat.completion", "created": common.now(), "model": ctx.model_name,
         "choices": [_choice_json(r, req.logprobs) for r in results], "usage": common.usage_json(usage),
     })
+
+
+def _start_registered(ctx: ApiContext, req: ChatCompletionRequest, prompt: Prompt, params: GenerationParams,
+                      completion_id: str) -> Generation:
+    """Start the choices and register the completion for live control (F5) until it ends; with
+    `reasoning_control: true` its choices' budget processors are the control handles."""
+    handles: list[control.ReasoningControl] = []
+    if req.reasoning_control:
+        params, handles = control.collect_handles(params)
+    generation = Generation.start(ctx, [prompt], params, n=req.n, request_id=completion_id)
+    ctx.controls.register(completion_id, handles, is_opted_in=req.reasoning_control)
+    return generation
 
 
 def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> JsonReply:
@@ -72,7 +92,7 @@ def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[ChatPlan,
     plan = chat_features.plan_chat(
         ctx, req._body or req.model_dump(exclude_none=True), messages, tools=req.tools,
         tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, max_tokens=_max_tokens(req),
-        cache_prompt=req.cache_prompt)
+        cache_prompt=req.cache_prompt, reasoning_control=req.reasoning_control)
     prompt = chat_features.render_plan(ctx, plan, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)
     return plan, prompt
@@ -127,6 +147,8 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
         yield sse_frame(error_body(exc))
         yield DONE_FRAME
         return
+    finally:
+        ctx.controls.unregister(completion_id)  # generation over: control answers "no active completion"
     chat_features.remember_replies(plan, generation.results())
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: at the end, whether or not usage was asked for

@@ -109,6 +109,7 @@ class ChatCompletionRequest(SamplingFields):
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
+    reasoning_control: bool = False  # llama-server: opt in to POST /v1/chat/completions/control (F5)
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -127,3 +128,11 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+
+
+class ControlRequest(WireModel):
+    """POST /v1/chat/completions/control (F5): an action for a running chat completion."""
+
+    id: str = Field(min_length=1)  # the completion's `chatcmpl-...` id
+    action: str
+    model: str | None = None  # accepted as llama-server's router needs it; the served model answers
