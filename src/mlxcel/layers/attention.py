@@ -105,6 +105,9 @@ class AttentionContext:
         self._decode_key_pos = key_pos.to(self.device)
         self._decode_q_pos = torch.tensor([s.kv_len - 1 for s in seqs], device=self.device)
         self._decode_q_index = torch.tensor([s.q_start for s in seqs], device=self.device)
+        # The runner puts decode rows first: then they are a plain slice, no gather or scatter.
+        self._decode_rows_lead = [s.q_start for s in seqs] == list(range(len(seqs)))
+        self._decode_is_padded = any(s.kv_len - s.kv_start != max_len for s in seqs)
 
     # ---- attention ----
 
@@ -118,7 +121,11 @@ class AttentionContext:
         v_cache.index_copy_(0, self.slot_mapping, v)
         out = torch.empty_like(q)
         if self.decode_rows:
-            out[self._decode_q_index] = self._attend_decode_group(q, k_cache, v_cache, scale, window)
+            decoded = self._attend_decode_group(q, k_cache, v_cache, scale, window)
+            if self._decode_rows_lead:
+                out[:len(self.decode_rows)] = decoded
+            else:
+                out[self._decode_q_index] = decoded
         for i in self.other_rows:
             s = self.seqs[i]
             slots = self._cached(("slots", i), lambda s=s: self._slots_for(s, s.kv_start, s.kv_len))
@@ -165,8 +172,11 @@ class AttentionContext:
         flat = self._decode_gather.reshape(-1)
         keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)
         values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
-        qh = q.index_select(0, self._decode_q_index).unsqueeze(2)  # [B, Hq, 1, D]
-        mask = self._cached(("decode", window), lambda: self._decode_mask(window))
+        rows = q[:b] if self._decode_rows_lead else q.index_select(0, self._decode_q_index)
+        qh = rows.unsqueeze(2)  # [B, Hq, 1, D]
+        # Every gathered key is visible to its (last-position) query unless padded or windowed.
+        needs_mask = self._decode_is_padded or (window is not None and length > window)
+        mask = self._cached(("decode", window), lambda: self._decode_mask(window)) if needs_mask else None
         out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
                                              enable_gqa=True)
         return out.squeeze(2)
