@@ -96,10 +96,13 @@ class RotaryEmbedding(torch.nn.Module):
         t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_positions, head_dim]
-        self._cos, self._sin = emb.cos(), emb.sin()
+        sin = emb.sin()
+        # Rotate-half as a roll: rotate_half(x) * sin == roll(x, half) * sin_signed (see apply_rope).
+        half = emb.shape[-1] // 2
+        self._cos, self._sin = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos, sin of shape [T, 1, head_dim] for broadcasting over heads.
+        """cos and signed sin (first half negated) of shape [T, 1, head_dim], for apply_rope.
 
         Every layer of a step asks with the same `positions` tensor: the answer is kept for
         that tensor, so the table lookup (and the host sync of `max()`) happens once a step.
@@ -114,9 +117,10 @@ class RotaryEmbedding(torch.nn.Module):
         return self._memo
 
 
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, num_heads, head_dim]; rotate-half layout as in HF checkpoints."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat((-x2, x1), dim=-1)
-    return x * cos + rotated * sin
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:
+    """x: [T, num_heads, head_dim]; HF's rotate-half layout, with cos/sin from `cos_sin`.
+
+    x * cos + cat(-x2, x1) * sin, written as a roll against a sin whose first half is negated:
+    the same products, bit for bit, in three ops instead of six (a decode step runs 60 of them).
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
