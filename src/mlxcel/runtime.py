@@ -147,13 +147,15 @@ def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
 
     def main() -> None:
         try:
-            result.append(build())
+            served = build()
+            served.engine.core.adopt_current_thread()  # stop() may join it as soon as we return
+            result.append(served)
         except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
             result.append(exc)
             return
         finally:
             ready.set()
-        result[0].engine.core.run_on_this_thread()  # type: ignore[union-attr]
+        served.engine.core.run_on_this_thread()
 
     threading.Thread(target=main, name="mlxcel-engine", daemon=True).start()
     ready.wait()

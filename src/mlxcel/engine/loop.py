@@ -89,8 +89,12 @@ class EngineCore:
         2 cores throttle each other's spin-waits, which slowed every decode step by ~50 %.
         A thread that loaded the model and then runs the loop keeps the process at one pool.
         """
-        self._thread = threading.current_thread()
+        self.adopt_current_thread()
         self._run()
+
+    def adopt_current_thread(self) -> None:
+        """Make the calling thread the loop's thread (what stop() joins) before it runs the loop."""
+        self._thread = threading.current_thread()
 
     def stop(self, timeout: float = 120.0) -> bool:
         """Abort everything in flight and join the loop thread; True when it exited in time."""
