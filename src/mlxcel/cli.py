@@ -80,7 +80,7 @@ OPTIONS: tuple[Option, ...] = (
            metavar="NAME", group="model"),
     Option(("--models-dir",), "models_dir", "where downloaded models are stored", parse=Path,
            env="MLXCEL_MODELS_DIR", metavar="PATH", group="model"),
-    Option(("--model-draft", "-md", "--draft-model"), "draft_model", "draft model for speculative decoding",
+    Option(("--model-draft", "-md", "--draft-model"), "draft_model", "draft model for speculative decoding (not in this build: startup refuses it)",
            env="LLAMA_ARG_MODEL_DRAFT", metavar="MODEL", group="model",
            serve_names=("--draft-model", "-md", "--model-draft")),
     Option(("--chat-template",), "chat_template", "chat template: Jinja source or a built-in name "
