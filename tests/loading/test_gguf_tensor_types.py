@@ -6,7 +6,6 @@ real Gemma 3 and SmolLM2 files against llama.cpp-style reference loops."""
 from __future__ import annotations
 
 from collections.abc import Callable
-from pathlib import Path
 
 import gguf
 import numpy as np

@@ -6,7 +6,6 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
-from pathlib import Path
 
 import httpx
 import openai

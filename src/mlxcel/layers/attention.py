@@ -63,7 +63,8 @@ class AttentionContext:
         self.slot_mapping = self._slot_mapping() if kv is not None else None
         decode = [i for i, s in enumerate(seqs) if s.q_len == 1 and kv is not None]
         self.decode_rows = decode  # one batched path for every decode row, alone or not
-        self.other_rows = [i for i in range(len(seqs)) if i not in set(self.decode_rows)]
+        decode_set = set(self.decode_rows)
+        self.other_rows = [i for i in range(len(seqs)) if i not in decode_set]
         self.num_tokens = sum(s.q_len for s in seqs)
         self.num_leading_single_rows = next((i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()

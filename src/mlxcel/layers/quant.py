@@ -17,7 +17,6 @@ greedy output does not depend on its batch neighbours.
 from __future__ import annotations
 
 import functools
-import logging
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,7 +26,6 @@ from torch import nn
 
 from mlxcel.layers.attention import current_step
 
-log = logging.getLogger(__name__)
 
 PACKED_MAX_ROWS = 8  # outside an engine step, fewer rows than this use the packed kernel
 

@@ -16,7 +16,6 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
-import numpy as np
 import torch
 
 from mlxcel.loading.errors import ModelLoadError

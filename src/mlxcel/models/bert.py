@@ -105,21 +105,23 @@ class SelfAttention(nn.Module):
         return x.view(batch, seq_len, self.num_heads, width // self.num_heads).transpose(1, 2)
 
 
-class SelfOutput(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
+class DenseAddNorm(nn.Module):
+    """LayerNorm(dense(x) + residual): BERT's `attention.output` and `output` blocks (HF names)."""
+
+    def __init__(self, in_features: int, args: ModelArgs) -> None:
         super().__init__()
-        self.dense = nn.Linear(args.hidden_size, args.hidden_size)
+        self.dense = nn.Linear(in_features, args.hidden_size)
         self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
 
-    def forward(self, attended: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(attended) + residual)
+    def forward(self, x: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
+        return self.LayerNorm(self.dense(x) + residual)
 
 
 class Attention(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.self = SelfAttention(args)
-        self.output = SelfOutput(args)
+        self.output = DenseAddNorm(args.hidden_size, args)
 
     def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         return self.output(self.self(hidden, key_mask), hidden)
@@ -135,22 +137,12 @@ class Intermediate(nn.Module):
         return self.activation(self.dense(hidden))
 
 
-class Output(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.dense = nn.Linear(args.intermediate_size, args.hidden_size)
-        self.LayerNorm = nn.LayerNorm(args.hidden_size, eps=args.layer_norm_eps)
-
-    def forward(self, expanded: torch.Tensor, residual: torch.Tensor) -> torch.Tensor:
-        return self.LayerNorm(self.dense(expanded) + residual)
-
-
 class Layer(nn.Module):
     def __init__(self, args: ModelArgs) -> None:
         super().__init__()
         self.attention = Attention(args)
         self.intermediate = Intermediate(args)
-        self.output = Output(args)
+        self.output = DenseAddNorm(args.intermediate_size, args)
 
     def forward(self, hidden: torch.Tensor, key_mask: torch.Tensor) -> torch.Tensor:
         attended = self.attention(hidden, key_mask)
