@@ -9,6 +9,10 @@ from pathlib import Path
 
 import pytest
 
+# Servers the tests start through the CLI run the decode step eagerly: compiling it costs minutes
+# per process on 2 cores. tests/engine/test_decode_step.py covers the compiled step explicitly.
+os.environ.setdefault("MLXCEL_NO_COMPILE", "1")
+
 MODEL_CACHE = Path.home() / ".cache" / "mlxcel-test-models"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"
 GEMMA3_SIZE = 253_113_024  # bytes of the assembled file; re-assembled when the size differs

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
-from mlxcel.config import EngineConfig
+from mlxcel.config import CACHE_TYPES, DECODE_STEPS, EngineConfig
 from mlxcel.env import Environment, EnvError, parse_bool
 from mlxcel.server.config import ServerConfig, default_responses_db
 
@@ -129,6 +129,17 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--kv-cache-memory",), "kv_cache_memory", "cap the KV pool at this many bytes (e.g. 512M; 0 = room "
            "for every slot's full context); a smaller pool preempts and recomputes under pressure", parse=parse_size,
            default=0, env="MLXCEL_KV_CACHE_MEMORY", metavar="SIZE", group="engine"),
+    Option(("-ctk", "--cache-type-k"), "cache_type_k", "KV cache element type for keys: f32, bf16 or f16",
+           default="bf16", env="LLAMA_ARG_CACHE_TYPE_K", group="engine", choices=CACHE_TYPES,
+           serve_names=("--cache-type-k", "-ctk")),
+    Option(("-ctv", "--cache-type-v"), "cache_type_v", "KV cache element type for values: f32, bf16 or f16",
+           default="bf16", env="LLAMA_ARG_CACHE_TYPE_V", group="engine", choices=CACHE_TYPES,
+           serve_names=("--cache-type-v", "-ctv")),
+    Option(("--decode-step",), "decode_step", "how decode steps run: auto = compiled (torch.compile) on CPU and "
+           "CUDA graphs on CUDA; compile, cuda-graph or eager", default="auto", env="MLXCEL_DECODE_STEP",
+           group="engine", choices=DECODE_STEPS),
+    Option(("--no-compile",), "no_compile", "run decode steps eagerly, op by op (as --decode-step eager): no "
+           "compile time at startup", default=False, kind="on", env="MLXCEL_NO_COMPILE", group="engine"),
     Option(("--decode-timeout",), "decode_timeout", "abort a request that produces no token for this long "
            "(not applied to prefill)", parse=float, default=600.0, env="LLAMA_ARG_DECODE_TIMEOUT",
            metavar="SECONDS", group="engine"),
@@ -336,8 +347,9 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
         max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
         max_kv_size=values["max_kv_size"], decode_timeout_s=values["decode_timeout"],
-        kv_cache_bytes=values["kv_cache_memory"],
-        slot_save_path=values["slot_save_path"])
+        kv_cache_bytes=values["kv_cache_memory"], slot_save_path=values["slot_save_path"],
+        cache_type_k=values["cache_type_k"], cache_type_v=values["cache_type_v"],
+        decode_step=_decode_step(values), compile_cache_dir=str(compile_cache_dir(values["models_dir"])))
     server = ServerConfig(
         host=values["host"], port=values["port"], api_keys=keys, alias=values["alias"], timeout_s=values["timeout"],
         max_body_bytes=values["max_body_size"], endpoint_slots=values["endpoint_slots"],
@@ -386,6 +398,20 @@ def _media_policy(values: dict[str, Any], environment: Environment) -> MediaPoli
 def _responses_db(values: dict[str, Any]) -> Path:
     path = values["responses_db"]
     return Path(path).expanduser() if path is not None else default_responses_db(values["models_dir"])
+
+
+def _decode_step(values: dict[str, Any]) -> str:
+    if not values["no_compile"]:
+        return values["decode_step"]
+    if values["decode_step"] not in ("auto", "eager"):
+        raise ValueError(f"--no-compile contradicts --decode-step {values['decode_step']}: give one of them")
+    return "eager"
+
+
+def compile_cache_dir(models_dir: Path | None) -> Path:
+    """Compiled decode steps persist beside the models (`<models dir>/compile-cache`)."""
+    root = models_dir if models_dir is not None else Path.home() / ".cache" / "mlxcel"
+    return Path(root).expanduser() / "compile-cache"
 
 
 def _step_budget(batch_size: int, ubatch_size: int) -> int:

@@ -4,6 +4,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+# KV cache element types, as llama-server spells them (--cache-type-k / --cache-type-v).
+CACHE_TYPES = ("f32", "bf16", "f16")
+DECODE_STEPS = ("auto", "compile", "cuda-graph", "eager")
+
 MAX_KV_SIZE_MIN = 64
 MAX_KV_SIZE_MAX = 2_147_483_647
 
@@ -22,6 +26,12 @@ class EngineConfig:
     decode_timeout_s: float = 600.0  # --decode-timeout (A8)
     slot_save_path: str | None = None  # --slot-save-path (F12)
     kv_cache_bytes: int = 0  # --kv-cache-memory: cap on the KV pool; 0 = sized from the context alone
+    cache_type_k: str = "bf16"  # --cache-type-k: f32 | bf16 | f16
+    cache_type_v: str = "bf16"  # --cache-type-v
+    # --decode-step: auto | compile | cuda-graph | eager (--no-compile). The CLI's default is auto;
+    # an engine built in code runs eagerly unless asked, so it pays no compile time.
+    decode_step: str = "eager"
+    compile_cache_dir: str | None = None  # where compiled decode steps persist (under --models-dir)
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -33,6 +43,17 @@ class EngineConfig:
             )
         if self.ctx_size < 0:
             raise ValueError(f"--ctx-size must not be negative, not {self.ctx_size}")
+        for flag, value in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
+            if value not in CACHE_TYPES:
+                raise ValueError(f"{flag} must be one of {', '.join(CACHE_TYPES)}; not {value!r}")
+        if self.decode_step not in DECODE_STEPS:
+            raise ValueError(f"--decode-step must be one of {', '.join(DECODE_STEPS)}; not {self.decode_step!r}")
+
+    def decode_step_mode(self, device: str) -> str:
+        """`auto` is compile on CPU, CUDA graphs on CUDA."""
+        if self.decode_step != "auto":
+            return self.decode_step
+        return "cuda-graph" if device.startswith("cuda") else "compile"
 
     def slot_context(self, model_context: int) -> int:
         """Per-slot context: ctx / parallel when --ctx-size is given (as llama-server reports it)."""

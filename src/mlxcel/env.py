@@ -55,6 +55,8 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLXCEL_WEIGHT_MATERIALIZATION", str, "eager", "eager or lazy weight loading (A6)"),
     EnvVar("MLXCEL_QUANTIZE", str, "auto", "CPU decode matmuls, as --quantize: auto or off"),
     EnvVar("MLXCEL_KV_CACHE_MEMORY", str, None, "KV pool cap, as --kv-cache-memory (e.g. 512M)"),
+    EnvVar("MLXCEL_DECODE_STEP", str, "auto", "how decode steps run, as --decode-step"),
+    EnvVar("MLXCEL_NO_COMPILE", parse_bool, False, "run decode steps eagerly, as --no-compile"),
     EnvVar("MLXCEL_ALLOW_PRIVATE_MEDIA_URLS", parse_bool, False, "skip the media address checks (C3)"),
     EnvVar("MLXCEL_VIDEO_MAX_FRAMES", int, 16, "frames kept per video block (C5)"),
     EnvVar("MLXCEL_VIDEO_FPS", float, 2.0, "video sampling rate when a block gives none (C5)"),

@@ -137,6 +137,8 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     engine_config = _fit_engine_config(loaded, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype)
+    if options.warmup:
+        core.warm_decode_step()
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
 
 
@@ -182,12 +184,17 @@ def _fit_engine_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfi
     return config
 
 
+WARMUP_TEXT = ("Warm up the engine: a short prompt whose prefill and a few decode steps reach every kernel "
+               "a first request would, so that it is served as fast as the tenth.")
+
+
 def warmup(served: ServedModel) -> None:
-    """Generate one token so the first real request does not pay one-time costs (A6)."""
+    """Prefill a short prompt and decode a few tokens, so the first real request does not pay
+    one-time costs (A6): kernel selection, allocator growth, the decode step's first calls."""
     started = time.monotonic()
-    ids = served.tokenizer.encode("Hello", add_special_tokens=True) or [0]
-    request = Request(f"warmup-{uuid.uuid4().hex[:8]}", ids, SamplingParams(temperature=0.0, max_tokens=1),
-                      cache_prompt=False)
+    ids = served.tokenizer.encode(WARMUP_TEXT, add_special_tokens=True) or [0]
+    request = Request(f"warmup-{uuid.uuid4().hex[:8]}", ids,
+                      SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), cache_prompt=False)
     done = served.engine.core.call(lambda: None)  # make sure the loop thread runs
     done.result(timeout=60)
     _run_blocking(served, request)

@@ -124,3 +124,22 @@ def test_cli_errors_exit_2() -> None:
     unknown = subprocess.run([sys.executable, "-m", "mlxcel.cli", "bogus"], capture_output=True, text=True,
                              timeout=120)
     assert unknown.returncode == 2 and "serve" in unknown.stderr
+
+
+def test_kv_cache_types_and_decode_step_flags() -> None:
+    """Issue 11: --cache-type-k/-v as llama-server spells them (bf16 by default), --decode-step and
+    --no-compile with their env mirrors, and the compile cache beside the models."""
+    s = settings([])
+    assert (s.engine.cache_type_k, s.engine.cache_type_v, s.engine.decode_step) == ("bf16", "bf16", "auto")
+    s = settings(["-ctk", "f16", "--cache-type-v", "f32", "--no-compile", "--models-dir", "/srv/models"])
+    assert (s.engine.cache_type_k, s.engine.cache_type_v, s.engine.decode_step) == ("f16", "f32", "eager")
+    assert s.engine.compile_cache_dir == "/srv/models/compile-cache"
+    env = {"LLAMA_ARG_CACHE_TYPE_K": "f32", "MLXCEL_DECODE_STEP": "compile"}
+    assert (settings([], env).engine.cache_type_k, settings([], env).engine.decode_step) == ("f32", "compile")
+    assert settings([], {"MLXCEL_NO_COMPILE": "1"}).engine.decode_step == "eager"
+    with pytest.raises(ValueError, match="--no-compile contradicts --decode-step compile"):
+        settings(["--no-compile", "--decode-step", "compile"])
+    with pytest.raises(ValueError, match="--cache-type-k must be one of f32, bf16, f16"):
+        settings([], {"LLAMA_ARG_CACHE_TYPE_K": "q4"})
+    with pytest.raises(SystemExit):
+        serve_parser("mlxcel serve", "serve").parse_args(["--cache-type-v", "q4"])

@@ -45,7 +45,8 @@ def reference_greedy(model: llama.Model, prompt: list[int], n: int) -> list[int]
 
 def make_engine(model: llama.Model, **overrides: object) -> EngineClient:
     config = EngineConfig(**{"max_num_seqs": 8, "ctx_size": 8 * 128, "max_num_batched_tokens": 64,
-                             "block_size": 4, **overrides})
+                             "block_size": 4, "cache_type_k": "f32", "cache_type_v": "f32",
+                             **overrides})
     core = EngineCore(model, ModelShape(2, 2, 16, 512), config, eos_token_ids=frozenset({EOS}))
     core.start()
     return EngineClient(core)

@@ -14,6 +14,7 @@ import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -21,6 +22,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.kv_cache import BlockPool
 from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.decode_step import DecodeStep
 from mlxcel.engine.runner import Runner
 from mlxcel.engine.sampler import SamplingRow, sample
 from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult
@@ -32,6 +34,8 @@ from mlxcel.types import (
 )
 
 log = logging.getLogger(__name__)
+
+KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 Sink = Callable[[TokenEvent], None]
 
@@ -57,15 +61,21 @@ class EngineCore:
                  dtype: torch.dtype = torch.float32) -> None:
         self.config = config
         self.slot_context = config.slot_context(shape.context_length)
-        bytes_per_token = 2 * shape.num_layers * shape.num_kv_heads * shape.head_dim * dtype.itemsize
+        k_dtype, v_dtype = KV_DTYPES[config.cache_type_k], KV_DTYPES[config.cache_type_v]
+        bytes_per_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * (k_dtype.itemsize + v_dtype.itemsize)
         num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
         self.kv_cache = KVCache(shape.num_layers, num_blocks, config.block_size, shape.num_kv_heads,
-                                shape.head_dim, dtype, device)
+                                shape.head_dim, k_dtype, device, v_dtype=v_dtype)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
         self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids)
-        self.runner = Runner(model, self.kv_cache, self.kv, device)
+        mode = config.decode_step_mode(str(device))
+        cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else None
+        decode_step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=config.max_num_seqs,
+                                 max_positions=max(shape.context_length, self.slot_context),
+                                 max_keys=self.slot_context, cache_dir=cache_dir)
+        self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step)
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -73,9 +83,15 @@ class EngineCore:
         self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
         self._stopping = threading.Event()
         self._num_pending = 0  # submitted but not yet seen by the loop
-        log.info("KV cache: %d blocks of %d tokens (%.1f MiB), %d slots of %d tokens",
+        log.info("KV cache: %d blocks of %d tokens (%.1f MiB, K %s, V %s), %d slots of %d tokens",
                  num_blocks, config.block_size, num_blocks * config.block_size * self.kv_cache.bytes_per_token / 2**20,
-                 config.max_num_seqs, self.slot_context)
+                 config.cache_type_k, config.cache_type_v, config.max_num_seqs, self.slot_context)
+
+    def warm_decode_step(self) -> None:
+        """Compile or capture the decode step now (startup), logging how long it took."""
+        step = self.runner.decode_step
+        log.info("decode step: %s; preparing it ...", step.mode)
+        log.info("decode step ready (%s) in %.1f s", step.mode, step.warm())
 
     # ---- called from any thread ----
 

@@ -15,29 +15,53 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-# The step being computed on this thread, for layers that choose kernels per row (quant.py).
-_CURRENT_STEP: ContextVar[AttentionContext | None] = ContextVar("mlxcel_current_step", default=None)
+@dataclass(frozen=True, slots=True)
+class StepRows:
+    """The shape of the step being computed: its token count and how many leading rows are
+    single-token (decode) rows. Layers that choose kernels per row read it (quant.py)."""
+
+    num_tokens: int
+    num_leading_single_rows: int
 
 
-def current_step() -> AttentionContext | None:
+_CURRENT_STEP: ContextVar[StepRows | None] = ContextVar("mlxcel_current_step", default=None)
+
+
+def current_step() -> StepRows | None:
     return _CURRENT_STEP.get()
 
 
+@contextlib.contextmanager
+def step_rows(rows: StepRows) -> Iterator[StepRows]:
+    """Make `rows` the current step of this thread while a model runs it."""
+    token = _CURRENT_STEP.set(rows)
+    try:
+        yield rows
+    finally:
+        _CURRENT_STEP.reset(token)
+
+
 class KVCache:
-    """Key and value tensors for every layer: [num_blocks * block_size, num_kv_heads, head_dim]."""
+    """Key and value tensors for every layer: [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
+
+    The last block belongs to no sequence: the decode step's padding rows and warmup write
+    their keys there (from `scratch_slot` on), so they never touch a real sequence's cache.
+    """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str) -> None:
-        shape = (num_blocks * block_size, num_kv_heads, head_dim)
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 v_dtype: torch.dtype | None = None) -> None:
+        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
         self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        self.v = [torch.zeros(shape, dtype=v_dtype or dtype, device=device) for _ in range(num_layers)]
         self.block_size = block_size
         self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * block_size
 
     @property
     def bytes_per_token(self) -> int:
-        first = self.k[0]
-        return 2 * len(self.k) * first.shape[1] * first.shape[2] * first.element_size()
+        k, v = self.k[0], self.v[0]
+        return len(self.k) * k.shape[1] * k.shape[2] * (k.element_size() + v.element_size())
 
 
 @dataclass(frozen=True, slots=True)
@@ -69,14 +93,9 @@ class AttentionContext:
         self.num_leading_single_rows = next((i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()
 
-    @contextlib.contextmanager
-    def active(self) -> Iterator[AttentionContext]:
+    def active(self) -> contextlib.AbstractContextManager[StepRows]:
         """Make this the current step of the thread while the model runs it."""
-        token = _CURRENT_STEP.set(self)
-        try:
-            yield self
-        finally:
-            _CURRENT_STEP.reset(token)
+        return step_rows(StepRows(self.num_tokens, self.num_leading_single_rows))
 
     # ---- index building (once per step) ----
 
@@ -118,8 +137,8 @@ class AttentionContext:
         if self.kv is None:
             return self._attend_uncached(q, k, v, scale, window)
         k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k)
-        v_cache.index_copy_(0, self.slot_mapping, v)
+        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
+        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
         out = torch.empty_like(q)
         if self.decode_rows:
             decoded = self._attend_decode_group(q, k_cache, v_cache, scale, window)
@@ -130,7 +149,8 @@ class AttentionContext:
         for i in self.other_rows:
             s = self.seqs[i]
             slots = self._cached(("slots", i), lambda s=s: self._slots_for(s, s.kv_start, s.kv_len))
-            keys, values = k_cache.index_select(0, slots), v_cache.index_select(0, slots)
+            keys = k_cache.index_select(0, slots).to(q.dtype)
+            values = v_cache.index_select(0, slots).to(q.dtype)
             out[s.q_start:s.q_start + s.q_len] = self._attend_one(
                 q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window)
         return out
@@ -171,8 +191,8 @@ class AttentionContext:
                              scale: float, window: int | None) -> torch.Tensor:
         b, length = self._decode_gather.shape
         flat = self._decode_gather.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2)
-        values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2)
+        keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2).to(q.dtype)
+        values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2).to(q.dtype)
         rows = q[:b] if self._decode_rows_lead else q.index_select(0, self._decode_q_index)
         qh = rows.unsqueeze(2)  # [B, Hq, 1, D]
         # Every gathered key is visible to its (last-position) query unless padded or windowed.
@@ -192,3 +212,63 @@ class AttentionContext:
         if key not in self._masks:
             self._masks[key] = build()
         return self._masks[key]
+
+
+class DecodeAttention:
+    """One layer's attention for a batch of single-token rows over the paged cache, as plain
+    tensor ops.
+
+    Everything it reads is a tensor (that layer's cache tensors among them), so one layer of the
+    decode step traces whole and every layer shares the trace (torch.compile on CPU, CUDA graph
+    capture on GPU). Each row attends over its own live keys only: a row's keys are padded with
+    masked slots up to the batch's key length, and a masked key adds an exact zero to every sum.
+    """
+
+    def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
+                 key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [slots, Hkv, D] of this layer
+        self.slot_mapping = slot_mapping  # [B] where each row's new key goes
+        self.key_slots = key_slots  # [B, L] cache slots of each row's live keys, padding -> scratch
+        self.key_pos = key_pos  # [B, L] their positions, -1 for padding
+        self.q_pos = q_pos  # [B] position of each row's query
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors."""
+        self.k_cache.index_copy_(0, self.slot_mapping, k.to(self.k_cache.dtype))
+        self.v_cache.index_copy_(0, self.slot_mapping, v.to(self.v_cache.dtype))
+        visible = self.key_pos >= 0
+        if window is not None:
+            visible = visible & (self.key_pos > (self.q_pos.unsqueeze(1) - window))
+        return decode_attention(q, self.k_cache, self.v_cache, self.key_slots, visible, scale)
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
+                     visible: torch.Tensor, scale: float) -> torch.Tensor:
+    """Grouped-query attention of one query a row: q [B, Hq, D]; key_slots, visible [B, L].
+
+    A masked key contributes exactly 0 (probability exp(-inf) = 0 times a finite value). On the
+    CPU the products are summed along one axis in float32: each row's sums then have the same
+    bits whatever the batch (batched matmuls do not promise that), and inductor fuses them with
+    the gather from the cache. On CUDA two batched matmuls in the cache's dtype (the GPU
+    accumulates in float32), which a CUDA graph replays.
+    """
+    b = key_slots.shape[0]
+    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    groups = q.shape[1] // num_kv_heads
+    is_fused = torch.compiler.is_compiling() or q.device.type == "cpu"
+    compute = torch.float32 if is_fused else k_cache.dtype
+    keys = k_cache[key_slots].to(compute)  # [B, L, Hkv, D]
+    values = v_cache[key_slots].to(compute)
+    qg = q.to(compute).view(b, num_kv_heads, groups, head_dim)
+    if is_fused:
+        scores = (qg.unsqueeze(1) * keys.unsqueeze(3)).sum(-1).permute(0, 2, 3, 1)  # [B, Hkv, G, L]
+    else:
+        scores = torch.einsum("bhgd,blhd->bhgl", qg, keys)
+    scores = (scores.float() * scale).masked_fill(~visible[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1).to(compute)
+    if is_fused:
+        out = (probs.unsqueeze(-1) * values.permute(0, 2, 1, 3).unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
+    else:
+        out = torch.einsum("bhgl,blhd->bhgd", probs, values)
+    return out.reshape(b, num_kv_heads * groups, head_dim).to(q.dtype)

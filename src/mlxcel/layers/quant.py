@@ -92,6 +92,8 @@ def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
 
 def _num_packed_rows(num_rows: int) -> int:
     """How many leading rows take the packed kernel: an engine step's single-token rows, else by size."""
+    if torch.compiler.is_compiling():
+        return num_rows  # NOTE: only the decode step is compiled, and all its rows are single-token
     step = current_step()
     if step is not None and step.num_tokens == num_rows:
         return step.num_leading_single_rows
@@ -116,7 +118,7 @@ class QuantHead(nn.Module):
         logits = self.linear.packed_rows(hidden.to(torch.bfloat16)).float()  # [N, vocab]
         top = logits.topk(self.num_refined, dim=-1).indices  # [N, k]
         rows = self.linear.weight[top].float()  # [N, k, hidden]
-        exact = torch.einsum("nkd,nd->nk", rows, hidden.float())
+        exact = (rows * hidden.float().unsqueeze(1)).sum(-1)  # per row: the same bits in any batch
         return logits.scatter_(1, top, exact)
 
 
@@ -142,6 +144,10 @@ class FusedQuantLinear(nn.Module):
         self._last: dict[str, Any] = {"input": None, "outputs": ()}
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+        if torch.compiler.is_compiling():
+            # Traced: the repeated matmul on the same input is one node after the compiler's CSE,
+            # and a memo would put guards on its identity.
+            return self.linear(x).split(self.sizes, dim=-1)[index]
         last = self._last
         if x is not last["input"]:
             last["outputs"] = self.linear(x).split(self.sizes, dim=-1)

@@ -107,6 +107,8 @@ class RotaryEmbedding(torch.nn.Module):
         Every layer of a step asks with the same `positions` tensor: the answer is kept for
         that tensor, so the table lookup (and the host sync of `max()`) happens once a step.
         """
+        if torch.compiler.is_compiling() or _is_capturing():
+            return self.lookup(positions, dtype)
         if positions is self._memo_positions and dtype == self._memo[0].dtype:
             return self._memo
         needed = int(positions.max()) + 1 if positions.numel() else 0
@@ -115,6 +117,21 @@ class RotaryEmbedding(torch.nn.Module):
         self._memo = (self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype))
         self._memo_positions = positions
         return self._memo
+
+
+    def ensure_positions(self, num_positions: int) -> None:
+        """Build the tables for positions below `num_positions` now, for steps that cannot grow them
+        while they run (a compiled or captured decode step)."""
+        if num_positions > self._cos.shape[0] or self._cos.device != self.inv_freq.device:
+            self._build(max(num_positions, self._cos.shape[0]))
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """`cos_sin` without memo or growth: traceable, for positions `ensure_positions` covered."""
+        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
+
+
+def _is_capturing() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_current_stream_capturing()
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> torch.Tensor:

@@ -174,10 +174,13 @@ class Gemma3Model(nn.Module):
     def _rope_for(self, args: ModelArgs, layer_idx: int) -> RotaryEmbedding:
         return self.rotary_local if args.layer_types[layer_idx] == SLIDING else self.rotary_global
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         x = self.embed_tokens(input_ids)
         # The scale is rounded to the weights' dtype first, as the reference does.
-        x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)

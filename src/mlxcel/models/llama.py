@@ -113,8 +113,11 @@ class LlamaModel(nn.Module):
         self.layers = nn.ModuleList(DecoderLayer(args, i, self.rotary) for i in range(args.num_hidden_layers))
         self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.embed_tokens(input_ids)
+
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
+        x = self.embed(input_ids)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)

@@ -1,0 +1,123 @@
+"""The decode step (issue 11): its inputs, eager vs compiled, batch invariance, KV cache types.
+
+The compiled tests build a tiny model, so inductor compiles one small layer (and the head)
+once per session; the real-model check of the compiled path is tests/models/test_compiled_step.py.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mlxcel.engine.decode_step import KEY_ALIGN, DecodeRow, DecodeStep, build_inputs
+from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.layers.quant import quantize
+from mlxcel.models import llama
+
+BLOCK = 4
+
+
+@pytest.fixture(scope="module")
+def model() -> llama.Model:
+    torch.manual_seed(1)
+    args = llama.ModelArgs(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+                           intermediate_size=128, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=True)
+    m = llama.Model(args).eval()
+    for p in m.parameters():
+        torch.nn.init.normal_(p, std=0.3)
+    quantize(m)
+    return m
+
+
+def kv_cache(dtype: torch.dtype = torch.float32, num_blocks: int = 512) -> KVCache:
+    cache = KVCache(3, num_blocks, BLOCK, 2, 16, dtype, "cpu")
+    torch.manual_seed(2)
+    for t in cache.k + cache.v:
+        t.normal_()  # stale, finite content: only a row's own keys may matter
+    return cache
+
+
+def rows(lengths: list[int], blocks_per_row: int = 16) -> list[DecodeRow]:
+    return [DecodeRow(5 + i, n - 1, 0, tuple(range(i * blocks_per_row, (i + 1) * blocks_per_row)))
+            for i, n in enumerate(lengths)]
+
+
+def test_build_inputs_pads_rows_and_keys_with_the_scratch_slot() -> None:
+    inputs = build_inputs([DecodeRow(7, 5, 0, (3, 9)), DecodeRow(8, 1, 1, (4,))], BLOCK, scratch_slot=256,
+                          num_rows=3)
+    assert inputs.input_ids.tolist() == [7, 8, 0] and inputs.positions.tolist() == [5, 1, 0]
+    assert inputs.slot_mapping.tolist() == [9 * 4 + 1, 4 * 4 + 1, 256]  # padding row -> scratch
+    assert inputs.key_slots.shape == (3, KEY_ALIGN)
+    assert inputs.key_slots[0, :6].tolist() == [12, 13, 14, 15, 36, 37]
+    assert inputs.key_pos[0, :7].tolist() == [0, 1, 2, 3, 4, 5, -1]
+    assert inputs.key_slots[1, :2].tolist() == [17, 256] and inputs.key_pos[1, :2].tolist() == [1, -1]
+    assert (inputs.key_slots[2] == 256).all() and (inputs.key_pos[2] == -1).all()
+
+
+def test_eager_step_equals_the_uncached_forward(model: llama.Model) -> None:
+    """Write a prompt's KV by prefill, then one decode step: logits equal a cache-free forward."""
+    cache = kv_cache()
+    step = DecodeStep(model, cache, "cpu", mode="eager", max_rows=4, max_positions=512)
+    prompt = [11, 22, 33, 44, 55, 66, 77]
+    table = (5, 2)
+    with torch.inference_mode():
+        ctx = AttentionContext([SequenceSlice(0, 6, 6, block_table=table)], cache)
+        with ctx.active():
+            model(torch.tensor(prompt[:6]), torch.arange(6), ctx)
+        logits = step.run([DecodeRow(prompt[6], 6, 0, table)])
+        full = AttentionContext([SequenceSlice(0, 7, 7)])
+        with full.active():
+            reference = model.compute_logits(model(torch.tensor(prompt), torch.arange(7), full)[-1:])
+    # Decode rows use the int8 kernel, the reference's prefill rows bfloat16: close, not equal.
+    torch.testing.assert_close(logits, reference.float(), atol=0.05, rtol=0.02)
+    assert logits.argmax(-1).item() == reference.argmax(-1).item()
+
+
+@pytest.mark.parametrize("mode", ["eager", "compile"])
+def test_a_row_gets_the_same_bits_alone_and_in_any_batch(model: llama.Model, mode: str) -> None:
+    """Issue 11 point 4: each row attends over its own keys only; padding adds exact zeros."""
+    cache = kv_cache(torch.bfloat16)
+    step = DecodeStep(model, cache, "cpu", mode=mode, max_rows=8, max_positions=512)
+    batch = rows([9, 40, 3, 61, 130], 40)
+    with torch.inference_mode():
+        together = step.run(batch)
+        for i, row in enumerate(batch):
+            alone = step.run([row])
+            assert torch.equal(alone[0], together[i]), f"row {i} differs alone and batched ({mode})"
+
+
+def test_compiled_step_matches_eager(model: llama.Model, tmp_path) -> None:
+    eager = DecodeStep(model, kv_cache(), "cpu", mode="eager", max_rows=8, max_positions=512)
+    compiled = DecodeStep(model, kv_cache(), "cpu", mode="compile", max_rows=8, max_positions=512,
+                          cache_dir=tmp_path)
+    with torch.inference_mode():
+        for lengths in ([12], [5, 70, 33], [200, 1]):
+            a, b = eager.run(rows(lengths, 64)), compiled.run(rows(lengths, 64))
+            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    # The KV each step wrote is the same too.
+    torch.testing.assert_close(compiled.kv_cache.k[2], eager.kv_cache.k[2], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_kv_cache_types_store_and_decode(model: llama.Model, dtype: torch.dtype) -> None:
+    cache = kv_cache(dtype)
+    step = DecodeStep(model, cache, "cpu", mode="eager", max_rows=2, max_positions=512)
+    with torch.inference_mode():
+        logits = step.run(rows([1]))
+    slot = 0 * BLOCK  # position 0 of block 0
+    assert cache.k[0].dtype == dtype and torch.isfinite(logits).all()
+    assert not torch.isnan(cache.k[0][slot]).any()
+
+
+def test_padding_rows_write_only_the_scratch_block(model: llama.Model) -> None:
+    cache = kv_cache()
+    before = [t.clone() for t in cache.k]
+    inputs = build_inputs(rows([6]), BLOCK, cache.scratch_slot, num_rows=4)
+    step = DecodeStep(model, cache, "cpu", mode="eager", max_rows=4, max_positions=512)
+    with torch.inference_mode():
+        step.forward(*inputs.tensors())
+    for layer, old in zip(cache.k, before):
+        changed = (layer != old).any(dim=(1, 2)).nonzero().flatten().tolist()
+        assert changed == [5] or set(changed) - {5} <= set(range(cache.scratch_slot, cache.scratch_slot + BLOCK))
+        assert 5 in changed  # the real row's new key (position 5 of block 0)
