@@ -91,7 +91,7 @@ OPTIONS: tuple[Option, ...] = (
            env="LLAMA_ARG_DEVICE", metavar="DEVICE", group="model"),
     Option(("--dtype",), "dtype", "weight and KV dtype (auto = float32 on CPU, bfloat16 on CUDA)", default="auto",
            env="LLAMA_ARG_DTYPE", group="model", choices=("auto", "float32", "bfloat16", "float16")),
-    Option(("--no-warmup",), "warmup", "skip the 1-token warmup before listening", default=True, kind="off",
+    Option(("--no-warmup",), "warmup", "skip the warmup before listening (decode-step compile or capture, a short prompt and 8 tokens)", default=True, kind="off",
            group="model"),
     Option(("-t", "--threads"), "threads", "CPU threads for the model (0 = torch's default: every core)",
            parse=int, default=0, env="LLAMA_ARG_THREADS", metavar="N", group="model"),
