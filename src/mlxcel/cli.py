@@ -29,6 +29,7 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import RuntimeOptions, ServedModel
     from mlxcel.side_models import SideModelOptions, SideModels
+    from mlxcel.audio_models import AudioOptions
 
 log = logging.getLogger("mlxcel")
 
@@ -194,6 +195,18 @@ OPTIONS: tuple[Option, ...] = (
            env="MLXCEL_VIDEO_MAX_FRAMES", metavar="N", group="media"),
     Option(("--video-fps",), "video_fps", "video sampling rate when a block gives none (default 2.0)",
            parse=float, env="MLXCEL_VIDEO_FPS", metavar="FPS", group="media"),
+    # audio-only processes (spec G)
+    Option(("--audio-queue-depth",), "audio_queue_depth", "audio requests waiting before 503", parse=int,
+           default=8, env="MLXCEL_AUDIO_QUEUE_DEPTH", metavar="N", group="audio"),
+    Option(("--audio-request-timeout-secs",), "audio_request_timeout", "audio request deadline before 504",
+           parse=float, default=120.0, env="MLXCEL_AUDIO_REQUEST_TIMEOUT_SECS", metavar="SECONDS", group="audio"),
+    Option(("--audio-max-upload-size",), "audio_max_upload_size", "largest audio upload before 413 (default 25M)",
+           parse=parse_size, default=25 << 20, env="MLXCEL_AUDIO_MAX_UPLOAD_SIZE", metavar="SIZE", group="audio"),
+    Option(("--audio-max-duration-secs",), "audio_max_duration", "longest audio accepted for transcription "
+           "before 400", parse=float, default=600.0, env="MLXCEL_AUDIO_MAX_DURATION_SECS", metavar="SECONDS",
+           group="audio"),
+    Option(("--audio-beam-size",), "audio_beam_size", "Whisper beam size", parse=int, default=5,
+           env="MLXCEL_AUDIO_BEAM_SIZE", metavar="N", group="audio"),
     # logging
     Option(("-v", "--verbose"), "verbose", "debug logging", default=False, kind="on", group="logging"),
     Option(("--log-file",), "log_file", "also write the log to this file", parse=Path, env="LLAMA_LOG_FILE",
@@ -214,7 +227,8 @@ _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file"
                     "verbose")
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "server": "HTTP server", "logging": "logging",
-                "generate": "generation", "side": "embeddings and rerank", "media": "media input"}
+                "generate": "generation", "side": "embeddings and rerank", "media": "media input",
+                "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)"}
 
 
 # ---- parsing ----
@@ -301,6 +315,7 @@ class ServeSettings:
     api_key_source: str = "none"
     side: SideModelOptions | None = None  # embedding and rerank providers (spec I); None = none
     media: MediaPolicy | None = None  # C2-C5; None = the defaults (no --media-path)
+    audio: AudioOptions | None = None  # spec G; None = the defaults
 
 
 def resolve_device(device: str) -> str:
@@ -346,7 +361,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"])
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
-                         _side_options(values, runtime), _media_policy(values, environment))
+                         _side_options(values, runtime), _media_policy(values, environment),
+                         _audio_options(values, runtime))
 
 
 def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSettings:
@@ -372,6 +388,15 @@ def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelO
         queue_depth=values["embedding_queue_depth"], request_timeout_s=values["embedding_request_timeout"],
         is_embeddings_mode=values["embeddings_mode"], is_reranking_mode=values["reranking_mode"],
         device=runtime.device, dtype=str(runtime.torch_dtype()).removeprefix("torch."))
+
+
+def _audio_options(values: dict[str, Any], runtime: RuntimeOptions) -> AudioOptions:
+    from mlxcel.api.audio import AudioLimits
+    from mlxcel.audio_models import AudioOptions
+
+    limits = AudioLimits(values["audio_max_upload_size"], values["audio_max_duration"])
+    return AudioOptions(values["audio_queue_depth"], values["audio_request_timeout"], limits,
+                        values["audio_beam_size"], values["threads"] or 0, runtime.device)
 
 
 def _media_policy(values: dict[str, Any], environment: Environment) -> MediaPolicy:
@@ -441,6 +466,9 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
     def resolve(arg: str | None) -> ResolvedModel:
         return resolve_model(arg, models_dir=settings.models_dir, default_org=settings.default_org)
 
+    audio = _start_audio_process(settings, resolve)
+    if audio is not None:
+        return None, audio
     options = settings.side or SideModelOptions()
     plan = plan_process(settings.model, options, resolve)
     served = None
@@ -456,6 +484,33 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
         if served is not None:
             served.close()
         raise
+
+
+def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
+                         ) -> SideModels | None:
+    """An audio-only process when -m names a Whisper, Kokoro or Piper checkpoint (spec G)."""
+    from mlxcel.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
+    from mlxcel.side_models import SideModels
+
+    found = find_audio_checkpoint(settings.model, resolve)
+    if found is None:
+        return None
+    _refuse_side_flags(settings)
+    audio = load_audio_models(found, settings.audio or AudioOptions(), int(time.time()))
+    log.info("audio-only process: %s (chat routes answer 501)", audio_only_mode(audio.kind).serves)
+    return SideModels(mode=audio_only_mode(audio.kind), audio=audio, stoppers=list(audio.stoppers))
+
+
+def _refuse_side_flags(settings: ServeSettings) -> None:
+    side = settings.side
+    if side is None:
+        return
+    flags = [flag for flag, is_set in (("--embedding-model", side.embedding_model), ("--reranker-model",
+             side.reranker_model), ("--embeddings", side.is_embeddings_mode), ("--reranking",
+             side.is_reranking_mode)) if is_set]
+    if flags:
+        raise ValueError(f"-m {settings.model} is an audio checkpoint, served in an audio-only process; "
+                         f"drop {' and '.join(flags)} or give -m a chat model")
 
 
 # ---- generate ----

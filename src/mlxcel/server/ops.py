@@ -59,8 +59,12 @@ def _tool_call_parser(state: ServerState) -> str | None:
 def providers_json(side: SideModels) -> list[dict[str, Any]]:
     """Each side provider: its model, capability and worker queue."""
     providers = ((side.embedding, side.embedding_info, "embedding"), (side.reranker, side.reranker_info, "rerank"))
-    return [{"model": info.name, "capability": capability, **_worker_json(provider.stats())}
-            for provider, info, capability in providers if provider is not None and info is not None]
+    listed = [{"model": info.name, "capability": capability, **_worker_json(provider.stats())}
+              for provider, info, capability in providers if provider is not None and info is not None]
+    if side.audio is not None:  # an audio-only process (spec G)
+        listed.append({"model": side.audio.name, "capability": side.audio.capabilities[0],
+                       "capabilities": list(side.audio.capabilities), **_worker_json(side.audio.stats())})
+    return listed
 
 
 def _worker_json(stats: WorkerStats) -> dict[str, Any]:
