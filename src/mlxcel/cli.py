@@ -30,6 +30,8 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.runtime import RuntimeOptions, ServedModel
     from mlxcel.side_models import SideModelOptions, SideModels
     from mlxcel.audio_models import AudioOptions
+    from mlxcel.server.realtime import RealtimeService
+    from mlxcel.server.state import ServerState
 
 log = logging.getLogger("mlxcel")
 
@@ -207,6 +209,12 @@ OPTIONS: tuple[Option, ...] = (
            group="audio"),
     Option(("--audio-beam-size",), "audio_beam_size", "Whisper beam size", parse=int, default=5,
            env="MLXCEL_AUDIO_BEAM_SIZE", metavar="N", group="audio"),
+    # realtime voice sessions (spec H)
+    Option(("--realtime-stt",), "realtime_stt", "with --realtime-tts: serve /v1/realtime as a cascade of this "
+           "Whisper checkpoint, -m (the chat model) and the voice; chat routes then answer 501",
+           env="MLXCEL_REALTIME_STT", metavar="MODEL", group="realtime"),
+    Option(("--realtime-tts",), "realtime_tts", "the Kokoro or Piper voice of the /v1/realtime cascade",
+           env="MLXCEL_REALTIME_TTS", metavar="MODEL", group="realtime"),
     # logging
     Option(("-v", "--verbose"), "verbose", "debug logging", default=False, kind="on", group="logging"),
     Option(("--log-file",), "log_file", "also write the log to this file", parse=Path, env="LLAMA_LOG_FILE",
@@ -228,7 +236,8 @@ _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file"
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
-                "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)"}
+                "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)",
+                "realtime": "realtime voice (/v1/realtime WebSocket)"}
 
 
 # ---- parsing ----
@@ -316,6 +325,8 @@ class ServeSettings:
     side: SideModelOptions | None = None  # embedding and rerank providers (spec I); None = none
     media: MediaPolicy | None = None  # C2-C5; None = the defaults (no --media-path)
     audio: AudioOptions | None = None  # spec G; None = the defaults
+    realtime_stt: str | None = None  # spec H: the cascade's Whisper and voice; both or neither
+    realtime_tts: str | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -362,7 +373,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
                          _side_options(values, runtime), _media_policy(values, environment),
-                         _audio_options(values, runtime))
+                         _audio_options(values, runtime), values["realtime_stt"], values["realtime_tts"])
 
 
 def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSettings:
@@ -454,7 +465,19 @@ def run_serve(settings: ServeSettings) -> int:
             worker.stop(10.0)
         return 1
     state = ServerState(settings.server, served, side=side, media=settings.media)
+    if side.realtime is not None:
+        state.realtime = _realtime_service(state, side)
     return serve(state, sock, workers)
+
+
+def _realtime_service(state: ServerState, side: SideModels) -> RealtimeService:
+    from mlxcel.api.realtime_cascade import CascadeEngine
+    from mlxcel.server.realtime import RealtimeService
+
+    assert side.realtime is not None and state.api is not None
+    stt, tts = side.realtime
+    assert stt.transcriber is not None and tts.synthesizer is not None
+    return RealtimeService(CascadeEngine(stt.transcriber, state.api, tts.synthesizer), state.api.model_name)
 
 
 def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideModels]:
@@ -466,6 +489,8 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
     def resolve(arg: str | None) -> ResolvedModel:
         return resolve_model(arg, models_dir=settings.models_dir, default_org=settings.default_org)
 
+    if settings.realtime_stt or settings.realtime_tts:
+        return _start_realtime_process(settings, resolve)
     audio = _start_audio_process(settings, resolve)
     if audio is not None:
         return None, audio
@@ -499,6 +524,45 @@ def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None]
     audio = load_audio_models(found, settings.audio or AudioOptions(), int(time.time()))
     log.info("audio-only process: %s (chat routes answer 501)", audio_only_mode(audio.kind).serves)
     return SideModels(mode=audio_only_mode(audio.kind), audio=audio, stoppers=list(audio.stoppers))
+
+
+def _start_realtime_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
+                            ) -> tuple[ServedModel, SideModels]:
+    """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
+    from mlxcel.api.modes import SinglePurposeMode
+    from mlxcel.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
+    from mlxcel.runtime import start_served_model
+    from mlxcel.side_models import SideModels
+    from mlxcel.workers.audio_checkpoints import AudioKind
+
+    if not (settings.realtime_stt and settings.realtime_tts):
+        raise ValueError("--realtime-stt and --realtime-tts go together: the voice session needs both")
+    _refuse_side_flags(settings)
+    stt = find_audio_checkpoint(settings.realtime_stt, resolve)
+    tts = find_audio_checkpoint(settings.realtime_tts, resolve)
+    if stt is None or stt.checkpoint.kind is not AudioKind.WHISPER:
+        raise ValueError(f"--realtime-stt {settings.realtime_stt}: not a Whisper checkpoint")
+    if tts is None or tts.checkpoint.kind is AudioKind.WHISPER:
+        raise ValueError(f"--realtime-tts {settings.realtime_tts}: not a Kokoro or Piper checkpoint")
+    options, created = settings.audio or AudioOptions(), int(time.time())
+    chat = resolve(settings.model)
+    if find_audio_checkpoint(settings.model, resolve) is not None:
+        raise ValueError(f"-m {settings.model}: the realtime cascade needs a chat model as -m")
+    side = SideModels(mode=SinglePurposeMode(
+        "realtime", "--realtime-stt", "Connect a WebSocket client to /v1/realtime; to serve the chat routes, start "
+        "without --realtime-stt / --realtime-tts.", serves="a full-duplex voice session on the /v1/realtime "
+        "WebSocket"))
+    try:
+        ears = load_audio_models(stt, options, created)
+        side.stoppers.extend(ears.stoppers)
+        voice = load_audio_models(tts, options, created)
+        side.stoppers.extend(voice.stoppers)
+        side.realtime = (ears, voice)
+        log.info("model: %s (%s), realtime cascade: %s -> chat -> %s", chat.name, chat.source, stt.name, tts.name)
+        return start_served_model(chat, settings.runtime, settings.engine), side
+    except BaseException:
+        side.stop(10.0)
+        raise
 
 
 def _refuse_side_flags(settings: ServeSettings) -> None:

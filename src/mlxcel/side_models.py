@@ -231,6 +231,7 @@ class SideModels:
     reranker_info: NamedProvider | None = None
     mode: SinglePurposeMode | None = None
     audio: AudioModels | None = None  # the provider of an audio-only process (spec G)
+    realtime: tuple[AudioModels, AudioModels] | None = None  # (Whisper, voice) of a realtime process (spec H)
     # (name, stop(timeout) -> exited in time) per provider thread, joined at shutdown (A7)
     stoppers: list[tuple[str, Callable[[float], bool]]] = field(default_factory=list)
 

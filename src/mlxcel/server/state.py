@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
@@ -20,6 +21,9 @@ from mlxcel.workers.rerank import Reranker
 from mlxcel.workers.speech import SpeechSynthesizer
 from mlxcel.workers.whisper import WhisperTranscriber
 
+if TYPE_CHECKING:
+    from mlxcel.server.realtime import RealtimeService
+
 
 class ServerState:
     """Shared by every route of one app; `served` is None until the model is attached."""
@@ -34,6 +38,7 @@ class ServerState:
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False
+        self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
         if served is not None:
             self.attach(served)
 
