@@ -230,9 +230,13 @@ GENERATE_OPTIONS: tuple[Option, ...] = (
     Option(("--temp",), "temperature", "sampling temperature (0 = greedy)", parse=float, default=0.0, metavar="T",
            group="generate"),
     Option(("--seed",), "seed", "sampling seed", parse=int, metavar="S", group="generate"),
+    Option(("--audio",), "audio", "audio file in: transcribed by a Whisper -m, or the spoken turn of a "
+           "--realtime-stt/--realtime-tts cascade", parse=Path, metavar="WAV", group="generate"),
+    Option(("--output-audio",), "output_audio", "write speech here: the -p text spoken by a Kokoro/Piper -m, or "
+           "the cascade's spoken answer", parse=Path, metavar="WAV", group="generate"),
 )
 _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
-                    "verbose")
+                    "verbose", "realtime_stt", "realtime_tts", "audio_beam_size", "threads")
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
@@ -615,6 +619,10 @@ def _generate_prompt(served: ServedModel, text: str, chat: bool) -> Prompt:
 def run_generate(values: dict[str, Any], environment: Environment) -> int:
     """One-shot generation: generated text to stdout, prompt and generation speed to stderr."""
     logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
+    if values["audio"] or values["output_audio"] or values["realtime_stt"] or values["realtime_tts"]:
+        from mlxcel.audio_cli import run_audio_generate
+
+        return run_audio_generate(values, environment)
     if not values["prompt"]:
         log.error("generate: -p/--prompt is required")
         return 2
