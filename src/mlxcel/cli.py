@@ -203,7 +203,7 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--audio-request-timeout-secs",), "audio_request_timeout", "audio request deadline before 504",
            parse=float, default=120.0, env="MLXCEL_AUDIO_REQUEST_TIMEOUT_SECS", metavar="SECONDS", group="audio"),
     Option(("--audio-max-upload-size",), "audio_max_upload_size", "largest audio upload before 413 (default 25M)",
-           parse=parse_size, default=25 << 20, env="MLXCEL_AUDIO_MAX_UPLOAD_SIZE", metavar="SIZE", group="audio"),
+           parse=parse_size, env="MLXCEL_AUDIO_MAX_UPLOAD_SIZE", metavar="SIZE", group="audio"),
     Option(("--audio-max-duration-secs",), "audio_max_duration", "longest audio accepted for transcription "
            "before 400", parse=float, default=600.0, env="MLXCEL_AUDIO_MAX_DURATION_SECS", metavar="SECONDS",
            group="audio"),
@@ -409,7 +409,8 @@ def _audio_options(values: dict[str, Any], runtime: RuntimeOptions) -> AudioOpti
     from mlxcel.api.audio import AudioLimits
     from mlxcel.audio_models import AudioOptions
 
-    limits = AudioLimits(values["audio_max_upload_size"], values["audio_max_duration"])
+    upload = values["audio_max_upload_size"]
+    limits = AudioLimits(AudioLimits().max_upload_bytes if upload is None else upload, values["audio_max_duration"])
     return AudioOptions(values["audio_queue_depth"], values["audio_request_timeout"], limits,
                         values["audio_beam_size"], values["threads"] or 0, runtime.device)
 
