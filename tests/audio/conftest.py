@@ -71,3 +71,10 @@ def piper() -> Iterator[AudioModels]:
     models = load("en_US-joe-medium")
     yield models
     assert models.stoppers[0][1](30)
+
+
+@pytest.fixture(scope="session")
+def kokoro() -> Iterator[AudioModels]:
+    models = load("kokoro-82m")
+    yield models
+    assert models.stoppers[0][1](30)

@@ -246,3 +246,28 @@ def test_speech_errors(tts: str) -> None:
         assert response.status_code == 400 and message in response.json()["error"]["message"], body
     transcribe = post_audio(tts, b"x")
     assert transcribe.status_code == 501 and "Whisper" in transcribe.json()["error"]["message"]
+
+
+def test_kokoro_speech_round_trips_through_whisper(kokoro: AudioModels, whisper: AudioModels) -> None:
+    assert whisper.transcriber is not None
+    thread = ServerThread(ServerState(SERVER, None, side=audio_process(kokoro))).start()
+    try:
+        sentence = "Please open the window."
+        response = httpx.post(f"{thread.address}/v1/audio/speech", timeout=300,
+                              json={"model": "kokoro", "voice": "jf_alpha", "input": sentence, "response_format": "wav"})
+        assert response.status_code == 200
+        samples, rate = soundfile.read(io.BytesIO(response.content), dtype="float32")
+        assert rate == 24_000 and 0.5 < len(samples) / rate < 6.0
+        from mlxcel.workers.audio_io import decode_audio
+        from mlxcel.workers.whisper import TranscriptionJob
+
+        heard = whisper.transcriber.transcribe_sync(TranscriptionJob(decode_audio(response.content,
+                                                                                  max_duration_s=60).samples))
+        assert word_error_rate(sentence, heard.text) <= MAX_WER, heard.text
+        japanese = httpx.post(f"{thread.address}/v1/audio/speech", timeout=300,
+                              json={"model": "kokoro", "voice": "alloy", "input": "こんにちは"})
+        assert japanese.status_code == 400 and "Japanese" in japanese.json()["error"]["message"]
+        models = httpx.get(f"{thread.address}/v1/models").json()["data"]
+        assert models[0]["id"] == "kokoro-82m" and models[0]["capabilities"] == ["speech"]
+    finally:
+        thread.stop()
