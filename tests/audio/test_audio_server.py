@@ -271,3 +271,34 @@ def test_kokoro_speech_round_trips_through_whisper(kokoro: AudioModels, whisper:
         assert models[0]["id"] == "kokoro-82m" and models[0]["capabilities"] == ["speech"]
     finally:
         thread.stop()
+
+
+def test_speech_queue_full_503_and_timeout_504(piper: AudioModels) -> None:
+    from mlxcel.workers.speech import SpeechConfig, SpeechSynthesizer
+
+    assert piper.synthesizer is not None
+    text = " ".join(["This is a long sentence that keeps the voice busy for a while."] * 4)
+    small = SpeechSynthesizer(piper.synthesizer.voice, SpeechConfig(worker=WorkerConfig(1, 1, 120.0)))
+    small.start()
+    thread = ServerThread(ServerState(SERVER, None, side=audio_process(
+        dataclasses.replace(piper, synthesizer=small)))).start()
+
+    def say() -> httpx.Response:
+        return httpx.post(f"{thread.address}/v1/audio/speech", timeout=300,
+                          json={"model": "tts-1", "voice": "alloy", "input": text, "response_format": "mp3"})
+
+    try:
+        with concurrent.futures.ThreadPoolExecutor(4) as pool:
+            statuses = sorted(f.result().status_code for f in [pool.submit(say) for _ in range(4)])
+        assert statuses.count(200) >= 2 and 503 in statuses, statuses
+        slow = SpeechSynthesizer(piper.synthesizer.voice, SpeechConfig(worker=WorkerConfig(1, 1, 0.05)))
+        slow.start()
+        thread.server.state.side.audio = dataclasses.replace(piper, synthesizer=slow)  # type: ignore[attr-defined]
+        for fmt in ("wav", "mp3"):  # streamed or not, no byte has gone out when the deadline passes
+            late = httpx.post(f"{thread.address}/v1/audio/speech", timeout=300,
+                              json={"model": "tts-1", "voice": "alloy", "input": text, "response_format": fmt})
+            assert late.status_code == 504 and "--audio-request-timeout-secs" in late.json()["error"]["message"]
+        assert slow.stop(60)
+    finally:
+        thread.stop()
+        assert small.stop(60)
