@@ -534,7 +534,7 @@ def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None]
 def _start_realtime_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
                             ) -> tuple[ServedModel, SideModels]:
     """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
-    from mlxcel.api.modes import SinglePurposeMode
+    from mlxcel.api.modes import ModelEntry, SinglePurposeMode
     from mlxcel.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
     from mlxcel.runtime import start_served_model
     from mlxcel.side_models import SideModels
@@ -563,6 +563,7 @@ def _start_realtime_process(settings: ServeSettings, resolve: Callable[[str | No
         voice = load_audio_models(tts, options, created)
         side.stoppers.extend(voice.stoppers)
         side.realtime = (ears, voice)
+        side.realtime_entry = ModelEntry(chat.name, ("realtime",), created, 0)
         log.info("model: %s (%s), realtime cascade: %s -> chat -> %s", chat.name, chat.source, stt.name, tts.name)
         return start_served_model(chat, settings.runtime, settings.engine), side
     except BaseException:

@@ -170,7 +170,7 @@ def test_health_models_and_metrics(stt: str, speak: Callable[[str], Path]) -> No
     assert [(m["id"], m["capabilities"]) for m in models] == [("whisper-tiny.en", ["transcription", "translation"])]
     post_audio(stt, speak(SENTENCES[0]))
     metrics = httpx.get(f"{stt}/metrics").text
-    assert 'worker="audio"' in metrics
+    assert 'mlxcel_worker_queue_depth{worker="whisper"}' in metrics
 
 
 def test_queue_full_503_and_timeout_504(whisper: AudioModels, speak: Callable[[str], Path]) -> None:

@@ -23,7 +23,7 @@ import soundfile
 from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
-from mlxcel.api.modes import SinglePurposeMode
+from mlxcel.api.modes import ModelEntry, SinglePurposeMode
 from mlxcel.api.realtime import RealtimeLimits
 from mlxcel.api.realtime_cascade import CascadeEngine, resample
 from mlxcel.audio_models import AudioModels
@@ -48,7 +48,8 @@ LIMITS = RealtimeLimits(max_message_bytes=1 << 20, max_audio_s=30.0, session_upd
 def server(served: ServedModel, whisper: AudioModels, piper: AudioModels) -> Iterator[ServerThread]:  # noqa: F811
     mode = SinglePurposeMode("realtime", "--realtime-stt", "Connect to /v1/realtime.",
                              serves="a full-duplex voice session on the /v1/realtime WebSocket")
-    state = ServerState(ServerConfig(port=0, api_keys=(KEY,)), served, side=SideModels(mode=mode))
+    side = SideModels(mode=mode, realtime=(whisper, piper), realtime_entry=ModelEntry("voice", ("realtime",), 0, 0))
+    state = ServerState(ServerConfig(port=0, api_keys=(KEY,)), served, side=side)
     assert state.api is not None and whisper.transcriber is not None and piper.synthesizer is not None
     state.realtime = RealtimeService(CascadeEngine(whisper.transcriber, state.api, piper.synthesizer), "voice",
                                      limits=LIMITS)
@@ -204,3 +205,7 @@ def test_chat_routes_point_to_realtime(server: ServerThread) -> None:
     response = httpx.post(f"{server.address}/v1/chat/completions", headers=AUTH,
                           json={"model": "m", "messages": [{"role": "user", "content": "hi"}]})
     assert response.status_code == 501 and "/v1/realtime" in response.json()["error"]["message"]
+    models = httpx.get(f"{server.address}/v1/models", headers=AUTH).json()["data"]
+    assert [(m["id"], m["capabilities"]) for m in models] == [("voice", ["realtime"])]
+    providers = httpx.get(f"{server.address}/health").json()["providers"]
+    assert [p["capability"] for p in providers] == ["transcription", "speech"]

@@ -61,9 +61,10 @@ def providers_json(side: SideModels) -> list[dict[str, Any]]:
     providers = ((side.embedding, side.embedding_info, "embedding"), (side.reranker, side.reranker_info, "rerank"))
     listed = [{"model": info.name, "capability": capability, **_worker_json(provider.stats())}
               for provider, info, capability in providers if provider is not None and info is not None]
-    if side.audio is not None:  # an audio-only process (spec G)
-        listed.append({"model": side.audio.name, "capability": side.audio.capabilities[0],
-                       "capabilities": list(side.audio.capabilities), **_worker_json(side.audio.stats())})
+    audio = [side.audio] if side.audio is not None else list(side.realtime or ())  # spec G, H
+    for models in audio:
+        listed.append({"model": models.name, "capability": models.capabilities[0],
+                       "capabilities": list(models.capabilities), **_worker_json(models.stats())})
     return listed
 
 

@@ -159,7 +159,7 @@ class SpeechSynthesizer:
 
     @classmethod
     def load(cls, checkpoint: AudioCheckpoint, config: SpeechConfig) -> SpeechSynthesizer:
-        synthesizer = cls(_VOICE_CLASSES[checkpoint.kind](checkpoint, config.cpu_threads), config)
+        synthesizer = cls(_VOICE_CLASSES[checkpoint.kind](checkpoint, config.cpu_threads), config, name="speech")
         synthesizer.start()
         return synthesizer
 

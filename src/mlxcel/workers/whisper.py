@@ -111,7 +111,7 @@ class WhisperTranscriber:
                                  cpu_threads=config.cpu_threads, num_workers=1, local_files_only=True)
         except (RuntimeError, ValueError, OSError) as exc:
             raise ModelLoadError(f"{folder}: faster-whisper could not load it ({exc})") from None
-        transcriber = cls(model, config)
+        transcriber = cls(model, config, name="whisper")
         transcriber.start()
         return transcriber
 
