@@ -229,6 +229,8 @@ class RealtimeSession:
             self.is_speaking = True
             await self.send({"type": "input_audio_buffer.speech_started", "event_id": _id("event"),
                              "audio_start_ms": 0, "item_id": None})
+            if detection.get("interrupt_response", True):
+                await self._cancel_response()  # barge-in: the user talks over the answer
         if self.is_speaking and ended:
             self.is_speaking = False
             await self.send({"type": "input_audio_buffer.speech_stopped", "event_id": _id("event"),
