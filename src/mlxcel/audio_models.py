@@ -131,12 +131,12 @@ def load_audio_models(found: FoundAudio, options: AudioOptions, created: int) ->
         config = WhisperConfig(beam_size=options.beam_size, cpu_threads=options.threads, device=options.device,
                                worker=options.worker)
         models.transcriber = WhisperTranscriber.load(checkpoint.folder, config)
-        models.stoppers.append(("audio", models.transcriber.stop))
+        models.stoppers.append(("whisper", models.transcriber.stop))
         log.info("audio model: %s (%s, Whisper %s, beam %d)", found.name, found.source,
                  "multilingual" if models.transcriber.is_multilingual else "English-only", options.beam_size)
     else:
         models.synthesizer = SpeechSynthesizer.load(checkpoint, SpeechConfig(options.threads, options.worker))
-        models.stoppers.append(("audio", models.synthesizer.stop))
+        models.stoppers.append(("speech", models.synthesizer.stop))
         log.info("audio model: %s (%s, %s voice, %d Hz, voices %s)", found.name, found.source, checkpoint.kind.value,
                  models.synthesizer.sample_rate, ", ".join(models.synthesizer.voice.voices))
     return models
