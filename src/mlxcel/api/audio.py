@@ -290,7 +290,11 @@ async def speak(synthesizer: SpeechSynthesizer, request: SpeechRequest) -> Reply
     deadline = asyncio.get_running_loop().time() + synthesizer.request_timeout_s
     media_type = MEDIA_TYPES[request.response_format]
     if request.response_format in STREAMED_FORMATS:
-        first = await _next_chunk(chunks, job, deadline, synthesizer)  # errors before any byte go out as statuses
+        try:
+            first = await _next_chunk(chunks, job, deadline, synthesizer)  # errors before any byte: a status
+        except BaseException:  # an error, or the client left (cancelled): stop the voice at its next sentence
+            job.abort.set()
+            raise
         stream = _stream_bytes(first, chunks, job, deadline, synthesizer, request.response_format)
 
         async def on_close() -> None:

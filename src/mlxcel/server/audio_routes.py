@@ -6,7 +6,8 @@ else; a body that is not multipart/form-data, or a broken one, is a 400 naming w
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Coroutine, Sequence
+from typing import Any
 
 from starlette.datastructures import UploadFile
 from starlette.formparsers import MultiPartException
@@ -56,24 +57,20 @@ def _without(fields: dict[str, list[str]], names: Sequence[str]) -> dict[str, li
     return {name: values for name, values in fields.items() if name not in names}
 
 
-async def _transcription(request: Request, state: ServerState, task: audio.Task) -> Reply:
+# Each returns the work still to do once the whole body is read and checked, so the caller can
+# watch for a disconnect while it runs (nothing else may read the request's stream by then).
+
+async def transcription_work(request: Request, state: ServerState, task: audio.Task
+                             ) -> Coroutine[Any, Any, Reply]:
     limits = state.side.audio.limits if state.side.audio is not None else audio.AudioLimits()
     fields, upload = await read_upload_form(request, limits)  # D1: body errors before availability
     parsed = audio.parse_transcription_form(_without(fields, ("file",)), task)
     upload = audio.check_upload(upload, limits)
     transcriber = state.require_transcriber()
-    return await audio.transcribe(transcriber, parsed, upload, limits)
+    return audio.transcribe(transcriber, parsed, upload, limits)
 
 
-async def transcriptions(request: Request, state: ServerState) -> Reply:
-    return await _transcription(request, state, "transcribe")
-
-
-async def translations(request: Request, state: ServerState) -> Reply:
-    return await _transcription(request, state, "translate")
-
-
-async def speech(request: Request, state: ServerState) -> Reply:
+async def speech_work(request: Request, state: ServerState) -> Coroutine[Any, Any, Reply]:
     body = await read_json(request)
     synthesizer = state.require_synthesizer()
-    return await audio.speak(synthesizer, audio.parse_speech_request(body, synthesizer))
+    return audio.speak(synthesizer, audio.parse_speech_request(body, synthesizer))

@@ -227,11 +227,17 @@ async def responses_input_items(request: Request, state: ServerState) -> Reply:
 # ---- audio (spec G) ----
 
 async def audio_transcriptions(request: Request, state: ServerState) -> Reply:
-    return await run_until_disconnect(request, audio_routes.transcriptions(request, state))
+    work = await audio_routes.transcription_work(request, state, "transcribe")  # the upload is read first
+    return await run_until_disconnect(request, work)
 
 
 async def audio_translations(request: Request, state: ServerState) -> Reply:
-    return await run_until_disconnect(request, audio_routes.translations(request, state))
+    work = await audio_routes.transcription_work(request, state, "translate")
+    return await run_until_disconnect(request, work)
+
+
+async def audio_speech(request: Request, state: ServerState) -> Reply:
+    return await run_until_disconnect(request, await audio_routes.speech_work(request, state))
 
 
 ROUTES: tuple[Route, ...] = (
@@ -269,7 +275,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
     Route(("/v1/audio/transcriptions", "/audio/transcriptions"), ("POST",), audio_transcriptions),
     Route(("/v1/audio/translations", "/audio/translations"), ("POST",), audio_translations),
-    Route(("/v1/audio/speech", "/audio/speech"), ("POST",), audio_routes.speech),
+    Route(("/v1/audio/speech", "/audio/speech"), ("POST",), audio_speech),
 )
 
 
