@@ -29,6 +29,9 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import RuntimeOptions, ServedModel
     from mlxcel.side_models import SideModelOptions, SideModels
+    from mlxcel.audio_models import AudioOptions
+    from mlxcel.server.realtime import RealtimeService
+    from mlxcel.server.state import ServerState
 
 log = logging.getLogger("mlxcel")
 
@@ -205,6 +208,24 @@ OPTIONS: tuple[Option, ...] = (
            env="MLXCEL_VIDEO_MAX_FRAMES", metavar="N", group="media"),
     Option(("--video-fps",), "video_fps", "video sampling rate when a block gives none (default 2.0)",
            parse=float, env="MLXCEL_VIDEO_FPS", metavar="FPS", group="media"),
+    # audio-only processes (spec G)
+    Option(("--audio-queue-depth",), "audio_queue_depth", "audio requests waiting before 503", parse=int,
+           default=8, env="MLXCEL_AUDIO_QUEUE_DEPTH", metavar="N", group="audio"),
+    Option(("--audio-request-timeout-secs",), "audio_request_timeout", "audio request deadline before 504",
+           parse=float, default=120.0, env="MLXCEL_AUDIO_REQUEST_TIMEOUT_SECS", metavar="SECONDS", group="audio"),
+    Option(("--audio-max-upload-size",), "audio_max_upload_size", "largest audio upload before 413 (default 25M)",
+           parse=parse_size, env="MLXCEL_AUDIO_MAX_UPLOAD_SIZE", metavar="SIZE", group="audio"),
+    Option(("--audio-max-duration-secs",), "audio_max_duration", "longest audio accepted for transcription "
+           "before 400", parse=float, default=600.0, env="MLXCEL_AUDIO_MAX_DURATION_SECS", metavar="SECONDS",
+           group="audio"),
+    Option(("--audio-beam-size",), "audio_beam_size", "Whisper beam size", parse=int, default=5,
+           env="MLXCEL_AUDIO_BEAM_SIZE", metavar="N", group="audio"),
+    # realtime voice sessions (spec H)
+    Option(("--realtime-stt",), "realtime_stt", "with --realtime-tts: serve /v1/realtime as a cascade of this "
+           "Whisper checkpoint, -m (the chat model) and the voice; chat routes then answer 501",
+           env="MLXCEL_REALTIME_STT", metavar="MODEL", group="realtime"),
+    Option(("--realtime-tts",), "realtime_tts", "the Kokoro or Piper voice of the /v1/realtime cascade",
+           env="MLXCEL_REALTIME_TTS", metavar="MODEL", group="realtime"),
     # logging
     Option(("-v", "--verbose"), "verbose", "debug logging", default=False, kind="on", group="logging"),
     Option(("--log-file",), "log_file", "also write the log to this file", parse=Path, env="LLAMA_LOG_FILE",
@@ -220,12 +241,18 @@ GENERATE_OPTIONS: tuple[Option, ...] = (
     Option(("--temp",), "temperature", "sampling temperature (0 = greedy)", parse=float, default=0.0, metavar="T",
            group="generate"),
     Option(("--seed",), "seed", "sampling seed", parse=int, metavar="S", group="generate"),
+    Option(("--audio",), "audio", "audio file in: transcribed by a Whisper -m, or the spoken turn of a "
+           "--realtime-stt/--realtime-tts cascade", parse=Path, metavar="WAV", group="generate"),
+    Option(("--output-audio",), "output_audio", "write speech here: the -p text spoken by a Kokoro/Piper -m, or "
+           "the cascade's spoken answer", parse=Path, metavar="WAV", group="generate"),
 )
 _GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
-                    "verbose")
+                    "verbose", "realtime_stt", "realtime_tts", "audio_beam_size", "threads")
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "server": "HTTP server", "logging": "logging",
-                "generate": "generation", "side": "embeddings and rerank", "media": "media input"}
+                "generate": "generation", "side": "embeddings and rerank", "media": "media input",
+                "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)",
+                "realtime": "realtime voice (/v1/realtime WebSocket)"}
 
 
 # ---- parsing ----
@@ -312,6 +339,9 @@ class ServeSettings:
     api_key_source: str = "none"
     side: SideModelOptions | None = None  # embedding and rerank providers (spec I); None = none
     media: MediaPolicy | None = None  # C2-C5; None = the defaults (no --media-path)
+    audio: AudioOptions | None = None  # spec G; None = the defaults
+    realtime_stt: str | None = None  # spec H: the cascade's Whisper and voice; both or neither
+    realtime_tts: str | None = None
 
 
 def resolve_device(device: str) -> str:
@@ -358,7 +388,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"])
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
-                         _side_options(values, runtime), _media_policy(values, environment))
+                         _side_options(values, runtime), _media_policy(values, environment),
+                         _audio_options(values, runtime), values["realtime_stt"], values["realtime_tts"])
 
 
 def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSettings:
@@ -384,6 +415,16 @@ def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelO
         queue_depth=values["embedding_queue_depth"], request_timeout_s=values["embedding_request_timeout"],
         is_embeddings_mode=values["embeddings_mode"], is_reranking_mode=values["reranking_mode"],
         device=runtime.device, dtype=str(runtime.torch_dtype()).removeprefix("torch."))
+
+
+def _audio_options(values: dict[str, Any], runtime: RuntimeOptions) -> AudioOptions:
+    from mlxcel.api.audio import AudioLimits
+    from mlxcel.audio_models import AudioOptions
+
+    upload = values["audio_max_upload_size"]
+    limits = AudioLimits(AudioLimits().max_upload_bytes if upload is None else upload, values["audio_max_duration"])
+    return AudioOptions(values["audio_queue_depth"], values["audio_request_timeout"], limits,
+                        values["audio_beam_size"], values["threads"] or 0, runtime.device)
 
 
 def _media_policy(values: dict[str, Any], environment: Environment) -> MediaPolicy:
@@ -455,7 +496,19 @@ def run_serve(settings: ServeSettings) -> int:
             worker.stop(10.0)
         return 1
     state = ServerState(settings.server, served, side=side, media=settings.media)
+    if side.realtime is not None:
+        state.realtime = _realtime_service(state, side)
     return serve(state, sock, workers)
+
+
+def _realtime_service(state: ServerState, side: SideModels) -> RealtimeService:
+    from mlxcel.api.realtime_cascade import CascadeEngine
+    from mlxcel.server.realtime import RealtimeService
+
+    assert side.realtime is not None and state.api is not None
+    stt, tts = side.realtime
+    assert stt.transcriber is not None and tts.synthesizer is not None
+    return RealtimeService(CascadeEngine(stt.transcriber, state.api, tts.synthesizer), state.api.model_name)
 
 
 def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideModels]:
@@ -467,6 +520,11 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
     def resolve(arg: str | None) -> ResolvedModel:
         return resolve_model(arg, models_dir=settings.models_dir, default_org=settings.default_org)
 
+    if settings.realtime_stt or settings.realtime_tts:
+        return _start_realtime_process(settings, resolve)
+    audio = _start_audio_process(settings, resolve)
+    if audio is not None:
+        return None, audio
     options = settings.side or SideModelOptions()
     plan = plan_process(settings.model, options, resolve)
     served = None
@@ -482,6 +540,73 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
         if served is not None:
             served.close()
         raise
+
+
+def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
+                         ) -> SideModels | None:
+    """An audio-only process when -m names a Whisper, Kokoro or Piper checkpoint (spec G)."""
+    from mlxcel.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
+    from mlxcel.side_models import SideModels
+
+    found = find_audio_checkpoint(settings.model, resolve)
+    if found is None:
+        return None
+    _refuse_side_flags(settings)
+    audio = load_audio_models(found, settings.audio or AudioOptions(), int(time.time()))
+    log.info("audio-only process: %s (chat routes answer 501)", audio_only_mode(audio.kind).serves)
+    return SideModels(mode=audio_only_mode(audio.kind), audio=audio, stoppers=list(audio.stoppers))
+
+
+def _start_realtime_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
+                            ) -> tuple[ServedModel, SideModels]:
+    """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
+    from mlxcel.api.modes import ModelEntry, SinglePurposeMode
+    from mlxcel.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
+    from mlxcel.runtime import start_served_model
+    from mlxcel.side_models import SideModels
+    from mlxcel.workers.audio_checkpoints import AudioKind
+
+    if not (settings.realtime_stt and settings.realtime_tts):
+        raise ValueError("--realtime-stt and --realtime-tts go together: the voice session needs both")
+    _refuse_side_flags(settings)
+    stt = find_audio_checkpoint(settings.realtime_stt, resolve)
+    tts = find_audio_checkpoint(settings.realtime_tts, resolve)
+    if stt is None or stt.checkpoint.kind is not AudioKind.WHISPER:
+        raise ValueError(f"--realtime-stt {settings.realtime_stt}: not a Whisper checkpoint")
+    if tts is None or tts.checkpoint.kind is AudioKind.WHISPER:
+        raise ValueError(f"--realtime-tts {settings.realtime_tts}: not a Kokoro or Piper checkpoint")
+    options, created = settings.audio or AudioOptions(), int(time.time())
+    chat = resolve(settings.model)
+    if find_audio_checkpoint(settings.model, resolve) is not None:
+        raise ValueError(f"-m {settings.model}: the realtime cascade needs a chat model as -m")
+    side = SideModels(mode=SinglePurposeMode(
+        "realtime", "--realtime-stt", "Connect a WebSocket client to /v1/realtime; to serve the chat routes, start "
+        "without --realtime-stt / --realtime-tts.", serves="a full-duplex voice session on the /v1/realtime "
+        "WebSocket"))
+    try:
+        ears = load_audio_models(stt, options, created)
+        side.stoppers.extend(ears.stoppers)
+        voice = load_audio_models(tts, options, created)
+        side.stoppers.extend(voice.stoppers)
+        side.realtime = (ears, voice)
+        side.realtime_entry = ModelEntry(chat.name, ("realtime",), created, 0)
+        log.info("model: %s (%s), realtime cascade: %s -> chat -> %s", chat.name, chat.source, stt.name, tts.name)
+        return start_served_model(chat, settings.runtime, settings.engine), side
+    except BaseException:
+        side.stop(10.0)
+        raise
+
+
+def _refuse_side_flags(settings: ServeSettings) -> None:
+    side = settings.side
+    if side is None:
+        return
+    flags = [flag for flag, is_set in (("--embedding-model", side.embedding_model), ("--reranker-model",
+             side.reranker_model), ("--embeddings", side.is_embeddings_mode), ("--reranking",
+             side.is_reranking_mode)) if is_set]
+    if flags:
+        raise ValueError(f"-m {settings.model} is an audio checkpoint, served in an audio-only process; "
+                         f"drop {' and '.join(flags)} or give -m a chat model")
 
 
 # ---- generate ----
@@ -522,6 +647,10 @@ def _generate_prompt(served: ServedModel, text: str, chat: bool) -> Prompt:
 def run_generate(values: dict[str, Any], environment: Environment) -> int:
     """One-shot generation: generated text to stdout, prompt and generation speed to stderr."""
     logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
+    if values["audio"] or values["output_audio"] or values["realtime_stt"] or values["realtime_tts"]:
+        from mlxcel.audio_cli import run_audio_generate
+
+        return run_audio_generate(values, environment)
     if not values["prompt"]:
         log.error("generate: -p/--prompt is required")
         return 2

@@ -67,6 +67,13 @@ ENV_VARS: tuple[EnvVar, ...] = (
     EnvVar("MLXCEL_REASONING_ECHO_MAX_BYTES", int, 16 << 20, "reasoning echo store size; 0 disables (Q)"),
     EnvVar("MLXCEL_IMAGE_MODEL", str, None, "image generation checkpoint, as --image-model (J)"),
     EnvVar("MLXCEL_RESPONSES_DB", _parse_path, None, "stored Responses database, as --responses-db (F2)"),
+    EnvVar("MLXCEL_AUDIO_QUEUE_DEPTH", int, 8, "audio requests waiting before 503, as --audio-queue-depth (G)"),
+    EnvVar("MLXCEL_AUDIO_REQUEST_TIMEOUT_SECS", float, 120.0, "audio deadline before 504 (G)"),
+    EnvVar("MLXCEL_AUDIO_MAX_UPLOAD_SIZE", str, None, "largest audio upload, as --audio-max-upload-size (G)"),
+    EnvVar("MLXCEL_AUDIO_MAX_DURATION_SECS", float, 600.0, "longest audio transcribed (G)"),
+    EnvVar("MLXCEL_AUDIO_BEAM_SIZE", int, 5, "Whisper beam size, as --audio-beam-size (G)"),
+    EnvVar("MLXCEL_REALTIME_STT", str, None, "the realtime cascade's Whisper, as --realtime-stt (H)"),
+    EnvVar("MLXCEL_REALTIME_TTS", str, None, "the realtime cascade's voice, as --realtime-tts (H)"),
 )
 _BY_NAME = {var.name: var for var in ENV_VARS}
 

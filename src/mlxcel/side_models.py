@@ -20,6 +20,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.api.modes import ModelEntry, SinglePurposeMode
+from mlxcel.audio_models import AudioModels
 from mlxcel.loading import ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
 from mlxcel.runtime import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
@@ -229,18 +230,25 @@ class SideModels:
     reranker: Reranker | None = None
     reranker_info: NamedProvider | None = None
     mode: SinglePurposeMode | None = None
+    audio: AudioModels | None = None  # the provider of an audio-only process (spec G)
+    realtime: tuple[AudioModels, AudioModels] | None = None  # (Whisper, voice) of a realtime process (spec H)
+    realtime_entry: ModelEntry | None = None  # the realtime model as /v1/models lists it
     # (name, stop(timeout) -> exited in time) per provider thread, joined at shutdown (A7)
     stoppers: list[tuple[str, Callable[[float], bool]]] = field(default_factory=list)
 
     def stats(self) -> list[WorkerStats]:
         providers = (self.embedding, self.reranker)
-        return [provider.stats() for provider in providers if provider is not None]
+        stats = [provider.stats() for provider in providers if provider is not None]
+        audio = [self.audio] if self.audio is not None else list(self.realtime or ())
+        return stats + [models.stats() for models in audio]
 
     def model_entries(self) -> list[ModelEntry]:
         """The providers as /v1/models lists them, each with its capability."""
         entries = [(self.embedding_info, "embedding"), (self.reranker_info, "rerank")]
-        return [ModelEntry(info.name, (capability,), info.created, info.window)
-                for info, capability in entries if info is not None]
+        listed = [ModelEntry(info.name, (capability,), info.created, info.window)
+                  for info, capability in entries if info is not None]
+        listed += [self.audio.model_entry()] if self.audio is not None else []
+        return listed + ([self.realtime_entry] if self.realtime_entry is not None else [])
 
     def stop(self, timeout: float = 120.0) -> bool:
         return all([stop(timeout) for _, stop in self.stoppers])

@@ -28,4 +28,24 @@ class StreamReply:
     headers: Mapping[str, str] = field(default_factory=dict)
 
 
-Reply = JsonReply | StreamReply
+@dataclass(frozen=True, slots=True)
+class BytesReply:
+    """A whole non-JSON body: transcript text, subtitles, an encoded audio file."""
+
+    body: bytes
+    media_type: str
+    status: int = 200
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+@dataclass(frozen=True, slots=True)
+class ByteStreamReply:
+    """A non-SSE body sent as it is produced (speech audio); `on_close` runs however it ended."""
+
+    chunks: AsyncIterator[bytes]
+    media_type: str
+    on_close: Callable[[], Awaitable[None]]
+    headers: Mapping[str, str] = field(default_factory=dict)
+
+
+Reply = JsonReply | StreamReply | BytesReply | ByteStreamReply

@@ -10,6 +10,7 @@ from starlette.responses import Response
 
 from mlxcel.api.errors import ApiError, invalid_request
 from mlxcel.server.gate import Gate
+from mlxcel.server.realtime import REALTIME_PATHS, realtime_endpoint
 from mlxcel.server.responses import error_response, internal_error
 from mlxcel.server.routes import ROUTES, Route, bind, public_paths
 from mlxcel.server.state import ServerState
@@ -25,6 +26,9 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
         endpoint = bind(route, state)
         for path in route.paths:
             app.add_api_route(path, endpoint, methods=list(route.methods), include_in_schema=False)
+    if state.realtime is not None:  # spec H: mounted only in a realtime process
+        for path in REALTIME_PATHS:
+            app.router.add_websocket_route(path, realtime_endpoint(state, state.realtime))
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unhandled)

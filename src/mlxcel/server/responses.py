@@ -9,7 +9,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Receive, Scope, Send
 
 from mlxcel.api.errors import ApiError, Protocol, error_body
-from mlxcel.api.replies import JsonReply, Reply, StreamReply
+from mlxcel.api.replies import ByteStreamReply, BytesReply, JsonReply, Reply, StreamReply
 
 log = logging.getLogger(__name__)
 
@@ -30,9 +30,27 @@ class SseResponse(StreamingResponse):
             await self._on_close()
 
 
+class ByteStreamResponse(StreamingResponse):
+    """A streamed non-SSE body (speech audio) that always runs `on_close` when it ends."""
+
+    def __init__(self, reply: ByteStreamReply) -> None:
+        super().__init__(reply.chunks, media_type=reply.media_type, headers=dict(reply.headers))
+        self._on_close: Callable[[], Awaitable[None]] = reply.on_close
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            await self._on_close()
+
+
 def to_response(reply: Reply) -> Response:
     if isinstance(reply, StreamReply):
         return SseResponse(reply)
+    if isinstance(reply, BytesReply):
+        return Response(reply.body, reply.status, headers=dict(reply.headers), media_type=reply.media_type)
+    if isinstance(reply, ByteStreamReply):
+        return ByteStreamResponse(reply)
     assert isinstance(reply, JsonReply)
     return JSONResponse(reply.body, reply.status, headers=dict(reply.headers))
 

@@ -21,7 +21,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import Reply
-from mlxcel.server import ops
+from mlxcel.server import audio_routes, ops
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
 from mlxcel.server.state import ServerState
@@ -224,6 +224,22 @@ async def responses_input_items(request: Request, state: ServerState) -> Reply:
                                             request.query_params)
 
 
+# ---- audio (spec G) ----
+
+async def audio_transcriptions(request: Request, state: ServerState) -> Reply:
+    work = await audio_routes.transcription_work(request, state, "transcribe")  # the upload is read first
+    return await run_until_disconnect(request, work)
+
+
+async def audio_translations(request: Request, state: ServerState) -> Reply:
+    work = await audio_routes.transcription_work(request, state, "translate")
+    return await run_until_disconnect(request, work)
+
+
+async def audio_speech(request: Request, state: ServerState) -> Reply:
+    return await run_until_disconnect(request, await audio_routes.speech_work(request, state))
+
+
 ROUTES: tuple[Route, ...] = (
     Route(("/v1/chat/completions", "/chat/completions"), ("POST",), chat_completions),
     Route(("/v1/chat/completions/input_tokens", "/chat/completions/input_tokens"), ("POST",), chat_input_tokens),
@@ -257,6 +273,9 @@ ROUTES: tuple[Route, ...] = (
     Route(("/v1/cache/stats",), ("GET",), ops.cache_stats),
     Route(("/v1/cache/reset",), ("POST",), ops.cache_reset),
     Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
+    Route(("/v1/audio/transcriptions", "/audio/transcriptions"), ("POST",), audio_transcriptions),
+    Route(("/v1/audio/translations", "/audio/translations"), ("POST",), audio_translations),
+    Route(("/v1/audio/speech", "/audio/speech"), ("POST",), audio_speech),
 )
 
 

@@ -3,10 +3,11 @@
 from __future__ import annotations
 
 import time
+from typing import TYPE_CHECKING
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
-from mlxcel.api.modes import chat_not_served, provider_missing
+from mlxcel.api.modes import audio_missing, chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.runtime import ServedModel
@@ -17,6 +18,11 @@ from mlxcel.types import EngineStats
 from mlxcel.workers.base import WorkerStats
 from mlxcel.workers.embedding import EmbeddingProvider
 from mlxcel.workers.rerank import Reranker
+from mlxcel.workers.speech import SpeechSynthesizer
+from mlxcel.workers.whisper import WhisperTranscriber
+
+if TYPE_CHECKING:
+    from mlxcel.server.realtime import RealtimeService
 
 
 class ServerState:
@@ -32,6 +38,7 @@ class ServerState:
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False
+        self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
         if served is not None:
             self.attach(served)
 
@@ -44,6 +51,8 @@ class ServerState:
     def _single_purpose_name(self) -> str | None:
         if self.side.mode is None:
             return None
+        if self.side.audio is not None:
+            return self.side.audio.name
         info = self.side.embedding_info or self.side.reranker_info
         return info.name if info else None
 
@@ -94,3 +103,22 @@ class ServerState:
         if reranker is None or info is None:
             raise provider_missing("reranking", "--reranker-model")
         return reranker, info.name
+
+    def require_transcriber(self) -> WhisperTranscriber:
+        """The Whisper provider, or 501 saying what serves transcription (spec G)."""
+        if self.is_shutting_down:
+            raise unavailable("the server is shutting down")
+        audio = self.side.audio
+        if audio is None or audio.transcriber is None:
+            raise audio_missing("transcription and translation", "a Whisper checkpoint",
+                                audio.name if audio else None)
+        return audio.transcriber
+
+    def require_synthesizer(self) -> SpeechSynthesizer:
+        """The speech provider, or 501 saying what serves speech (spec G)."""
+        if self.is_shutting_down:
+            raise unavailable("the server is shutting down")
+        audio = self.side.audio
+        if audio is None or audio.synthesizer is None:
+            raise audio_missing("speech synthesis", "a Kokoro or Piper checkpoint", audio.name if audio else None)
+        return audio.synthesizer

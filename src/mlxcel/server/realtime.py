@@ -1,0 +1,109 @@
+"""The `/v1/realtime` WebSocket (spec H): the upgrade's checks, then an `api.realtime` session.
+
+Before accepting: the API key (`Authorization: Bearer`, as every route: 401), the Origin
+policy (a browser origin the policy does not allow: 403; no Origin header: accepted), and the
+one-session gate (a second session is accepted only to be told `server_busy` and closed with
+1013, the source's contract). Mounted only in a realtime process.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+from starlette.responses import JSONResponse
+from starlette.websockets import WebSocket, WebSocketDisconnect
+
+from mlxcel.api.errors import ApiError, error_body, invalid_api_key
+from mlxcel.api.realtime import (
+    CLOSE_TRY_AGAIN, RealtimeEngine, RealtimeGate, RealtimeLimits, RealtimeSession, error_event,
+)
+from mlxcel.server.auth import is_valid_key, presented_key
+from mlxcel.server.state import ServerState
+
+log = logging.getLogger(__name__)
+
+REALTIME_PATHS = ("/v1/realtime", "/realtime")
+
+
+@dataclass
+class RealtimeService:
+    """What a realtime process serves on /v1/realtime."""
+
+    engine: RealtimeEngine
+    model: str
+    limits: RealtimeLimits = RealtimeLimits()
+    gate: RealtimeGate = field(default_factory=RealtimeGate)
+
+
+def realtime_endpoint(state: ServerState, service: RealtimeService) -> Callable[[WebSocket], Awaitable[None]]:
+    async def endpoint(websocket: WebSocket) -> None:
+        refusal = _refusal(websocket, state)
+        if refusal is not None:
+            await _deny(websocket, refusal)
+            return
+        await websocket.accept()
+        if not service.gate.try_take():
+            await websocket.send_text(json.dumps(error_event("server_busy", "server_busy", "another realtime "
+                                                             "session is open; this server takes one at a time")))
+            await websocket.close(CLOSE_TRY_AGAIN, "server busy")
+            return
+        try:
+            await _serve(websocket, service)
+        finally:
+            service.gate.release()
+
+    return endpoint
+
+
+async def _serve(websocket: WebSocket, service: RealtimeService) -> None:
+    async def send(event: dict[str, Any]) -> None:
+        await websocket.send_text(json.dumps(event))
+
+    async def receive() -> str | bytes | None:
+        message = await websocket.receive()
+        if message["type"] == "websocket.disconnect":
+            return None
+        return message.get("text") if message.get("text") is not None else message.get("bytes")
+
+    session = RealtimeSession(service.engine, service.limits, service.model, send)
+    try:
+        code, reason = await session.run(receive)
+    except (WebSocketDisconnect, RuntimeError):  # the client went away mid-send
+        return
+    log.info("realtime session %s closed: %s (%d)", session.session_id, reason, code)
+    if code != 1000 or reason != "client closed":
+        try:
+            await websocket.close(code, reason)
+        except RuntimeError:
+            pass
+
+
+def _refusal(websocket: WebSocket, state: ServerState) -> ApiError | None:
+    keys = state.config.api_keys
+    if keys and not is_valid_key(presented_key(websocket.scope["headers"]), keys):
+        return invalid_api_key()
+    origin = websocket.headers.get("origin")
+    if origin is not None and not _is_allowed_origin(origin, websocket, state):
+        return ApiError(403, f"Origin {origin} is not allowed to open a realtime session", "forbidden", code=403)
+    return None
+
+
+def _is_allowed_origin(origin: str, websocket: WebSocket, state: ServerState) -> bool:
+    # C6's --cors-origins / --allowed-origins (ServerConfig.cors_origins) where that option exists;
+    # without it, a browser may connect only from the server's own origin.
+    allowed = getattr(state.config, "cors_origins", None)
+    if allowed is not None:
+        return "*" in allowed or origin.rstrip("/") in allowed
+    host = websocket.headers.get("host", "")
+    return origin.rstrip("/") in (f"http://{host}", f"https://{host}")
+
+
+async def _deny(websocket: WebSocket, error: ApiError) -> None:
+    try:
+        await websocket.send_denial_response(JSONResponse(error_body(error), error.status))
+    except RuntimeError:  # the server has no denial-response extension: a plain refusal (HTTP 403)
+        await websocket.close(1008, error.message[:120])
