@@ -1,15 +1,21 @@
-"""Side-by-side benchmark: mlxcel vs llama-cpp-python's server vs transformers `generate`.
+"""Side-by-side benchmark: mlxcel vs llama-server (llama.cpp), llama-cpp-python's server, transformers.
 
 One invocation measures every stack on the same GGUF with the same thread count and prints
 ratios (these machines are shared and noisy; only same-run ratios mean anything):
-  (a) single-stream decode tok/s (128-token prompt, 256 generated)
+  (a) single-stream decode tok/s (128-token prompt, 256 generated), and after a 4,000-token prompt
+  (a') the first request after startup against the tenth (same prompt length, no cache hit)
   (b) time to first token, 1,000-token prompt
   (c) aggregate output tok/s with 8 and 16 concurrent requests
   (d) time to first token with a 2,000-token prefix cached vs cold
   (e) peak resident memory
 
-    .venv/bin/python bench/run.py                      # all peers
+    .venv/bin/python bench/run.py                      # mlxcel and llama-server
+    .venv/bin/python bench/run.py --peers mlxcel,llamaserver,llamacpp,transformers
     .venv/bin/python bench/run.py --peers mlxcel --quick
+
+llama-server is the binary `../shared/tools/build-llama-server GIT_DIR` builds (default
+/tmp/llama-server/build/bin/llama-server, or --llama-server PATH), run as the issue says:
+`-t T -tb T -c <slots x 2304> --parallel <slots>`.
 
 llama-cpp-python is taken from a cached venv (default ~/.cache/mlxcel-bench/llamacpp, built
 once with `pip install 'llama-cpp-python[server]'`); a missing peer is reported and skipped.
@@ -37,12 +43,18 @@ from mlxcel.loading import resolve_model  # noqa: E402
 from mlxcel.loading.gguf import GGUFFile  # noqa: E402
 from mlxcel.text.tokenizer import Tokenizer  # noqa: E402
 
+LLAMA_SERVER = Path(os.environ.get("MLXCEL_BENCH_LLAMA_SERVER", "/tmp/llama-server/build/bin/llama-server"))
+SLOTS = 16
+SLOT_CONTEXT = 4608  # room for the 4,000-token prompt in one slot
 LLAMACPP_VENV = Path(os.environ.get("MLXCEL_BENCH_LLAMACPP_VENV", Path.home() / ".cache/mlxcel-bench/llamacpp"))
 
 
 @dataclass
 class Figures:
     decode_tps: float | None = None
+    decode_4000_tps: float | None = None
+    first_request_tps: float | None = None  # decode speed of the first request after startup
+    tenth_request_tps: float | None = None
     ttft_1000_s: float | None = None
     aggregate_tps: dict[int, float] = field(default_factory=dict)
     cold_2000_s: float | None = None
@@ -96,9 +108,10 @@ async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick
     fig = Figures()
     gen = 64 if quick else 256
     async with httpx.AsyncClient(base_url=base_url) as client:
-        await stream_completion(client, "Hello", 4, extra)  # warm
-        ttft, tlast, n = await stream_completion(client, prompt_text(tokenizer, 128, 1), gen, extra)
-        fig.decode_tps = (n - 1) / (tlast - ttft) if n > 1 else None
+        speeds = [await decode_speed(client, prompt_text(tokenizer, 42, 50 + i), 64, extra) for i in range(10)]
+        fig.first_request_tps, fig.tenth_request_tps = speeds[0], speeds[-1]
+        fig.decode_tps = await decode_speed(client, prompt_text(tokenizer, 128, 1), gen, extra)
+        fig.decode_4000_tps = await decode_speed(client, prompt_text(tokenizer, 4000, 4), 64 if quick else 128, extra)
         fig.ttft_1000_s, _, _ = await stream_completion(client, prompt_text(tokenizer, 1000, 2), 1, extra)
         for width in (8,) if quick else (8, 16):
             fig.aggregate_tps[width] = await aggregate(client, tokenizer, width, 32 if quick else 128, extra)
@@ -106,6 +119,11 @@ async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick
         fig.cold_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
         fig.cached_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
     return fig
+
+
+async def decode_speed(client: httpx.AsyncClient, prompt: str, gen: int, extra: dict) -> float | None:
+    ttft, tlast, n = await stream_completion(client, prompt, gen, extra)
+    return (n - 1) / (tlast - ttft) if n > 1 else None
 
 
 async def aggregate(client: httpx.AsyncClient, tokenizer: Tokenizer, width: int, gen: int, extra: dict) -> float:
@@ -159,7 +177,14 @@ def run_server_peer(name: str, cmd: list[str], port: int, tokenizer: Tokenizer, 
 
 def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
     return [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", str(port),
-            "--threads", str(threads), "--n-parallel", "16", "--ctx-size", str(16 * 2304)]
+            "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT)]
+
+
+def llama_server_cmd(model: Path, port: int, threads: int) -> list[str] | None:
+    if not LLAMA_SERVER.exists():
+        return None
+    return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+            "-tb", str(threads), "-c", str(SLOTS * SLOT_CONTEXT), "--parallel", str(SLOTS)]
 
 
 def llamacpp_cmd(model: Path, port: int, threads: int) -> list[str] | None:
@@ -188,11 +213,13 @@ def ratio(a: float | None, b: float | None) -> str:
 
 
 def report(results: dict[str, Figures]) -> str:
-    rows = ["| stack | decode tok/s | TTFT 1000 (s) | 8 conc tok/s | 16 conc tok/s | 2000 cold (s) | 2000 cached (s) | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|---|"]
+    rows = ["| stack | decode tok/s | decode after 4000 | 1st / 10th request tok/s | TTFT 1000 (s) | 8 conc tok/s "
+            "| 16 conc tok/s | 2000 cold (s) | 2000 cached (s) | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for name, f in results.items():
-        rows.append(f"| {name} | {fmt(f.decode_tps)} | {fmt(f.ttft_1000_s, 2)} | {fmt(f.aggregate_tps.get(8))} | "
+        rows.append(f"| {name} | {fmt(f.decode_tps)} | {fmt(f.decode_4000_tps)} | "
+                    f"{fmt(f.first_request_tps)} / {fmt(f.tenth_request_tps)} | {fmt(f.ttft_1000_s, 2)} | {fmt(f.aggregate_tps.get(8))} | "
                     f"{fmt(f.aggregate_tps.get(16))} | {fmt(f.cold_2000_s, 2)} | {fmt(f.cached_2000_s, 3)} | {fmt(f.peak_rss_mib, 0)} |")
     ours = results.get("mlxcel")
     if ours:
@@ -200,8 +227,12 @@ def report(results: dict[str, Figures]) -> str:
             if peer == "mlxcel":
                 continue
             rows.append(f"\nmlxcel vs {peer}: decode {ratio(ours.decode_tps, f.decode_tps)}, "
+                        f"after 4000 {ratio(ours.decode_4000_tps, f.decode_4000_tps)}, "
                         f"TTFT-1000 {ratio(ours.ttft_1000_s, f.ttft_1000_s)} (lower is better), "
-                        f"8-concurrent {ratio(ours.aggregate_tps.get(8), f.aggregate_tps.get(8))}")
+                        f"8-concurrent {ratio(ours.aggregate_tps.get(8), f.aggregate_tps.get(8))}, "
+                        f"16-concurrent {ratio(ours.aggregate_tps.get(16), f.aggregate_tps.get(16))}, "
+                        f"cached-2000 TTFT {ratio(ours.cached_2000_s, f.cached_2000_s)} (lower is better), "
+                        f"peak RSS {ratio(ours.peak_rss_mib, f.peak_rss_mib)} (lower is better)")
         rows.append(f"mlxcel cached-prefix speedup: {ratio(ours.cold_2000_s, ours.cached_2000_s)}")
     return "\n".join(rows)
 
@@ -210,9 +241,12 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--peers", default="mlxcel,llamacpp,transformers")
+    parser.add_argument("--peers", default="mlxcel,llamaserver")
+    parser.add_argument("--llama-server", type=Path, default=None, help=f"llama-server binary (default {LLAMA_SERVER})")
     parser.add_argument("--quick", action="store_true", help="shorter runs (smoke test of the bench)")
     args = parser.parse_args()
+    global LLAMA_SERVER
+    LLAMA_SERVER = args.llama_server or LLAMA_SERVER
     model = resolve_model(args.model).path
     tokenizer = Tokenizer.from_gguf(GGUFFile(model).metadata)
     results: dict[str, Figures] = {}
@@ -222,6 +256,10 @@ def main() -> None:
         if peer == "mlxcel":
             results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
                                             {"ignore_eos": True}, args.quick)
+        elif peer == "llamaserver":
+            cmd = llama_server_cmd(model, port, args.threads)
+            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {"ignore_eos": True}, args.quick) if cmd
+                             else Figures(note=f"skipped: no llama-server at {LLAMA_SERVER}"))
         elif peer == "llamacpp":
             cmd = llamacpp_cmd(model, port, args.threads)
             results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {}, args.quick) if cmd

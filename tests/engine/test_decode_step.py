@@ -95,8 +95,10 @@ def test_compiled_step_matches_eager(model: llama.Model, tmp_path) -> None:
             a, b = eager.run(rows(lengths, 64)), compiled.run(rows(lengths, 64))
             torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
             assert torch.equal(a.argmax(-1), b.argmax(-1))
-    # The KV each step wrote is the same too.
-    torch.testing.assert_close(compiled.kv_cache.k[2], eager.kv_cache.k[2], atol=1e-5, rtol=1e-5)
+    # The KV each step wrote is the same too (the scratch slot aside: the compiled step's padding
+    # row writes there, and nothing reads it).
+    real = slice(0, compiled.kv_cache.scratch_slot)
+    torch.testing.assert_close(compiled.kv_cache.k[2][real], eager.kv_cache.k[2][real], atol=1e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

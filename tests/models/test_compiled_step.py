@@ -69,13 +69,31 @@ def generate(served: ServedModel, batch: list[list[int]], cache_prompt: bool = F
     return asyncio.run(all_of())
 
 
-def test_compiled_step_gives_the_eager_tokens(compiled: ServedModel, compile_dir: Path) -> None:
-    eager = serve("eager", compile_dir)
-    try:
-        for prompt in prompts(compiled)[:4]:
-            assert generate(compiled, [prompt]) == generate(eager, [prompt])
-    finally:
-        eager.close()
+def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir: Path) -> None:
+    """The same rows over the same cache: compiled and eager logits agree to float32 rounding of a
+    different summation order, and pick the same tokens. (Greedy streams of the two paths can
+    still part at a near-tie after many tokens: seen at token 13 of 64 on one of four prompts.)"""
+    from mlxcel.engine.decode_step import DecodeRow, DecodeStep
+    from mlxcel.layers.attention import KVCache
+
+    model = compiled.loaded.model
+    args = model.args
+    cache = KVCache(args.num_hidden_layers, 300, 16, args.kv_heads, args.dim_per_head, torch.bfloat16, "cpu")
+    torch.manual_seed(3)
+    for t in cache.k + cache.v:
+        t.normal_(std=2.0)
+    steps = {mode: DecodeStep(model, cache, "cpu", mode=mode, max_rows=8, max_positions=8192, cache_dir=compile_dir)
+             for mode in ("eager", "compile")}
+    batch = [DecodeRow(1000 + i, n - 1, 0, tuple(range(i * 60, (i + 1) * 60))) for i, n in enumerate((5, 120, 700, 33))]
+    with torch.inference_mode():
+        eager, fast = steps["eager"].run(batch), steps["compile"].run(batch)
+    # The int8 head's logits are bfloat16 (a step of 0.125-0.25 at these magnitudes); only its
+    # top candidates are recomputed in float32, so those must agree closely.
+    torch.testing.assert_close(fast, eager, atol=1.0, rtol=0.05)
+    top = eager.topk(8, dim=-1).indices
+    # Inductor keeps fused bfloat16 intermediates in float32 where eager rounds them: close, not equal.
+    torch.testing.assert_close(fast.gather(1, top), eager.gather(1, top), atol=0.5, rtol=0.02)
+    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
 
 
 def test_greedy_tokens_are_batch_invariant(compiled: ServedModel) -> None:

@@ -117,11 +117,14 @@ class DecodeStep:
         """Logits [len(rows), vocab], float32 on the CPU."""
         if self._graphs is not None:
             return self._graphs.run(rows)
-        inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot)
+        # NOTE: compiled, a batch of one would take a graph specialised for size 1, whose sums
+        # are ordered differently; a padding row keeps every batch on the one symbolic graph.
+        num_rows = max(len(rows), 2) if self.mode == "compile" else len(rows)
+        inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows)
         tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
-        with step_rows(StepRows(len(rows), len(rows))):
+        with step_rows(StepRows(num_rows, num_rows)):
             logits = self.forward(*tensors)
-        return logits.float().cpu()
+        return logits[:len(rows)].float().cpu()
 
     def warm(self, num_positions: int = 100) -> float:
         """Run (and so compile or capture) the step on scratch rows; returns the seconds it took."""
@@ -129,8 +132,7 @@ class DecodeStep:
         if self._graphs is not None:
             self._graphs.capture_all()
         else:
-            for num_rows in {1, min(2, self.max_rows)}:
-                self.run([self._scratch_row(num_positions)] * num_rows)
+            self.run([self._scratch_row(num_positions)] * min(2, self.max_rows))
         return time.monotonic() - started
 
     def _scratch_row(self, num_positions: int) -> DecodeRow:

@@ -247,7 +247,7 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
                      visible: torch.Tensor, scale: float) -> torch.Tensor:
     """Grouped-query attention of one query a row: q [B, Hq, D]; key_slots, visible [B, L].
 
-    A masked key contributes exactly 0 (probability exp(-inf) = 0 times a finite value). On the
+    A masked key contributes exactly 0 (probability exp(lowest - max) = 0 times a finite value). On the
     CPU the products are summed along one axis in float32: each row's sums then have the same
     bits whatever the batch (batched matmuls do not promise that), and inductor fuses them with
     the gather from the cache. On CUDA two batched matmuls in the cache's dtype (the GPU
@@ -265,7 +265,9 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
         scores = (qg.unsqueeze(1) * keys.unsqueeze(3)).sum(-1).permute(0, 2, 3, 1)  # [B, Hkv, G, L]
     else:
         scores = torch.einsum("bhgd,blhd->bhgl", qg, keys)
-    scores = (scores.float() * scale).masked_fill(~visible[:, None, None, :], float("-inf"))
+    # The lowest finite float, not -inf: a padding row with no visible key stays finite (it
+    # writes the scratch slot other rows' masked keys point at), and exp() of it is still 0.
+    scores = (scores.float() * scale).masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
     probs = torch.softmax(scores, dim=-1).to(compute)
     if is_fused:
         out = (probs.unsqueeze(-1) * values.permute(0, 2, 1, 3).unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
