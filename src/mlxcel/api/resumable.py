@@ -270,12 +270,6 @@ class StreamStore:
             await asyncio.sleep(min(self.limits.ttl_s / 2, 5.0))
             await self.sweep()
 
-    async def close(self) -> None:
-        """Cancel every running stream (shutdown)."""
-        for session in list(self._sessions.values()):
-            await session.cancel()
-        self._sessions.clear()
-
 
 async def _nothing() -> None:
     return None
