@@ -130,10 +130,10 @@ class StreamSession:
 
     def _append(self, frame: str) -> None:
         self._events.append(frame)
-        self.num_bytes += len(frame)
+        self.num_bytes += _size(frame)
         num_dropped = 0
         while self.num_bytes > self._max_bytes and num_dropped < len(self._events) - 1:
-            self.num_bytes -= len(self._events[num_dropped])
+            self.num_bytes -= _size(self._events[num_dropped])
             num_dropped += 1
         if num_dropped:  # NOTE: the newest event is always kept, even over the limit
             del self._events[:num_dropped]
@@ -273,6 +273,10 @@ class StreamStore:
 
 async def _nothing() -> None:
     return None
+
+
+def _size(frame: str) -> int:
+    return len(frame.encode("utf-8"))
 
 
 def parse_offset(text: str | None) -> int:
