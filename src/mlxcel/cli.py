@@ -172,6 +172,14 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--responses-db",), "responses_db", "SQLite file keeping stored /v1/responses (default: "
            "<models dir or ~/.cache/mlxcel>/responses.sqlite3)", parse=Path, env="MLXCEL_RESPONSES_DB",
            metavar="PATH"),
+    Option(("--stream-buffer-streams",), "stream_buffer_streams", "finished resumable streams kept for "
+           "GET /v1/stream (F6)", parse=int, default=64, env="MLXCEL_STREAM_BUFFER_STREAMS", metavar="N"),
+    Option(("--stream-buffer-bytes",), "stream_buffer_bytes", "SSE events kept per resumable stream (e.g. 4M); "
+           "older events are dropped first", parse=parse_size, default=4 << 20, env="MLXCEL_STREAM_BUFFER_BYTES",
+           metavar="SIZE"),
+    Option(("--stream-buffer-ttl",), "stream_buffer_ttl", "seconds a resumable stream is kept after its last "
+           "event; a running one nobody reads is cancelled then", parse=float, default=300.0,
+           env="MLXCEL_STREAM_BUFFER_TTL", metavar="SECONDS"),
     # embeddings and rerank (spec I)
     Option(("--embedding-model",), "embedding_model", "embedding checkpoint served beside the chat model on "
            "/v1/embeddings, /embedding(s)", env="LLAMA_ARG_EMBEDDING_MODEL", metavar="MODEL", group="side"),
@@ -385,6 +393,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         max_body_bytes=values["max_body_size"], endpoint_slots=values["endpoint_slots"],
         endpoint_props=values["endpoint_props"], endpoint_metrics=values["endpoint_metrics"],
         sse_keepalive_s=values["sse_keepalive"], responses_db=_responses_db(values),
+        stream_buffer_streams=values["stream_buffer_streams"], stream_buffer_bytes=values["stream_buffer_bytes"],
+        stream_buffer_ttl_s=values["stream_buffer_ttl"],
         anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"])
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,

@@ -24,6 +24,7 @@ from mlxcel.media import (
 )
 
 from media_net import LoopbackOnlyTransport, LoopbackServer, Reply
+from video_files import make_video
 
 
 def png(width: int = 5, height: int = 4) -> bytes:
@@ -43,8 +44,8 @@ def media_dir(tmp_path: Path) -> Path:
     (root / "cat.png").write_bytes(png(7, 6))
     (root / "link.png").symlink_to("cat.png")
     (root / "notes.txt").write_bytes(b"not an image")
-    (root / "clip.mp4").write_bytes(b"video-bytes")
-    (root / "videos" / "ok.mp4").write_bytes(b"allowed-video")
+    (root / "clip.mp4").write_bytes(make_video(30, rate=10))  # 3 s
+    (root / "videos" / "ok.mp4").write_bytes(make_video(4, rate=2))
     return root
 
 
@@ -150,12 +151,17 @@ def test_c4_too_many_images_is_refused_before_any_fetch() -> None:
     asyncio.run(scenario())
 
 
-def test_c5_video_frames_count_toward_max_images() -> None:
-    policy = MediaPolicy(max_images=16)
-    check_image_count(16, policy)
-    with pytest.raises(MediaError) as caught:
-        check_image_count(17, policy)
-    assert caught.value.reason_code is Reason.TOO_MANY_IMAGES
+def test_c5_video_frames_count_toward_max_images(media_dir: Path) -> None:
+    """The decoded frames of a real video (3 s at --video-fps 2: 6 frames) plus an image count."""
+    policy = MediaPolicy(media_root=MediaRoot.open(media_dir), video_fps=2.0, max_images=6)
+    parts = [MediaRef(MediaKind.VIDEO, "clip.mp4"), image("cat.png")]
+    error = refused(parts, policy)
+    assert error.reason_code is Reason.TOO_MANY_IMAGES and "7 images (video frames included)" in error.message
+    [video] = resolve(parts[:1], policy)
+    assert len(video.frames) == 6
+    check_image_count(6, policy)
+    with pytest.raises(MediaError):
+        check_image_count(7, policy)
 
 
 def test_c4_image_payload_cap_applies_to_data_urls() -> None:
@@ -189,9 +195,10 @@ def test_c5_video_sampling_defaults_and_block_fps(media_dir: Path) -> None:
     policy = MediaPolicy(media_root=MediaRoot.open(media_dir), video_max_frames=8, video_fps=1.5)
     parts = [MediaRef(MediaKind.VIDEO, "clip.mp4"), MediaRef(MediaKind.VIDEO, "clip.mp4", fps=4)]
     default, own = resolve(parts, policy)
-    assert default.data == b"video-bytes"
+    assert default.data == (media_dir / "clip.mp4").read_bytes()
     assert default.video is not None and (default.video.fps, default.video.max_frames) == (1.5, 8)
     assert own.video is not None and own.video.fps == 4.0
+    assert len(default.frames) == 5 and len(own.frames) == 8  # ceil(3 s x 1.5); 12 at 4 fps, capped
 
 
 @pytest.mark.parametrize("fps", [0, -1.0, float("nan"), float("inf")])
@@ -206,7 +213,7 @@ def test_c5_video_dir_allowlist_limits_local_videos(media_dir: Path) -> None:
         {"MLXCEL_VIDEO_DIR_ALLOWLIST": str(media_dir / "videos")}, media_root=str(media_dir)
     )
     [result] = resolve([MediaRef(MediaKind.VIDEO, "videos/ok.mp4")], policy)
-    assert result.data == b"allowed-video"
+    assert result.data == (media_dir / "videos" / "ok.mp4").read_bytes() and len(result.frames) == 4
     error = refused([MediaRef(MediaKind.VIDEO, "clip.mp4")], policy)
     assert error.reason_code is Reason.VIDEO_DIR_NOT_ALLOWED
     # images are not affected by the video allowlist

@@ -26,6 +26,7 @@ from mlxcel.runtime import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
 from tests.media import media_net
+from tests.media.video_files import make_video
 from tests.server.conftest import SERVER
 
 sys.modules.setdefault("media_net", media_net)  # tests/media/conftest.py imports it by its bare name
@@ -210,7 +211,10 @@ def test_c4_audio_and_video_parts_are_resolved_and_named(sandboxed: str, media_r
     audio = {"data": base64.b64encode(b"RIFF....WAVEfmt ").decode(), "format": "wav"}
     assert_refused(post_chat(sandboxed, image_chat(audio, "input_audio")), "media_not_accepted",
                    "does not accept audio input")
-    (media_root / "clip.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    (media_root / "broken.mp4").write_bytes(b"\x00\x00\x00\x18ftypmp42")
+    assert_refused(post_chat(sandboxed, image_chat({"url": "broken.mp4", "fps": 1}, "video_url")),
+                   "invalid_video", "video")  # C5: decoded into frames before the model's refusal
+    (media_root / "clip.mp4").write_bytes(make_video(10, rate=10))
     assert_refused(post_chat(sandboxed, image_chat({"url": "clip.mp4", "fps": 1}, "video_url")),
                    "media_not_accepted", "does not accept video input")
     assert_refused(post_chat(sandboxed, image_chat({"url": "clip.mp4", "fps": 0}, "video_url")),

@@ -27,6 +27,7 @@ class Reason(enum.StrEnum):
     TOO_MANY_IMAGES = "too_many_images"
     IMAGE_TOO_LARGE = "image_too_large"
     INVALID_IMAGE = "invalid_image"
+    INVALID_VIDEO = "invalid_video"
     INVALID_MEDIA_PART = "invalid_media_part"
 
 

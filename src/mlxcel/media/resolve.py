@@ -17,12 +17,15 @@ from pathlib import Path
 
 import httpx
 
+from PIL import Image
+
 from mlxcel.media.data_url import decode_data_url
 from mlxcel.media.errors import MediaError, Reason
 from mlxcel.media.fetch import Resolver, fetch_remote_media
 from mlxcel.media.images import ImageInfo, validate_image
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.media.paths import read_under_root, require_root, resolve_local_path
+from mlxcel.media.video import decode_video_frames
 
 TransportFactory = Callable[[], httpx.AsyncBaseTransport]
 
@@ -61,7 +64,8 @@ class VideoSampling:
 
 @dataclass(frozen=True)
 class ResolvedMedia:
-    """A media part that passed every check. `image` is set for images, `video` for videos."""
+    """A media part that passed every check. `image` is set for images, `video` and its decoded
+    `frames` (RGB, in order) for videos."""
 
     kind: MediaKind
     source: MediaSource
@@ -69,6 +73,7 @@ class ResolvedMedia:
     mime_type: str = ""
     image: ImageInfo | None = None
     video: VideoSampling | None = None
+    frames: tuple[Image.Image, ...] = ()
 
 
 async def resolve_media_parts(
@@ -92,7 +97,12 @@ async def resolve_media_parts(
         except MediaError as exc:
             where = f"media part {index + 1} ({part.kind.value})"
             raise MediaError(f"{where}: {exc.message}", exc.reason_code) from None
+    check_image_count(sum(_num_images(media) for media in resolved), policy)  # C5: video frames count too
     return resolved
+
+
+def _num_images(media: ResolvedMedia) -> int:
+    return 1 if media.kind is MediaKind.IMAGE else len(media.frames)
 
 
 def check_image_count(num_images: int, policy: MediaPolicy) -> None:
@@ -143,7 +153,8 @@ class _Loader:
     async def _video(self, part: MediaRef) -> ResolvedMedia:
         sampling = VideoSampling(fps=_video_fps(part, self.policy), max_frames=self.policy.video_max_frames)
         source, mime, data = await self._load(part, self.policy.max_video_bytes, "the video size limit")
-        return ResolvedMedia(MediaKind.VIDEO, source, data, mime, video=sampling)
+        frames = await asyncio.to_thread(decode_video_frames, data, sampling.fps, sampling.max_frames, self.policy)
+        return ResolvedMedia(MediaKind.VIDEO, source, data, mime, video=sampling, frames=tuple(frames))
 
     async def _load(self, part: MediaRef, cap: int, limit: str) -> tuple[MediaSource, str, bytes]:
         try:

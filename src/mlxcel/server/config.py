@@ -32,11 +32,15 @@ class ServerConfig:
     shutdown_timeout_s: float = 120.0  # A7 worker exit deadline
     anthropic_pin_billing_stamp: bool = True  # MLXCEL_ANTHROPIC_PIN_BILLING_STAMP (E2), read at startup
     responses_db: Path | None = None  # --responses-db (F2); None = an in-memory store (tests, embedding)
+    stream_buffer_streams: int = 64  # --stream-buffer-streams (F6): finished resumable streams kept
+    stream_buffer_bytes: int = 4 << 20  # --stream-buffer-bytes (F6): events kept per stream
+    stream_buffer_ttl_s: float = 300.0  # --stream-buffer-ttl (F6): seconds kept after the last event
 
     def __post_init__(self) -> None:
         if not self.is_unix_socket and not 0 <= self.port <= 65535:
             raise ValueError(f"--port must be between 0 and 65535, not {self.port}")
-        for name in ("timeout_s", "sse_keepalive_s", "shutdown_timeout_s"):
+        for name in ("timeout_s", "sse_keepalive_s", "shutdown_timeout_s", "stream_buffer_streams",
+                     "stream_buffer_bytes", "stream_buffer_ttl_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.max_body_bytes < 1:

@@ -16,11 +16,11 @@ from typing import Any
 from starlette.requests import ClientDisconnect, Request
 from starlette.responses import Response
 
-from mlxcel.api import openai, providers, responses
+from mlxcel.api import openai, providers, responses, resumable
 from mlxcel.api.context import ApiContext
 from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
-from mlxcel.api.replies import Reply
+from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.server import audio_routes, ops
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
@@ -87,7 +87,14 @@ def bind(route: Route, state: ServerState) -> Callable[[Request], Awaitable[Resp
 async def chat_completions(request: Request, state: ServerState) -> Reply:
     req = openai.parse_chat_request(await read_json(request))  # D1: body errors before availability
     ctx = state.require_api()
-    return await run_until_disconnect(request, openai.create_chat_completion(ctx, req, request.headers))
+    cid = resumable.conversation_id(request.headers)
+    reply = await run_until_disconnect(request, openai.create_chat_completion(ctx, req, request.headers))
+    return await _resumable(state, reply, cid)
+
+
+async def _resumable(state: ServerState, reply: Reply, cid: str | None) -> Reply:
+    # F6: a stream is buffered under its X-Conversation-Id (given or assigned) for GET /v1/stream.
+    return await state.streams.open(reply, cid) if isinstance(reply, StreamReply) else reply
 
 
 async def chat_input_tokens(request: Request, state: ServerState) -> Reply:
@@ -192,7 +199,9 @@ async def count_tokens(request: Request, state: ServerState) -> Reply:
 async def responses_create(request: Request, state: ServerState) -> Reply:
     req = responses.parse_create_request(await read_json(request))  # D1: body errors before availability
     ctx = state.require_api()
-    return await run_until_disconnect(request, responses.create_response(ctx, state.responses, req, request.headers))
+    cid = resumable.conversation_id(request.headers)
+    work = responses.create_response(ctx, state.responses, req, request.headers)
+    return await _resumable(state, await run_until_disconnect(request, work), cid)
 
 
 async def responses_input_tokens(request: Request, state: ServerState) -> Reply:
@@ -222,6 +231,33 @@ async def responses_cancel(request: Request, state: ServerState) -> Reply:
 async def responses_input_items(request: Request, state: ServerState) -> Reply:
     return await responses.list_input_items(state.responses, request.path_params["response_id"],
                                             request.query_params)
+
+
+# ---- resumable streams (F6) ----
+
+def _stream_id(request: Request) -> str:
+    value = request.query_params.get("conversation_id") or request.headers.get(resumable.CONVERSATION_HEADER)
+    if value is None:
+        raise _missing_stream_id("conversation_id")
+    return resumable.checked_id(value, "conversation_id")
+
+
+def _missing_stream_id(name: str) -> ApiError:
+    return ApiError(400, f"the '{name}' query parameter (or the X-Conversation-Id header) is required",
+                    code=400, extra={"param": name})
+
+
+async def stream_replay(request: Request, state: ServerState) -> Reply:
+    offset = resumable.parse_offset(request.query_params.get("offset"))
+    return state.streams.replay(_stream_id(request), offset)
+
+
+async def stream_delete(request: Request, state: ServerState) -> Reply:
+    return JsonReply(await state.streams.delete(_stream_id(request)))
+
+
+async def streams_lookup(request: Request, state: ServerState) -> Reply:
+    return JsonReply(state.streams.lookup(resumable.parse_lookup_ids(await read_json(request))))
 
 
 # ---- audio (spec G) ----
@@ -273,6 +309,9 @@ ROUTES: tuple[Route, ...] = (
     Route(("/v1/cache/stats",), ("GET",), ops.cache_stats),
     Route(("/v1/cache/reset",), ("POST",), ops.cache_reset),
     Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
+    Route(("/v1/stream",), ("GET",), stream_replay),
+    Route(("/v1/stream",), ("DELETE",), stream_delete),
+    Route(("/v1/streams/lookup",), ("POST",), streams_lookup),
     Route(("/v1/audio/transcriptions", "/audio/transcriptions"), ("POST",), audio_transcriptions),
     Route(("/v1/audio/translations", "/audio/translations"), ("POST",), audio_translations),
     Route(("/v1/audio/speech", "/audio/speech"), ("POST",), audio_speech),

@@ -9,6 +9,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
 from mlxcel.api.modes import audio_missing, chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
+from mlxcel.api.resumable import StreamBufferLimits, StreamStore
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.runtime import ServedModel
 from mlxcel.side_models import SideModels
@@ -35,6 +36,9 @@ class ServerState:
         self.media = media or MediaPolicy()  # C2-C5, handed to adapters through ApiContext
         self.metrics = ServerMetrics(self.engine_stats, self.worker_stats)
         self.responses = ResponsesService.open(config.responses_db)  # stored Responses (F2), model or not
+        self.streams = StreamStore(StreamBufferLimits(  # F6: resumable streams
+            config.stream_buffer_streams, config.stream_buffer_bytes, config.stream_buffer_ttl_s,
+            config.sse_keepalive_s))
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False

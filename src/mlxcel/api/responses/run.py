@@ -81,9 +81,10 @@ class ResponseRun:
                     chat_features.remember_replies(self.plan, self.generation.results())
             except ApiError as exc:  # a failure after the response began (decode timeout, engine error)
                 final = self._finish("failed", error={"code": "server_error", "message": exc.message})
+            # Stored before the client can see the end: a response it saw finish survives a crash.
+            await asyncio.shield(self._save())  # written even if the listener leaves now
             for event in self._record(final):
                 yield event
-            await asyncio.shield(self._save())  # the final row is written even if the listener leaves now
         finally:
             if not self.draft.is_done:  # cancelled task or closed stream: record it without awaiting
                 list(self._record(self._finish("cancelled")))

@@ -87,7 +87,9 @@ class ResponseStore:
                                      check_same_thread=False, isolation_level=None)
         if self.path is not None:
             connection.execute("PRAGMA journal_mode=WAL")
-            connection.execute("PRAGMA synchronous=NORMAL")
+            # FULL: each commit is fsynced before it returns, so an acknowledged response survives
+            # a killed process and a power loss alike (NORMAL in WAL mode may lose the last ones).
+            connection.execute("PRAGMA synchronous=FULL")
         connection.execute(_SCHEMA)
         version = connection.execute("PRAGMA user_version").fetchone()[0]
         if version == 0:
