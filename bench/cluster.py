@@ -23,6 +23,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,7 +59,8 @@ def start_cluster(router: str, extra: list[str]) -> tuple[subprocess.Popen[str],
     assert process.stderr is not None
     for line in process.stderr:
         match = LISTENING.search(line)
-        if match:
+        if match:  # keep draining its log, or a full pipe would stall the cluster
+            threading.Thread(target=lambda: [None for _ in process.stderr], daemon=True).start()  # type: ignore[union-attr]
             return process, match.group(1), temp
     raise RuntimeError(f"the {router} cluster did not start (exit {process.wait()})")
 

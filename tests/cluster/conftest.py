@@ -7,6 +7,7 @@ the module.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import shutil
@@ -49,6 +50,25 @@ def session_pids(session_id: int) -> list[int]:
             if int(fields[3]) == session_id:  # field 6 of stat: the session id
                 pids.append(int(entry.name))
     return pids
+
+
+def listening_addresses(pids: list[int]) -> set[str]:
+    """Local addresses (hex, as /proc/net/tcp* writes them) of the TCP sockets these processes listen on."""
+    inodes: set[str] = set()
+    for pid in pids:
+        with contextlib.suppress(OSError):
+            for fd in Path(f"/proc/{pid}/fd").iterdir():
+                with contextlib.suppress(OSError):
+                    target = os.readlink(fd)
+                    if target.startswith("socket:["):
+                        inodes.add(target[8:-1])
+    found = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for row in Path(table).read_text().splitlines()[1:]:
+            fields = row.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                found.add(fields[1].split(":")[0])
+    return found
 
 
 def start_cluster(*flags: str) -> Iterator[Cluster]:

@@ -23,7 +23,7 @@ from tests.server import test_anthropic_routes as anthropic_routes
 from tests.server import test_llama_server_routes as llama_routes
 from tests.server import test_openai_routes as openai_routes
 
-from .conftest import API_KEY, Cluster, start_cluster
+from .conftest import API_KEY, Cluster, listening_addresses, session_pids, start_cluster
 
 pytestmark = pytest.mark.slow
 AUTH = {"Authorization": f"Bearer {API_KEY}"}
@@ -96,6 +96,12 @@ def test_x_aggregated_health_models_slots_metrics(cluster: Cluster, client: http
     assert len(samples) == 2 and all('replica="' in line for line in samples)
     assert metrics.text.count("# TYPE mlxcel_requests_total counter") == 1
     assert "mlxcel_cluster_replicas 2" in metrics.text
+
+
+def test_x_local_ray_cluster_listens_on_loopback_only(cluster: Cluster) -> None:
+    loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1
+    addresses = listening_addresses(session_pids(cluster.process.pid))
+    assert addresses and addresses <= loopback, addresses  # the entry point, Ray's GCS, raylet, workers
 
 
 def test_x_api_key_at_the_entry_point(cluster: Cluster) -> None:

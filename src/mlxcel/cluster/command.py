@@ -13,17 +13,11 @@ import argparse
 import contextlib
 import logging
 import os
-import signal
 import socket
-import threading
-from collections.abc import Generator, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
-
-import uvicorn
-
-from mlxcel.server.lifecycle import HANDLED_SIGNALS, LISTENING_PREFIX, listen_address
 
 log = logging.getLogger("mlxcel.cluster")
 
@@ -169,7 +163,7 @@ def _deploy(serve: Any, options: ClusterOptions, serve_argv: list[str], environm
         deployment["request_router_config"] = RequestRouterConfig(
             request_router_class=ROUTER_CLASS, request_router_kwargs={"imbalance_threshold": options.route_imbalance})
     log.info("deploying %d replica(s), router: %s", options.replicas, options.request_router)
-    app = serve.deployment(EngineReplica, **deployment).bind(serve_argv)
+    app = serve.deployment(EngineReplica, **deployment).bind(serve_argv, is_loopback=is_local)
     return serve.run(app, name=APP_NAME, route_prefix=None)
 
 
@@ -193,6 +187,7 @@ def _stop_ray(ray: Any, serve: Any, is_local: bool) -> None:
 def _serve_entry(handle: Any, settings: Any, sock: socket.socket) -> int:
     from mlxcel.cluster.entry import ClusterEntry, cluster_metrics
     from mlxcel.cluster.directory import find as live_router
+    from mlxcel.server.asgi_server import AsgiServer
     from mlxcel.server.gate import Gate
     from mlxcel.server.routes import ROUTES, public_paths
 
@@ -207,39 +202,6 @@ def _serve_entry(handle: Any, settings: Any, sock: socket.socket) -> int:
     config = settings.server
     app = Gate(ClusterEntry(handle, replicas, metrics), api_keys=config.api_keys, public_paths=public_paths(ROUTES),
                max_body_bytes=config.max_body_bytes, timeout_s=config.timeout_s)
-    server = EntryServer(uvicorn.Config(app, log_config=None, access_log=False, lifespan="off",
-                                        timeout_graceful_shutdown=int(config.shutdown_timeout_s)), sock)
-    server.run(sockets=[sock])
+    AsgiServer(app, sock, config.shutdown_timeout_s).run_blocking()
     sock.close()
     return 0
-
-
-class EntryServer(uvicorn.Server):
-    """uvicorn for the entry point, with serve's listening line (A4) and signal handling (A7)."""
-
-    def __init__(self, config: uvicorn.Config, sock: socket.socket) -> None:
-        super().__init__(config)
-        self.address = listen_address(sock)
-
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        # uvicorn would re-raise the signal after a clean exit; we return and stop Ray instead.
-        if threading.current_thread() is not threading.main_thread():
-            yield
-            return
-        previous = {sig: signal.signal(sig, self._handle_signal) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
-
-    def _handle_signal(self, sig: int, frame: object) -> None:
-        log.info("%s received: shutting down", signal.Signals(sig).name)
-        self.force_exit = self.should_exit  # a second signal: stop waiting for open connections
-        self.should_exit = True
-
-    async def startup(self, sockets: list[socket.socket] | None = None) -> None:
-        await super().startup(sockets=sockets)
-        if not self.should_exit:
-            log.info("%s%s", LISTENING_PREFIX, self.address)

@@ -15,11 +15,9 @@ import contextlib
 import json
 import logging
 import re
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, MutableMapping
 from dataclasses import dataclass, replace
 from typing import Any
-
-from starlette.types import Receive, Scope, Send
 
 from mlxcel.api.errors import ApiError, Protocol, error_body, unavailable
 from mlxcel.cluster.routing import routing_key
@@ -32,6 +30,10 @@ REPLICA_HEADER = b"x-mlxcel-replica"
 FAN_OUT_TIMEOUT_S = 30.0
 _ANTHROPIC_PATHS = frozenset(path for route in ROUTES if route.protocol == "anthropic" for path in route.paths)
 _SECRET_HEADERS = frozenset((b"authorization", b"x-api-key"))  # checked here; never sent on to replicas
+# Raw ASGI (only server/ imports the web framework): the three callables' types.
+Scope = MutableMapping[str, Any]
+Receive = Callable[[], Awaitable[MutableMapping[str, Any]]]
+Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
 
 
@@ -72,6 +74,8 @@ class ClusterEntry:
         except ApiError as exc:  # 413 while the body streamed in, 408 on a stalled body
             await _send_error(send, exc, protocol)
             return
+        if call is None:
+            return  # the client left before its body was complete: nothing to answer
         aggregate = self._fan_out.get((call.method, call.path))
         if aggregate is None and call.method == "POST" and call.path.startswith("/slots/"):
             aggregate = self._slot_action
@@ -266,12 +270,12 @@ def find_slot(cluster_id: str, answers: list[tuple[str, list[dict[str, Any]]]]) 
 
 # ---- ASGI plumbing ----
 
-async def _read_call(scope: Scope, receive: Receive) -> HttpCall:
+async def _read_call(scope: Scope, receive: Receive) -> HttpCall | None:
     chunks: list[bytes] = []
     while True:
         message = await receive()
         if message["type"] == "http.disconnect":
-            break
+            return None
         chunks.append(message.get("body", b""))
         if not message.get("more_body", False):
             break

@@ -26,9 +26,11 @@ APP_DRAIN_S = 10.0  # after the caller left, how long the app gets to abort its 
 class EngineReplica:
     """The deployment class; Ray Serve makes each replica one actor holding one engine."""
 
-    def __init__(self, argv: Sequence[str]) -> None:
+    def __init__(self, argv: Sequence[str], is_loopback: bool = False) -> None:
         from ray import serve
 
+        if is_loopback:
+            _bind_serve_grpc_to_loopback()
         from mlxcel.cli import _start_models, configure_logging  # serve's own startup path (A6)
         from mlxcel.server.app import create_app
         from mlxcel.server.state import ServerState
@@ -72,6 +74,19 @@ class EngineReplica:
         self.state.is_shutting_down = True
         for close in getattr(self, "_closers", ()):
             close(10.0)
+
+
+def _bind_serve_grpc_to_loopback() -> None:
+    """NOTE: Ray Serve binds each replica's inter-deployment gRPC server to [::] (every interface),
+    with no option; on a local cluster it must listen on loopback like the rest of Ray."""
+    from ray.serve._private import replica as serve_replica
+
+    bind = serve_replica.add_port_to_grpc_server
+
+    def bind_loopback(server: Any, address: str) -> int:
+        return bind(server, address.replace("[::]:", "127.0.0.1:", 1))
+
+    serve_replica.add_port_to_grpc_server = bind_loopback  # read once, right after this constructor
 
 
 def replica_settings(argv: Sequence[str]) -> Any:
