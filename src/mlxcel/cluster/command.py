@@ -14,6 +14,7 @@ import contextlib
 import logging
 import os
 import socket
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -120,6 +121,7 @@ def run_cluster(options: ClusterOptions, serve_argv: list[str], settings: Any, e
     try:
         _start_ray(ray, options)
         handle = _deploy(serve, options, serve_argv, environment, is_local)
+        _wait_for_router(handle, options)
         sock = bind_socket(settings.server)
     except Exception as exc:  # noqa: BLE001 - Ray's startup errors are many; each is fatal here
         log.error("cannot start the cluster: %s", exc, exc_info=settings.verbose)
@@ -165,6 +167,21 @@ def _deploy(serve: Any, options: ClusterOptions, serve_argv: list[str], environm
     log.info("deploying %d replica(s), router: %s", options.replicas, options.request_router)
     app = serve.deployment(EngineReplica, **deployment).bind(serve_argv, is_loopback=is_local)
     return serve.run(app, name=APP_NAME, route_prefix=None)
+
+
+def _wait_for_router(handle: Any, options: ClusterOptions, timeout_s: float = 60.0) -> None:
+    """One call builds the handle's router; listen only once it can route to every replica."""
+    from mlxcel.cluster.directory import find
+    from mlxcel.cluster.wire import HttpCall
+
+    for _ in handle.options(stream=True).handle.remote(HttpCall("GET", "/health", b"", (), b"")):
+        pass
+    end = time.monotonic() + timeout_s
+    while options.request_router == "prefix" and time.monotonic() < end:
+        router = find(APP_NAME)
+        if router is not None and len(router.replica_ids()) >= options.replicas:
+            return
+        time.sleep(0.1)
 
 
 def _forwarded_env(raw: dict[str, str]) -> dict[str, str]:

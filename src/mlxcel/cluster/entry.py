@@ -37,6 +37,10 @@ Send = Callable[[MutableMapping[str, Any]], Awaitable[None]]
 _SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(\{.*\})?(\s.*)$")
 
 
+class NoReplicaError(Exception):
+    """Every replica is down (Ray is starting replacements)."""
+
+
 @dataclass(frozen=True, slots=True)
 class Answer:
     """One replica's whole (non-streamed) reply to a fan-out call."""
@@ -87,6 +91,9 @@ class ClusterEntry:
     # ---- forwarding ----
 
     async def _forward(self, call: HttpCall, receive: Receive, send: Send, protocol: Protocol) -> None:
+        if not self._replicas():  # all replicas down: Ray would hold the request until one is back
+            await _send_error(send, replica_error(NoReplicaError()) or unavailable(""), protocol)
+            return
         stream = self._stream_handle.handle.remote(call)
         watcher = asyncio.ensure_future(_cancel_on_disconnect(receive, stream))
         start: ResponseStart | None = None
@@ -133,7 +140,9 @@ class ClusterEntry:
 
     async def _ask_all(self, call: HttpCall) -> list[Answer]:
         """Every live replica's answer (each replica once); failures left out, all failing raises."""
-        replicas = self._replicas() or [None]
+        replicas = self._replicas()
+        if not replicas:
+            raise NoReplicaError
         results = await asyncio.gather(*(asyncio.wait_for(self._ask(call, r), FAN_OUT_TIMEOUT_S) for r in replicas),
                                        return_exceptions=True)
         answers: dict[str, Answer] = {}
@@ -300,6 +309,8 @@ def replica_error(exc: BaseException) -> ApiError | None:
 
     if isinstance(exc, (RequestCancelledError, asyncio.CancelledError, ray_errors.TaskCancelledError)):
         return None
+    if isinstance(exc, NoReplicaError):
+        return unavailable("no replica is running; Ray is starting them", 5)
     if isinstance(exc, (ray_errors.ActorDiedError, ray_errors.ActorUnavailableError, ray_errors.RayActorError)):
         return unavailable("the replica serving this request stopped; retry (another replica will answer)", 1)
     if isinstance(exc, (asyncio.TimeoutError, TimeoutError)):
