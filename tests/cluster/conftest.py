@@ -82,12 +82,13 @@ def start_cluster(*flags: str) -> Iterator[Cluster]:
     log: list[str] = []
     try:
         yield Cluster(read_address(process, log, timeout=300), process, log)
+        assert _stop(process) == 0 and any("shutdown complete" in line for line in log)  # A7: a clean exit
     finally:
         _stop(process)
         shutil.rmtree(temp, ignore_errors=True)
 
 
-def _stop(process: subprocess.Popen[str]) -> None:
+def _stop(process: subprocess.Popen[str]) -> int:
     if process.poll() is None:
         process.send_signal(signal.SIGTERM)
         try:
@@ -100,3 +101,4 @@ def _stop(process: subprocess.Popen[str]) -> None:
         time.sleep(0.5)  # Ray's processes exit on their own once the driver stopped them
     for pid in session_pids(process.pid):
         os.kill(pid, signal.SIGKILL)
+    return process.returncode

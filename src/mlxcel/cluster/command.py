@@ -27,6 +27,7 @@ DEPLOYMENT_NAME = "MlxcelEngine"
 ROUTER_CLASS = "mlxcel.cluster.router.PrefixAwareRouter"
 OBJECT_STORE_BYTES = 128 << 20  # calls and chunks are small; the default (30% of RAM) is wasted here
 HEALTH_CHECK_PERIOD_S = 5.0
+DRAIN_S = 150.0  # the source's router pool drain: in-flight requests get this long to finish at shutdown
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +220,6 @@ def _serve_entry(handle: Any, settings: Any, sock: socket.socket) -> int:
     config = settings.server
     app = Gate(ClusterEntry(handle, replicas, metrics), api_keys=config.api_keys, public_paths=public_paths(ROUTES),
                max_body_bytes=config.max_body_bytes, timeout_s=config.timeout_s)
-    AsgiServer(app, sock, config.shutdown_timeout_s).run_blocking()
+    AsgiServer(app, sock, DRAIN_S).run_blocking()
     sock.close()
     return 0
