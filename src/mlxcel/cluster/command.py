@@ -15,10 +15,14 @@ import logging
 import os
 import socket
 import time
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from mlxcel.cli import ServeSettings
+    from mlxcel.env import Environment
 
 log = logging.getLogger("mlxcel.cluster")
 
@@ -109,7 +113,8 @@ def cluster_main(argv: Sequence[str], prog: str = "mlxcel cluster") -> int:
     return run_cluster(options, serve_argv, settings, environment)
 
 
-def run_cluster(options: ClusterOptions, serve_argv: list[str], settings: Any, environment: Any) -> int:
+def run_cluster(options: ClusterOptions, serve_argv: list[str], settings: ServeSettings,
+                environment: Environment) -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # before Ray is imported: no usage reports, ever
     is_local = options.ray_address is None
     if is_local:  # Ray's single-machine mode: every node address is loopback (inherited by Ray's processes)
@@ -147,7 +152,8 @@ def _start_ray(ray: Any, options: ClusterOptions) -> None:
              logging_level=logging.WARNING)
 
 
-def _deploy(serve: Any, options: ClusterOptions, serve_argv: list[str], environment: Any, is_local: bool) -> Any:
+def _deploy(serve: Any, options: ClusterOptions, serve_argv: list[str], environment: Environment,
+            is_local: bool) -> Any:
     from ray.serve.config import RequestRouterConfig
 
     from mlxcel.cluster.replica import EngineReplica
@@ -185,7 +191,7 @@ def _wait_for_router(handle: Any, options: ClusterOptions, timeout_s: float = 60
         time.sleep(0.1)
 
 
-def _forwarded_env(raw: dict[str, str]) -> dict[str, str]:
+def _forwarded_env(raw: Mapping[str, str]) -> dict[str, str]:
     return {k: v for k, v in raw.items() if k.startswith(("MLXCEL_", "LLAMA_")) and k != "LLAMA_API_KEY"}
 
 
@@ -202,7 +208,7 @@ def _stop_ray(ray: Any, serve: Any, is_local: bool) -> None:
     log.info("shutdown complete")
 
 
-def _serve_entry(handle: Any, settings: Any, sock: socket.socket) -> int:
+def _serve_entry(handle: Any, settings: ServeSettings, sock: socket.socket) -> int:
     from mlxcel.cluster.entry import ClusterEntry, cluster_metrics
     from mlxcel.cluster.directory import find as live_router
     from mlxcel.server.asgi_server import AsgiServer

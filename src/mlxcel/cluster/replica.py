@@ -14,9 +14,12 @@ import contextlib
 import logging
 from collections.abc import AsyncIterator, Sequence
 from dataclasses import replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.cluster.wire import HttpCall, ResponseStart
+
+if TYPE_CHECKING:
+    from mlxcel.cli import ServeSettings
 
 log = logging.getLogger("mlxcel.cluster")
 
@@ -89,7 +92,7 @@ def _bind_serve_grpc_to_loopback() -> None:
     serve_replica.add_port_to_grpc_server = bind_loopback  # read once, right after this constructor
 
 
-def replica_settings(argv: Sequence[str]) -> Any:
+def replica_settings(argv: Sequence[str]) -> ServeSettings:
     """`serve`'s settings from the cluster's serve flags; no API keys (checked at the entry)."""
     from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
     from mlxcel.env import Environment

@@ -21,12 +21,12 @@ _SEPARATOR = "\x1e"  # between messages, so "ab" + "c" and "a" + "bc" differ
 
 def routing_key(headers: Headers, body: bytes) -> RoutingKey:
     """The sticky key and text prefix of one request; empty when nothing identifies it."""
-    fields = _json_object(headers, body)
+    fields = _json_object(body)
     header = next((value.decode("latin-1") for name, value in headers if name == CONVERSATION_HEADER), None)
     return RoutingKey(sticky=_sticky_key(fields, header), prefix=_prompt_prefix(fields))
 
 
-def _json_object(headers: Headers, body: bytes) -> dict[str, Any]:
+def _json_object(body: bytes) -> dict[str, Any]:
     if not body or body[:1] not in (b"{", b" ", b"\n", b"\t", b"\r"):
         return {}
     try:
