@@ -719,7 +719,8 @@ def _serve_main(prog: str, style: str, argv: Sequence[str]) -> int:
 def main(argv: Sequence[str] | None = None) -> int:
     """`mlxcel serve ...` or `mlxcel generate ...`."""
     args = list(sys.argv[1:] if argv is None else argv)
-    commands = {"serve": "start the HTTP server", "generate": "generate text once from the command line"}
+    commands = {"serve": "start the HTTP server", "generate": "generate text once from the command line",
+                "cluster": "serve from N replicas on Ray Serve behind one endpoint (needs mlxcel[cluster])"}
     if not args or args[0] in ("-h", "--help") or args[0] not in commands:
         usage = "\n".join(f"  {name:<10} {text}" for name, text in commands.items())
         stream = sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr
@@ -728,6 +729,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 0 if stream is sys.stdout else 2
     if args[0] == "serve":
         return _serve_main("mlxcel serve", "serve", args[1:])
+    if args[0] == "cluster":  # spec X; Ray is imported only once the cluster starts
+        from mlxcel.cluster.command import cluster_main
+
+        return cluster_main(args[1:])
     parser = generate_parser("mlxcel generate")
     namespace = parser.parse_args(args[1:])
     try:
