@@ -41,6 +41,13 @@ def step_rows(rows: StepRows) -> Iterator[StepRows]:
         _CURRENT_STEP.reset(token)
 
 
+PREFILL_BLOCK = 64  # prefill queries attend in blocks of this many positions (see _attend_prefill)
+
+
+def _round_up(value: int, multiple: int) -> int:
+    return -(-value // multiple) * multiple
+
+
 class KVCache:
     """Key and value tensors for every layer: [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
 
@@ -148,12 +155,50 @@ class AttentionContext:
                 out[self._decode_q_index] = decoded
         for i in self.other_rows:
             s = self.seqs[i]
-            slots = self._cached(("slots", i), lambda s=s: self._slots_for(s, s.kv_start, s.kv_len))
+            slots = self._cached(("slots", i), lambda s=s: self._padded_slots(s))
             keys = k_cache.index_select(0, slots).to(q.dtype)
             values = v_cache.index_select(0, slots).to(q.dtype)
-            out[s.q_start:s.q_start + s.q_len] = self._attend_one(
-                q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window)
+            out[s.q_start:s.q_start + s.q_len] = self._attend_prefill(
+                i, q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window)
         return out
+
+    def _padded_slots(self, s: SequenceSlice) -> torch.Tensor:
+        """Slots of positions kv_start.. up to the next PREFILL_BLOCK boundary; past kv_len, the scratch slot."""
+        assert self.kv is not None
+        slots = self._slots_for(s, s.kv_start, s.kv_len)
+        num_padded = _round_up(s.kv_len, PREFILL_BLOCK) - s.kv_start
+        padding = torch.full((num_padded - len(slots),), self.kv.scratch_slot, dtype=torch.long, device=self.device)
+        return torch.cat((slots, padding))
+
+    def _attend_prefill(self, index: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
+                        s: SequenceSlice, scale: float, window: int | None) -> torch.Tensor:
+        """A prefill chunk over the cache, in query blocks aligned to absolute positions.
+
+        NOTE: query block [b, b + PREFILL_BLOCK) always attends over keys kv_start..b + PREFILL_BLOCK
+        (missing ones masked), so a query row gets the same kernel call, key count and bits whether
+        its prompt came in one chunk, in several, or after a prefix-cache hit. A single call over the
+        whole chunk would pick other kernel splits for other lengths (issue 11, point 4).
+        """
+        first = s.kv_len - s.q_len  # position of the chunk's first query
+        out = torch.empty_like(q)
+        for block in range(first - first % PREFILL_BLOCK, s.kv_len, PREFILL_BLOCK):
+            lo, hi = max(block, first) - first, min(block + PREFILL_BLOCK, s.kv_len) - first
+            num_keys = block + PREFILL_BLOCK - s.kv_start
+            mask = self._cached(("prefill", index, block, window),
+                                lambda: self._prefill_block_mask(s, block, lo + first, hi + first, window))
+            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[lo:hi], keys[:num_keys], values[:num_keys]))
+            out[lo:hi] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                        enable_gqa=True).squeeze(0).transpose(0, 1)
+        return out
+
+    def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
+                            window: int | None) -> torch.Tensor:
+        key_pos = torch.arange(s.kv_start, block + PREFILL_BLOCK, device=self.device).unsqueeze(0)
+        q_pos = torch.arange(q_lo, q_hi, device=self.device).unsqueeze(1)
+        mask = key_pos <= q_pos  # causal; keys not written yet lie past every query, so masked too
+        if window is not None:
+            mask &= key_pos > q_pos - window
+        return mask
 
     def _attend_uncached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                          scale: float, window: int | None) -> torch.Tensor:
