@@ -189,10 +189,10 @@ def download_repo(repo_id: str, models_dir: Path | None, progress: Progress,
         for name, size in files:
             if is_cancelled():
                 raise DownloadCancelled(repo_id)
-            hf_hub_download(repo_id, name, revision=revision, cache_dir=cache_dir, endpoint=hub)
+            hf_hub_download(repo_id, name, cache_dir=cache_dir, endpoint=hub)  # main: records refs/main
             done += size
             progress(done, total, name)
-        return Path(snapshot_download(repo_id, revision=revision, cache_dir=cache_dir, local_files_only=True))
+        return Path(snapshot_download(repo_id, cache_dir=cache_dir, local_files_only=True))
     except RepositoryNotFoundError:
         raise ModelLoadError(f"repository {repo_id} was not found on {hub}") from None
     except (HfHubHTTPError, OSError, ValueError) as exc:

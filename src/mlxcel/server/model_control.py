@@ -88,6 +88,9 @@ class ModelControl:
             return resolve_model(arg, models_dir=self.settings.models_dir, default_org=self.settings.default_org,
                                  allow_download=False)  # downloads are their own job, with progress
 
+        in_store = self.settings.models_dir / model_id if self.settings.models_dir and model_id else None
+        if in_store is not None and "/" not in model_id and in_store.exists():  # a folder or file of the store
+            model_id = str(in_store)
         return resolve_side_model(model_id or None, resolve)
 
     # ---- the chat model ----
