@@ -79,3 +79,26 @@ def test_a5_real_process_starts_model_less_and_prints_the_session_key(tmp_path: 
     finally:
         if process.poll() is None:
             process.kill()
+
+
+def test_a11_prefix_mount_covers_websocket_upgrades_too() -> None:
+    """PrefixMount (A11) sits outside every route, the realtime WebSocket included."""
+    from starlette.applications import Starlette
+    from starlette.routing import WebSocketRoute
+    from starlette.testclient import TestClient
+    from starlette.websockets import WebSocket, WebSocketDisconnect
+
+    from mlxcel.server.cors import PrefixMount
+
+    async def echo(websocket: WebSocket) -> None:
+        await websocket.accept()
+        await websocket.send_text(websocket.scope["path"])
+        await websocket.close()
+
+    app = PrefixMount(Starlette(routes=[WebSocketRoute("/v1/realtime", echo)]), prefix="/llm")
+    with TestClient(app) as client:
+        with client.websocket_connect("/llm/v1/realtime") as websocket:
+            assert websocket.receive_text() == "/v1/realtime"
+        with pytest.raises(WebSocketDisconnect):
+            with client.websocket_connect("/v1/realtime") as websocket:
+                websocket.receive_text()
