@@ -14,7 +14,7 @@ import logging
 import sys
 import time
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, replace
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.loading import ResolvedModel
     from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import RuntimeOptions, ServedModel
-    from mlxcel.side_models import SideModelOptions, SideModels
+    from mlxcel.side_models import ProcessPlan, SideModelOptions, SideModels
     from mlxcel.audio_models import AudioOptions
     from mlxcel.server.realtime import RealtimeService
     from mlxcel.server.state import ServerState
@@ -566,10 +566,11 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
     if audio is not None:
         return None, audio
     options = settings.side or SideModelOptions()
-    plan = plan_process(settings.model, options, resolve)
     if settings.server.webui and not settings.model:  # A5: model-less start; the UI loads one
-        plan = replace(plan, chat=None, mode=None)
+        plan = _model_less_plan(options, resolve)
         log.info("web UI: starting without a chat model (chat routes answer 503 until one is loaded)")
+    else:
+        plan = plan_process(settings.model, options, resolve)
     served = None
     if plan.chat is not None:
         log.info("model: %s (%s)", plan.chat.name, plan.chat.source)
@@ -582,6 +583,15 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
         if served is not None:
             served.close()
         raise
+
+
+def _model_less_plan(options: SideModelOptions, resolve: Callable[[str | None], ResolvedModel]) -> ProcessPlan:
+    """--webui without -m: no chat model (not even the default is looked for), side models as flagged."""
+    from mlxcel.side_models import ProcessPlan, checkpoint_kind, resolve_side_model
+
+    embedding = resolve_side_model(options.embedding_model, resolve) if options.embedding_model else None
+    reranker = resolve_side_model(options.reranker_model, resolve) if options.reranker_model else None
+    return ProcessPlan(None, embedding, reranker, checkpoint_kind(reranker.path) if reranker else None)
 
 
 def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]
