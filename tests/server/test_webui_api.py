@@ -4,8 +4,10 @@ downloads from a fake hub on loopback, delete; A11 --api-prefix and C6 CORS on e
 
 from __future__ import annotations
 
+import gc
 import json
 import threading
+import weakref
 from collections.abc import Callable
 from typing import Any
 
@@ -111,6 +113,19 @@ def test_a5_load_job_lifecycle_then_chat_then_unload(ui_client: Client) -> None:
     assert chat(client).status_code == 503
 
 
+def test_a5_a_queued_job_can_be_cancelled_and_never_runs(ui_client: Client) -> None:
+    client, server = ui_client
+    with server.control.jobs.model_lock:  # another model action is running: the next one waits its turn
+        reply = client.post("/ui-api/v1/models/load", json={"model": "tiny-a"})
+        job = reply.json()["job"]
+        assert job["state"] == "queued"
+        cancel = client.post(f"/ui-api/v1/jobs/{job['id']}/cancel")
+        assert cancel.status_code == 202
+    job = wait_job(client, job)
+    assert job["state"] == "cancelled" and server.state.served is None
+    assert chat(client).status_code == 503
+
+
 def test_a5_refused_actions_are_failed_jobs_or_400s(ui_client: Client) -> None:
     client, _ = ui_client
     failed = run_job(client, "/models/load", {"model": "acme/not-downloaded"})
@@ -171,7 +186,8 @@ def _stream_chat(address: str, results: list[Any], max_tokens: int) -> None:
 def test_a5_switch_under_load_drains_every_request_and_frees_the_old_model(ui_client: Client) -> None:
     client, server = ui_client
     run_job(client, "/models/load", {"model": "tiny-a"})
-    old_core = server.state.served.engine.core  # type: ignore[union-attr]
+    old_thread = server.state.served.engine.core._thread  # type: ignore[union-attr]
+    old_model = weakref.ref(server.state.served.loaded.model)  # type: ignore[union-attr]
     results: list[Any] = []
     threads = [threading.Thread(target=_stream_chat, args=(server.address, results, 120)) for _ in range(6)]
     for thread in threads:
@@ -188,7 +204,9 @@ def test_a5_switch_under_load_drains_every_request_and_frees_the_old_model(ui_cl
     assert len(results) == 10 and all(r == (200, "length", r[2]) for r in results), results
     assert client.get("/ui-api/v1/models").json()["chat"]["name"] == "tiny-b"
     assert chat(client).status_code == 200
-    assert not old_core._thread.is_alive()  # the old engine stopped; its weights are no longer referenced
+    assert not old_thread.is_alive()  # the old engine stopped ...
+    gc.collect()
+    assert old_model() is None  # ... and its weights were freed
 
 
 def test_a5_switch_with_abort_ends_in_flight_requests_with_abort(ui_client: Client) -> None:
