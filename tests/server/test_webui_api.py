@@ -6,9 +6,13 @@ from __future__ import annotations
 
 import gc
 import json
+import shutil
+import ssl
+import subprocess
 import threading
 import weakref
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -302,3 +306,16 @@ def test_c6_cors_policy_preflight_headers_and_refusals(start_webui: Callable[...
                                                                       "Access-Control-Request-Method": "GET"})
         assert denied.status_code == 403 and denied.json()["error"]["type"] == "forbidden"
     assert httpx.get(base + "/v1/models").status_code == 200  # no Origin: accepted
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="openssl is needed to make a test certificate")
+def test_a5_tls_listener_serves_the_control_plane_over_https(start_webui: Callable[..., WebUiServer],
+                                                             tmp_path: Path) -> None:
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out",
+                    str(cert), "-days", "1", "-subj", "/CN=127.0.0.1", "-addext", "subjectAltName=IP:127.0.0.1"], check=True, capture_output=True)
+    server = start_webui(api_keys=("k-tls",), ssl_keyfile=key, ssl_certfile=cert)
+    assert server.address.startswith("https://127.0.0.1:")
+    boot = httpx.get(server.address + "/ui-api/v1/bootstrap", headers={"X-Api-Key": "k-tls"},
+                     verify=ssl.create_default_context(cafile=str(cert)))
+    assert boot.status_code == 200 and boot.json()["settings"]["tls"] is True
