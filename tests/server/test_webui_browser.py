@@ -96,6 +96,8 @@ def test_a5_browser_login_load_download_chat_and_dashboard(browser: webdriver.Ch
     wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '#catalog-body tr[data-id="acme/tiny-llama"]'), 10,
              "the downloaded model in the catalog")
     shoot(browser, tmp_path, "02-models")
+    browser.execute_script("arguments[0].scrollIntoView({block: 'center'})", bar)
+    shoot(browser, tmp_path, "02b-download-done")
 
     # chat: the answer streams in (seen growing) and ends with its stats line
     browser.find_element(By.CSS_SELECTOR, '.nav[data-page="chat"]').click()

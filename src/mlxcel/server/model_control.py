@@ -101,6 +101,7 @@ class ModelControl:
         served = self._start_chat(job, model_id)
         self.state.attach(served)
         self._publish_model("chat", "loaded", served.name)
+        job.message = f"serving {served.name}"
         return {"model": served.name}
 
     def switch_chat(self, job: Job, model_id: str, mode: str, drain_timeout_s: float) -> dict[str, Any]:
@@ -109,6 +110,7 @@ class ModelControl:
         self.state.attach(served)  # new requests go to the new model from here on
         self._publish_model("chat", "loaded", served.name)
         retired = self._retire(job, old, mode, drain_timeout_s) if old is not None else None
+        job.message = f"serving {served.name}"
         return {"model": served.name, "previous": old.name if old else None, **(retired or {})}
 
     def unload_chat(self, job: Job, mode: str, drain_timeout_s: float) -> dict[str, Any]:
@@ -149,6 +151,7 @@ class ModelControl:
         del old
         release_memory(self.settings.runtime.device)
         self._publish_model("chat", "unloaded", name)
+        job.message = f"unloaded {name}" + ("" if is_drained or mode == "abort" else " (drain deadline: aborted the rest)")
         return {"retired": name, "drained": is_drained}
 
     # ---- side models (spec I) ----
@@ -176,6 +179,7 @@ class ModelControl:
             side.reranker, side.reranker_info = loaded.reranker, loaded.reranker_info
         side.stoppers.extend(loaded.stoppers)
         self._publish_model(role, "loaded", resolved.name)
+        job.message = f"serving {resolved.name} as the {role} model"
         return {"model": resolved.name}
 
     def unload_side(self, job: Job, role: str) -> dict[str, Any]:
@@ -193,6 +197,7 @@ class ModelControl:
         del provider
         release_memory(self.settings.runtime.device)
         self._publish_model(role, "unloaded", name)
+        job.message = f"unloaded {name}"
         return {"retired": name}
 
     def _side_name(self, role: str) -> str | None:

@@ -226,7 +226,7 @@ function upsertJob(job) {
   state.jobs.set(job.id, job);
   renderJobs();
   if (before && before.state !== job.state && ["succeeded", "failed", "cancelled"].includes(job.state)) {
-    const what = `${job.kind.replace("_", " ")} ${job.target || ""}`.trim();
+    const what = `${job.kind.replace("_", " ")} ${job.target || (job.kind.startsWith("load") ? "default model" : "")}`.trim();
     if (job.state === "failed") toast(`${what} failed: ${job.error}`, "bad");
     else toast(`${what} ${job.state}`, job.state === "succeeded" ? "ok" : "");
     if (job.kind === "download" || job.kind.includes("load") || job.kind === "switch") refreshCatalog();
@@ -244,7 +244,7 @@ function renderJobs() {
     return el("li", { class: `job ${job.state}`, dataset: { id: job.id, kind: job.kind, state: job.state } },
       el("div", { class: "job-top" },
         el("span", { class: "job-kind" }, job.kind.replace("_", " ")),
-        el("span", { class: "job-target" }, job.target || ""),
+        el("span", { class: "job-target" }, job.target || (job.kind.startsWith("load") ? "default model" : "")),
         el("span", { class: "job-pct" }, `${pct}%`),
         el("span", { class: `job-state ${job.state}` }, job.state),
         active ? el("button", { class: "small ghost", onclick: () => post(`/jobs/${job.id}/cancel`).catch((e) => toast(e.message, "bad")) }, "Cancel") : ""),
