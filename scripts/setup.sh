@@ -13,6 +13,13 @@ if ! command -v espeak-ng >/dev/null 2>&1; then
     $SUDO apt-get update -qq || true
     $SUDO apt-get install -y -qq espeak-ng >/dev/null
 fi
+# Chromium and its WebDriver run the web UI's browser tests (A5), headless.
+if ! command -v chromedriver >/dev/null 2>&1; then
+    echo "setup: installing chromium and chromium-driver" >&2
+    if [ "$(id -u)" = 0 ]; then SUDO=""; else SUDO="sudo"; fi
+    $SUDO apt-get update -qq || true
+    $SUDO apt-get install -y -qq chromium chromium-driver >/dev/null || echo "setup: no chromium; browser tests will skip" >&2
+fi
 stamp="$VENV/.mlxcel-setup"
 want="$(cat pyproject.toml scripts/setup.sh | sha256sum | cut -d' ' -f1)"
 if [ -f "$stamp" ] && [ "$(cat "$stamp")" = "$want" ]; then

@@ -28,7 +28,7 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.loading import ResolvedModel
     from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import RuntimeOptions, ServedModel
-    from mlxcel.side_models import SideModelOptions, SideModels
+    from mlxcel.side_models import ProcessPlan, SideModelOptions, SideModels
     from mlxcel.audio_models import AudioOptions
     from mlxcel.server.realtime import RealtimeService
     from mlxcel.server.state import ServerState
@@ -169,6 +169,18 @@ OPTIONS: tuple[Option, ...] = (
     Option(("--props",), "endpoint_props", "serve /props", default=False, kind="on", env="LLAMA_ARG_ENDPOINT_PROPS"),
     Option(("--metrics",), "endpoint_metrics", "serve Prometheus /metrics", default=False, kind="on",
            env="LLAMA_ARG_ENDPOINT_METRICS"),
+    Option(("--webui",), "webui", "serve the admin web UI at /webui/ and its control plane /ui-api/v1 (without -m "
+           "the server starts model-less; loopback only unless --api-key and TLS are given)", default=False,
+           kind="on", env="MLXCEL_WEBUI"),
+    Option(("--api-prefix",), "api_prefix", "mount every route under this prefix (e.g. /llm)", default="",
+           env="LLAMA_ARG_API_PREFIX", metavar="PREFIX"),
+    Option(("--cors-origins", "--allowed-origins"), "cors_origins", "browser origins allowed to call the server "
+           "(comma-separated, or *); other origins get 403; clients sending no Origin are accepted",
+           env="MLXCEL_CORS_ORIGINS", metavar="ORIGINS"),
+    Option(("--ssl-key-file",), "ssl_key_file", "PEM private key: serve HTTPS", parse=Path,
+           env="LLAMA_ARG_SSL_KEY_FILE", metavar="PATH"),
+    Option(("--ssl-cert-file",), "ssl_cert_file", "PEM certificate chain: serve HTTPS", parse=Path,
+           env="LLAMA_ARG_SSL_CERT_FILE", metavar="PATH"),
     Option(("--responses-db",), "responses_db", "SQLite file keeping stored /v1/responses (default: "
            "<models dir or ~/.cache/mlxcel>/responses.sqlite3)", parse=Path, env="MLXCEL_RESPONSES_DB",
            metavar="PATH"),
@@ -395,11 +407,25 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         sse_keepalive_s=values["sse_keepalive"], responses_db=_responses_db(values),
         stream_buffer_streams=values["stream_buffer_streams"], stream_buffer_bytes=values["stream_buffer_bytes"],
         stream_buffer_ttl_s=values["stream_buffer_ttl"],
-        anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"])
+        anthropic_pin_billing_stamp=environment["MLXCEL_ANTHROPIC_PIN_BILLING_STAMP"], **_browser_options(values, keys))
     return ServeSettings(values["model"], values["models_dir"], environment["MLXCEL_DEFAULT_ORG"],
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
                          _side_options(values, runtime), _media_policy(values, environment),
                          _audio_options(values, runtime), values["realtime_stt"], values["realtime_tts"])
+
+
+def _browser_options(values: dict[str, Any], keys: tuple[str, ...]) -> dict[str, Any]:
+    """--webui (A5), --api-prefix (A11), --cors-origins (C6) and TLS; the web UI's listener rules are checked here."""
+    from mlxcel.server.cors import parse_origins
+    from mlxcel.server.webui import check_listener, new_session_key
+
+    origins = parse_origins([values["cors_origins"]]) if values["cors_origins"] else None
+    options = {"webui": values["webui"], "api_prefix": values["api_prefix"] or "", "cors_origins": origins,
+               "ssl_keyfile": values["ssl_key_file"], "ssl_certfile": values["ssl_cert_file"]}
+    check_listener(ServerConfig(host=values["host"], api_keys=keys, **options))
+    if values["webui"] and not keys:
+        options["ui_session_key"] = new_session_key()
+    return options
 
 
 def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSettings:
@@ -508,7 +534,21 @@ def run_serve(settings: ServeSettings) -> int:
     state = ServerState(settings.server, served, side=side, media=settings.media)
     if side.realtime is not None:
         state.realtime = _realtime_service(state, side)
+    if settings.server.webui:  # A5: the served models change at run time; shutdown stops whatever is loaded
+        workers = [Worker("models", _attach_control(state, settings))]
     return serve(state, sock, workers)
+
+
+def _attach_control(state: ServerState, settings: ServeSettings) -> Callable[[float], bool]:
+    from mlxcel.server.model_control import LoadSettings, ModelControl
+
+    state.control = ModelControl(state, LoadSettings(settings.runtime, settings.engine, settings.models_dir,
+                                                     settings.default_org, settings.side))
+    key = settings.server.ui_session_key
+    if key is not None:  # the terminal only: never into --log-file
+        sys.stderr.write(f"mlxcel web UI session key (enter it at /webui/; valid until this server stops): {key}\n")
+        sys.stderr.flush()
+    return state.control.stop
 
 
 def _realtime_service(state: ServerState, side: SideModels) -> RealtimeService:
@@ -536,13 +576,16 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
     if audio is not None:
         return None, audio
     options = settings.side or SideModelOptions()
-    plan = plan_process(settings.model, options, resolve)
+    if settings.server.webui and not settings.model:  # A5: model-less start; the UI loads one
+        plan = _model_less_plan(options, resolve)
+        log.info("web UI: starting without a chat model (chat routes answer 503 until one is loaded)")
+    else:
+        plan = plan_process(settings.model, options, resolve)
     served = None
     if plan.chat is not None:
         log.info("model: %s (%s)", plan.chat.name, plan.chat.source)
         served = start_served_model(plan.chat, settings.runtime, settings.engine)
-    else:
-        assert plan.mode is not None
+    elif plan.mode is not None:
         log.info("%s process: no chat model is served (chat routes answer 501)", plan.mode.name)
     try:
         return served, load_side_models(plan, options, int(time.time()))
@@ -550,6 +593,15 @@ def _start_models(settings: ServeSettings) -> tuple[ServedModel | None, SideMode
         if served is not None:
             served.close()
         raise
+
+
+def _model_less_plan(options: SideModelOptions, resolve: Callable[[str | None], ResolvedModel]) -> ProcessPlan:
+    """--webui without -m: no chat model (not even the default is looked for), side models as flagged."""
+    from mlxcel.side_models import ProcessPlan, checkpoint_kind, resolve_side_model
+
+    embedding = resolve_side_model(options.embedding_model, resolve) if options.embedding_model else None
+    reranker = resolve_side_model(options.reranker_model, resolve) if options.reranker_model else None
+    return ProcessPlan(None, embedding, reranker, checkpoint_kind(reranker.path) if reranker else None)
 
 
 def _start_audio_process(settings: ServeSettings, resolve: Callable[[str | None], ResolvedModel]

@@ -9,11 +9,14 @@ from starlette.requests import Request
 from starlette.responses import Response
 
 from mlxcel.api.errors import ApiError, invalid_request
+from mlxcel.server.cors import Cors, OriginPolicy, PrefixMount
 from mlxcel.server.gate import Gate
 from mlxcel.server.realtime import REALTIME_PATHS, realtime_endpoint
 from mlxcel.server.responses import error_response, internal_error
 from mlxcel.server.routes import ROUTES, Route, bind, public_paths
 from mlxcel.server.state import ServerState
+from mlxcel.server.ui_api import ui_api_routes
+from mlxcel.server.webui import webui_routes
 
 _HTTP_ERROR_TYPES = {404: "not_found_error", 405: "invalid_request_error"}
 
@@ -22,6 +25,8 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
     """One app per server; all its state lives in `state` (app.state.mlxcel)."""
     app = FastAPI(title="mlxcel", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mlxcel = state
+    if state.config.webui:  # A5: the UI and its control plane, on the same listener
+        routes = routes + webui_routes() + ui_api_routes()
     for route in routes:
         endpoint = bind(route, state)
         for path in route.paths:
@@ -35,6 +40,10 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
     config = state.config
     app.add_middleware(Gate, api_keys=config.api_keys, public_paths=public_paths(routes),
                        max_body_bytes=config.max_body_bytes, timeout_s=config.timeout_s)
+    if config.cors_origins is not None:  # C6, outside the Gate: a preflight carries no key
+        app.add_middleware(Cors, policy=OriginPolicy(config.cors_origins))
+    if config.api_prefix:  # A11: outermost, so every route (and the WebSocket) sits under the prefix
+        app.add_middleware(PrefixMount, prefix=config.api_prefix)
     return app
 
 

@@ -35,6 +35,12 @@ class ServerConfig:
     stream_buffer_streams: int = 64  # --stream-buffer-streams (F6): finished resumable streams kept
     stream_buffer_bytes: int = 4 << 20  # --stream-buffer-bytes (F6): events kept per stream
     stream_buffer_ttl_s: float = 300.0  # --stream-buffer-ttl (F6): seconds kept after the last event
+    webui: bool = False  # --webui: /webui/ and /ui-api/v1/* (A5)
+    ui_session_key: str | None = None  # A5: the one-time key of a loopback --webui without --api-key
+    api_prefix: str = ""  # --api-prefix (A11): every route under it, e.g. "/llm"
+    cors_origins: tuple[str, ...] | None = None  # --cors-origins / --allowed-origins (C6); None = no policy
+    ssl_keyfile: Path | None = None  # --ssl-key-file
+    ssl_certfile: Path | None = None  # --ssl-cert-file
 
     def __post_init__(self) -> None:
         if not self.is_unix_socket and not 0 <= self.port <= 65535:
@@ -45,6 +51,10 @@ class ServerConfig:
                 raise ValueError(f"{name} must be positive, not {getattr(self, name)}")
         if self.max_body_bytes < 1:
             raise ValueError(f"--max-body-size must be at least 1 byte, not {self.max_body_bytes}")
+        if self.api_prefix and (not self.api_prefix.startswith("/") or self.api_prefix.endswith("/")):
+            raise ValueError(f"--api-prefix must start with / and not end with one (e.g. /llm), not {self.api_prefix!r}")
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise ValueError("--ssl-key-file and --ssl-cert-file go together")
 
     @property
     def is_unix_socket(self) -> bool:
@@ -53,3 +63,12 @@ class ServerConfig:
     @property
     def is_auth_enabled(self) -> bool:
         return bool(self.api_keys)
+
+    @property
+    def is_tls(self) -> bool:
+        return self.ssl_certfile is not None
+
+    @property
+    def ui_keys(self) -> tuple[str, ...]:
+        """The keys /ui-api/v1 takes (A5: always authenticated): the API keys, else the session key."""
+        return self.api_keys or ((self.ui_session_key,) if self.ui_session_key else ())

@@ -88,12 +88,17 @@ class HttpServer(uvicorn.Server):
     """
 
     def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None]) -> None:
+        tls = state.config
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
-                                timeout_graceful_shutdown=int(state.config.shutdown_timeout_s))
+                                timeout_graceful_shutdown=int(state.config.shutdown_timeout_s),
+                                ssl_keyfile=str(tls.ssl_keyfile) if tls.ssl_keyfile else None,
+                                ssl_certfile=str(tls.ssl_certfile) if tls.ssl_certfile else None)
         super().__init__(config)
         self.state = state
         self.sock = sock
         self.address = listen_address(sock)
+        if tls.is_tls:
+            self.address = self.address.replace("http://", "https://", 1)
         self._on_shutdown = on_shutdown
 
     @contextlib.contextmanager

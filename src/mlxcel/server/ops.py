@@ -80,7 +80,8 @@ def _health_status(state: ServerState, stats: EngineStats | None) -> str:
     if stats is None and state.side.mode is not None:
         return "ok"  # an embedding-only or rerank-only process: its providers loaded before it listened
     if stats is None:
-        return "loading model"
+        is_idle = state.config.webui and not (state.control is not None and state.control.loading)
+        return "no model loaded" if is_idle else "loading model"  # A5: a model-less --webui start
     if stats.active_sequences >= stats.max_batch_size:
         return "no slot available"
     return "ok"

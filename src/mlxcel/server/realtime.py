@@ -22,6 +22,7 @@ from mlxcel.api.realtime import (
     CLOSE_TRY_AGAIN, RealtimeEngine, RealtimeGate, RealtimeLimits, RealtimeSession, error_event,
 )
 from mlxcel.server.auth import is_valid_key, presented_key
+from mlxcel.server.cors import OriginPolicy
 from mlxcel.server.state import ServerState
 
 log = logging.getLogger(__name__)
@@ -86,20 +87,8 @@ def _refusal(websocket: WebSocket, state: ServerState) -> ApiError | None:
     keys = state.config.api_keys
     if keys and not is_valid_key(presented_key(websocket.scope["headers"]), keys):
         return invalid_api_key()
-    origin = websocket.headers.get("origin")
-    if origin is not None and not _is_allowed_origin(origin, websocket, state):
-        return ApiError(403, f"Origin {origin} is not allowed to open a realtime session", "forbidden", code=403)
-    return None
-
-
-def _is_allowed_origin(origin: str, websocket: WebSocket, state: ServerState) -> bool:
-    # C6's --cors-origins / --allowed-origins (ServerConfig.cors_origins) where that option exists;
-    # without it, a browser may connect only from the server's own origin.
-    allowed = getattr(state.config, "cors_origins", None)
-    if allowed is not None:
-        return "*" in allowed or origin.rstrip("/") in allowed
-    host = websocket.headers.get("host", "")
-    return origin.rstrip("/") in (f"http://{host}", f"https://{host}")
+    # C6: the same Origin policy as every HTTP route (server/cors.py)
+    return OriginPolicy(state.config.cors_origins).refusal(websocket.headers, "open a realtime session")
 
 
 async def _deny(websocket: WebSocket, error: ApiError) -> None:

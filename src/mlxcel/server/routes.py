@@ -115,7 +115,9 @@ async def completions(request: Request, state: ServerState) -> Reply:
 
 def _chat_api_or_none(state: ServerState) -> ApiContext | None:
     # A single-purpose process (embedding-only, rerank-only) lists only its providers (spec I).
-    return None if state.side.mode is not None else state.require_api()
+    if state.side.mode is not None or (state.config.webui and state.api is None):  # A5: model-less
+        return None
+    return state.require_api()
 
 
 async def models(request: Request, state: ServerState) -> Reply:

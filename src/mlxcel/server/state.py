@@ -23,6 +23,7 @@ from mlxcel.workers.speech import SpeechSynthesizer
 from mlxcel.workers.whisper import WhisperTranscriber
 
 if TYPE_CHECKING:
+    from mlxcel.server.model_control import ModelControl
     from mlxcel.server.realtime import RealtimeService
 
 
@@ -43,6 +44,7 @@ class ServerState:
         self.api: ApiContext | None = None
         self.is_shutting_down = False
         self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
+        self.control: ModelControl | None = None  # --webui's model actions (A5), set before the app is built
         if served is not None:
             self.attach(served)
 
@@ -69,6 +71,11 @@ class ServerState:
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.chat_features())
 
+    def detach(self) -> None:
+        """Stop routing requests to the served model (A5 unload); in-flight ones keep their context."""
+        self.served = None
+        self.api = None
+
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None
 
@@ -82,6 +89,9 @@ class ServerState:
         if self.side.mode is not None:  # embedding-only / rerank-only process: 501 naming the mode (spec I)
             raise chat_not_served(self.side.mode)
         if self.api is None:
+            if self.config.webui and (self.control is None or not self.control.loading):
+                raise unavailable("no model loaded: load one from the web UI (/webui/) or POST "
+                                  "/ui-api/v1/models/load")  # A5 model-less start
             raise unavailable("Loading model")
         return self.api
 
