@@ -180,10 +180,10 @@ def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
             "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT)]
 
 
-def llama_server_cmd(model: Path, port: int, threads: int) -> list[str] | None:
-    if not LLAMA_SERVER.exists():
+def llama_server_cmd(binary: Path, model: Path, port: int, threads: int) -> list[str] | None:
+    if not binary.exists():
         return None
-    return [str(LLAMA_SERVER), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
+    return [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
             "-tb", str(threads), "-c", str(SLOTS * SLOT_CONTEXT), "--parallel", str(SLOTS)]
 
 
@@ -245,8 +245,6 @@ def main() -> None:
     parser.add_argument("--llama-server", type=Path, default=None, help=f"llama-server binary (default {LLAMA_SERVER})")
     parser.add_argument("--quick", action="store_true", help="shorter runs (smoke test of the bench)")
     args = parser.parse_args()
-    global LLAMA_SERVER
-    LLAMA_SERVER = args.llama_server or LLAMA_SERVER
     model = resolve_model(args.model).path
     tokenizer = Tokenizer.from_gguf(GGUFFile(model).metadata)
     results: dict[str, Figures] = {}
@@ -257,9 +255,10 @@ def main() -> None:
             results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
                                             {"ignore_eos": True}, args.quick)
         elif peer == "llamaserver":
-            cmd = llama_server_cmd(model, port, args.threads)
+            binary = args.llama_server or LLAMA_SERVER
+            cmd = llama_server_cmd(binary, model, port, args.threads)
             results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {"ignore_eos": True}, args.quick) if cmd
-                             else Figures(note=f"skipped: no llama-server at {LLAMA_SERVER}"))
+                             else Figures(note=f"skipped: no llama-server at {binary}"))
         elif peer == "llamacpp":
             cmd = llamacpp_cmd(model, port, args.threads)
             results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {}, args.quick) if cmd
