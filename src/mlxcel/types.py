@@ -187,3 +187,5 @@ class EngineStats:
     context_size: int  # per slot
     slots: tuple[SlotStats, ...]
     prefix_cache: PrefixCacheStats
+    sequences_aborted: int = 0  # started, then aborted: started = completed + aborted + running
+    is_alive: bool = True  # False once the engine loop died (/health 503, the server exits 1)

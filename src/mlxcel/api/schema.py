@@ -15,6 +15,7 @@ from pydantic import BaseModel, ConfigDict, ValidationError
 from mlxcel.api.errors import ApiError, invalid_request
 
 M = TypeVar("M", bound=BaseModel)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
 
 
 class WireModel(BaseModel):
@@ -65,4 +66,4 @@ def require(condition: bool, message: str) -> None:
         raise invalid_request(message)
 
 
-__all__ = ["ApiError", "WireModel", "flatten_extra_body", "require", "validate_body", "validation_message"]
+__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "WireModel", "flatten_extra_body", "require", "validate_body", "validation_message"]

@@ -121,6 +121,12 @@ class HttpServer(uvicorn.Server):
             self._on_shutdown()
         self.should_exit = True
 
+    async def on_tick(self, counter: int) -> bool:
+        if self.state.engine_failed() and not self.should_exit:
+            log.critical("the engine loop died: shutting down with exit code 1")
+            self.request_shutdown()
+        return await super().on_tick(counter)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if not self.should_exit:
@@ -151,7 +157,7 @@ def serve(state: ServerState, sock: socket.socket, workers: Sequence[Worker]) ->
         _close_listener(sock, server.address)
     if is_clean:
         log.info("shutdown complete")
-    return 0 if is_clean else 1
+    return 0 if is_clean and not state.engine_failed() else 1
 
 
 def _abort_in_flight(workers: Sequence[Worker]) -> None:

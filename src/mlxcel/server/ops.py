@@ -41,7 +41,8 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
                   "queue_depth": stats.queue_depth if stats else 0,
                   "max_batch_size": stats.max_batch_size if stats else 0},
         "observability": {"sequences_started": stats.sequences_started if stats else 0,
-                          "sequences_completed": stats.sequences_completed if stats else 0},
+                          "sequences_completed": stats.sequences_completed if stats else 0,
+                          "sequences_aborted": stats.sequences_aborted if stats else 0},
         "context_size": stats.context_size if stats else 0,
         "tool_call_parser": _tool_call_parser(state),  # the format chosen from the chat template (V)
     }
@@ -81,6 +82,8 @@ def _health_status(state: ServerState, stats: EngineStats | None) -> str:
         return "ok"  # an embedding-only or rerank-only process: its providers loaded before it listened
     if stats is None:
         return "loading model"
+    if not stats.is_alive:
+        return "error: the engine stopped; see the server log"
     if stats.active_sequences >= stats.max_batch_size:
         return "no slot available"
     return "ok"

@@ -68,6 +68,10 @@ class ServerState:
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None
 
+    def engine_failed(self) -> bool:
+        """True once the chat engine's loop thread died (the process must not go on serving)."""
+        return self.served is not None and not self.served.engine.core.is_alive
+
     def worker_stats(self) -> list[WorkerStats]:
         return self.side.stats()
 

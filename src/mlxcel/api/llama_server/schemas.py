@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from mlxcel.api.schema import WireModel
+from mlxcel.api.schema import MAX_SEED, WireModel
 
 MAX_N_PROBS = 20
 RANDOM_SEED = -1
@@ -33,7 +33,7 @@ class CompletionFields(WireModel):
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int = Field(RANDOM_SEED, ge=RANDOM_SEED)
+    seed: int = Field(RANDOM_SEED, ge=RANDOM_SEED, le=MAX_SEED)
     logit_bias: list[Any] | dict[str, Any] | None = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
