@@ -13,7 +13,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -134,6 +134,7 @@ class EngineCore:
             raise ContextOverflowError(len(request.prompt_token_ids), self.slot_context)
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        self._clamp_max_tokens(request)
         with self._lock:
             # NOTE: a request still in the inbox is bound for a free slot as often as for the queue, so
             # admission counts all unfinished requests against slots + depth (never the timing of the loop).
@@ -144,6 +145,17 @@ class EngineCore:
                 raise EngineShutdownError("the engine stopped after an internal error; see the server log")
             self._num_pending += 1
             self._inbox.put(("add", (request, sink)))
+
+    def _clamp_max_tokens(self, request: Request) -> None:
+        """max_tokens past the slot's context is cut to what fits, as llama-server does, and logged."""
+        if self.config.max_kv_size:
+            return  # a sliding window keeps going past the context
+        room = self.slot_context - len(request.prompt_token_ids)
+        wanted = request.sampling.max_tokens
+        if wanted is not None and wanted > room:
+            log.info("request %s: max_tokens %d clamped to %d (context %d, prompt %d tokens)",
+                     request.request_id, wanted, room, self.slot_context, len(request.prompt_token_ids))
+            request.sampling = replace(request.sampling, max_tokens=room)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))

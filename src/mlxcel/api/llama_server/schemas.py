@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from mlxcel.api.schema import MAX_SEED, WireModel
+from mlxcel.api.schema import MAX_SEED, ChatRole, WireModel
 
 MAX_N_PROBS = 20
 RANDOM_SEED = -1
@@ -107,7 +107,7 @@ class TemplatePart(WireModel):
 class TemplateMessage(WireModel):
     """A chat turn in the /v1/chat/completions shape (the same fields the chat route reads)."""
 
-    role: str
+    role: ChatRole
     content: str | list[TemplatePart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from mlxcel.api.schema import MAX_SEED, MIN_SEED, WireModel
+from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatRole, WireModel
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -41,7 +41,7 @@ class ContentPart(WireModel):
 
 
 class ChatMessage(WireModel):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
