@@ -87,7 +87,8 @@ class HttpServer(uvicorn.Server):
     shutdown into death by SIGTERM; we handle the signal ourselves and return instead.
     """
 
-    def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None]) -> None:
+    def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None],
+                 exits_on_engine_failure: bool = False) -> None:
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=int(state.config.shutdown_timeout_s))
         super().__init__(config)
@@ -95,6 +96,7 @@ class HttpServer(uvicorn.Server):
         self.sock = sock
         self.address = listen_address(sock)
         self._on_shutdown = on_shutdown
+        self._exits_on_engine_failure = exits_on_engine_failure  # serve(): a dead engine ends the process
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -122,7 +124,7 @@ class HttpServer(uvicorn.Server):
         self.should_exit = True
 
     async def on_tick(self, counter: int) -> bool:
-        if self.state.engine_failed() and not self.should_exit:
+        if self._exits_on_engine_failure and not self.should_exit and self.state.engine_failed():
             log.critical("the engine loop died: shutting down with exit code 1")
             self.request_shutdown()
         return await super().on_tick(counter)
@@ -149,7 +151,7 @@ def join_workers(workers: Sequence[Worker], deadline_s: float) -> bool:
 
 def serve(state: ServerState, sock: socket.socket, workers: Sequence[Worker]) -> int:
     """Serve until a signal, then abort, join and return the exit code (0 = clean, A7)."""
-    server = HttpServer(state, sock, on_shutdown=lambda: _abort_in_flight(workers))
+    server = HttpServer(state, sock, on_shutdown=lambda: _abort_in_flight(workers), exits_on_engine_failure=True)
     try:
         server.run_blocking()
     finally:

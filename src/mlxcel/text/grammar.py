@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import llguidance
 import torch
 
@@ -168,7 +169,7 @@ class GrammarCompiler:
 
     def check_tools(self, tools: Sequence[Any] | None) -> None:
         """GrammarError (a 400) for a function tool without a name or whose parameters are not a
-        JSON Schema llguidance can compile: refused before generating, called or not."""
+        valid JSON Schema (checked against the 2020-12 meta-schema): refused before generating."""
         for index, tool in enumerate(tools or ()):
             if not isinstance(tool, Mapping):
                 raise GrammarError(f"tools.{index}: a tool must be an object")
@@ -176,11 +177,11 @@ class GrammarCompiler:
                 continue  # a built-in tool kind (web_search, ...): no schema of the client's
             name, parameters = tool_name_and_parameters(tool)
             try:
-                llguidance.LLMatcher.grammar_from_json_schema(json.dumps(parameters),
-                                                              defaults={**JSON_LAYOUT, "lenient": True})
-            except ValueError as exc:
-                raise GrammarError(f"tools.{index} ({name}): parameters are not a valid JSON Schema: "
-                                   f"{_first_line(str(exc))}") from None
+                jsonschema.Draft202012Validator.check_schema(parameters)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path) or "the root"
+                raise GrammarError(f"tools.{index} ({name}): parameters are not a valid JSON Schema "
+                                   f"(at {where}: {exc.message[:200]})") from None
 
     def processor(
         self, grammar: Grammar, *, think: ThinkTokens | None = None, starts_in_reasoning: bool = False
