@@ -3,13 +3,14 @@
 Runs after the Gate (auth, size) and before any availability check, dispatch or stream setup.
 Hostile bodies are refused here with a 400 before any handler sees them: nesting deeper than
 `MAX_JSON_DEPTH`, NaN/Infinity literals, integers outside 64 bits (they would overflow torch) or
-longer than Python's digit limit, and strings holding lone UTF-16 surrogates (no tokenizer can
-encode them).
+longer than Python's digit limit, non-finite floats (1e99999), bodies that are not UTF-8, and
+strings holding lone UTF-16 surrogates (no tokenizer can encode them).
 """
 
 from __future__ import annotations
 
 import json
+import math
 import re
 from typing import Any
 
@@ -36,7 +37,8 @@ async def read_json(request: Request) -> Any:
     if not raw.strip():
         raise invalid_request("the request body is empty; a JSON object is required")
     try:
-        body = json.loads(raw, parse_constant=_refuse_constant)
+        # NOTE: json.loads(bytes) would guess UTF-16/32 and pass surrogate bytes; JSON is UTF-8 (RFC 8259).
+        body = json.loads(raw.decode("utf-8").removeprefix("\ufeff"), parse_constant=_refuse_constant)
     except UnicodeDecodeError as exc:
         raise invalid_request(f"the request body is not UTF-8: {exc}") from None
     except json.JSONDecodeError as exc:
@@ -51,8 +53,7 @@ async def read_json(request: Request) -> Any:
 
 MAX_JSON_DEPTH = 128
 MIN_JSON_INT, MAX_JSON_INT = -(2**63), 2**64 - 1  # what fits torch's int64 / uint64 seeds
-# json.loads decodes bytes with "surrogatepass", so raw surrogate bytes get through as well as escapes.
-_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]|\xed[\xa0-\xbf]")
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")  # raw surrogate bytes already fail the UTF-8 decode
 
 
 def _refuse_constant(name: str) -> Any:
@@ -76,6 +77,8 @@ def check_json_values(body: Any, *, may_have_surrogates: bool = True) -> None:
             _check_string(value, where, may_have_surrogates)
         elif isinstance(value, int) and not isinstance(value, bool) and not MIN_JSON_INT <= value <= MAX_JSON_INT:
             raise invalid_request(f"{where}: the integer is out of range (64 bits at most)")
+        elif isinstance(value, float) and not math.isfinite(value):  # 1e99999 parses as inf
+            raise invalid_request(f"{where}: the number is out of range (not finite)")
 
 
 def _check_string(value: str, where: str, may_have_surrogates: bool) -> None:

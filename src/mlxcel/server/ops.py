@@ -131,8 +131,8 @@ async def slot_action(request: Request, state: ServerState) -> Response:
 
 
 def _slot_id(text: str) -> int:
-    if not text.isdigit():
-        raise invalid_request(f"slot id must be a non-negative integer, not {text!r}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):  # "²" is a digit to isdigit, not to int
+        raise invalid_request(f"slot id must be a non-negative integer, not {text[:40]!r}")
     return int(text)
 
 
