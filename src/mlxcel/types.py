@@ -60,6 +60,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; N = chosen token plus N alternatives
+    is_post_sampling_probs: bool = False  # logprobs of the distribution after the sampler chain (llama-server)
 
     @property
     def is_greedy(self) -> bool:

@@ -344,3 +344,35 @@ def test_issue16_responses_agent_loop_call_result_answer(sdk: openai.OpenAI) -> 
     answer = sdk.responses.create(model="m", input=loop, tools=[tool], temperature=0, max_output_tokens=12,
                                   store=False)
     assert answer.status in ("completed", "incomplete") and answer.output
+
+
+# ---- gaps the llama.cpp server tests found ----
+
+def test_issue16_post_sampling_probs_are_probabilities_after_the_chain(client: httpx.Client) -> None:
+    body = client.post("/completion", json={"prompt": "Today was the day. Today I would finally become a",
+                                            "n_probs": 10, "temperature": 1.0, "n_predict": 5, "seed": 7,
+                                            "post_sampling_probs": True}).json()
+    probs = body["completion_probabilities"]
+    assert len(probs) == 5
+    for token in probs:
+        assert 0.0 < token["prob"] <= 1.0 and "logprob" not in token and isinstance(token["bytes"], list)
+        assert all(0.0 < p["prob"] <= 1.0 for p in token["top_probs"])
+        if len(token["top_probs"]) < 10:  # fewer only when the chain kept fewer: they sum to 1
+            assert sum(p["prob"] for p in token["top_probs"]) == pytest.approx(1.0, abs=1e-4)
+    top_k_1 = client.post("/completion", json={"prompt": "Hi", "n_probs": 3, "top_k": 1, "n_predict": 2,
+                                               "post_sampling_probs": True}).json()["completion_probabilities"]
+    assert all(t["prob"] == pytest.approx(1.0) and len(t["top_probs"]) == 1 for t in top_k_1)
+
+
+def test_issue16_metrics_carry_the_process_start_time(client: httpx.Client) -> None:
+    response = client.get("/metrics")
+    assert response.status_code == 200
+    assert abs(int(response.headers["Process-Start-Time-Unix"]) - __import__("time").time()) < 24 * 3600
+
+
+def test_issue16_two_trailing_assistant_turns_are_400(client: httpx.Client) -> None:
+    messages = [{"role": "user", "content": "test"}, {"role": "assistant", "content": "test"},
+                {"role": "assistant", "content": "test"}]
+    for path in ("/v1/chat/completions", "/apply-template"):
+        response = client.post(path, json={"messages": messages, "max_tokens": 2})
+        assert response.status_code == 400 and "assistant" in response.json()["error"]["message"], path

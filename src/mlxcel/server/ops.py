@@ -196,7 +196,9 @@ def _version() -> str:
 async def metrics(request: Request, state: ServerState) -> Response:
     if not state.config.endpoint_metrics:
         raise not_supported("metrics", "--metrics")
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    # llama-server's header: scrapers tell a restarted process from counters that went down.
+    headers = {"Process-Start-Time-Unix": str(int(state.started_at))}
+    return Response(state.metrics.render(), media_type=CONTENT_TYPE, headers=headers)
 
 
 # ---- prompt cache (F7) ----

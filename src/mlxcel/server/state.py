@@ -38,6 +38,7 @@ class ServerState:
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False
+        self.started_at = time.time()  # Process-Start-Time-Unix on /metrics (llama-server)
         self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
         if served is not None:
             self.attach(served)

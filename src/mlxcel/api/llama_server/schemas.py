@@ -37,6 +37,7 @@ class CompletionFields(WireModel):
     logit_bias: list[Any] | dict[str, Any] | None = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
     stop: str | list[str] = Field(default_factory=list)
     cache_prompt: bool = True
     id_slot: int = Field(-1, ge=-1)
