@@ -17,7 +17,10 @@ import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, Phase, given, settings
+from hypothesis.errors import Unsatisfiable
 from schemathesis.generation import GenerationMode
+
+from mlxcel.server.routes import ROUTES
 
 from .conftest import LiveServer
 
@@ -26,6 +29,7 @@ pytestmark = pytest.mark.slow
 EXAMPLES_PER_MODE = 3
 LENGTH_FIELDS = ("max_tokens", "max_completion_tokens", "n_predict", "max_output_tokens")
 SKIPPED_PATHS = ("/v1/audio/", "/audio/")  # multipart bodies; no audio model in this process
+PRIMARY_PATHS = frozenset(route.paths[0].replace(":path}", "}") for route in ROUTES)
 
 
 def bounded_body(body: object) -> object:
@@ -56,8 +60,8 @@ def test_issue16_schemathesis_over_the_served_openapi(live_server: LiveServer) -
     with httpx.Client(base_url=live_server.address, timeout=120) as http:
         for result in schema.get_all_operations():
             operation = result.ok()
-            if operation.path.startswith(SKIPPED_PATHS):
-                continue
+            if operation.path.startswith(SKIPPED_PATHS) or operation.path not in PRIMARY_PATHS:
+                continue  # audio needs multipart; an alias runs the same handler as its primary path
             num_operations += 1
             for mode in (GenerationMode.POSITIVE, GenerationMode.NEGATIVE):
                 started = time.monotonic()
@@ -68,7 +72,7 @@ def test_issue16_schemathesis_over_the_served_openapi(live_server: LiveServer) -
     print(f"\nschemathesis: {num_operations} operations, {total} requests, statuses {dict(sorted(statuses.items()))}")
     slowest = sorted(timings.items(), key=lambda item: -item[1])[:5]
     print("slowest: " + ", ".join(f"{name} {seconds:.1f} s" for name, seconds in slowest))
-    assert num_operations >= 30 and total >= 200
+    assert num_operations >= 25 and total >= 100
     assert not problems, "\n".join(problems[:30])
 
 
@@ -79,7 +83,10 @@ def _fuzz(operation: object, mode: GenerationMode, http: httpx.Client, statuses:
     def run(case: object) -> None:
         _send(case, http, statuses, problems)
 
-    run()
+    try:
+        run()
+    except Unsatisfiable:
+        pass  # nothing to break (a GET without parameters has no negative case)
 
 
 def _send(case: object, http: httpx.Client, statuses: Counter, problems: list[str]) -> None:

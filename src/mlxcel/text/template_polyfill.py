@@ -81,7 +81,8 @@ def polyfill_messages(caps: TemplateCaps, messages: list[dict[str, Any]],
             message = _calls_as_text(message)
         elif not caps.supports_tool_responses and message.get("role") == "tool":
             message = _result_as_text(message, names)
-        if caps.needs_string_content and message.get("content") is None:
+        if caps.needs_string_content and message.get("role") == "assistant" and message.get("content") is None:
+            # only an assistant turn may come without content (its tool calls); a user's is still a 400
             message = {**message, "content": ""}
         out.append(message)
     if tools and not caps.supports_tools:
