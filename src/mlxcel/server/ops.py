@@ -197,8 +197,10 @@ async def metrics(request: Request, state: ServerState) -> Response:
     if not state.config.endpoint_metrics:
         raise not_supported("metrics", "--metrics")
     # llama-server's header: scrapers tell a restarted process from counters that went down.
-    headers = {"Process-Start-Time-Unix": str(int(state.started_at))}
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE, headers=headers)
+    response = Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    # NOTE: appended raw, in llama-server's casing (its test suite reads the header case-sensitively).
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(int(state.started_at)).encode()))
+    return response
 
 
 # ---- prompt cache (F7) ----
