@@ -68,4 +68,5 @@ def require(condition: bool, message: str) -> None:
         raise invalid_request(message)
 
 
-__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "ChatRole", "WireModel", "flatten_extra_body", "require", "validate_body", "validation_message"]
+__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "ChatRole", "WireModel", "flatten_extra_body", "require",
+           "validate_body", "validation_message"]
