@@ -60,6 +60,7 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; N = chosen token plus N alternatives
+    is_post_sampling_probs: bool = False  # logprobs of the distribution after the sampler chain (llama-server)
 
     @property
     def is_greedy(self) -> bool:
@@ -187,3 +188,5 @@ class EngineStats:
     context_size: int  # per slot
     slots: tuple[SlotStats, ...]
     prefix_cache: PrefixCacheStats
+    sequences_aborted: int = 0  # started, then aborted: started = completed + aborted + running
+    is_alive: bool = True  # False once the engine loop died (/health 503, the server exits 1)

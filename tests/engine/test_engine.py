@@ -9,16 +9,27 @@ from __future__ import annotations
 
 import asyncio
 import random
+import time
 
 import pytest
 
 from mlxcel.engine.slots import SlotError
-from mlxcel.types import ContextOverflowError, FinishReason, Priority, QueueFullError, Request, SamplingParams
+from mlxcel.types import (
+    ContextOverflowError, EngineShutdownError, FinishReason, Priority, QueueFullError, Request, SamplingParams,
+    TokenEvent,
+)
 
 from .conftest import collect, greedy, make_engine, reference_greedy, run
 
 random.seed(1)
 PROMPTS = [[random.randrange(4, 97) for _ in range(n)] for n in (3, 7, 12, 18, 25, 31, 40, 57)]
+
+
+def wait_for(predicate, timeout: float = 20.0) -> None:  # noqa: ANN001
+    end = time.monotonic() + timeout
+    while not predicate():
+        assert time.monotonic() < end, "timed out"
+        time.sleep(0.01)
 
 
 def test_alone_equals_reference(engine, tiny_model) -> None:
@@ -118,14 +129,84 @@ def test_priorities_order_the_waiting_queue(tiny_model) -> None:
 
 
 def test_queue_full_and_context_overflow_are_distinct_errors(tiny_model) -> None:
-    client = make_engine(tiny_model, max_queue_depth=1, ctx_size=8 * 32)
+    client = make_engine(tiny_model, max_num_seqs=2, max_queue_depth=1, ctx_size=8 * 32)
     try:
         with pytest.raises(ContextOverflowError):
-            client.core.submit(Request("big", [5] * 40, greedy(1)), lambda e: None)
+            client.core.submit(Request("big", [5] * 140, greedy(1)), lambda e: None)
         client.core.call(lambda: __import__("time").sleep(0.3))
-        client.core.submit(Request("one", [5, 6], greedy(1)), lambda e: None)
+        for i in range(3):  # 2 slots + 1 waiting place, all still in the inbox
+            client.core.submit(Request(f"r{i}", [5, 6], greedy(1)), lambda e: None)
         with pytest.raises(QueueFullError):
-            client.core.submit(Request("two", [5, 6], greedy(1)), lambda e: None)
+            client.core.submit(Request("over", [5, 6], greedy(1)), lambda e: None)
+    finally:
+        client.core.stop(10)
+
+
+def test_admission_does_not_depend_on_loop_timing(tiny_model) -> None:
+    """Issue 16: --parallel 1 --max-queue-depth 2 admits 1 running + 2 waiting, whether or not the
+    loop has moved the first request into its slot yet (the old check counted it as waiting)."""
+    client = make_engine(tiny_model, max_num_seqs=1, max_queue_depth=2)
+    try:
+        for burst in range(20):
+            if burst % 2:
+                client.core.call(lambda: __import__("time").sleep(0.05))  # the loop busy: all in the inbox
+            events: list[TokenEvent] = []
+            for i in range(3):
+                client.core.submit(Request(f"b{burst}-{i}", [5, 6], greedy(2)), events.append)
+            with pytest.raises(QueueFullError):
+                client.core.submit(Request(f"b{burst}-x", [5, 6], greedy(2)), events.append)
+            wait_for(lambda: sum(e.finish_reason is not None for e in events) == 3)
+    finally:
+        client.core.stop(10)
+
+
+def test_a_request_that_breaks_sampling_fails_alone_and_the_loop_lives(tiny_model) -> None:
+    """Issue 16: an exception in one request (a seed torch refuses, a processor that raises) fails
+    that request with an error event; the others in the same batch finish and the engine serves on."""
+    client = make_engine(tiny_model)
+
+    class Broken:
+        def process(self, logits, output_ids) -> None:
+            raise RuntimeError("injected fault")
+
+    try:
+        bad_seed = Request("seed", [5, 6], SamplingParams(temperature=1.0, seed=2**70, max_tokens=2))
+        broken = Request("broken", [5, 6, 7], greedy(4), processors=(Broken(),))
+        good = Request("good", [5, 6, 7], greedy(4))
+        events: list[TokenEvent] = []
+        for request in (bad_seed, broken, good):
+            client.core.submit(request, events.append)
+        wait_for(lambda: sum(e.finish_reason is not None for e in events) == 3)
+        finish = {e.request_id: e.finish_reason for e in events if e.finish_reason is not None}
+        assert finish["seed"] is FinishReason.ERROR and finish["broken"] is FinishReason.ERROR
+        assert finish["good"] in (FinishReason.LENGTH, FinishReason.STOP)
+        assert client.core.is_alive and client.core.stats().is_alive
+        tokens, _ = run(collect(client, Request("after", [5, 6], greedy(3))))
+        assert len(tokens) == 3
+        stats = client.core.stats()
+        assert stats.sequences_started == stats.sequences_completed + stats.sequences_aborted + stats.active_sequences
+    finally:
+        client.core.stop(10)
+
+
+def test_a_dead_loop_fails_everything_and_refuses_new_work(tiny_model) -> None:
+    """Issue 16: if the loop thread dies anyway, in-flight requests get an error event, is_alive turns
+    False (health 503) and submit refuses at once instead of queueing forever."""
+    client = make_engine(tiny_model)
+    try:
+        events: list[TokenEvent] = []
+        client.core.submit(Request("victim", [5, 6], greedy(50)), events.append)
+        wait_for(lambda: bool(events))
+
+        def die() -> None:
+            raise SystemExit("injected")  # not an Exception: the loop's own guards do not contain it
+
+        client.core.scheduler.schedule = die  # type: ignore[method-assign]
+        wait_for(lambda: not client.core.is_alive)
+        wait_for(lambda: any(e.finish_reason is FinishReason.ERROR for e in events))
+        assert not client.core.stats().is_alive
+        with pytest.raises(EngineShutdownError):
+            client.core.submit(Request("late", [5, 6], greedy(1)), events.append)
     finally:
         client.core.stop(10)
 

@@ -67,7 +67,7 @@ def test_k1_health_ok(client: httpx.Client, served: ServedModel) -> None:
     assert body["status"] == "ok" and body["model"] == "SmolLM2-135M-Instruct"
     assert body["batch"] == {"active_sequences": 0, "queue_depth": 0, "max_batch_size": 4}
     assert body["context_size"] == 1024  # per slot: 4096 / 4
-    assert set(body["observability"]) == {"sequences_started", "sequences_completed"}
+    assert set(body["observability"]) == {"sequences_started", "sequences_completed", "sequences_aborted"}
     assert client.get("/v1/health").json()["status"] == client.get("/").json()["status"] == "ok"
 
 

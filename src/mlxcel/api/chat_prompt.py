@@ -58,6 +58,9 @@ def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, A
         if isinstance(data.get("content"), list):
             data["content"] = joined_text(f"messages.{index}.content", data["content"])
         plain.append(data)
+    if len(plain) >= 2 and all(m.get("role") == "assistant" for m in plain[-2:]):
+        # llama-server's rule: one trailing assistant turn is a prefill; two cannot alternate.
+        raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
     return plain
 
 

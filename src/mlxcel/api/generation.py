@@ -25,7 +25,7 @@ from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError, from_engine_error
+from mlxcel.api.errors import ApiError, from_engine_error, invalid_request
 from mlxcel.engine.client import DecodeTimeoutError, RequestStream
 from mlxcel.text.chat_output import ParsedReply
 from mlxcel.text.events import ContentDelta, OutputEvent
@@ -253,6 +253,7 @@ class Generation:
         Raises ApiError at once for a full queue (503), a prompt over the context (400) or a
         stopping engine (503); requests already submitted are then aborted.
         """
+        _check_admissible(ctx, len(prompts) * n)
         choices: list[_Choice] = []
         try:
             for p, prompt in enumerate(prompts):
@@ -326,6 +327,14 @@ class Generation:
         for choice in self._choices:
             with contextlib.suppress(Exception):
                 await choice.stream.aclose()
+
+
+def _check_admissible(ctx: ApiContext, num_requests: int) -> None:
+    """400, not 503, for a call the engine could never hold at once: retrying cannot help."""
+    limit = getattr(ctx.engine, "max_requests", None)  # scripted test engines have no bound
+    if limit is not None and num_requests > limit:
+        raise invalid_request(f"this request needs {num_requests} generations (prompts x n) but the server "
+                              f"holds at most {limit} at once (--parallel + --max-queue-depth)")
 
 
 def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, choice_j: int) -> Request:

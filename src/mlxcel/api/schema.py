@@ -8,13 +8,16 @@ string is not a number), unknown fields are ignored, and a failed validation bec
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any, TypeVar
+from typing import Any, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from mlxcel.api.errors import ApiError, invalid_request
 
 M = TypeVar("M", bound=BaseModel)
+MIN_SEED, MAX_SEED = -(2**63), 2**64 - 1  # the range torch.Generator.manual_seed accepts
+# The roles a chat message may have (OpenAI's, plus llama-server's legacy "function"); others are a 400.
+ChatRole = Literal["system", "developer", "user", "assistant", "tool", "function"]
 
 
 class WireModel(BaseModel):
@@ -65,4 +68,5 @@ def require(condition: bool, message: str) -> None:
         raise invalid_request(message)
 
 
-__all__ = ["ApiError", "WireModel", "flatten_extra_body", "require", "validate_body", "validation_message"]
+__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "ChatRole", "WireModel", "flatten_extra_body", "require",
+           "validate_body", "validation_message"]

@@ -68,6 +68,11 @@ class EngineClient:
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
 
+    @property
+    def max_requests(self) -> int:
+        """Requests the engine holds at once (slots + waiting places): more can never be admitted."""
+        return self.core.config.max_num_seqs + self.core.config.max_queue_depth
+
     def stats(self) -> EngineStats:
         return self.core.stats()
 

@@ -14,7 +14,7 @@ import threading
 import time
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -89,6 +89,7 @@ class EngineCore:
         self._thread = threading.Thread(target=self._run, name="mlxcel-engine", daemon=True)
         self._stopping = threading.Event()
         self._num_pending = 0  # submitted but not yet seen by the loop
+        self.failure: BaseException | None = None  # set when the loop thread died (health 503, exit 1)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, K %s, V %s), %d slots of %d tokens",
                  num_blocks, config.block_size, num_blocks * config.block_size * self.kv_cache.bytes_per_token / 2**20,
                  config.cache_type_k, config.cache_type_v, config.max_num_seqs, self.slot_context)
@@ -125,18 +126,42 @@ class EngineCore:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    @property
+    def is_alive(self) -> bool:
+        """False once the loop thread died of an error it could not contain."""
+        return self.failure is None
+
     def submit(self, request: Request, sink: Sink) -> None:
+        if self.failure is not None:
+            raise EngineShutdownError("the engine stopped after an internal error; see the server log")
         if self._stopping.is_set():
             raise EngineShutdownError("the server is shutting down")
         if len(request.prompt_token_ids) >= self.slot_context and not self.config.max_kv_size:
             raise ContextOverflowError(len(request.prompt_token_ids), self.slot_context)
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        self._clamp_max_tokens(request)
         with self._lock:
-            if len(self.scheduler.waiting) + self._num_pending >= self.config.max_queue_depth:
+            # NOTE: a request still in the inbox is bound for a free slot as often as for the queue, so
+            # admission counts all unfinished requests against slots + depth (never the timing of the loop).
+            num_unfinished = len(self.scheduler.running) + len(self.scheduler.waiting) + self._num_pending
+            if num_unfinished >= self.config.max_num_seqs + self.config.max_queue_depth:
                 raise QueueFullError(f"the request queue is full ({self.config.max_queue_depth} waiting)")
+            if self.failure is not None:  # checked again under the lock the dying loop takes
+                raise EngineShutdownError("the engine stopped after an internal error; see the server log")
             self._num_pending += 1
-        self._inbox.put(("add", (request, sink)))
+            self._inbox.put(("add", (request, sink)))
+
+    def _clamp_max_tokens(self, request: Request) -> None:
+        """max_tokens past the slot's context is cut to what fits, as llama-server does, and logged."""
+        if self.config.max_kv_size:
+            return  # a sliding window keeps going past the context
+        room = self.slot_context - len(request.prompt_token_ids)
+        wanted = request.sampling.max_tokens
+        if wanted is not None and wanted > room:
+            log.info("request %s: max_tokens %d clamped to %d (context %d, prompt %d tokens)",
+                     request.request_id, wanted, room, self.slot_context, len(request.prompt_token_ids))
+            request.sampling = replace(request.sampling, max_tokens=room)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -154,7 +179,8 @@ class EngineCore:
             return EngineStats(
                 active_sequences=len(s.running), queue_depth=len(s.waiting) + self._num_pending,
                 max_batch_size=self.config.max_num_seqs, sequences_started=s.num_started,
-                sequences_completed=s.num_completed, tokens_generated=s.num_generated,
+                sequences_completed=s.num_completed, sequences_aborted=s.num_aborted,
+                tokens_generated=s.num_generated, is_alive=self.failure is None,
                 prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
                 slots=slots, prefix_cache=self.kv.stats())
 
@@ -198,6 +224,15 @@ class EngineCore:
 
     def _run(self) -> None:
         sys.setswitchinterval(min(sys.getswitchinterval(), GIL_SWITCH_INTERVAL_S))
+        try:
+            self._loop()
+        except BaseException as exc:  # noqa: BLE001 - recorded: /health turns 503 and the server exits 1
+            with self._lock:
+                self.failure = exc
+            log.critical("the engine loop died: %r; failing every request", exc, exc_info=exc)
+            self._fail_all()
+
+    def _loop(self) -> None:
         while True:
             self._drain_inbox(block=not self.scheduler.has_work)
             if self._stopping.is_set():
@@ -220,11 +255,7 @@ class EngineCore:
 
     def _handle(self, kind: str, payload: Any) -> None:
         if kind == "add":
-            request, sink = payload
-            with self._lock:
-                self._num_pending -= 1
-                self._sinks[request.request_id] = sink
-                self.scheduler.add_request(request)
+            self._add(*payload)
         elif kind == "abort":
             self._abort(payload)
         elif kind == "call":
@@ -233,6 +264,17 @@ class EngineCore:
                 future.set_result(fn())
             except Exception as exc:  # noqa: BLE001 - handed back to the caller
                 future.set_exception(exc)
+
+    def _add(self, request: Request, sink: Sink) -> None:
+        with self._lock:
+            self._num_pending -= 1
+            try:
+                self.scheduler.add_request(request)
+            except Exception:  # noqa: BLE001 - one bad request must not kill the loop
+                log.exception("request %s could not be added; failing it", request.request_id)
+                sink(_error_event(request.request_id))
+                return
+            self._sinks[request.request_id] = sink
 
     def _abort(self, request_id: str) -> None:
         with self._lock:
@@ -266,10 +308,26 @@ class EngineCore:
         rows = [SamplingRow(by_id[r].request.sampling, by_id[r].token_ids, by_id[r].num_output_tokens,
                             self.eos_token_ids, by_id[r].generator, by_id[r].request.processors)
                 for r in request_ids]
-        tokens, logprobs = sample(logits, rows) if rows else ([], [])
-        sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
+        try:
+            tokens, logprobs = sample(logits, rows) if rows else ([], [])
+            sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
+        except Exception:  # noqa: BLE001 - find the bad row(s) and fail only those
+            sampled = self._sample_rows_apart(request_ids, logits, rows)
         with self._lock:
             return self.scheduler.update_from_output(out, sampled)
+
+    def _sample_rows_apart(self, request_ids: list[str], logits: torch.Tensor,
+                           rows: list[SamplingRow]) -> dict[str, tuple[int, Any]]:
+        """Sample row by row; a row whose sampling raises fails its request alone."""
+        sampled: dict[str, tuple[int, Any]] = {}
+        for i, (request_id, row) in enumerate(zip(request_ids, rows)):
+            try:
+                tokens, logprobs = sample(logits[i:i + 1], [row])
+                sampled[request_id] = (tokens[0], logprobs[0])
+            except Exception:  # noqa: BLE001 - logged; the other rows keep going
+                log.exception("sampling failed for request %s; failing it", request_id)
+                self._fail_request(request_id)
+        return sampled
 
     def _emit(self, results: list[StepResult]) -> None:
         for r in results:
@@ -285,12 +343,38 @@ class EngineCore:
 
     def _fail(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
-            with self._lock:
-                self.scheduler.abort(item.seq.request_id)
-            sink = self._sinks.pop(item.seq.request_id, None)
-            if sink is not None:
-                sink(TokenEvent(item.seq.request_id, (), finish_reason=FinishReason.ERROR,
-                                error="internal engine error; see the server log"))
+            self._fail_request(item.seq.request_id)
+
+    def _fail_request(self, request_id: str) -> None:
+        with self._lock:
+            self.scheduler.abort(request_id)
+        sink = self._sinks.pop(request_id, None)
+        if sink is not None:
+            sink(_error_event(request_id))
+
+    def _fail_all(self) -> None:
+        """The loop is dying: every request still known or still in the inbox gets an error event."""
+        while True:
+            try:
+                kind, payload = self._inbox.get_nowait()
+            except queue.Empty:
+                break
+            if kind == "add":
+                payload[1](_error_event(payload[0].request_id))
+            elif kind == "call":
+                payload[1].set_exception(EngineShutdownError("the engine stopped"))
+        for request_id in list(self._sinks):
+            try:
+                self._fail_request(request_id)
+            except Exception:  # noqa: BLE001 - the state may be broken; still answer the rest
+                sink = self._sinks.pop(request_id, None)
+                if sink is not None:
+                    sink(_error_event(request_id))
+
+
+def _error_event(request_id: str) -> TokenEvent:
+    return TokenEvent(request_id, (), finish_reason=FinishReason.ERROR,
+                      error="internal engine error; see the server log")
 
 
 def log_finished(seq: Sequence, reason: FinishReason) -> None:

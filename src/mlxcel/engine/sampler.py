@@ -34,9 +34,12 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     for i, row in enumerate(rows):
-        token = _sample_row(logits[i], row)
+        token, final = _sample_row(logits[i], row)
         tokens.append(token)
-        logprobs.append(_logprob(logits[i], token, row.params.logprobs))
+        if row.params.is_post_sampling_probs:
+            logprobs.append(_post_sampling_logprob(final, token, row.params.logprobs))
+        else:
+            logprobs.append(_logprob(logits[i], token, row.params.logprobs))
     return tokens, logprobs
 
 
@@ -47,7 +50,8 @@ def _is_plain_greedy(row: SamplingRow) -> bool:
             and (p.ignore_eos is False or not row.eos_token_ids))
 
 
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
+def _sample_row(logits: torch.Tensor, row: SamplingRow) -> tuple[int, torch.Tensor | None]:
+    """The chosen token, and the logits it was drawn from after the whole chain (None: greedy)."""
     p = row.params
     logits = logits.clone()
     apply_logit_bias(logits, p.logit_bias)
@@ -58,13 +62,13 @@ def _sample_row(logits: torch.Tensor, row: SamplingRow) -> int:
     if p.ignore_eos or row.num_generated < p.min_tokens:
         suppress(logits, row.eos_token_ids | set(p.stop_token_ids))
     if p.is_greedy:
-        return int(logits.argmax())
+        return int(logits.argmax()), None
     logits = logits / p.temperature
     logits = top_k_filter(logits, p.top_k)
     logits = top_p_filter(logits, p.top_p)
     logits = min_p_filter(logits, p.min_p)
     probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=row.generator))
+    return int(torch.multinomial(probs, 1, generator=row.generator)), logits
 
 
 def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
@@ -122,6 +126,22 @@ def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
         return logits
     probs = torch.softmax(logits, dim=-1)
     return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+
+
+def _post_sampling_logprob(final: torch.Tensor | None, token: int, num_top: int | None) -> TokenLogprob | None:
+    """Log-probabilities of the distribution the token was drawn from (after top-k/p, min-p and
+    temperature); tokens the chain removed are left out. Greedy: the chosen token, probability 1."""
+    if num_top is None:
+        return None
+    if final is None:
+        return TokenLogprob(token_id=token, logprob=0.0, top=((token, 0.0),) if num_top > 0 else ())
+    logprobs = torch.log_softmax(final.float(), dim=-1)
+    num_kept = int(torch.isfinite(logprobs).sum())
+    top: tuple[tuple[int, float], ...] = ()
+    if num_top > 0 and num_kept:
+        values, ids = torch.topk(logprobs, min(num_top, num_kept))
+        top = tuple(zip(ids.tolist(), values.tolist()))
+    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
 
 
 def _logprob(logits: torch.Tensor, token: int, num_top: int | None) -> TokenLogprob | None:

@@ -109,6 +109,7 @@ class Scheduler:
         self._order = itertools.count()
         self.num_started = 0
         self.num_completed = 0
+        self.num_aborted = 0  # sequences started and then aborted (a waiting one was never started)
         self.num_generated = 0
         self.num_prompt_computed = 0
         self.slot_tokens: dict[int, list[int]] = {}  # each slot's last computed tokens (F12 save)
@@ -141,6 +142,7 @@ class Scheduler:
         elif seq.status is SeqStatus.WAITING:
             self.waiting = [e for e in self.waiting if e[3] is not seq]
             heapq.heapify(self.waiting)
+        was_started = seq.status is SeqStatus.RUNNING or seq.num_preemptions > 0
         if seq.slot_id is not None:
             self.slot_tokens[seq.slot_id] = seq.token_ids[:seq.num_computed_tokens]
         self.kv.free(seq.request_id)
@@ -148,6 +150,8 @@ class Scheduler:
         self.sequences.pop(seq.request_id, None)
         if reason is not FinishReason.ABORT:
             self.num_completed += 1
+        elif was_started:
+            self.num_aborted += 1
 
     @property
     def has_work(self) -> bool:

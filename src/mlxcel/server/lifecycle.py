@@ -87,7 +87,8 @@ class HttpServer(uvicorn.Server):
     shutdown into death by SIGTERM; we handle the signal ourselves and return instead.
     """
 
-    def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None]) -> None:
+    def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None],
+                 exits_on_engine_failure: bool = False) -> None:
         tls = state.config
         config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
                                 timeout_graceful_shutdown=int(state.config.shutdown_timeout_s),
@@ -100,6 +101,7 @@ class HttpServer(uvicorn.Server):
         if tls.is_tls:
             self.address = self.address.replace("http://", "https://", 1)
         self._on_shutdown = on_shutdown
+        self._exits_on_engine_failure = exits_on_engine_failure  # serve(): a dead engine ends the process
 
     @contextlib.contextmanager
     def capture_signals(self) -> Generator[None, None, None]:
@@ -126,6 +128,12 @@ class HttpServer(uvicorn.Server):
             self._on_shutdown()
         self.should_exit = True
 
+    async def on_tick(self, counter: int) -> bool:
+        if self._exits_on_engine_failure and not self.should_exit and self.state.engine_failed():
+            log.critical("the engine loop died: shutting down with exit code 1")
+            self.request_shutdown()
+        return await super().on_tick(counter)
+
     async def startup(self, sockets: list[socket.socket] | None = None) -> None:
         await super().startup(sockets=sockets)
         if not self.should_exit:
@@ -148,7 +156,7 @@ def join_workers(workers: Sequence[Worker], deadline_s: float) -> bool:
 
 def serve(state: ServerState, sock: socket.socket, workers: Sequence[Worker]) -> int:
     """Serve until a signal, then abort, join and return the exit code (0 = clean, A7)."""
-    server = HttpServer(state, sock, on_shutdown=lambda: _abort_in_flight(workers))
+    server = HttpServer(state, sock, on_shutdown=lambda: _abort_in_flight(workers), exits_on_engine_failure=True)
     try:
         server.run_blocking()
     finally:
@@ -156,7 +164,7 @@ def serve(state: ServerState, sock: socket.socket, workers: Sequence[Worker]) ->
         _close_listener(sock, server.address)
     if is_clean:
         log.info("shutdown complete")
-    return 0 if is_clean else 1
+    return 0 if is_clean and not state.engine_failed() else 1
 
 
 def _abort_in_flight(workers: Sequence[Worker]) -> None:

@@ -77,6 +77,7 @@ class EngineCollector(Collector):
                        stats.prompt_tokens_processed)
         yield _counter("mlxcel_sequences_started", "Engine sequences started", stats.sequences_started)
         yield _counter("mlxcel_sequences_completed", "Engine sequences completed", stats.sequences_completed)
+        yield _counter("mlxcel_sequences_aborted", "Engine sequences started, then aborted", stats.sequences_aborted)
         yield from _prefix_cache_metrics(stats)
 
 

@@ -41,7 +41,8 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
                   "queue_depth": stats.queue_depth if stats else 0,
                   "max_batch_size": stats.max_batch_size if stats else 0},
         "observability": {"sequences_started": stats.sequences_started if stats else 0,
-                          "sequences_completed": stats.sequences_completed if stats else 0},
+                          "sequences_completed": stats.sequences_completed if stats else 0,
+                          "sequences_aborted": stats.sequences_aborted if stats else 0},
         "context_size": stats.context_size if stats else 0,
         "tool_call_parser": _tool_call_parser(state),  # the format chosen from the chat template (V)
     }
@@ -82,6 +83,8 @@ def _health_status(state: ServerState, stats: EngineStats | None) -> str:
     if stats is None:
         is_idle = state.config.webui and not (state.control is not None and state.control.loading)
         return "no model loaded" if is_idle else "loading model"  # A5: a model-less --webui start
+    if not stats.is_alive:
+        return "error: the engine stopped; see the server log"
     if stats.active_sequences >= stats.max_batch_size:
         return "no slot available"
     return "ok"
@@ -129,8 +132,8 @@ async def slot_action(request: Request, state: ServerState) -> Response:
 
 
 def _slot_id(text: str) -> int:
-    if not text.isdigit():
-        raise invalid_request(f"slot id must be a non-negative integer, not {text!r}")
+    if not (text.isascii() and text.isdigit() and len(text) <= 9):  # "²" is a digit to isdigit, not to int
+        raise invalid_request(f"slot id must be a non-negative integer, not {text[:40]!r}")
     return int(text)
 
 
@@ -194,7 +197,11 @@ def _version() -> str:
 async def metrics(request: Request, state: ServerState) -> Response:
     if not state.config.endpoint_metrics:
         raise not_supported("metrics", "--metrics")
-    return Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    # llama-server's header: scrapers tell a restarted process from counters that went down.
+    response = Response(state.metrics.render(), media_type=CONTENT_TYPE)
+    # NOTE: appended raw, in llama-server's casing (its test suite reads the header case-sensitively).
+    response.raw_headers.append((b"Process-Start-Time-Unix", str(int(state.started_at)).encode()))
+    return response
 
 
 # ---- prompt cache (F7) ----

@@ -22,6 +22,7 @@ from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.server import audio_routes, ops
+from mlxcel.server.openapi import openapi_json
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
 from mlxcel.server.state import ServerState
@@ -317,6 +318,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("/v1/audio/transcriptions", "/audio/transcriptions"), ("POST",), audio_transcriptions),
     Route(("/v1/audio/translations", "/audio/translations"), ("POST",), audio_translations),
     Route(("/v1/audio/speech", "/audio/speech"), ("POST",), audio_speech),
+    Route(("/openapi.json",), ("GET",), openapi_json, is_public=True),  # issue 16: for clients and fuzzers
 )
 
 

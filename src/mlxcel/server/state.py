@@ -43,6 +43,7 @@ class ServerState:
         self.served: ServedModel | None = None
         self.api: ApiContext | None = None
         self.is_shutting_down = False
+        self.started_at = time.time()  # Process-Start-Time-Unix on /metrics (llama-server)
         self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
         self.control: ModelControl | None = None  # --webui's model actions (A5), set before the app is built
         if served is not None:
@@ -78,6 +79,10 @@ class ServerState:
 
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None
+
+    def engine_failed(self) -> bool:
+        """True once the chat engine's loop thread died (the process must not go on serving)."""
+        return self.served is not None and not self.served.engine.core.is_alive
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.side.stats()

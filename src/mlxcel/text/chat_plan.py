@@ -131,6 +131,7 @@ class ChatFeatures:
         `reasoning_control` (F5) gives each choice a budget processor that can be told to end
         its reasoning while it runs.
         """
+        self.grammar.check_tools(tools)
         kwargs = effective_template_kwargs(self.template_kwargs, body, self.template)
         signature = template_signature(self.template.source if self.template else "", kwargs, tools)
         is_echo_on = self._is_echo_on(cache_prompt, remembers_reasoning)

@@ -22,6 +22,8 @@ import jinja2.ext
 import jinja2.nodes
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
+from mlxcel.text.template_polyfill import TemplateCaps, polyfill_messages
+
 # Older names for a message's reasoning; templates read `reasoning_content` (gpt-oss: `thinking`).
 REASONING_FIELDS = ("reasoning_content", "thinking", "reasoning")
 # Marks where the final message ends, so continue_final_message can cut the render there.
@@ -78,9 +80,18 @@ class ChatTemplate:
         (an assistant prefill) and no generation prompt is added. Raises TemplateError.
         """
         chat = normalize_messages(messages)
+        if not self.caps.is_complete or self.caps.needs_string_content:
+            chat = polyfill_messages(self.caps, chat, _plain(list(tools)) if tools else None)
         if continue_final_message:
             _tag_final_message(chat)
             add_generation_prompt = False
+        text = self._render_plain(chat, add_generation_prompt=add_generation_prompt, tools=tools,
+                                  documents=documents, **kwargs)
+        return _cut_at_tag(text) if continue_final_message else text
+
+    def _render_plain(self, chat: list[dict[str, Any]], *, add_generation_prompt: bool,
+                      tools: Sequence[Mapping[str, Any]] | None = None,
+                      documents: Sequence[Mapping[str, Any]] | None = None, **kwargs: Any) -> str:
         template = self._tool_use if tools and self._tool_use is not None else self._template
         variables = {
             **self.special_tokens,
@@ -90,8 +101,12 @@ class ChatTemplate:
             "documents": _plain(list(documents)) if documents is not None else None,
             "add_generation_prompt": add_generation_prompt,
         }
-        text = _render(template, variables)
-        return _cut_at_tag(text) if continue_final_message else text
+        return _render(template, variables)
+
+    @cached_property
+    def caps(self) -> TemplateCaps:
+        """Which tool turns the template renders itself; the rest are rewritten as text."""
+        return TemplateCaps.probe(self._render_plain)
 
     def mentions(self, name: str) -> bool:
         """Whether the template reads the variable `name` (e.g. "enable_thinking", "reasoning_effort")."""

@@ -23,6 +23,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import jsonschema
 import llguidance
 import torch
 
@@ -37,6 +38,8 @@ log = logging.getLogger(__name__)
 # JSON is written as json.dumps writes it: no free whitespace, so a model cannot loop on spaces.
 JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
 _BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+FUNCTION_TOOL_TYPES = ("function", "custom")  # chat/responses "function", Anthropic "custom" (or no type)
+PROBE_STEPS = 8  # tokens walked at validation, to meet the grammars llguidance gives up on
 
 
 class GrammarError(ValueError):
@@ -107,8 +110,9 @@ class GrammarCompiler:
 
     def _validated(self, text: str, source: str) -> Grammar:
         matcher = llguidance.LLMatcher(self.llg_tokenizer, text, log_level=0)
-        if matcher.is_error():
-            raise GrammarError(f"{source}: {matcher.get_error()}")
+        error = matcher.get_error() if matcher.is_error() else _probe(matcher, self.tokenizer.eos_token_ids)
+        if error:
+            raise GrammarError(f"{source}: {_first_line(error)}")
         return Grammar(text, source)
 
     # --- requests --------------------------------------------------------------------------------
@@ -163,6 +167,22 @@ class GrammarCompiler:
         lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
         return self._validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
+    def check_tools(self, tools: Sequence[Any] | None) -> None:
+        """GrammarError (a 400) for a function tool without a name or whose parameters are not a
+        valid JSON Schema (checked against the 2020-12 meta-schema): refused before generating."""
+        for index, tool in enumerate(tools or ()):
+            if not isinstance(tool, Mapping):
+                raise GrammarError(f"tools.{index}: a tool must be an object")
+            if tool.get("type", "function") not in FUNCTION_TOOL_TYPES:
+                continue  # a built-in tool kind (web_search, ...): no schema of the client's
+            name, parameters = tool_name_and_parameters(tool)
+            try:
+                jsonschema.Draft202012Validator.check_schema(parameters)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path) or "the root"
+                raise GrammarError(f"tools.{index} ({name}): parameters are not a valid JSON Schema "
+                                   f"(at {where}: {exc.message[:200]})") from None
+
     def processor(
         self, grammar: Grammar, *, think: ThinkTokens | None = None, starts_in_reasoning: bool = False
     ) -> GrammarProcessor:
@@ -170,6 +190,31 @@ class GrammarCompiler:
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar.text, log_level=0)
         tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning) if think is not None else None
         return GrammarProcessor(matcher, self.tokenizer.eos_token_ids, tracker)
+
+
+def _probe(matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> str | None:
+    """Walk a few tokens down one path of a fresh matcher: llguidance gives up on some grammars
+    (ParserTooComplex, "too many items", no text at all) only once it computes a mask or takes a
+    token, and that must be a 400 before generation, not a reply cut short at its first token."""
+    for _ in range(PROBE_STEPS):
+        packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        if matcher.is_error():
+            return matcher.get_error()
+        allowed = ((packed.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten().nonzero().flatten().tolist()
+        candidates = [t for t in allowed if t not in eos_token_ids]
+        if not candidates:
+            return None
+        matcher.consume_token(candidates[-1])
+        if matcher.is_error():
+            return matcher.get_error()
+        if matcher.is_stopped():
+            return None
+    return None
+
+
+def _first_line(error: str) -> str:
+    line = error.strip().splitlines()[0] if error.strip() else "invalid grammar"
+    return "the grammar matches no text" if line == "NoExtensionBias" else line
 
 
 def _constraint_fields(body: Mapping[str, Any]) -> list[tuple[str, Any]]:

@@ -67,7 +67,8 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
 def reply_options(ctx: ApiContext, fields: CompletionFields, sampling: SamplingParams) -> ReplyOptions:
     return ReplyOptions(model=ctx.model_name, id_slot=fields.id_slot, stream=fields.stream,
                         return_tokens=fields.return_tokens, is_prefill_only=fields.num_predict == 0,
-                        context_size=ctx.context_size, settings=settings_json(ctx, fields, sampling))
+                        context_size=ctx.context_size, settings=settings_json(ctx, fields, sampling),
+                        is_post_sampling_probs=fields.post_sampling_probs)
 
 
 async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], texts: Sequence[str],
@@ -78,7 +79,8 @@ async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], text
             i = delta.index
             predicted[i] += len(delta.token_ids)
             if (delta.text or delta.token_ids) and not options.is_prefill_only:
-                yield sse_frame(partial_json(delta, predicted[i], len(prompts[i].token_ids), options.id_slot))
+                yield sse_frame(partial_json(delta, predicted[i], len(prompts[i].token_ids), options.id_slot,
+                                             options.is_post_sampling_probs))
             if delta.finish_reason is not None:
                 yield sse_frame(final_json(generation.results()[i], texts[i], options))
     except ApiError as exc:  # after the headers went out: an error event ends the stream
@@ -170,7 +172,8 @@ def sampling_params(tokenizer: Tokenizer, fields: CompletionFields) -> SamplingP
         logit_bias=logit_bias(tokenizer, fields.logit_bias),
         seed=None if fields.seed in (RANDOM_SEED, UINT32_RANDOM_SEED) else fields.seed,
         max_tokens=None if num_predict < 0 else max(num_predict, 1),
-        ignore_eos=fields.ignore_eos, logprobs=fields.n_probs or None)
+        ignore_eos=fields.ignore_eos, logprobs=fields.n_probs or None,
+        is_post_sampling_probs=fields.post_sampling_probs)
 
 
 def logit_bias(tokenizer: Tokenizer, value: list[Any] | dict[str, Any] | None) -> tuple[tuple[int, float], ...]:

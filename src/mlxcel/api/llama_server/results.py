@@ -7,6 +7,7 @@ Pure functions from a generation's results to JSON, so the golden tests can pin 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -25,6 +26,7 @@ class ReplyOptions:
     is_prefill_only: bool  # n_predict 0: evaluate the prompt into the cache, generate nothing
     context_size: int
     settings: dict[str, Any]  # generation_settings, as `settings_json` builds it
+    is_post_sampling_probs: bool = False  # `prob` / `top_probs` instead of `logprob` / `top_logprobs`
 
 
 def stop_type(result: ChoiceResult) -> str:
@@ -62,27 +64,36 @@ def final_json(result: ChoiceResult, prompt_text: str, options: ReplyOptions) ->
         "timings": timings_json(result, num_predicted),
     }
     if not options.stream and result.logprobs and not options.is_prefill_only:
-        body["completion_probabilities"] = probs_json(result.logprobs)
+        body["completion_probabilities"] = probs_json(result.logprobs, options.is_post_sampling_probs)
     return body
 
 
-def partial_json(delta: ChoiceDelta, num_predicted: int, num_prompt_tokens: int, id_slot: int) -> dict[str, Any]:
+def partial_json(delta: ChoiceDelta, num_predicted: int, num_prompt_tokens: int, id_slot: int,
+                 is_post_sampling: bool = False) -> dict[str, Any]:
     """One stream event: the new text and token ids, `stop: false`."""
     body: dict[str, Any] = {
         "index": delta.index, "content": delta.text, "tokens": list(delta.token_ids), "stop": False,
         "id_slot": id_slot, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt_tokens,
     }
     if delta.logprobs:
-        body["completion_probabilities"] = probs_json(delta.logprobs)
+        body["completion_probabilities"] = probs_json(delta.logprobs, is_post_sampling)
     return body
 
 
-def probs_json(entries: Sequence[LogprobText]) -> list[dict[str, Any]]:
-    """[{id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}] per generated token."""
+def probs_json(entries: Sequence[LogprobText], is_post_sampling: bool = False) -> list[dict[str, Any]]:
+    """[{id, token, bytes, logprob, top_logprobs: [{id, token, bytes, logprob}]}] per generated token;
+    after the sampler chain (post_sampling_probs) the same with `prob` and `top_probs`."""
+    if is_post_sampling:
+        return [{**_prob(e), "top_probs": [_prob(t) for t in e.top]} for e in entries]
+
     def one(entry: LogprobText) -> dict[str, Any]:
         return {"id": entry.token_id, "token": entry.token, "bytes": list(entry.bytes), "logprob": entry.logprob}
 
     return [{**one(e), "top_logprobs": [one(t) for t in e.top]} for e in entries]
+
+
+def _prob(entry: LogprobText) -> dict[str, Any]:
+    return {"id": entry.token_id, "token": entry.token, "bytes": list(entry.bytes), "prob": math.exp(entry.logprob)}
 
 
 def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:

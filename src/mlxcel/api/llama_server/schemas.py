@@ -12,7 +12,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, field_validator, model_validator
 
-from mlxcel.api.schema import WireModel
+from mlxcel.api.schema import MAX_SEED, ChatRole, WireModel
 
 MAX_N_PROBS = 20
 RANDOM_SEED = -1
@@ -33,10 +33,11 @@ class CompletionFields(WireModel):
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
-    seed: int = Field(RANDOM_SEED, ge=RANDOM_SEED)
+    seed: int = Field(RANDOM_SEED, ge=RANDOM_SEED, le=MAX_SEED)
     logit_bias: list[Any] | dict[str, Any] | None = None
     ignore_eos: bool = False
     n_probs: int = Field(0, ge=0, le=MAX_N_PROBS)
+    post_sampling_probs: bool = False  # n_probs as probabilities after the sampler chain
     stop: str | list[str] = Field(default_factory=list)
     cache_prompt: bool = True
     id_slot: int = Field(-1, ge=-1)
@@ -107,7 +108,7 @@ class TemplatePart(WireModel):
 class TemplateMessage(WireModel):
     """A chat turn in the /v1/chat/completions shape (the same fields the chat route reads)."""
 
-    role: str
+    role: ChatRole
     content: str | list[TemplatePart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None

@@ -10,7 +10,7 @@ from typing import Any
 
 from pydantic import Field, PrivateAttr, model_validator
 
-from mlxcel.api.schema import WireModel
+from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatRole, WireModel
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -41,7 +41,7 @@ class ContentPart(WireModel):
 
 
 class ChatMessage(WireModel):
-    role: str
+    role: ChatRole
     content: str | list[ContentPart] | None = None
     name: str | None = None
     tool_calls: list[dict[str, Any]] | None = None
@@ -63,7 +63,7 @@ class SamplingFields(WireModel):
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     logit_bias: dict[str, float] | None = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)  # what torch.manual_seed takes
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1, le=MAX_N)
     best_of: int | None = None

@@ -13,7 +13,7 @@ from typing import Annotated, Any, Literal
 from pydantic import Field, PrivateAttr, ValidationError, model_validator
 
 from mlxcel.api.errors import invalid_request
-from mlxcel.api.schema import WireModel
+from mlxcel.api.schema import MAX_SEED, MIN_SEED, WireModel
 
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS = 16  # OpenAI's metadata limits: 16 pairs, keys up to 64 and values up to 512 chars
@@ -244,7 +244,7 @@ class ResponseCreateRequest(ConversationFields):
     repetition_penalty: float | None = Field(None, gt=0.0)
     presence_penalty: float | None = Field(None, ge=-2.0, le=2.0)
     frequency_penalty: float | None = Field(None, ge=-2.0, le=2.0)
-    seed: int | None = None
+    seed: int | None = Field(None, ge=MIN_SEED, le=MAX_SEED)
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
