@@ -11,13 +11,11 @@ import contextlib
 import logging
 import signal
 import socket
-import threading
-from collections.abc import Generator
 from typing import Any
 
 import uvicorn
 
-from mlxcel.server.lifecycle import HANDLED_SIGNALS, LISTENING_PREFIX, listen_address
+from mlxcel.server.lifecycle import LISTENING_PREFIX, handled_signals, listen_address
 
 log = logging.getLogger("mlxcel.server")
 
@@ -29,17 +27,8 @@ class AsgiServer(uvicorn.Server):
         self.sock = sock
         self.address = listen_address(sock)
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach only the main thread
-            return
-        previous = {sig: signal.signal(sig, self._handle_signal) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return handled_signals(self._handle_signal)
 
     def _handle_signal(self, sig: int, frame: object) -> None:
         log.info("%s received: shutting down", signal.Signals(sig).name)

@@ -80,6 +80,21 @@ def listen_address(sock: socket.socket) -> str:
     return f"http://[{host}]:{port}" if ":" in host else f"http://{host}:{port}"
 
 
+@contextlib.contextmanager
+def handled_signals(handler: Callable[[int, object], None]) -> Generator[None, None, None]:
+    """SIGINT/SIGTERM go to `handler` while the block runs; a no-op off the main thread (signals
+    reach only the main thread)."""
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = {sig: signal.signal(sig, handler) for sig in HANDLED_SIGNALS}
+    try:
+        yield
+    finally:
+        for sig, old in previous.items():
+            signal.signal(sig, old)
+
+
 class HttpServer(uvicorn.Server):
     """uvicorn with mlxcel's signal handling (A7) and listening line (A4).
 
@@ -103,17 +118,8 @@ class HttpServer(uvicorn.Server):
         self._on_shutdown = on_shutdown
         self._exits_on_engine_failure = exits_on_engine_failure  # serve(): a dead engine ends the process
 
-    @contextlib.contextmanager
-    def capture_signals(self) -> Generator[None, None, None]:
-        if threading.current_thread() is not threading.main_thread():
-            yield  # signals reach only the main thread; a thread's owner calls request_shutdown()
-            return
-        previous = {sig: signal.signal(sig, self._handle_signal) for sig in HANDLED_SIGNALS}
-        try:
-            yield
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
+    def capture_signals(self) -> contextlib.AbstractContextManager[None]:
+        return handled_signals(self._handle_signal)  # in a thread, its owner calls request_shutdown()
 
     def _handle_signal(self, sig: int, frame: object) -> None:
         if self.should_exit and sig == signal.SIGINT:
