@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from .fake_hub import FakeHub, FakeRepo
+from .fake_hub import FakeHub, FakeRepo, hub_serving
 from .netguard import NonLoopbackAccess, is_loopback
 from .tiny_checkpoint import tiny_llama_files
 
@@ -50,15 +50,6 @@ def tiny_llama() -> dict[str, bytes]:
 def fake_hub(tiny_llama: dict[str, bytes], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     """A hub on 127.0.0.1 knowing `acme/tiny-llama` and `mlx-community/tiny-llama`; huggingface_hub
     in this process is pointed at it (it read HF_ENDPOINT at import, so its constants are patched)."""
-    from huggingface_hub import constants
-
-    hub = FakeHub({"acme/tiny-llama": FakeRepo(tiny_llama), "mlx-community/tiny-llama": FakeRepo(tiny_llama)}).start()
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    try:
+    repos = {"acme/tiny-llama": FakeRepo(tiny_llama), "mlx-community/tiny-llama": FakeRepo(tiny_llama)}
+    with hub_serving(repos, monkeypatch) as hub:
         yield hub
-    finally:
-        hub.stop()

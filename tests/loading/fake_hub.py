@@ -7,11 +7,14 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import contextlib
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from urllib.parse import unquote, urlsplit
+
+import pytest
 
 REGISTRY_PATH = "/api/agent-harnesses"
 _INFO = re.compile(r"^/api/models/(?P<repo>[^/]+/[^/]+)(?:/revision/(?P<rev>[^/]+))?$")
@@ -131,3 +134,21 @@ def _file(repo: FakeRepo, name: str) -> Answer:
 
 def _json(value: object) -> Answer:
     return 200, {"Content-Type": "application/json"}, json.dumps(value).encode()
+
+
+@contextlib.contextmanager
+def hub_serving(repos: dict[str, FakeRepo], monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
+    """A FakeHub on 127.0.0.1 with `repos`, huggingface_hub in this process pointed at it (it read
+    HF_ENDPOINT at import, so its constants are patched too); stopped on exit."""
+    from huggingface_hub import constants
+
+    hub = FakeHub(repos).start()
+    monkeypatch.setenv("HF_ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
+    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
+    try:
+        yield hub
+    finally:
+        hub.stop()

@@ -19,7 +19,7 @@ from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.model_control import LoadSettings, ModelControl
 from mlxcel.server.state import ServerState
-from tests.loading.fake_hub import FakeHub, FakeRepo
+from tests.loading.fake_hub import FakeHub, FakeRepo, hub_serving
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
 
 SESSION_KEY = "mlxcel-ui-test-session-key"
@@ -116,15 +116,5 @@ def padded_repo(seed: int = 0, num_pads: int = 4, pad_bytes: int = 1 << 20) -> F
 @pytest.fixture
 def fake_hub(monkeypatch: pytest.MonkeyPatch) -> Iterator[FakeHub]:
     """A hub on 127.0.0.1 with `acme/tiny-llama`; huggingface_hub in this process points at it."""
-    from huggingface_hub import constants
-
-    hub = FakeHub({"acme/tiny-llama": padded_repo()}).start()
-    monkeypatch.setenv("HF_ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "ENDPOINT", hub.url)
-    monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", hub.url + "/{repo_id}/resolve/{revision}/{filename}")
-    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
-    monkeypatch.setattr(constants, "HF_HUB_DISABLE_XET", True)
-    try:
+    with hub_serving({"acme/tiny-llama": padded_repo()}, monkeypatch) as hub:
         yield hub
-    finally:
-        hub.stop()
