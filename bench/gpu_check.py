@@ -138,11 +138,13 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("/tmp"))
     parser.add_argument("--qwen15", action="store_true", help="also a random Qwen2.5-1.5B shape at batch 1")
     args = parser.parse_args()
+    from mlxcel.layers.quant import fuse_projections
     from mlxcel.loading import load_model
 
     path = args.gguf or random_checkpoint(Path("/tmp/smol-random"))
     report: dict = {"checkpoint": str(path), "device": torch.cuda.get_device_name()}
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
+    fuse_projections(loaded.model)  # as runtime.py does on CUDA
     ref = hf_model(path, torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 64, 200, 731)]
@@ -172,10 +174,12 @@ def main() -> None:
 
 
 def qwen15_speed() -> dict:
+    from mlxcel.layers.quant import fuse_projections
     from mlxcel.loading import load_model
 
     path = random_checkpoint(Path("/tmp/qwen15-random"), QWEN15_SHAPE, family="qwen2")
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
+    fuse_projections(loaded.model)  # as runtime.py does on CUDA
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     out = engine_speeds(loaded, "cuda-graph", (1,), gen=256)
     out.pop("client").core.stop()

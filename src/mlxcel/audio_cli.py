@@ -122,7 +122,7 @@ def _voice_turn(values: dict[str, Any], resolve: Any, options: Any) -> int:
                                 EngineConfig(max_num_seqs=1, ctx_size=values["ctx_size"]))
     try:
         ctx = ApiContext(served.name, served.engine, served.tokenizer, served.chat_template, served.context_size,
-                         created)
+                         created, served.features)
         engine = CascadeEngine(ears.transcriber, ctx, voice.synthesizer)  # type: ignore[arg-type]
         audio = resample(_read_audio(values["audio"]), WHISPER_SAMPLE_RATE, SAMPLE_RATE)
         turn = Turn(audio, (), None, "alloy", values["max_tokens"], values["temperature"])

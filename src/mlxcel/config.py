@@ -2,14 +2,48 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
-# KV cache element types, as llama-server spells them (--cache-type-k / --cache-type-v).
-CACHE_TYPES = ("f32", "bf16", "f16")
+# KV cache element types, as llama-server spells them (--cache-type-k / --cache-type-v), and the
+# source's Turbo KV quantization (spec N2: --kv-cache-mode / --kv-quant-scheme); see layers/kv_quant.py.
+CACHE_TYPES = ("f32", "bf16", "f16", "q8_0")
+KV_CACHE_MODES = ("default", "turbo4")
+KV_QUANT_SCHEMES = ("none", "turboquant")
 DECODE_STEPS = ("auto", "compile", "cuda-graph", "eager")
+# Speculative decoding draft kinds (B1-B3), as --draft-kind spells them.
+DRAFT_KINDS = ("none", "prompt-lookup", "full-model", "dflash")
 
 MAX_KV_SIZE_MIN = 64
 MAX_KV_SIZE_MAX = 2_147_483_647
+
+
+@dataclass(frozen=True, slots=True)
+class SpeculativeConfig:
+    """Speculative decoding (B1-B4; llama-server flag names in comments)."""
+
+    draft_kind: str = "none"  # --draft-kind: none | prompt-lookup | full-model | dflash
+    draft_max: int = 16  # --draft-max: most draft tokens a verify round checks
+    draft_min: int = 0  # --draft-min: shorter drafts are not verified (the row decodes plainly)
+    max_batch: int = 2  # --prompt-lookup-max-batch: speculate only while this many rows or fewer run
+    ngram_size: int = 3  # --prompt-lookup-ngram: longest suffix n-gram looked up in the context
+    draft_model: str | None = None  # --draft-model (full-model)
+    block_size: int = 16  # --draft-block-size (dflash)
+
+    def __post_init__(self) -> None:
+        if self.draft_kind not in DRAFT_KINDS:
+            raise ValueError(f"--draft-kind must be one of {', '.join(DRAFT_KINDS)}; not {self.draft_kind!r}")
+        if self.draft_max < 1:
+            raise ValueError(f"--draft-max must be at least 1, not {self.draft_max}")
+        if not 0 <= self.draft_min <= self.draft_max:
+            raise ValueError(f"--draft-min must lie between 0 and --draft-max ({self.draft_max}), not {self.draft_min}")
+        if self.max_batch < 1:
+            raise ValueError(f"--prompt-lookup-max-batch must be at least 1, not {self.max_batch}")
+        if self.ngram_size < 1:
+            raise ValueError(f"--prompt-lookup-ngram must be at least 1, not {self.ngram_size}")
+
+    @property
+    def is_enabled(self) -> bool:
+        return self.draft_kind != "none"
 
 
 @dataclass(frozen=True, slots=True)
@@ -26,12 +60,18 @@ class EngineConfig:
     decode_timeout_s: float = 600.0  # --decode-timeout (A8)
     slot_save_path: str | None = None  # --slot-save-path (F12)
     kv_cache_bytes: int = 0  # --kv-cache-memory: cap on the KV pool; 0 = sized from the context alone
-    cache_type_k: str = "bf16"  # --cache-type-k: f32 | bf16 | f16
+    request_memory_budget_bytes: int = 0  # MLXCEL_REQUEST_MEMORY_BUDGET (O): lowers the per-request budget; 0 = pool
+    cache_type_k: str = "bf16"  # --cache-type-k: f32 | bf16 | f16 | q8_0
     cache_type_v: str = "bf16"  # --cache-type-v
+    kv_cache_mode: str = "default"  # --kv-cache-mode: default | turbo4 (N2; overrides both cache types)
+    kv_quant_scheme: str = "none"  # --kv-quant-scheme: none | turboquant (the same Turbo 4-bit store)
     # --decode-step: auto | compile | cuda-graph | eager (--no-compile). The CLI's default is auto;
     # an engine built in code runs eagerly unless asked, so it pays no compile time.
     decode_step: str = "eager"
     compile_cache_dir: str | None = None  # where compiled decode steps persist (under --models-dir)
+    n_predict: int = -1  # --n-predict: cap on every request's max_tokens; -1 = none
+    seed: int = -1  # --seed: the seed of requests that name none; -1 = random per request
+    speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # B1-B4
 
     def __post_init__(self) -> None:
         if self.max_num_seqs < 1:
@@ -41,13 +81,34 @@ class EngineConfig:
                 f"--max-kv-size must be 0 (off) or between {MAX_KV_SIZE_MIN} and "
                 f"{MAX_KV_SIZE_MAX}, not {self.max_kv_size}"
             )
+        if self.request_memory_budget_bytes < 0:
+            raise ValueError(f"MLXCEL_REQUEST_MEMORY_BUDGET must be above 0, not {self.request_memory_budget_bytes}")
         if self.ctx_size < 0:
             raise ValueError(f"--ctx-size must not be negative, not {self.ctx_size}")
+        if self.n_predict < -1 or self.n_predict == 0:
+            raise ValueError(f"--n-predict must be -1 (no limit) or a positive number of tokens, not {self.n_predict}")
+        if not -1 <= self.seed < 2**64:
+            raise ValueError(f"--seed must be -1 (random) or between 0 and 2^64-1, not {self.seed}")
         for flag, value in (("--cache-type-k", self.cache_type_k), ("--cache-type-v", self.cache_type_v)):
             if value not in CACHE_TYPES:
                 raise ValueError(f"{flag} must be one of {', '.join(CACHE_TYPES)}; not {value!r}")
+        if self.kv_cache_mode not in KV_CACHE_MODES:
+            raise ValueError(f"--kv-cache-mode must be one of {', '.join(KV_CACHE_MODES)}; not {self.kv_cache_mode!r}")
+        if self.kv_quant_scheme not in KV_QUANT_SCHEMES:
+            raise ValueError(f"--kv-quant-scheme must be one of {', '.join(KV_QUANT_SCHEMES)}; "
+                             f"not {self.kv_quant_scheme!r}")
         if self.decode_step not in DECODE_STEPS:
             raise ValueError(f"--decode-step must be one of {', '.join(DECODE_STEPS)}; not {self.decode_step!r}")
+
+    @property
+    def is_turbo_kv(self) -> bool:
+        return self.kv_cache_mode == "turbo4" or self.kv_quant_scheme == "turboquant"
+
+    def kv_element_types(self) -> tuple[str, str]:
+        """What keys and values are stored as: a Turbo mode or scheme overrides --cache-type-k/-v."""
+        if self.is_turbo_kv:
+            return "turbo4", "turbo4"
+        return self.cache_type_k, self.cache_type_v
 
     def decode_step_mode(self, device: str) -> str:
         """`auto` is compile on CPU, CUDA graphs on CUDA."""

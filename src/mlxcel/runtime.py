@@ -11,7 +11,7 @@ import threading
 import time
 import uuid
 from collections.abc import Callable
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -19,9 +19,13 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
-from mlxcel.layers.quant import can_quantize, quantize
+from mlxcel.chat.plan import ChatFeatures, FeatureSettings
+from mlxcel.engine.spec import DraftPolicy
+from mlxcel.layers.lora import apply_adapters, load_adapter
+from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
-from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
+from mlxcel.loading.lazy import materialize_all
+from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Request, SamplingParams
@@ -41,6 +45,8 @@ class RuntimeOptions:
     quantize: str = "auto"  # --quantize: auto = packed weight-only decode matmuls on CPU, off = keep dtype
     threads: int = 0  # --threads: torch intra-op threads; 0 = torch's default (every core)
     chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
+    adapters: tuple[tuple[Path, float], ...] = ()  # --adapter / --lora / --lora-scaled: (path, scale) (F8)
+    weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -64,14 +70,8 @@ class ServedModel:
     chat_template: ChatTemplate | None
     engine: EngineClient
     engine_config: EngineConfig
-    features: ChatFeatures | None = None  # built at startup; chat_features() builds defaults if missing
-
-    def chat_features(self) -> ChatFeatures:
-        """The model's chat features (S, R, Q, P, V); default settings when none were built."""
-        if self.features is None:
-            self.features = build_chat_features(self.name, self.loaded, self.tokenizer, self.chat_template,
-                                                FeatureSettings())
-        return self.features
+    features: ChatFeatures  # S, R, Q, P, V: built once, with the model (build_chat_features)
+    lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
 
     @property
     def context_size(self) -> int:
@@ -104,7 +104,20 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
     return ModelShape.of(loaded.model.args)
 
 
-def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+class DraftMismatchError(ValueError):
+    """The draft model cannot draft for the target (B1): startup is refused with exit 2."""
+
+
+def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, draft: Tokenizer) -> None:
+    """B1: the draft model must have the target's vocabulary (the same token for every id)."""
+    if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(with_added_tokens=True):
+        raise DraftMismatchError(
+            f"the draft model {draft_path} has a different vocabulary ({draft.vocab_size} tokens) from the "
+            f"model {target_path} ({target.vocab_size} tokens); a drafter needs the target's tokenizer")
+
+
+def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,
+                       draft: ResolvedModel | None = None) -> ServedModel:
     """A6 order: tokenizer and chat template (from the checkpoint's metadata) before the weights,
     so a bad template fails fast; then weights fully loaded, decode path, engine, warmup.
 
@@ -115,31 +128,63 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
         torch.set_num_threads(options.threads)
     checkpoint = open_checkpoint(resolved.path)
     tokenizer = load_tokenizer(checkpoint)
+    draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
+    if draft is not None and draft_checkpoint is not None:
+        check_draft_vocab(resolved.path, tokenizer, draft.path, load_tokenizer(draft_checkpoint))
     template = load_chat_template(
         override_source=options.chat_template, override_file=options.chat_template_file,
         gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
     log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
              else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
-    served = _on_engine_thread(lambda: _build_served(resolved, checkpoint, tokenizer, template, options, engine_config))
+    served = _on_engine_thread(lambda: _build_served(resolved, checkpoint, tokenizer, template, options, engine_config,
+                                                     draft_checkpoint))
     if options.warmup:
         warmup(served)
     return served
 
 
 def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
-                  template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+                  template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig,
+                  draft_checkpoint: Checkpoint | None = None) -> ServedModel:
     dtype = options.torch_dtype()
-    loaded = load_weights(checkpoint, device=options.device, dtype=dtype)
-    log.info("Model loaded: %s (%s, %s on %s)", resolved.name, loaded.model_type, dtype, options.device)
+    is_lazy = options.weight_materialization == "lazy"
+    loaded = load_weights(checkpoint, device=options.device, dtype=dtype, lazy=is_lazy)
+    log.info("Model loaded: %s (%s, %s on %s; weight materialization: %s)", resolved.name, loaded.model_type, dtype,
+             options.device, "lazy, each tensor read on first use" if is_lazy else "eager")
     log.info("decode path: %s", _decode_path(loaded, options))
+    lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)
     engine_config = _fit_engine_config(loaded, engine_config)
+    is_drafting = draft_checkpoint is not None and engine_config.speculative.draft_kind == "full-model"
+    drafts = _draft_policy(draft_checkpoint, options, engine_config) if is_drafting else None
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
-                      device=options.device, dtype=dtype)
+                      device=options.device, dtype=dtype, drafts=drafts)
     if options.warmup:
         core.warm_decode_step()
-    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features)
+        if drafts is not None:
+            log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora)
+
+
+def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: EngineConfig) -> DraftPolicy:
+    """B1: the draft model on the target's device and dtype, with its own paged KV (as many blocks as
+    the target's slots need) and the target's decode-step mode."""
+    from mlxcel.engine.spec.draft_model import ModelDrafter
+    from mlxcel.layers import kv_quant
+
+    loaded = load_weights(checkpoint, device=options.device, dtype=options.torch_dtype())
+    log.info("draft model loaded: %s (%s); decode path: %s", checkpoint.path, loaded.model_type,
+             _decode_path(loaded, options))
+    shape = model_shape(loaded)
+    k_type, v_type = config.kv_element_types()
+    bytes_per_token = kv_quant.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, k_type, v_type)
+    num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
+    drafter = ModelDrafter(loaded.model, shape, num_blocks=num_blocks, block_size=config.block_size,
+                           device=options.device, dtype=options.torch_dtype(), kv_types=(k_type, v_type),
+                           mode=config.decode_step_mode(options.device),
+                           max_rows=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching)
+    return DraftPolicy(config.speculative, drafter)
 
 
 def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
@@ -168,16 +213,39 @@ def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
 
 def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
     if options.is_quantized():
+        if materialize_all(loaded.model):
+            log.info("lazy weights: all read now, as the CPU decode rewrite needs them (--quantize off keeps them lazy)")
         return f"{quantize(loaded.model)}; {options.torch_dtype()} activations and KV cache"
+    if options.device.startswith("cuda"):  # fewer, wider GEMMs in each captured decode step
+        if materialize_all(loaded.model):
+            log.info("lazy weights: all read now, as fusing the projections needs them")
+        fused = fuse_projections(loaded.model)
+        return f"{options.torch_dtype()} linears and KV cache ({fused} projections fused into wider matmuls)"
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 
+def _apply_adapters(loaded: LoadedModel, options: RuntimeOptions) -> LoraRegistry:
+    """A6: LoRA adapters after the weights, beside them (not merged); AdapterError if one does not fit."""
+    if not options.adapters:
+        return LoraRegistry()
+    adapters = [load_adapter(path, scale) for path, scale in options.adapters]
+    apply_adapters(loaded.model, adapters, device=options.device, dtype=options.torch_dtype())
+    for index, adapter in enumerate(adapters):
+        log.info("LoRA adapter %d: %s (scale %g, %d projections)", index, adapter.path, adapter.scale,
+                 len(adapter.weights))
+    return LoraRegistry([(str(a.path), a.scale) for a in adapters])
+
+
 def _fit_engine_config(loaded: LoadedModel, config: EngineConfig) -> EngineConfig:
-    """Settings the model overrides: families that cannot batch get one slot (A3); models with
-    their own sliding window ignore --max-kv-size (N)."""
+    """Settings the model overrides: families that cannot batch get one slot (A3) and no speculation
+    (B4); models with their own sliding window ignore --max-kv-size (N)."""
     if not loaded.supports_batching and config.max_num_seqs != 1:
         log.warning("%s cannot batch requests: --parallel %d clamped to 1", loaded.model_type, config.max_num_seqs)
         config = replace(config, max_num_seqs=1)
+    if not loaded.supports_batching and config.speculative.is_enabled:  # a verify round is a batch of rows
+        log.warning("%s cannot batch rows: speculative decoding (--draft-kind %s) turned off", loaded.model_type,
+                    config.speculative.draft_kind)
+        config = replace(config, speculative=replace(config.speculative, draft_kind="none", draft_model=None))
     if config.max_kv_size and getattr(loaded.model.args, "sliding_window", None):
         log.info("--max-kv-size %d ignored: %s has its own sliding window", config.max_kv_size, loaded.model_type)
         config = replace(config, max_kv_size=0)

@@ -14,31 +14,29 @@ from __future__ import annotations
 import enum
 import logging
 from collections.abc import Callable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import torch
 
-from mlxcel.api.modes import ModelEntry, SinglePurposeMode
-from mlxcel.audio_models import AudioModels
+from mlxcel.api.modes import SinglePurposeMode
 from mlxcel.loading import ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
+from mlxcel.loading.encoder import is_embedding_checkpoint, is_rerank_checkpoint
+from mlxcel.process import NamedProvider, SideModels  # the products; re-exported for callers of this module
 from mlxcel.runtime import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
-from mlxcel.workers.base import WorkerConfig, WorkerStats
+from mlxcel.workers.base import WorkerConfig
 from mlxcel.workers.causal_lm import last_position_logits
 from mlxcel.workers.embedding import (
     EmbeddingConfig,
     EmbeddingProvider,
     PoolingType,
-    is_embedding_checkpoint,
 )
 from mlxcel.workers.encoder_inputs import parse_dtype
 from mlxcel.workers.rerank import (
     GenerativeReranker,
-    Reranker,
     RerankConfig,
     RerankProvider,
-    is_rerank_checkpoint,
     rerank_batch_size,
 )
 
@@ -213,46 +211,6 @@ def _single_purpose_mode(main_kind: CheckpointKind, embedding: ResolvedModel | N
 
 
 # ---- loading ----
-
-@dataclass(frozen=True, slots=True)
-class NamedProvider:
-    name: str  # the id /v1/models lists and responses carry
-    window: int  # longest input in tokens
-    created: int
-
-
-@dataclass
-class SideModels:
-    """The providers one process serves, and its single-purpose mode when chat is not served."""
-
-    embedding: EmbeddingProvider | None = None
-    embedding_info: NamedProvider | None = None
-    reranker: Reranker | None = None
-    reranker_info: NamedProvider | None = None
-    mode: SinglePurposeMode | None = None
-    audio: AudioModels | None = None  # the provider of an audio-only process (spec G)
-    realtime: tuple[AudioModels, AudioModels] | None = None  # (Whisper, voice) of a realtime process (spec H)
-    realtime_entry: ModelEntry | None = None  # the realtime model as /v1/models lists it
-    # (name, stop(timeout) -> exited in time) per provider thread, joined at shutdown (A7)
-    stoppers: list[tuple[str, Callable[[float], bool]]] = field(default_factory=list)
-
-    def stats(self) -> list[WorkerStats]:
-        providers = (self.embedding, self.reranker)
-        stats = [provider.stats() for provider in providers if provider is not None]
-        audio = [self.audio] if self.audio is not None else list(self.realtime or ())
-        return stats + [models.stats() for models in audio]
-
-    def model_entries(self) -> list[ModelEntry]:
-        """The providers as /v1/models lists them, each with its capability."""
-        entries = [(self.embedding_info, "embedding"), (self.reranker_info, "rerank")]
-        listed = [ModelEntry(info.name, (capability,), info.created, info.window)
-                  for info, capability in entries if info is not None]
-        listed += [self.audio.model_entry()] if self.audio is not None else []
-        return listed + ([self.realtime_entry] if self.realtime_entry is not None else [])
-
-    def stop(self, timeout: float = 120.0) -> bool:
-        return all([stop(timeout) for _, stop in self.stoppers])
-
 
 def load_side_models(plan: ProcessPlan, options: SideModelOptions, created: int) -> SideModels:
     """Load each planned provider and start its worker thread; stops what started if one fails."""

@@ -91,6 +91,13 @@ class Request:
     slot_id: int | None = None  # llama-server id_slot; None = any
     arrival_time: float = field(default_factory=time.monotonic)
     processors: tuple[TokenProcessor, ...] = ()
+    lora_scales: tuple[float, ...] = ()  # F8: one scale per loaded adapter; () = the base model
+    report_progress: bool = False  # llama-server return_progress: a PromptProgress event per prefill chunk
+
+    @property
+    def cache_extra(self) -> tuple[str, tuple[float, ...]] | None:
+        """What the prefix cache keys blocks by besides tokens: KV under other LoRA scales differs."""
+        return ("lora", self.lora_scales) if any(self.lora_scales) else None
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,11 +108,23 @@ class TokenLogprob:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptProgress:
+    """llama-server's `prompt_progress` after one prefill chunk: `processed` counts the prompt tokens
+    in the slot so far, the `cache` hits included, so the last chunk's equals `total`."""
+
+    total: int
+    cache: int
+    processed: int
+    time_ms: int  # since the request's prompt processing began (its first admission to a slot)
+
+
+@dataclass(frozen=True, slots=True)
 class TokenEvent:
     """What one engine step produced for one request.
 
     `token_ids` holds the new tokens (more than one after an accepted speculative draft).
-    The last event of a request carries `finish_reason`.
+    The last event of a request carries `finish_reason`. A request with `report_progress` also gets
+    events with `progress` set and no tokens, one after each of its prefill chunks.
     """
 
     request_id: str
@@ -115,6 +134,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    progress: PromptProgress | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -148,6 +168,18 @@ class ContextOverflowError(EngineError):
         self.context_size = context_size
 
 
+class RequestMemoryError(EngineError):
+    """The request's estimated KV memory (prompt + max output) is over the budget (spec O); 503."""
+
+    def __init__(self, request_id: str, estimated_bytes: int, budget_bytes: int) -> None:
+        super().__init__(
+            f"request {request_id} needs an estimated {estimated_bytes} bytes of KV memory (prompt plus "
+            f"max_tokens), over the request memory budget of {budget_bytes} bytes; lower max_tokens or the prompt"
+        )
+        self.estimated_bytes = estimated_bytes
+        self.budget_bytes = budget_bytes
+
+
 class EngineShutdownError(EngineError):
     """The engine is stopping and takes no new requests."""
 
@@ -160,6 +192,7 @@ class SlotStats:
     num_prompt_tokens: int
     num_generated_tokens: int
     context_size: int
+    num_remaining_tokens: int = -1  # max_tokens left to generate; -1: idle or no limit
 
 
 @dataclass(frozen=True, slots=True)
@@ -172,6 +205,23 @@ class PrefixCacheStats:
     num_blocks_free: int = 0
     num_blocks_cached: int = 0  # free but still holding a reusable prefix
     num_evictions: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class DraftStats:
+    """Speculative decoding (B1-B4): its configuration and the draft tokens verified / accepted."""
+
+    kind: str = "none"
+    draft_max: int = 0
+    draft_min: int = 0
+    max_batch: int = 0
+    draft_model: str | None = None
+    num_drafted: int = 0
+    num_accepted: int = 0
+
+    @property
+    def acceptance_rate(self) -> float:
+        return self.num_accepted / self.num_drafted if self.num_drafted else 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -190,3 +240,7 @@ class EngineStats:
     prefix_cache: PrefixCacheStats
     sequences_aborted: int = 0  # started, then aborted: started = completed + aborted + running
     is_alive: bool = True  # False once the engine loop died (/health 503, the server exits 1)
+    num_steps: int = 0  # forward passes run (llama-server's n_decode_total)
+    num_busy_slot_steps: int = 0  # running sequences summed over those steps (n_busy_slots_per_decode)
+    max_sequence_len: int = 0  # longest sequence computed so far, prompt + output (n_tokens_max)
+    drafts: DraftStats = DraftStats()

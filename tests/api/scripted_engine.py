@@ -8,7 +8,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from mlxcel.api.context import ApiContext
-from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
+from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import FinishReason, Request, TokenEvent, TokenLogprob

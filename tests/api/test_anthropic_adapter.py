@@ -21,7 +21,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_api_key, invalid_request, unavailable
 from mlxcel.api.generation import ChoiceResult, ChoiceTimings
 from mlxcel.api.replies import JsonReply, StreamReply
-from mlxcel.text.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import FinishReason, Priority, SamplingParams
 

@@ -7,9 +7,9 @@ import torch
 
 from mlxcel.api.control import CompletionControls, ControlOutcome, collect_handles
 from mlxcel.api.generation import GenerationParams, Prompt
-from mlxcel.text.budget import UNLIMITED, ReasoningBudget
-from mlxcel.text.loop_guard import STANDARD, LoopGuard
-from mlxcel.text.reasoning import ThinkTokens
+from mlxcel.chat.budget import UNLIMITED, ReasoningBudget
+from mlxcel.chat.loop_guard import STANDARD, LoopGuard
+from mlxcel.chat.reasoning import ThinkTokens
 
 THINK = ThinkTokens("<think>", "</think>", (3,), (7,))
 

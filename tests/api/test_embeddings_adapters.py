@@ -13,7 +13,8 @@ import numpy as np
 import pytest
 
 from mlxcel.api import rerank as rerank_api
-from mlxcel.api.embedding_input import InvalidRequestError, parse_inputs
+from mlxcel.api.embedding_input import parse_inputs
+from mlxcel.api.errors import ApiError
 from mlxcel.api.llama_server import embeddings as native
 from mlxcel.api.openai import embeddings as openai_api
 from mlxcel.workers.embedding import (
@@ -81,14 +82,14 @@ def test_F1_input_forms(value: object, expected: list) -> None:
     ],
 )
 def test_F1_bad_inputs_are_400s(value: object, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ApiError, match=message):
         parse_inputs(value)
 
 
 def test_F4_native_accepts_mixed_inputs_and_content() -> None:
     request = native.parse_native_embedding_request({"content": ["a", [101, 102]], "embd_normalize": -1})
     assert request.inputs == ["a", [101, 102]] and request.options.normalize == -1
-    with pytest.raises(InvalidRequestError, match='"input" or "content" must be provided'):
+    with pytest.raises(ApiError, match='"input" or "content" must be provided'):
         native.parse_native_embedding_request({"prompt": "x"})
 
 
@@ -133,7 +134,7 @@ def test_F1_base64_is_little_endian_float32_as_the_openai_sdk_decodes() -> None:
     ],
 )
 def test_F1_bad_request_fields_are_400s(body: object, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ApiError, match=message):
         openai_api.parse_embeddings_request(body)
 
 
@@ -162,7 +163,7 @@ def test_F1_route_body_errors(embedder: EmbeddingProvider) -> None:
 
 def test_F1_pooling_none_is_refused_by_the_openai_route(embedding_dir: Path) -> None:
     provider = EmbeddingProvider(EmbeddingModel(embedding_dir, EmbeddingConfig(pooling=PoolingType.NONE)))
-    with pytest.raises(InvalidRequestError, match="pooling 'none'.*/embedding"):
+    with pytest.raises(ApiError, match="pooling 'none'.*/embedding"):
         asyncio.run(openai_api.create_embeddings(provider, {"input": "x"}, "tiny"))
 
 
@@ -248,7 +249,7 @@ def test_F3_tei_golden_response() -> None:
     ],
 )
 def test_F3_bad_rerank_requests_are_400s(body: dict, message: str) -> None:
-    with pytest.raises(InvalidRequestError, match=message):
+    with pytest.raises(ApiError, match=message):
         rerank_api.parse_rerank_request(body)
 
 

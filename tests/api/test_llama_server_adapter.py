@@ -127,7 +127,7 @@ def test_f4_final_json_golden(tokenizer: Tokenizer) -> None:
         "n_ctx": 1024, "n_predict": 8, "max_tokens": 8, "seed": 0xFFFFFFFF, "temperature": 0, "top_k": 40,
         "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "stop": [], "ignore_eos": False, "stream": False, "logit_bias": [], "n_probs": 1,
-        "cache_prompt": True}
+        "cache_prompt": True, "adaptive_target": -1.0, "adaptive_decay": 0.9}
     assert body["timings"]["cache_n"] == 3 and body["timings"]["prompt_n"] == 2 and body["timings"]["predicted_n"] == 3
     probs = [{"id": t, "token": tokenizer.decode([t]), "bytes": list(tokenizer.decode([t]).encode()), "logprob": -0.25,
               "top_logprobs": [{"id": t, "token": tokenizer.decode([t]), "bytes": list(tokenizer.decode([t]).encode()),
@@ -147,7 +147,10 @@ def test_f4_timings_golden(tokenizer: Tokenizer) -> None:
     result = replace(asyncio.run(generation.collect())[0], timings=FIXED)
     assert results.timings_json(result, 2) == {
         "cache_n": 1, "prompt_n": 4, "prompt_ms": 250.0, "prompt_per_token_ms": 62.5, "prompt_per_second": 16.0,
-        "predicted_n": 2, "predicted_ms": 500.0, "predicted_per_token_ms": 250.0, "predicted_per_second": 4.0}
+        "predicted_n": 2, "predicted_ms": 500.0, "predicted_per_token_ms": 500.0, "predicted_per_second": 2.0}
+    # llama-server's rate is over decode steps: the first token comes with the prompt's logits
+    one = results.timings_json(result, 1)
+    assert (one["predicted_per_token_ms"], one["predicted_per_second"]) == (0.0, 0.0)
     options = results.ReplyOptions("m", -1, False, False, False, context_size=7, settings={})
     body = results.final_json(result, "p", options)
     assert (body["stop_type"], body["stopped_limit"], body["truncated"]) == ("limit", True, True)  # 5 + 2 >= 7

@@ -11,7 +11,7 @@ import pytest
 
 from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
 from mlxcel.env import Environment
-from mlxcel.text.chat_plan import FeatureSettings
+from mlxcel.chat.plan import FeatureSettings
 
 
 def chat(argv: list[str], env: dict[str, str] | None = None) -> FeatureSettings:
@@ -21,7 +21,7 @@ def chat(argv: list[str], env: dict[str, str] | None = None) -> FeatureSettings:
 
 
 def test_defaults() -> None:
-    assert chat([]) == FeatureSettings(reasoning_budget="-1")
+    assert chat([]) == FeatureSettings(reasoning_budget=-1)
 
 
 def test_flags_and_mirrors() -> None:
@@ -30,17 +30,17 @@ def test_flags_and_mirrors() -> None:
                     {"LLAMA_ARG_CHAT_TEMPLATE_KWARGS": '{"enable_thinking": false}', "MLXCEL_LOOP_DETECTION": "on",
                      "MLXCEL_REASONING_ECHO_MAX_BYTES": "0"})
     assert settings == FeatureSettings(
-        reasoning_format="deepseek-legacy", reasoning_budget="64", chat_template_kwargs='{"preserve_thinking": true}',
+        reasoning_format="deepseek-legacy", reasoning_budget=64, chat_template_kwargs='{"preserve_thinking": true}',
         chat_template_kwargs_env='{"enable_thinking": false}', loop_detection="on", echo_max_bytes=0,
         skip_chat_parsing=True)
-    assert chat([], {"LLAMA_ARG_REASONING_BUDGET": "8"}).reasoning_budget == "8"
-    assert chat(["--reasoning-budget", "4"], {"LLAMA_ARG_REASONING_BUDGET": "8"}).reasoning_budget == "4"
+    assert chat([], {"LLAMA_ARG_REASONING_BUDGET": "8"}).reasoning_budget == 8
+    assert chat(["--reasoning-budget", "4"], {"LLAMA_ARG_REASONING_BUDGET": "8"}).reasoning_budget == 4
 
 
 @pytest.mark.parametrize(("argv", "env", "message"), [
-    (["--chat-template-kwargs", "{bad"], {}, "--chat-template-kwargs is not valid JSON"),
-    ([], {"LLAMA_ARG_CHAT_TEMPLATE_KWARGS": "[1]"}, "LLAMA_ARG_CHAT_TEMPLATE_KWARGS must be a JSON object"),
-    (["--reasoning-budget", "-2"], {}, "--reasoning-budget must be -1"),
+    (["--chat-template-kwargs", "{bad"], {}, r"chat_template_kwargs \(--chat-template-kwargs\): '\{bad' is not valid"),
+    ([], {"LLAMA_ARG_CHAT_TEMPLATE_KWARGS": "[1]"}, "LLAMA_ARG_CHAT_TEMPLATE_KWARGS.*expected a JSON object"),
+    (["--reasoning-budget", "-2"], {}, "reasoning_budget .*expected a whole number >= -1"),
     ([], {"MLXCEL_LOOP_DETECTION": "sometimes"}, "MLXCEL_LOOP_DETECTION"),
 ])  # fmt: skip
 def test_bad_values_refuse_startup(argv: list[str], env: dict[str, str], message: str) -> None:
@@ -51,4 +51,4 @@ def test_bad_values_refuse_startup(argv: list[str], env: dict[str, str], message
 def test_invalid_kwargs_json_exits_2_with_one_line() -> None:
     run = subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--chat-template-kwargs", "{bad"],
                          capture_output=True, text=True, timeout=120)
-    assert run.returncode == 2 and "error: --chat-template-kwargs is not valid JSON" in run.stderr.splitlines()[-1]
+    assert run.returncode == 2 and "error: chat_template_kwargs (--chat-template-kwargs): '{bad' is not valid" in run.stderr.splitlines()[-1]

@@ -7,9 +7,10 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from mlxcel.cli import (
-    OPTIONS, generate_parser, parse_size, resolve_values, serve_parser, serve_settings,
+    GENERATE_OPTIONS, OPTIONS, generate_parser, parse_size, resolve_values, serve_parser, serve_settings,
 )
 from mlxcel.env import Environment, EnvError
 
@@ -65,6 +66,22 @@ def test_a10_env_mirrors_and_cli_wins() -> None:
     assert settings(["--apc-enabled"], env).engine.enable_prefix_caching is True
 
 
+def test_llama_server_alias_list_and_tags() -> None:
+    s = settings(["--alias", "b, a,,b", "--tags", "x,y"])
+    assert s.server.aliases == ("a", "b") and s.server.tags == ("x", "y")
+    assert settings([], {"LLAMA_ARG_TAGS": "t"}).server.tags == ("t",)
+
+
+def test_llama_server_n_predict_and_seed_defaults() -> None:
+    s = settings(["-n", "64", "-s", "42"])
+    assert (s.engine.n_predict, s.engine.seed) == (64, 42)
+    assert settings(["--n-predict", "8"], {"LLAMA_ARG_N_PREDICT": "99"}).engine.n_predict == 8
+    assert settings([], {"LLAMA_ARG_N_PREDICT": "99"}).engine.n_predict == 99
+    assert (settings([]).engine.n_predict, settings([]).engine.seed) == (-1, -1)
+    with pytest.raises(ValueError, match="--n-predict"):
+        settings(["-n", "0"])
+
+
 def test_a10_bad_env_value_names_the_variable() -> None:
     with pytest.raises(EnvError, match="LLAMA_ARG_N_PARALLEL"):
         values([], {"LLAMA_ARG_N_PARALLEL": "many"})
@@ -113,14 +130,14 @@ def test_a4_unix_socket_host() -> None:
 def test_generate_parser_has_generation_flags() -> None:
     namespace = generate_parser("mlxcel generate").parse_args(["-m", "x", "-p", "hi", "--chat", "--max-tokens", "4",
                                                                "--temp", "0.5", "--seed", "1"])
-    assert (namespace.prompt, namespace.chat, namespace.max_tokens, namespace.temperature, namespace.seed) == \
-        ("hi", True, 4, 0.5, 1)
+    got = resolve_values(namespace, GENERATE_OPTIONS + OPTIONS, Environment.read({}))
+    assert (got["prompt"], got["chat"], got["max_tokens"], got["temperature"], got["seed"]) == ("hi", True, 4, 0.5, 1)
 
 
 def test_cli_errors_exit_2() -> None:
     bad = subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--parallel", "0"], capture_output=True,
                          text=True, timeout=120)
-    assert bad.returncode == 2 and "--parallel must be at least 1" in bad.stderr
+    assert bad.returncode == 2 and "parallel (--parallel, LLAMA_ARG_N_PARALLEL): '0' is not valid" in bad.stderr
     unknown = subprocess.run([sys.executable, "-m", "mlxcel.cli", "bogus"], capture_output=True, text=True,
                              timeout=120)
     assert unknown.returncode == 2 and "serve" in unknown.stderr
@@ -139,7 +156,35 @@ def test_kv_cache_types_and_decode_step_flags() -> None:
     assert settings([], {"MLXCEL_NO_COMPILE": "1"}).engine.decode_step == "eager"
     with pytest.raises(ValueError, match="--no-compile contradicts --decode-step compile"):
         settings(["--no-compile", "--decode-step", "compile"])
-    with pytest.raises(ValueError, match="--cache-type-k must be one of f32, bf16, f16"):
+    with pytest.raises(EnvError, match="LLAMA_ARG_CACHE_TYPE_K.*expected one of f32, bf16, f16"):
         settings([], {"LLAMA_ARG_CACHE_TYPE_K": "q4"})
-    with pytest.raises(SystemExit):
-        serve_parser("mlxcel serve", "serve").parse_args(["--cache-type-v", "q4"])
+    with pytest.raises(ValueError, match="cache_type_v.*'q4' is not valid; expected one of f32, bf16, f16"):
+        settings(["--cache-type-v", "q4"])
+
+
+def test_f8_lora_flags_keep_their_order_and_scales(tmp_path) -> None:  # noqa: ANN001
+    runtime = settings(["--lora", "a", "--lora-scaled", "b", "0.25", "--adapter", "c"]).runtime
+    assert [(p.name, s) for p, s in runtime.adapters] == [("a", 1.0), ("b", 0.25), ("c", 1.0)]
+    env = settings([], {"LLAMA_ARG_LORA_SCALED": "x:0.5,y:2"}).runtime.adapters
+    assert [(p.name, s) for p, s in env] == [("x", 0.5), ("y", 2.0)]
+    assert settings(["--lora", "a", "--lora-init-without-apply"]).runtime.adapters[0][1] == 0.0
+    with pytest.raises(ValueError, match=r"lora \(--lora, LLAMA_ARG_LORA\): .*'big'.* is not valid; expected adapter folders"):
+        settings(["--lora-scaled", "b", "big"])
+
+
+def test_f8_adapter_that_does_not_fit_exits_2(tmp_path) -> None:  # noqa: ANN001
+    import json
+
+    from safetensors.torch import save_file
+
+    from mlxcel.cli import run_serve
+    from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
+
+    model = write_files(tmp_path / "tiny", tiny_llama_files())
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_config.json").write_text(json.dumps({"r": 2, "lora_alpha": 4, "target_modules": ["q_proj"]}))
+    save_file({"base_model.model.model.layers.0.self_attn.q_proj.lora_A.weight": torch.zeros(2, 99),
+               "base_model.model.model.layers.0.self_attn.q_proj.lora_B.weight": torch.zeros(32, 2)},
+              str(adapter / "adapter_model.safetensors"))
+    assert run_serve(settings(["-m", str(model), "--lora", str(adapter), "--no-warmup", "--port", "0"])) == 2

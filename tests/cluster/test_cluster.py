@@ -98,6 +98,15 @@ def test_x_aggregated_health_models_slots_metrics(cluster: Cluster, client: http
     assert "mlxcel_cluster_replicas 2" in metrics.text
 
 
+def test_f9_settings_patch_reaches_every_replica(cluster: Cluster, client: httpx.Client) -> None:
+    reply = client.patch("/v1/settings", json={"settings": {"reasoning_budget": 9}})
+    assert reply.status_code == 200 and reply.json()["applied"] == {"reasoning_budget": 9}
+    seen = {client.get("/v1/settings", headers={"X-Conversation-Id": f"c{i}"}).json()["settings"]["reasoning_budget"]
+            for i in range(8)}  # sticky keys spread the reads over the replicas
+    assert seen == {9}
+    assert client.patch("/v1/settings", json={"settings": {}, "replace": True}).status_code == 200
+
+
 def test_x_local_ray_cluster_listens_on_loopback_only(cluster: Cluster) -> None:
     loopback = {"0100007F", "00000000000000000000000001000000", "0000000000000000FFFF00000100007F"}  # 127.0.0.1, ::1
     addresses = listening_addresses(session_pids(cluster.process.pid))

@@ -98,3 +98,67 @@ def test_packed_kernels_give_each_row_the_same_bits_in_any_batch() -> None:
         x = torch.randn(8, 128).bfloat16()
         together = q.packed_rows(x)
         assert all(torch.equal(together[i:i + 1], q.packed_rows(x[i:i + 1])) for i in range(8)), q.bits
+
+
+class _Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.q_proj, self.k_proj, self.v_proj = nn.Linear(32, 32), nn.Linear(32, 8), nn.Linear(32, 8)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.cat((self.q_proj(x), self.k_proj(x) * 2, self.v_proj(x) - 1), dim=-1)
+
+
+def test_issue11_fuse_projections_keeps_the_outputs_and_each_weight_once() -> None:
+    """The GPU path's rewrite: q/k/v become one matmul in the weights' own dtype, outputs unchanged."""
+    from mlxcel.layers.quant import fuse_projections
+
+    torch.manual_seed(2)
+    block = _Attention()
+    x = torch.randn(3, 32)
+    before = block(x)
+    weight_bytes = sum(p.numel() for p in block.parameters())
+    assert fuse_projections(block) == 3
+    assert isinstance(block.q_proj, FusedOutput)
+    assert torch.allclose(block(x), before, atol=1e-6)
+    assert sum(p.numel() for p in block.parameters()) == weight_bytes  # concatenated, not copied beside
+    assert not any(p.requires_grad for p in block.parameters())
+
+
+def _dequantize_int4(packed: torch.Tensor, scales: torch.Tensor, n: int, k: int) -> torch.Tensor:
+    """What the packed kernel multiplies by: the weights recovered through an identity input."""
+    from mlxcel.layers.quant import INT4_GROUP
+
+    eye = torch.eye(k, dtype=torch.bfloat16)
+    return torch.ops.aten._weight_int4pack_mm_for_cpu(eye, packed, INT4_GROUP, scales).float().t()[:n]
+
+
+@pytest.mark.parametrize("levels", [(0, 15), (2, 13), (0, 9)], ids=["q4_1-full-range", "q4_k-inner", "q4_k-low"])
+def test_4bit_grids_pack_as_4bit_whatever_levels_a_group_uses(levels: tuple[int, int]) -> None:
+    """Q4_1 groups span all 16 levels; Q4_K's 6-bit sub-block scales leave some unused (issue 11
+    point 7: Qwen2.5-Coder's Q4_K_M weights went int8, twice the bytes a decode step reads)."""
+    from mlxcel.layers.quant import can_pack_int4, pack_int4_if_lossless
+
+    if not can_pack_int4():
+        pytest.skip("no 4-bit kernel in this torch build")
+    torch.manual_seed(4)
+    n, k = 64, 128
+    q = torch.randint(levels[0], levels[1] + 1, (n, k // 32, 32)).float()
+    q[..., 0], q[..., 1] = levels[0], levels[0] + 1  # neighbouring levels present in every group
+    scale = torch.rand(n, k // 32, 1) * 0.01 + 0.001
+    offset = torch.randn(n, k // 32, 1) * 0.01
+    w = (q * scale + offset).view(n, k)
+    packed = pack_int4_if_lossless(w)
+    assert packed is not None
+    recovered = _dequantize_int4(*packed, n, k)
+    assert (recovered - w).abs().max() < 0.01 * w.abs().max()  # bfloat16 scales: close, not equal
+
+
+def test_weights_off_any_4bit_grid_stay_int8() -> None:
+    from mlxcel.layers.quant import pack_int4_if_lossless
+
+    torch.manual_seed(5)
+    assert pack_int4_if_lossless(torch.randn(64, 128)) is None
+    grid = (torch.randint(0, 16, (64, 128)).float() * 0.01)
+    grid[3, 40] += 0.003  # one value off its group's grid
+    assert pack_int4_if_lossless(grid) is None

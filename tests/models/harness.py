@@ -237,6 +237,20 @@ REAL_TEXT_PROMPTS = [
 ]
 
 
+def packaged_gguf(name: str) -> Path:
+    """A GGUF that ships in slices across packages (loading/packaged.py), joined once; the test is
+    skipped where its packages are not installed (they are kept out of the default setup)."""
+    import importlib.util
+
+    import pytest
+
+    from mlxcel.loading.packaged import SPLIT_GGUFS, resolve_packaged
+
+    if importlib.util.find_spec(SPLIT_GGUFS[name].modules[0]) is None:
+        pytest.skip(f"{name} is not installed ({SPLIT_GGUFS[name].install_command()})")
+    return resolve_packaged(name)
+
+
 def real_prompts(name: str, tokenizer: Any) -> list[list[int]]:
     """Five prompts as ids from the reference tokenizer, so both sides see the same tokens."""
     ids = [tokenizer(text).input_ids for text in REAL_TEXT_PROMPTS]

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from mlxcel.loading.errors import ModelLoadError
-from mlxcel.models import bert
+from mlxcel.loading import encoder
 from tests.workers.tiny_checkpoints import minilm_dir, write_tiny_bert  # noqa: F401 - a fixture
 
 IDS = torch.tensor([[101, 7592, 2088, 999, 102, 0, 0], [101, 2023, 2003, 1037, 2936, 6251, 102]])
@@ -31,7 +31,7 @@ def classifier_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_I_encoder_matches_transformers_on_a_padded_batch(encoder_dir: Path) -> None:
     from transformers import BertModel
 
-    ours = bert.load_model(encoder_dir)
+    ours = encoder.load_model(encoder_dir)
     reference = BertModel.from_pretrained(str(encoder_dir)).eval()
     with torch.no_grad():
         got = ours(IDS, MASK, TYPES)
@@ -41,7 +41,7 @@ def test_I_encoder_matches_transformers_on_a_padded_batch(encoder_dir: Path) -> 
 
 
 def test_I_padding_does_not_change_a_sequence(encoder_dir: Path) -> None:
-    model = bert.load_model(encoder_dir)
+    model = encoder.load_model(encoder_dir)
     with torch.no_grad():
         alone = model(IDS[:1, :5], MASK[:1, :5], TYPES[:1, :5])
         padded = model(IDS, MASK, TYPES)[:1, :5]
@@ -51,7 +51,7 @@ def test_I_padding_does_not_change_a_sequence(encoder_dir: Path) -> None:
 def test_I_classifier_matches_transformers(classifier_dir: Path) -> None:
     from transformers import BertForSequenceClassification
 
-    ours = bert.load_classifier(classifier_dir)
+    ours = encoder.load_classifier(classifier_dir)
     reference = BertForSequenceClassification.from_pretrained(str(classifier_dir)).eval()
     with torch.no_grad():
         got = ours(IDS, MASK, TYPES)
@@ -65,8 +65,8 @@ def test_I_parameter_names_equal_the_checkpoint(classifier_dir: Path) -> None:
 
     with safe_open(str(classifier_dir / "model.safetensors"), "pt") as f:
         stored = {name for name in f.keys() if not name.endswith("position_ids")}
-    assert set(bert.load_classifier(classifier_dir).state_dict()) == stored
-    encoder_names = set(bert.load_model(classifier_dir).state_dict())  # the `bert.` prefix dropped
+    assert set(encoder.load_classifier(classifier_dir).state_dict()) == stored
+    encoder_names = set(encoder.load_model(classifier_dir).state_dict())  # the `bert.` prefix dropped
     assert encoder_names == {name[5:] for name in stored if name.startswith("bert.")}
 
 
@@ -75,7 +75,7 @@ def test_I_generic_builder_loads_bert_through_sanitize(encoder_dir: Path) -> Non
 
     model = build_model(hf_config(encoder_dir), hf_state_dict(encoder_dir), device="cpu", dtype=torch.float32)
     with torch.no_grad():
-        torch.testing.assert_close(model(IDS, MASK, TYPES), bert.load_model(encoder_dir)(IDS, MASK, TYPES))
+        torch.testing.assert_close(model(IDS, MASK, TYPES), encoder.load_model(encoder_dir)(IDS, MASK, TYPES))
 
 
 def test_I_relative_positions_are_refused(tmp_path: Path) -> None:
@@ -83,7 +83,7 @@ def test_I_relative_positions_are_refused(tmp_path: Path) -> None:
     config = json.loads((folder / "config.json").read_text())
     (folder / "config.json").write_text(json.dumps({**config, "position_embedding_type": "relative_key"}))
     with pytest.raises(ModelLoadError, match="relative_key"):
-        bert.load_model(folder)
+        encoder.load_model(folder)
 
 
 def test_I_missing_weights_name_the_tensor(tmp_path: Path) -> None:
@@ -94,7 +94,7 @@ def test_I_missing_weights_name_the_tensor(tmp_path: Path) -> None:
     del state["encoder.layer.1.output.dense.weight"]
     save_file(state, str(folder / "model.safetensors"))
     with pytest.raises(ModelLoadError, match=r"encoder\.layer\.1\.output\.dense\.weight"):
-        bert.load_model(folder)
+        encoder.load_model(folder)
 
 
 @pytest.mark.slow
@@ -103,6 +103,6 @@ def test_I_minilm_hidden_states_match_transformers(minilm_dir: Path) -> None:
 
     reference = BertModel.from_pretrained(str(minilm_dir)).eval()
     with torch.no_grad():
-        got = bert.load_model(minilm_dir)(IDS, MASK, TYPES)
+        got = encoder.load_model(minilm_dir)(IDS, MASK, TYPES)
         want = reference(input_ids=IDS, attention_mask=MASK, token_type_ids=TYPES).last_hidden_state
     torch.testing.assert_close(got[MASK.bool()], want[MASK.bool()], atol=1e-5, rtol=1e-4)

@@ -1,7 +1,8 @@
-"""Real checkpoints against transformers loading the same GGUF, float32 on CPU (A2, issue 2).
+"""Real checkpoints against transformers loading the same GGUF, float32 on CPU (A2, issues 2 and 11).
 
-SmolLM2-135M-Instruct (llama, Q4_1) and Gemma 3 270M (gemma3, Q4_K_M, sliding window 512)
-are dequantized by both sides; the model code is the only difference. Checks: per-position
+SmolLM2-135M-Instruct (llama, Q4_1), Gemma 3 270M (gemma3, Q4_K_M, sliding window 512) and,
+where their packages are installed (not by the default setup: 1.7 GB), Qwen2.5-Coder-0.5B and
+-1.5B-Instruct (qwen2, Q4_K_M with Q6_K tensors, biased q/k/v projections) are dequantized by both sides; the model code is the only difference. Checks: per-position
 logits on 5 prompts (for Gemma one is longer than its 512-token window) within TOL, and a
 64-token greedy continuation through our paged KV cache token-for-token equal to
 transformers' `generate`.
@@ -19,13 +20,14 @@ from torch import nn
 
 from mlxcel.loading import load_model
 
-from .harness import compared_positions, greedy, real_prompts, uncached_hidden
+from .harness import compared_positions, greedy, packaged_gguf, real_prompts, uncached_hidden
 
 pytestmark = pytest.mark.slow
 
 # Max |ours - transformers| over every compared logit (float32). Measured on CPU: 0.0 for both
 # (bit-identical, every prompt); the margin allows another BLAS or thread count.
-TOL = {"smollm2": 1e-5, "gemma3": 1e-5}
+TOL = {"smollm2": 1e-5, "gemma3": 1e-5, "qwen2.5-coder-0.5b-instruct": 1e-4, "qwen2.5-coder-1.5b-instruct": 1e-4}
+QWEN_CODERS = ("qwen2.5-coder-0.5b-instruct", "qwen2.5-coder-1.5b-instruct")
 NUM_GREEDY = 64
 
 
@@ -38,10 +40,13 @@ class Pair:
     prompts: list[list[int]]
 
 
-@pytest.fixture(scope="module", params=["smollm2", "gemma3"])
+@pytest.fixture(scope="module", params=["smollm2", "gemma3", *QWEN_CODERS])
 def pair(request: pytest.FixtureRequest) -> Pair:
     transformers = pytest.importorskip("transformers")
-    path: Path = request.getfixturevalue(f"{request.param}_path")
+    if request.param in QWEN_CODERS:
+        path = packaged_gguf(request.param)
+    else:
+        path: Path = request.getfixturevalue(f"{request.param}_path")
     kw = {"gguf_file": path.name}
     tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
     reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)

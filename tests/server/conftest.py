@@ -12,7 +12,8 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore
-from mlxcel.runtime import ServedModel, model_shape
+from mlxcel.chat.plan import FeatureSettings
+from mlxcel.runtime import ServedModel, build_chat_features, model_shape
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
@@ -36,7 +37,8 @@ def engine_like(base: ServedModel, config: EngineConfig) -> ServedModel:
     """Another engine (own KV pool and scheduler) over the same loaded weights: no second load."""
     core = EngineCore(base.loaded.model, model_shape(base.loaded), config, eos_token_ids=base.tokenizer.eos_token_ids)
     core.start()
-    return ServedModel(base.name, base.loaded, base.tokenizer, base.chat_template, EngineClient(core), config)
+    features = build_chat_features(base.name, base.loaded, base.tokenizer, base.chat_template, FeatureSettings())
+    return ServedModel(base.name, base.loaded, base.tokenizer, base.chat_template, EngineClient(core), config, features)
 
 
 @pytest.fixture(scope="session")

@@ -17,7 +17,7 @@ import pytest
 from mlxcel.config import EngineConfig
 from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
 from mlxcel.server.lifecycle import ServerThread
-from mlxcel.text.chat_plan import FeatureSettings
+from mlxcel.chat.plan import FeatureSettings
 from tests.server.scripted_model import ARGUMENTS, CALL, REASONING, REASONING_TEXT, WEATHER_TOOL, write_scripted_model
 
 QUESTION = [{"role": "user", "content": "Weather in Paris?"}]

@@ -1,9 +1,14 @@
-"""DESIGN.md's dependency rule, checked on the source: only server/ imports the web framework,
-and api/ never imports server/."""
+"""The dependency rule of docs/structure.md, checked on the source: every package edge, the
+API layer's view of the engine, the chat features' protocol blindness, and import cycles.
+
+Imports are read with `ast`, so imports inside functions and under `TYPE_CHECKING` count too:
+a type-only import still ties two modules together.
+"""
 
 from __future__ import annotations
 
 import ast
+from collections.abc import Iterator
 from pathlib import Path
 
 import mlxcel
@@ -11,15 +16,94 @@ import mlxcel
 PACKAGE = Path(mlxcel.__file__).parent
 WEB = ("fastapi", "uvicorn", "starlette")
 
+# Each unit of src/mlxcel (a package, or a top-level module) and the units it may import.
+# docs/structure.md draws the same table; change both together.
+ALLOWED: dict[str, set[str]] = {
+    "types": set(),
+    "lora_registry": set(),  # F8: adapter ids and global scales, torch-free
+    "config": {"types"},
+    "env": {"settings"},
+    "settings": {"chat", "config", "media", "types"},  # chat: the loop-guard override parser
+    "layers": {"types"},
+    "models": {"layers", "types"},
+    "loading": {"models", "layers", "types"},
+    "engine": {"config", "layers", "types"},
+    "media": {"types", "settings"},
+    "text": {"loading", "types"},
+    "chat": {"text", "types"},
+    "workers": {"layers", "loading", "types", "config"},
+    "api": {"chat", "text", "engine", "lora_registry", "media", "workers", "types", "config"},
+    "runtime": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types"},
+    "audio_models": {"api", "loading", "workers", "types", "config"},
+    "process": {"api", "audio_models", "runtime", "workers", "types", "config"},
+    "side_models": {"api", "audio_models", "loading", "process", "runtime", "workers", "types", "config"},
+    "startup": {"api", "audio_models", "cli", "config", "layers", "loading", "process", "runtime", "server", "settings",
+                "side_models", "workers", "types"},
+    "server": {"api", "chat", "config", "env", "loading", "media", "process", "runtime", "settings", "side_models",
+               "startup", "text", "types", "workers", "audio_models"},
+    "audio_cli": {"api", "audio_models", "config", "env", "loading", "runtime", "workers", "types", "text"},
+    "cluster": {"api", "cli", "env", "server", "startup", "config", "types"},
+    "cli": {"api", "audio_cli", "audio_models", "chat", "cluster", "config", "env", "loading", "media", "runtime",
+            "server", "settings", "side_models", "startup", "text", "types", "workers"},
+}
+# Modules in import cycles still to untangle, outside this issue's packages (api, chat, text, loading,
+# models): the entry points and server/ (startup <-> cli <-> cluster, server.state <-> the modules it
+# attaches, routes <-> openapi) and settings <-> media.limits. A cycle through any other module fails.
+KNOWN_CYCLE_MODULES = {
+    "mlxcel.cli", "mlxcel.startup", "mlxcel.settings", "mlxcel.media.limits",
+    "mlxcel.cluster.command", "mlxcel.cluster.entry", "mlxcel.cluster.replica",
+    *(f"mlxcel.server.{name}" for name in (
+        "app", "asgi_server", "audio_routes", "lifecycle", "model_control", "openapi", "ops", "realtime", "routes",
+        "settings_api", "state", "ui_api", "webui")),
+}
+
+
+def module_files() -> dict[str, Path]:
+    files = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = path.relative_to(PACKAGE.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        files[name] = path
+    return files
+
+
+MODULES = module_files()
+
 
 def imported_modules(path: Path) -> set[str]:
+    """Every module `path` imports (absolute imports; `from a import b` names a.b if it is a module)."""
     names: set[str] = set()
     for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
         if isinstance(node, ast.Import):
             names.update(alias.name for alias in node.names)
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            names.add(node.module)
+            for alias in node.names:
+                sub = f"{node.module}.{alias.name}"
+                names.add(sub if sub in MODULES else node.module)
     return names
+
+
+def unit_of(module: str) -> str:
+    return module.split(".")[1] if module.count(".") else ""
+
+
+def internal_edges() -> Iterator[tuple[str, str]]:
+    """(importer, imported) for every import between two mlxcel modules."""
+    for name, path in MODULES.items():
+        for target in imported_modules(path):
+            if target in MODULES and target != name and not name.startswith(target + "."):
+                yield name, target
+
+
+def test_every_unit_is_in_the_rule() -> None:
+    units = {unit_of(name) for name in MODULES} - {""}
+    assert units == set(ALLOWED), "a new package or top-level module needs its row in ALLOWED (and docs)"
+
+
+def test_every_package_edge_follows_the_rule() -> None:
+    offenders = sorted(f"{a} -> {b}" for a, b in internal_edges()
+                       if unit_of(a) != unit_of(b) and unit_of(b) not in ALLOWED[unit_of(a)])
+    assert offenders == []
 
 
 def test_only_server_imports_the_web_framework() -> None:
@@ -29,7 +113,91 @@ def test_only_server_imports_the_web_framework() -> None:
     assert offenders == []
 
 
-def test_api_does_not_import_server() -> None:
-    offenders = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "api").rglob("*.py")
-                 if any(m.startswith("mlxcel.server") for m in imported_modules(p))]
+def test_api_sees_the_engine_only_through_its_client() -> None:
+    offenders = sorted(f"{a} -> {b}" for a, b in internal_edges()
+                       if unit_of(a) == "api" and unit_of(b) == "engine" and b != "mlxcel.engine.client")
     assert offenders == []
+
+
+def test_chat_features_never_see_requests() -> None:
+    """chat/ gets typed ChatOptions; the wire schemas, pydantic and JSON bodies stay in api/."""
+    offenders = [str(p.relative_to(PACKAGE)) for p in (PACKAGE / "chat").rglob("*.py")
+                 if "pydantic" in {m.split(".")[0] for m in imported_modules(p)}]
+    assert offenders == []
+
+
+def test_no_import_cycles() -> None:
+    graph: dict[str, set[str]] = {name: set() for name in MODULES}
+    for a, b in internal_edges():
+        graph[a].add(b)
+    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1 and not c <= KNOWN_CYCLE_MODULES]
+    assert cycles == []
+
+
+def strongly_connected(graph: dict[str, set[str]]) -> list[set[str]]:
+    """Tarjan's components, iteratively (the module graph is deep enough to matter)."""
+    index: dict[str, int] = {}
+    low: dict[str, int] = {}
+    stack: list[str] = []
+    on_stack: set[str] = set()
+    found: list[set[str]] = []
+    for root in graph:
+        if root in index:
+            continue
+        work = [(root, iter(sorted(graph[root])))]
+        index[root] = low[root] = len(index)
+        stack.append(root)
+        on_stack.add(root)
+        while work:
+            node, children = work[-1]
+            child = next(children, None)
+            if child is None:
+                work.pop()
+                if work:
+                    low[work[-1][0]] = min(low[work[-1][0]], low[node])
+                if low[node] == index[node]:
+                    component = set()
+                    while True:
+                        member = stack.pop()
+                        on_stack.discard(member)
+                        component.add(member)
+                        if member == node:
+                            break
+                    found.append(component)
+            elif child not in index:
+                index[child] = low[child] = len(index)
+                stack.append(child)
+                on_stack.add(child)
+                work.append((child, iter(sorted(graph[child]))))
+            elif child in on_stack:
+                low[node] = min(low[node], index[child])
+    return found
+
+
+def runtime_imports(path: Path) -> set[str]:
+    """Modules imported outside `if TYPE_CHECKING:` blocks (type-only imports load nothing)."""
+    names: set[str] = set()
+
+    def visit(node: ast.AST) -> None:
+        if isinstance(node, ast.If) and isinstance(node.test, ast.Name) and node.test.id == "TYPE_CHECKING":
+            for child in node.orelse:
+                visit(child)
+            return
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            names.add(node.module)
+        for child in ast.iter_child_nodes(node):
+            visit(child)
+
+    visit(ast.parse(path.read_text(encoding="utf-8")))
+    return names
+
+
+LOADERS = ("mlxcel.runtime", "mlxcel.side_models", "mlxcel.workers", "mlxcel.audio_models")
+
+
+def test_issue13_server_holds_what_startup_built_and_never_imports_the_loaders() -> None:
+    offenders = {str(p.relative_to(PACKAGE)): sorted(m for m in runtime_imports(p) if m.startswith(LOADERS))
+                 for p in (PACKAGE / "server").rglob("*.py")}
+    assert {path: found for path, found in offenders.items() if found} == {}

@@ -322,13 +322,14 @@ def test_issue16_anthropic_agent_loop_call_result_answer(server: ServerThread) -
     tool = {"name": "get_weather", "description": "The weather in a city",
             "input_schema": WEATHER_TOOL["function"]["parameters"]}
     question = [{"role": "user", "content": "What is the weather in Paris?"}]
-    first = client.messages.create(model="claude-test", max_tokens=40, messages=question, tools=[tool],
-                                   tool_choice={"type": "any"})
+    first = client.messages.create(model="claude-test", max_tokens=80, messages=question, tools=[tool],
+                                   tool_choice={"type": "any"}, extra_body={"temperature": 0})  # the default is 1.0
     use = next(block for block in first.content if block.type == "tool_use")
     assert first.stop_reason == "tool_use" and use.name == "get_weather"
     loop = [*question, {"role": "assistant", "content": [block.model_dump() for block in first.content]},
             {"role": "user", "content": [{"type": "tool_result", "tool_use_id": use.id, "content": "Sunny, 21 C"}]}]
-    answer = client.messages.create(model="claude-test", max_tokens=12, messages=loop, tools=[tool])
+    answer = client.messages.create(model="claude-test", max_tokens=12, messages=loop, tools=[tool],
+                                    extra_body={"temperature": 0})
     assert answer.content and answer.stop_reason in ("end_turn", "max_tokens", "tool_use")
 
 

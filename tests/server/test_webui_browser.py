@@ -61,6 +61,19 @@ def wait_for(driver: webdriver.Chrome, condition: Callable[[webdriver.Chrome], o
     return WebDriverWait(driver, timeout, poll_frequency=0.25).until(condition, message=what)
 
 
+RECORD_ANSWER_TEXTS = """
+window.answerLengths = [];
+new MutationObserver(records => {
+  for (const record of records) {
+    const target = record.target.nodeType === Node.TEXT_NODE ? record.target.parentElement : record.target;
+    if (!target?.matches?.(".msg.assistant .content")) continue;
+    for (const node of record.addedNodes) window.answerLengths.push(node.textContent.length);
+    if (record.type === "characterData") window.answerLengths.push(record.target.data.length);
+  }
+}).observe(document.getElementById("messages"), { childList: true, subtree: true, characterData: true });
+"""
+
+
 def test_a5_browser_login_load_download_chat_and_dashboard(browser: webdriver.Chrome, tmp_path: Path,
                                                            start_webui: Callable[..., WebUiServer],
                                                            fake_hub: FakeHub) -> None:
@@ -101,20 +114,18 @@ def test_a5_browser_login_load_download_chat_and_dashboard(browser: webdriver.Ch
 
     # chat: the answer streams in (seen growing) and ends with its stats line
     browser.find_element(By.CSS_SELECTOR, '.nav[data-page="chat"]').click()
+    # Every text the answer's node is given, recorded as the page sets it: a fast model can finish
+    # between two polls, but a streamed answer is still set once per delta, growing.
+    browser.execute_script(RECORD_ANSWER_TEXTS)
     browser.find_element(By.ID, "chat-input").send_keys("What is the capital of France? Answer in two sentences.")
     browser.find_element(By.ID, "chat-send").click()
-    lengths: set[int] = set()
-    end = time.monotonic() + 90
-    while time.monotonic() < end:
-        answers = browser.find_elements(By.CSS_SELECTOR, ".msg.assistant .content")
-        if answers:
-            lengths.add(len(answers[-1].text))
-            if browser.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="true"]'):
-                break
-        time.sleep(0.15)
+    wait_for(browser, lambda d: d.find_elements(By.CSS_SELECTOR, '.msg.assistant[data-done="true"]'), 90,
+             "the answer to finish")
+    lengths = browser.execute_script("return window.answerLengths")
     answer = browser.find_element(By.CSS_SELECTOR, ".msg.assistant .content").text
     assert answer.strip() and "error" not in browser.find_element(By.CSS_SELECTOR, ".msg.assistant").get_attribute("class")
-    assert len({n for n in lengths if n > 0}) >= 2, f"the answer did not stream: {lengths}"
+    grown = [n for n in lengths if n > 0]
+    assert len(set(grown)) >= 2 and grown == sorted(grown), f"the answer did not stream: {lengths}"
     assert "finish:" in browser.find_element(By.CSS_SELECTOR, ".msg.assistant .stats").text
     shoot(browser, tmp_path, "03-chat")
 

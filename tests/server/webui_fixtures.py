@@ -17,7 +17,8 @@ from mlxcel.config import EngineConfig
 from mlxcel.runtime import RuntimeOptions
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
-from mlxcel.server.model_control import LoadSettings, ModelControl
+from mlxcel.server.model_control import ModelControl
+from mlxcel.startup import ModelLoader
 from mlxcel.server.state import ServerState
 from tests.loading.fake_hub import FakeHub, FakeRepo, hub_serving
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
@@ -71,7 +72,7 @@ def start_webui(tmp_path: Path) -> Iterator[Callable[..., WebUiServer]]:
         fields.setdefault("ui_session_key", None if fields.get("api_keys") else SESSION_KEY)
         config = ServerConfig(port=0, webui=True, endpoint_metrics=True, **fields)
         state = ServerState(config)
-        state.control = ModelControl(state, LoadSettings(RuntimeOptions(warmup=False), UI_ENGINE, models_dir))
+        state.control = ModelControl(state, ModelLoader(RuntimeOptions(warmup=False), UI_ENGINE, models_dir))
         server = WebUiServer(ServerThread(state).start(), state, models_dir)
         started.append(server)
         return server

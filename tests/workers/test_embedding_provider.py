@@ -14,13 +14,13 @@ import pytest
 import torch
 
 from mlxcel.loading.errors import ModelLoadError
+from mlxcel.loading.encoder import is_embedding_checkpoint
 from mlxcel.workers.embedding import (
     EmbeddingConfig,
     EmbeddingModel,
     EmbeddingOptions,
     EmbeddingProvider,
     PoolingType,
-    is_embedding_checkpoint,
     normalize_embedding,
     read_checkpoint_pooling,
 )

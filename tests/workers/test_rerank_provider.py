@@ -12,6 +12,7 @@ import torch
 from torch import nn
 
 from mlxcel.loading.errors import ModelLoadError
+from mlxcel.loading.encoder import is_rerank_checkpoint
 from mlxcel.workers.base import WorkerConfig
 from mlxcel.workers.encoder_inputs import InputError, InputTooLongError
 from mlxcel.workers.rerank import (
@@ -21,7 +22,6 @@ from mlxcel.workers.rerank import (
     RerankPrompt,
     RerankProvider,
     answer_token_ids,
-    is_rerank_checkpoint,
     rerank_batch_size,
 )
 from tests.workers.tiny_checkpoints import write_tiny_bert

@@ -11,12 +11,24 @@ from typing import Protocol
 
 from mlxcel.api.control import CompletionControls
 from mlxcel.api.sse import KEEPALIVE_INTERVAL_S
+from mlxcel.chat.plan import ChatFeatures
 from mlxcel.engine.client import EngineClient
+from mlxcel.lora_registry import LoraRegistry
 from mlxcel.media.limits import MediaPolicy
-from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Usage
+
+
+@dataclass(frozen=True, slots=True)
+class SequenceRecord:
+    """One finished engine sequence, as llama-server's `llamacpp:*` metrics count it (K2)."""
+
+    num_prompt_tokens: int  # computed, cache hits excluded
+    num_cached_tokens: int
+    prompt_s: float  # submit to first token
+    num_predicted_tokens: int
+    decode_s: float  # first token to last: num_predicted_tokens - 1 decode steps
 
 
 class Telemetry(Protocol):
@@ -28,6 +40,9 @@ class Telemetry(Protocol):
 
     def record_completed_request(self, usage: Usage) -> None:
         """One request counted by mlxcel_requests_total / mlxcel_completion_tokens_total (K2)."""
+
+    def record_sequence(self, record: SequenceRecord) -> None:
+        """One engine sequence ended (finished or aborted), whatever the protocol."""
 
 
 class NullTelemetry:
@@ -42,6 +57,9 @@ class NullTelemetry:
     def record_completed_request(self, usage: Usage) -> None:
         return None
 
+    def record_sequence(self, record: SequenceRecord) -> None:
+        return None
+
 
 @dataclass(frozen=True, slots=True)
 class ApiContext:
@@ -53,14 +71,12 @@ class ApiContext:
     chat_template: ChatTemplate | None
     context_size: int  # per slot
     created: int  # unix time the model was loaded (the `created` of /v1/models)
+    features: ChatFeatures  # reasoning, tools, grammar, budget, echo (S-V), built with the model (runtime.py)
     telemetry: Telemetry = field(default_factory=NullTelemetry)
     sse_keepalive_s: float = KEEPALIVE_INTERVAL_S
-    features: ChatFeatures | None = None  # reasoning, tools, grammar, budget, echo (S-V); None: defaults
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # C2-C5: api.media.validate_media reads it
     controls: CompletionControls = field(default_factory=CompletionControls)  # F5: running chat completions
+    aliases: tuple[str, ...] = ()  # --alias names (the model_name among them); /v1/models lists them
+    tags: tuple[str, ...] = ()  # --tags
+    lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: adapters and global scales
 
-    def __post_init__(self) -> None:
-        if self.features is None:  # a context built outside the server (CLI, tests): default settings
-            defaults = ChatFeatures.build(self.tokenizer, self.chat_template, FeatureSettings(),
-                                          model_name=self.model_name, model_type="")
-            object.__setattr__(self, "features", defaults)

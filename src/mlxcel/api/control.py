@@ -18,19 +18,30 @@ that the engine thread reads on its next step; nothing here touches engine state
 from __future__ import annotations
 
 import enum
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Protocol, runtime_checkable
+from typing import Any, Protocol, TypeVar, runtime_checkable
 
 from mlxcel.types import TokenProcessor
 
-if TYPE_CHECKING:  # api.generation imports api.context, which holds a CompletionControls
-    from mlxcel.api.generation import GenerationParams, Prompt
+ProcessorFactory = Callable[[Any], tuple[TokenProcessor, ...]]  # a prompt -> one choice's processors
+
+
+class HasProcessors(Protocol):
+    """What collect_handles needs of generation parameters (api/generation.GenerationParams):
+    a dataclass with a per-choice processor factory. Typed structurally, so this registry
+    (held by api/context.ApiContext) never imports api/generation."""
+
+    @property
+    def processors(self) -> ProcessorFactory | None: ...
+
+
+P = TypeVar("P", bound=HasProcessors)
 
 
 @runtime_checkable
 class ReasoningControl(Protocol):
-    """What a controllable token processor offers (text/budget.py ReasoningBudget)."""
+    """What a controllable token processor offers (chat/budget.py ReasoningBudget)."""
 
     def end_reasoning(self) -> bool:
         """Force the end of reasoning from the next step on; callable from any thread. True
@@ -79,7 +90,7 @@ class CompletionControls:
         return ControlOutcome.ENDING if any(still_reasoning) else ControlOutcome.ALREADY_ENDED
 
 
-def collect_handles(params: GenerationParams) -> tuple[GenerationParams, list[ReasoningControl]]:
+def collect_handles(params: P) -> tuple[P, list[ReasoningControl]]:
     """`params` whose processor factory also appends each choice's controllable processors to the
     returned list (filled as Generation.start makes the choices' requests)."""
     handles: list[ReasoningControl] = []
@@ -87,12 +98,12 @@ def collect_handles(params: GenerationParams) -> tuple[GenerationParams, list[Re
     if make is None:
         return params, handles
 
-    def processors(prompt: Prompt) -> tuple[TokenProcessor, ...]:
+    def processors(prompt: Any) -> tuple[TokenProcessor, ...]:
         made = make(prompt)
         handles.extend(p for p in made if isinstance(p, ReasoningControl))
         return made
 
-    return replace(params, processors=processors), handles
+    return replace(params, processors=processors), handles  # type: ignore[type-var]
 
 
 __all__ = ["CompletionControls", "ControlOutcome", "ReasoningControl", "collect_handles"]

@@ -11,13 +11,14 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any, Literal
 
-from mlxcel.types import ContextOverflowError, EngineError, EngineShutdownError, QueueFullError
+from mlxcel.types import ContextOverflowError, EngineError, EngineShutdownError, QueueFullError, RequestMemoryError
 
 Protocol = Literal["openai", "anthropic"]
 MAX_MESSAGE_BYTES = 1024  # D1: parser messages are cut to 1 KiB
 QUEUE_FULL_RETRY_AFTER_S = 1
 
 INVALID_REQUEST = "invalid_request_error"
+REQUEST_MEMORY_BUDGET_EXCEEDED = "request_memory_budget_exceeded"
 
 
 class ApiError(Exception):
@@ -66,6 +67,9 @@ def from_engine_error(exc: EngineError | ValueError) -> ApiError:
     if isinstance(exc, ContextOverflowError):
         return ApiError(400, str(exc), "exceed_context_size_error", code=400,
                         extra={"n_prompt_tokens": exc.num_prompt_tokens, "n_ctx": exc.context_size})
+    if isinstance(exc, RequestMemoryError):  # spec O: before any forward pass (and before SSE headers)
+        return ApiError(503, str(exc), REQUEST_MEMORY_BUDGET_EXCEEDED, code=REQUEST_MEMORY_BUDGET_EXCEEDED,
+                        extra={"estimated_bytes": exc.estimated_bytes, "budget_bytes": exc.budget_bytes})
     if isinstance(exc, QueueFullError):
         return unavailable(f"{exc}; retry later", QUEUE_FULL_RETRY_AFTER_S)
     if isinstance(exc, EngineShutdownError):

@@ -7,7 +7,7 @@ Protocol adapters only translate these to their JSON; none of this knows any wir
 
 Chat features plug in per choice through GenerationParams: `processors` (grammar mask, reasoning
 budget, loop guard: fresh TokenProcessors for each engine Request) and `output_parser` (reasoning /
-tool-call split, text/events.py). With a parser the stop strings are the parser's: they apply to
+tool-call split, chat/events.py). With a parser the stop strings are the parser's: they apply to
 the answer, never to reasoning, and each delta carries the parser's `events`.
 
     generation = Generation.start(ctx, [Prompt(ids)], params, n=2, request_id="chatcmpl-1")
@@ -24,15 +24,16 @@ from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
 
-from mlxcel.api.context import ApiContext
+from mlxcel.api.context import ApiContext, SequenceRecord
 from mlxcel.api.errors import ApiError, from_engine_error, invalid_request
 from mlxcel.engine.client import DecodeTimeoutError, RequestStream
-from mlxcel.text.chat_output import ParsedReply
-from mlxcel.text.events import ContentDelta, OutputEvent
+from mlxcel.chat.output import ParsedReply
+from mlxcel.chat.events import ContentDelta, OutputEvent
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import (
-    EngineError, FinishReason, Priority, Request, SamplingParams, TokenEvent, TokenLogprob, TokenProcessor, Usage,
+    EngineError, FinishReason, Priority, PromptProgress, Request, SamplingParams, TokenEvent, TokenLogprob,
+    TokenProcessor, Usage,
 )
 
 
@@ -45,7 +46,7 @@ class Prompt:
 
 
 class OutputParser(Protocol):
-    """One choice's text deltas -> events (text/chat_output.py, text/completion_output.py)."""
+    """One choice's text deltas -> events (chat/output.py, chat/completion_output.py)."""
 
     @property
     def stop(self) -> str | None:
@@ -68,6 +69,8 @@ class GenerationParams:
     cache_prompt: bool = True
     slot_id: int | None = None
     skip_special_tokens: bool = True
+    lora: tuple[tuple[int, float], ...] | None = None  # F8: a request's `lora` [(id, scale)]; None = global scales
+    report_progress: bool = False  # llama-server return_progress: progress deltas while the prompt is computed
     # Fresh TokenProcessors for one choice's engine Request (grammar, reasoning budget, loop guard).
     processors: Callable[[Prompt], tuple[TokenProcessor, ...]] | None = None
     # One choice's parser, given the prompt and `stop`; it then owns the stop strings.
@@ -96,6 +99,7 @@ class ChoiceDelta:
     stop: str | None = None  # the stop string that ended the text
     token_ids: tuple[int, ...] = ()  # tokens generated since the previous delta (llama-server `tokens`)
     events: tuple[OutputEvent, ...] = ()  # the output parser's events (with GenerationParams.output_parser)
+    progress: PromptProgress | None = None  # a prompt-progress delta (no text), with report_progress
 
 
 @dataclass(frozen=True, slots=True)
@@ -126,10 +130,11 @@ class ChoiceResult:
     num_cached_tokens: int
     timings: ChoiceTimings
     reply: ParsedReply | None = None  # the output parser's result (with GenerationParams.output_parser)
+    num_generated: int | None = None  # a snapshot's token count (it carries no token_ids)
 
     @property
     def num_completion_tokens(self) -> int:
-        return len(self.token_ids)
+        return len(self.token_ids) if self.num_generated is None else self.num_generated
 
 
 class _Choice:
@@ -159,10 +164,33 @@ class _Choice:
         self.last_token_at: float | None = None
 
     def apply(self, event: TokenEvent) -> ChoiceDelta | None:
-        """Turn one TokenEvent into a delta (None when it produced nothing to send)."""
+        """Turn one TokenEvent into a delta (None when it produced nothing to send).
+
+        An event of several tokens (accepted speculative drafts) is applied token by token, so a
+        stop string or parser stop ends the choice at the very token plain decoding would end it
+        on: the tokens after it are neither shown nor counted.
+        """
         if event.finish_reason is FinishReason.ERROR:
             raise ApiError(500, event.error or "generation failed", "server_error", code=500)
-        self._observe(event)
+        if event.progress is not None:
+            self.num_cached_tokens = event.num_cached_tokens
+            return ChoiceDelta(self.index, "", progress=event.progress)
+        self._observe_timing(event)
+        if len(event.token_ids) <= 1:
+            return self._apply_one(event)
+        deltas: list[ChoiceDelta] = []
+        for i, token in enumerate(event.token_ids):
+            is_last = i == len(event.token_ids) - 1
+            part = replace(event, token_ids=(token,), logprobs=event.logprobs[i:i + 1] if event.logprobs else None,
+                           finish_reason=event.finish_reason if is_last else None)
+            if (delta := self._apply_one(part)) is not None:
+                deltas.append(delta)
+            if self.finish_reason is not None:
+                break
+        return _merge_deltas(deltas)
+
+    def _apply_one(self, event: TokenEvent) -> ChoiceDelta | None:
+        self.token_ids.extend(event.token_ids)
         self.unsent_ids.extend(event.token_ids)
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
         step = self.assembler.push(event.token_ids)
@@ -198,11 +226,10 @@ class _Choice:
             events += parser.finish()
         return tuple(events), parser.stop
 
-    def _observe(self, event: TokenEvent) -> None:
+    def _observe_timing(self, event: TokenEvent) -> None:
         if not event.token_ids:
             return
         now = time.monotonic()
-        self.token_ids.extend(event.token_ids)
         if self.first_token_at is None:
             self.first_token_at = now
             self.ctx.telemetry.observe_first_token(now - self.submitted_at)
@@ -215,13 +242,39 @@ class _Choice:
             return ()
         return tuple(logprob_text(self.ctx.tokenizer, lp) for lp in event.logprobs if lp.token_id not in self.hidden)
 
+    def record(self) -> SequenceRecord:
+        """What /metrics counts of this choice once its engine request ended."""
+        timings = self._timings()
+        return SequenceRecord(self.num_prompt_tokens - self.num_cached_tokens, self.num_cached_tokens,
+                              timings.prefill_s, len(self.token_ids), timings.decode_s)
+
+    def _timings(self) -> ChoiceTimings:
+        return ChoiceTimings(self.submitted_at, self.first_token_at, self.last_token_at or time.monotonic())
+
+    def snapshot(self) -> ChoiceResult:
+        """The choice's prompt counts and timings so far, without text, tokens or reply: cheap enough
+        for every chunk (timings_per_token), where a full result would copy and parse the whole output."""
+        return ChoiceResult(self.index, self.prompt_index, "", (), (), self.finish_reason or "", None,
+                            self.num_prompt_tokens, self.num_cached_tokens, self._timings(),
+                            num_generated=len(self.token_ids))
+
     def result(self) -> ChoiceResult:
-        timings = ChoiceTimings(self.submitted_at, self.first_token_at, self.last_token_at or time.monotonic())
+        timings = self._timings()
         stop = self.parser.stop if self.parser is not None else self.assembler.stop
         reply = self.parser.result() if self.parser is not None else None
         return ChoiceResult(self.index, self.prompt_index, "".join(self.text), tuple(self.token_ids),
                             tuple(self.logprobs), self.finish_reason or "abort", stop,
                             self.num_prompt_tokens, self.num_cached_tokens, timings, reply)
+
+
+def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:
+    """One delta for the per-token deltas of one multi-token event; finish and stop from the last."""
+    if len(deltas) <= 1:
+        return deltas[0] if deltas else None
+    return replace(deltas[-1], text="".join(d.text for d in deltas),
+                   logprobs=tuple(lp for d in deltas for lp in d.logprobs),
+                   token_ids=tuple(t for d in deltas for t in d.token_ids),
+                   events=tuple(e for d in deltas for e in d.events))
 
 
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:
@@ -254,12 +307,14 @@ class Generation:
         stopping engine (503); requests already submitted are then aborted.
         """
         _check_admissible(ctx, len(prompts) * n)
+        lora_scales = _lora_scales(ctx, params.lora)
         choices: list[_Choice] = []
         try:
             for p, prompt in enumerate(prompts):
                 for j in range(n):
                     index = p * n + j
-                    stream = ctx.engine.submit(_engine_request(f"{request_id}-{index}", prompt, params, j))
+                    stream = ctx.engine.submit(_engine_request(f"{request_id}-{index}", prompt, params, j,
+                                                               lora_scales))
                     choices.append(_Choice(ctx, index, p, prompt, params, stream))
         except (EngineError, ValueError) as exc:
             for choice in choices:
@@ -300,6 +355,7 @@ class Generation:
             queue.put_nowait(exc)
         finally:
             await choice.stream.aclose()  # a stop string ended the text: abort the rest (no-op when done)
+            self.ctx.telemetry.record_sequence(choice.record())
         queue.put_nowait(None)
 
     async def collect(self) -> list[ChoiceResult]:
@@ -311,6 +367,10 @@ class Generation:
     def results(self) -> list[ChoiceResult]:
         """The choices as they stand (complete after `stream()` ended)."""
         return [choice.result() for choice in self._choices]
+
+    def snapshot(self, index: int) -> ChoiceResult:
+        """Choice `index`'s prompt counts and timings as they stand (llama-server timings_per_token)."""
+        return self._choices[index].snapshot()
 
     def usage(self) -> Usage:
         """Prompt tokens count once per prompt (not per choice); completion tokens sum all choices."""
@@ -337,10 +397,23 @@ def _check_admissible(ctx: ApiContext, num_requests: int) -> None:
                               f"holds at most {limit} at once (--parallel + --max-queue-depth)")
 
 
-def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, choice_j: int) -> Request:
+def _lora_scales(ctx: ApiContext, entries: tuple[tuple[int, float], ...] | None) -> tuple[float, ...]:
+    """One scale per loaded adapter: the request's `lora` list (llama-server: unnamed ids get 0), else
+    the global scales (POST /lora-adapters); a bad id is a 400 naming it."""
+    if entries is None:
+        return ctx.lora.global_scales()
+    try:
+        return ctx.lora.resolve(entries)
+    except ValueError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, choice_j: int,
+                    lora_scales: tuple[float, ...] = ()) -> Request:
     sampling = params.sampling
     if sampling.seed is not None and choice_j:
         sampling = replace(sampling, seed=sampling.seed + choice_j)  # n > 1 with a seed: distinct samples
     processors = params.processors(prompt) if params.processors is not None else ()
     return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
-                   cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors)
+                   cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors,
+                   lora_scales=lora_scales, report_progress=params.report_progress)

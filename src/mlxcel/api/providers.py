@@ -41,7 +41,7 @@ async def run_on_provider(work: Awaitable[T]) -> T:
         return await work
     except WorkerError as exc:
         raise from_worker_error(exc) from None
-    except ValueError as exc:  # InputError, InvalidRequestError: the request's fault
+    except ValueError as exc:  # the workers' InputError: the request's fault
         raise invalid_request(str(exc)) from None
 
 

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcel.api.embedding_input import InvalidRequestError, get_bool, get_positive_int, require_object
+from mlxcel.api.embedding_input import RerankBody, parse_body
 from mlxcel.workers.rerank import Reranker, RerankResult
 
 
@@ -33,38 +33,13 @@ class RerankRequest:
 
 
 def parse_rerank_request(body: Any) -> RerankRequest:
-    """Either shape as typed values; InvalidRequestError (400) names the bad field."""
-    body = require_object(body)
-    query = body.get("query")
-    if not isinstance(query, str) or not query:
-        raise InvalidRequestError("'query' must be a non-empty string")
-    is_tei = "texts" in body
-    if is_tei and "documents" in body:
-        raise InvalidRequestError("give 'documents' (Jina/Cohere) or 'texts' (TEI), not both")
-    field = "texts" if is_tei else "documents"
+    """Either shape as typed values; ApiError (400) names the bad field."""
+    req = parse_body(RerankBody, body)
     return RerankRequest(
-        query=query,
-        documents=_documents(body.get(field), field),
-        is_tei=is_tei,
-        top_n=get_positive_int(body, "top_n"),
-        return_documents=get_bool(body, "return_text" if is_tei else "return_documents", False),
-        raw_scores=get_bool(body, "raw_scores", False),
-        truncate=get_bool(body, "truncate", False),
+        query=req.query, documents=req.documents, is_tei=req.is_tei, top_n=req.top_n,
+        return_documents=req.return_text if req.is_tei else req.return_documents,
+        raw_scores=req.raw_scores, truncate=req.truncate,
     )
-
-
-def _documents(value: Any, field: str) -> list[str]:
-    if not isinstance(value, list) or not value:
-        raise InvalidRequestError(f"'{field}' must be a non-empty list")
-    return [_document_text(item, field, index) for index, item in enumerate(value)]
-
-
-def _document_text(item: Any, field: str, index: int) -> str:
-    if isinstance(item, str):
-        return item
-    if isinstance(item, Mapping) and isinstance(item.get("text"), str):
-        return item["text"]
-    raise InvalidRequestError(f"'{field}[{index}]' must be a string or an object with a 'text' string")
 
 
 def sigmoid(score: float) -> float:

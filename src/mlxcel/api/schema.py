@@ -1,4 +1,4 @@
-"""Shared request-schema helpers: the strict pydantic base, body validation to 400 (D1), extra_body.
+"""Shared request-schema helpers: the strict pydantic base, body validation to 400 (D1), the extra_body rule.
 
 Every protocol's request models derive from `WireModel`: JSON types are checked strictly (a
 string is not a number), unknown fields are ignored, and a failed validation becomes an
@@ -26,6 +26,37 @@ class WireModel(BaseModel):
     model_config = ConfigDict(strict=True, extra="ignore", frozen=True)
 
 
+class ChatFeatureFields(WireModel):
+    """The chat-feature extension fields every chat-shaped body accepts, at the root or in
+    extra_body. Typed `Any` where the chat features check the value with their own message."""
+
+    chat_template_kwargs: Any = None  # S
+    preserve_thinking: Any = None  # S: DashScope's flat form of the kwarg
+    thinking_budget_tokens: Any = None  # R
+    thinking_token_budget: Any = None  # R (vLLM)
+    thinking_budget: Any = None  # R (Qwen)
+    max_pattern_size: Any = None  # P
+    min_pattern_size: Any = None  # P
+    min_count: Any = None  # P
+    json_schema: Any = None  # V (llama-server)
+    grammar: Any = None  # V (llama-server GBNF)
+    prompt_cache_key: Any = None  # Q session
+    user: Any = None  # Q session
+    cache_prompt: bool = True  # M
+
+
+class LoraEntry(WireModel):
+    """One item of a request's `lora` list or a POST /lora-adapters body (F8, llama-server's shape)."""
+
+    id: int
+    scale: float
+
+
+def lora_pairs(entries: list[LoraEntry] | None) -> tuple[tuple[int, float], ...] | None:
+    """(id, scale) pairs for GenerationParams.lora; None when the field was not given."""
+    return None if entries is None else tuple((e.id, e.scale) for e in entries)
+
+
 def validation_message(exc: ValidationError) -> str:
     """`field.path: message` for each error, as one line."""
     parts = []
@@ -48,17 +79,29 @@ def validate_body(model: type[M], body: Any) -> M:
 
 
 def flatten_extra_body(body: Any) -> Any:
-    """Lift fields nested in `extra_body` to the root; a field already at the root wins (spec M).
+    """The one extra_body rule (spec M, S): lift fields nested in `extra_body` to the root.
 
-    The OpenAI SDK flattens `extra_body` itself, but clients that send it literally (vLLM-style)
+    A field already at the root wins, except two chat-template fields: `chat_template_kwargs`
+    objects in both places merge per key (the root's keys win), and DashScope's
+    `preserve_thinking` in extra_body wins over the root copy the OpenAI SDK makes of it. The
+    OpenAI SDK flattens `extra_body` itself, but clients that send it literally (vLLM-style)
     nest it, so `cache_prompt`, `top_k` and friends are honoured in both forms. Anything that
-    is not an object is returned as is.
+    is not an object is returned as is; a nested chat_template_kwargs that is not an object is
+    a 400.
     """
     if not isinstance(body, Mapping) or not isinstance(body.get("extra_body"), Mapping):
         return body  # validate_body reports a non-object body; a bad extra_body fails its type
     extra = body["extra_body"]
     merged = {**extra, **body}
     merged.pop("extra_body", None)
+    nested = extra.get("chat_template_kwargs")
+    if nested is not None and not isinstance(nested, Mapping):
+        raise invalid_request(f"extra_body.chat_template_kwargs must be a JSON object, not {type(nested).__name__}")
+    root = body.get("chat_template_kwargs")
+    if isinstance(nested, Mapping) and (root is None or isinstance(root, Mapping)):
+        merged["chat_template_kwargs"] = {**nested, **(root or {})}
+    if extra.get("preserve_thinking") is not None:
+        merged["preserve_thinking"] = extra["preserve_thinking"]
     return merged
 
 
@@ -68,5 +111,5 @@ def require(condition: bool, message: str) -> None:
         raise invalid_request(message)
 
 
-__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "ChatRole", "WireModel", "flatten_extra_body", "require",
-           "validate_body", "validation_message"]
+__all__ = ["MAX_SEED", "MIN_SEED", "ApiError", "ChatFeatureFields", "ChatRole", "WireModel", "flatten_extra_body",
+           "require", "validate_body", "validation_message"]

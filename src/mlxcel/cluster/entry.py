@@ -66,6 +66,7 @@ class ClusterEntry:
             ("GET", "/v1/models"): self._models, ("GET", "/models"): self._models,
             ("GET", "/metrics"): self._metrics, ("GET", "/slots"): self._slots,
             ("POST", "/v1/cache/reset"): self._broadcast,
+            ("PATCH", "/v1/settings"): self._broadcast, ("PATCH", "/settings"): self._broadcast,  # F9: every replica
             ("POST", "/v1/chat/completions/control"): self._owner, ("POST", "/chat/completions/control"): self._owner,
         }
 

@@ -1,7 +1,7 @@
 """One Ray Serve replica: a whole `serve` app in an actor, answering `HttpCall`s (spec X).
 
 The replica parses the same flags through the same startup path as `mlxcel serve` (settings,
-`_start_models`, `ServerState`, `server.app.create_app`), then runs each call through that ASGI
+`startup.build_process`, `startup.server_state`, `server.app.create_app`), then runs each call through that ASGI
 app in-process: the body goes in as one message, the app's response messages come back as a
 `ResponseStart` and body chunks, so bodies, status codes, envelopes and SSE frames are the
 app's own. Auth happened at the entry point; the replica's app has no keys.
@@ -34,15 +34,15 @@ class EngineReplica:
 
         if is_loopback:
             _bind_serve_grpc_to_loopback()
-        from mlxcel.cli import _start_models, configure_logging  # serve's own startup path (A6)
+        from mlxcel.cli import configure_logging
         from mlxcel.server.app import create_app
-        from mlxcel.server.state import ServerState
+        from mlxcel.startup import build_process, server_state  # serve's own startup path (A6)
 
         settings = replica_settings(argv)
         configure_logging(settings.verbose, None)
-        served, side = _start_models(settings)
-        self._closers = [stop for _, stop in side.stoppers] + ([served.close] if served is not None else [])
-        self.state = ServerState(settings.server, served, side=side, media=settings.media)
+        process = build_process(settings)
+        self._closers = [stop for _, stop in process.stoppers()]
+        self.state, _ = server_state(process, settings)
         self.app = create_app(self.state)
         self.replica_id = serve.get_replica_context().replica_id.unique_id
         log.info("replica %s ready", self.replica_id)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import AsyncIterator, Callable
+from dataclasses import replace
 from typing import Any
 
 from mlxcel.engine.loop import EngineCore
@@ -34,7 +35,8 @@ class RequestStream:
         if self._is_done:
             raise StopAsyncIteration
         event = await self._next_event()
-        self._is_decoding = True
+        if event.progress is None:  # prompt progress is still prefill: the decode timeout waits (A8)
+            self._is_decoding = True
         if event.finish_reason is not None:
             self._is_done = True
         return event
@@ -67,6 +69,15 @@ class EngineClient:
 
     def abort(self, request_id: str) -> None:
         self.core.abort(request_id)
+
+    RUNTIME_FIELDS = frozenset({"max_queue_depth", "decode_timeout_s", "n_predict", "seed"})
+
+    def reconfigure(self, **changes: Any) -> None:
+        """Change the engine settings that may change at run time (F9); the next submit sees them."""
+        unknown = changes.keys() - self.RUNTIME_FIELDS
+        if unknown:
+            raise ValueError(f"not changeable at run time: {', '.join(sorted(unknown))}")
+        self.core.config = replace(self.core.config, **changes)  # one attribute store: atomic for readers
 
     @property
     def max_requests(self) -> int:

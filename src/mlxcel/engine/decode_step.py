@@ -1,7 +1,7 @@
 """The decode step: one new token for each of B single-token rows, as one traced function.
 
-Its inputs are five tensors (token ids, positions, the slot each new key goes to, each row's
-live key slots and their positions), so the step traces whole:
+Its inputs are six tensors (token ids, positions, the slot each new key goes to, each row's
+live key slots and their positions, its LoRA scales), so the step traces whole:
 - `eager`: the reference path, the same function run op by op (`--no-compile`);
 - `compile`: torch.compile with inductor (CPU): one decoder layer compiled once and shared
   by every layer, batch and key lengths symbolic, plus the output head compiled on its own;
@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.layers.attention import DecodeAttention, KVCache, StepRows, step_rows
+from mlxcel.layers.lora import model_lora_rows
 
 log = logging.getLogger(__name__)
 
@@ -39,24 +40,27 @@ class DecodeRow:
     position: int
     kv_start: int
     block_table: tuple[int, ...]
+    lora_scales: tuple[float, ...] = ()  # F8: this row's adapter scales; () = none (all 0)
 
 
 @dataclass(slots=True)
 class DecodeInputs:
-    """The step's tensors: [B] ids, positions and new-key slots; [B, L] key slots and positions."""
+    """The step's tensors: [B] ids, positions and new-key slots; [B, L] key slots and positions;
+    [B, num_adapters] LoRA scales (an input of the step, so rows may differ: F8)."""
 
     input_ids: torch.Tensor
     positions: torch.Tensor
     slot_mapping: torch.Tensor
     key_slots: torch.Tensor
     key_pos: torch.Tensor
+    lora_scales: torch.Tensor
 
     def tensors(self) -> tuple[torch.Tensor, ...]:
-        return self.input_ids, self.positions, self.slot_mapping, self.key_slots, self.key_pos
+        return self.input_ids, self.positions, self.slot_mapping, self.key_slots, self.key_pos, self.lora_scales
 
 
 def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, num_rows: int | None = None,
-                 num_keys: int | None = None) -> DecodeInputs:
+                 num_keys: int | None = None, num_adapters: int = 0) -> DecodeInputs:
     """Host tensors for `rows`, padded to `num_rows` rows and `num_keys` keys (default: just enough)."""
     num_rows = num_rows or len(rows)
     longest = max(r.position + 1 - r.kv_start for r in rows)
@@ -66,6 +70,7 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
     ids = torch.zeros(num_rows, dtype=torch.long)
     positions = torch.zeros(num_rows, dtype=torch.long)
     slots = torch.full((num_rows,), scratch_slot, dtype=torch.long)
+    lora = torch.zeros(num_rows, num_adapters)  # padding rows and rows without scales: the base model
     for b, row in enumerate(rows):
         pos = torch.arange(row.kv_start, row.position + 1)
         table = torch.tensor(row.block_table, dtype=torch.long)
@@ -73,7 +78,9 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
         key_slots[b, :len(pos)] = row_slots
         key_pos[b, :len(pos)] = pos
         ids[b], positions[b], slots[b] = row.token_id, row.position, row_slots[-1]
-    return DecodeInputs(ids, positions, slots, key_slots, key_pos)
+        if row.lora_scales:
+            lora[b] = torch.tensor(row.lora_scales)
+    return DecodeInputs(ids, positions, slots, key_slots, key_pos, lora)
 
 
 class DecodeStep:
@@ -90,6 +97,8 @@ class DecodeStep:
         self.mode = mode
         self.max_rows = max_rows
         self.max_positions = max_positions
+        self.lora_rows = model_lora_rows(model)
+        self.num_adapters = self.lora_rows.num_adapters if self.lora_rows is not None else 0
         for rotary in _rotaries(model):
             rotary.ensure_positions(max_positions)
         self._layer: Callable[..., torch.Tensor] = run_layer
@@ -101,26 +110,30 @@ class DecodeStep:
         self._graphs = CudaGraphs(self, max_rows, max_keys or max_positions) if mode == "cuda-graph" else None
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor,
-                key_slots: torch.Tensor, key_pos: torch.Tensor) -> torch.Tensor:
+                key_slots: torch.Tensor, key_pos: torch.Tensor, lora_scales: torch.Tensor) -> torch.Tensor:
         """Logits [B, vocab] for the rows' next tokens (writes their KV): the family's embedding,
         its decoder layers one by one (`_layer`: compiled once, shared by every layer), final
         norm and output head (`_head`: on CPU compiled on its own with frozen weights)."""
         inner = self.model.model
+        if self.lora_rows is not None:  # read by the (compiled) layers as an input, not a constant
+            self.lora_rows.set_rows(lora_scales)
         x = inner.embed(input_ids)
-        for layer, k_cache, v_cache in zip(inner.layers, self.kv_cache.k, self.kv_cache.v):
-            ctx = DecodeAttention(k_cache, v_cache, slot_mapping, key_slots, key_pos, positions)
+        for index, layer in enumerate(inner.layers):
+            ctx = DecodeAttention.of_layer(self.kv_cache, index, slot_mapping, key_slots, key_pos, positions)
             x = self._layer(layer, x, positions, ctx)
         return self._head(inner.norm(x))
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
         """Logits [len(rows), vocab], float32 on the CPU."""
+        self._materialize_lazy_weights()
         if self._graphs is not None:
             return self._graphs.run(rows)
         # NOTE: compiled, a batch of one would take a graph specialised for size 1, whose sums
         # are ordered differently; a padding row keeps every batch on the one symbolic graph.
         num_rows = max(len(rows), 2) if self.mode == "compile" else len(rows)
-        inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows)
+        inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
+                              num_adapters=self.num_adapters)
         tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
         with step_rows(StepRows(num_rows, num_rows)):
             logits = self.forward(*tensors)
@@ -129,11 +142,21 @@ class DecodeStep:
     def warm(self, num_positions: int = 100) -> float:
         """Run (and so compile or capture) the step on scratch rows; returns the seconds it took."""
         started = time.monotonic()
+        self._materialize_lazy_weights()
         if self._graphs is not None:
             self._graphs.capture_all()
         else:
             self.run([self._scratch_row(num_positions)] * min(2, self.max_rows))
+            self.run([self._scratch_row(num_positions)] * min(3, self.max_rows))  # and a batch of another size
         return time.monotonic() - started
+
+    def _materialize_lazy_weights(self) -> None:
+        # A6 lazy weights load in forward pre-hooks, which a compiled or captured step cannot run.
+        lazy = getattr(self.model, "lazy_weights", None)
+        if lazy is not None and lazy.num_pending and self.mode != "eager":
+            log.info("lazy weights: reading the %d modules still pending for the %s decode step", lazy.num_pending,
+                     self.mode)
+            lazy.materialize_all()
 
     def _scratch_row(self, num_positions: int) -> DecodeRow:
         # Every key of a scratch row lives in the scratch slot: the warmup writes no real block.
@@ -208,7 +231,8 @@ class CudaGraphs:
         if key not in self._graphs:
             self._capture(*key)
         graph, static, logits = self._graphs[key]
-        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_rows=key[0], num_keys=key[1])
+        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_rows=key[0], num_keys=key[1],
+                              num_adapters=self.step.num_adapters)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
         graph.replay()
@@ -216,7 +240,7 @@ class CudaGraphs:
 
     def _run_uncaptured(self, rows: list[DecodeRow]) -> torch.Tensor:
         kv = self.step.kv_cache
-        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot)
+        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters)
         with step_rows(StepRows(len(rows), len(rows))):
             logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
         return logits.float().cpu()
@@ -226,7 +250,7 @@ class CudaGraphs:
         device = self.step.device
         scratch = self.step._scratch_row(min(num_keys, self.step.max_positions))
         host = build_inputs([scratch] * num_rows, kv.block_size, kv.scratch_slot, num_rows=num_rows,
-                            num_keys=num_keys)
+                            num_keys=num_keys, num_adapters=self.step.num_adapters)
         static = DecodeInputs(*(t.to(device) for t in host.tensors()))
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))

@@ -21,17 +21,20 @@ from typing import Any
 import torch
 
 from mlxcel.config import EngineConfig
+from mlxcel.engine.admission import MemoryBudget
 from mlxcel.engine.kv_cache import BlockPool
 from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.decode_step import DecodeStep
-from mlxcel.engine.runner import Runner
+from mlxcel.engine.runner import Runner, StepLogits
 from mlxcel.engine.sampler import SamplingRow, sample
-from mlxcel.engine.scheduler import Scheduler, SchedulerOutput, Sequence, StepResult
+from mlxcel.engine.scheduler import ChooseToken, ScheduledSeq, Scheduler, SchedulerOutput, Sequence, StepResult
+from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.engine import slots as slot_files
+from mlxcel.layers import kv_quant
 from mlxcel.layers.attention import KVCache
 from mlxcel.types import (
-    ContextOverflowError, EngineShutdownError, EngineStats, FinishReason, QueueFullError, Request,
-    SlotStats, TokenEvent,
+    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PromptProgress, QueueFullError,
+    Request, SlotStats, TokenEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -41,7 +44,6 @@ log = logging.getLogger(__name__)
 # token's hand-off then cost ~5 ms on the lent GPU (7.7 -> 2.8 ms a token at batch 1, measured).
 GIL_SWITCH_INTERVAL_S = 0.0002
 
-KV_DTYPES = {"f32": torch.float32, "bf16": torch.bfloat16, "f16": torch.float16}
 
 Sink = Callable[[TokenEvent], None]
 
@@ -64,21 +66,30 @@ class ModelShape:
 class EngineCore:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: EngineConfig, *,
                  eos_token_ids: frozenset[int], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> None:
+                 dtype: torch.dtype = torch.float32, drafts: DraftPolicy | None = None) -> None:
+        if config.is_turbo_kv and config.max_kv_size:  # spec N2
+            log.warning("--max-kv-size %d is ignored: the live-window cap does not apply to Turbo-quantized KV "
+                        "layers (--kv-cache-mode turbo4 / --kv-quant-scheme turboquant)", config.max_kv_size)
+            config = replace(config, max_kv_size=0)
         self.config = config
         self.slot_context = config.slot_context(shape.context_length)
-        k_dtype, v_dtype = KV_DTYPES[config.cache_type_k], KV_DTYPES[config.cache_type_v]
-        bytes_per_token = shape.num_layers * shape.num_kv_heads * shape.head_dim * (k_dtype.itemsize + v_dtype.itemsize)
+        k_type, v_type = config.kv_element_types()
+        bytes_per_token = kv_quant.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, k_type, v_type)
         num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
         self.kv_cache = KVCache(shape.num_layers, num_blocks, config.block_size, shape.num_kv_heads,
-                                shape.head_dim, k_dtype, device, v_dtype=v_dtype)
+                                shape.head_dim, dtype, device, k_type=k_type, v_type=v_type)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
-        self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids)
+        self.drafts = drafts or build_policy(config.speculative)
+        self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
+                                   drafts=self.drafts)
+        self.memory_budget = MemoryBudget.of(  # spec O: checked at submit, before any forward pass
+            num_blocks, config.block_size, bytes_per_token, config.request_memory_budget_bytes,
+            max_live_tokens=config.max_kv_size + 2 * config.block_size if config.max_kv_size else 0)
         mode = config.decode_step_mode(str(device))
         cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else None
-        decode_step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=config.max_num_seqs,
+        decode_step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=_max_decode_rows(config),
                                  max_positions=max(shape.context_length, self.slot_context),
                                  max_keys=self.slot_context, cache_dir=cache_dir)
         self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step)
@@ -92,7 +103,7 @@ class EngineCore:
         self.failure: BaseException | None = None  # set when the loop thread died (health 503, exit 1)
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, K %s, V %s), %d slots of %d tokens",
                  num_blocks, config.block_size, num_blocks * config.block_size * self.kv_cache.bytes_per_token / 2**20,
-                 config.cache_type_k, config.cache_type_v, config.max_num_seqs, self.slot_context)
+                 k_type, v_type, config.max_num_seqs, self.slot_context)
 
     def warm_decode_step(self) -> None:
         """Compile or capture the decode step now (startup), logging how long it took."""
@@ -140,7 +151,9 @@ class EngineCore:
             raise ContextOverflowError(len(request.prompt_token_ids), self.slot_context)
         if not request.prompt_token_ids:
             raise ValueError("the prompt is empty: at least one token is needed")
+        self._apply_server_defaults(request)
         self._clamp_max_tokens(request)
+        self._check_memory(request)
         with self._lock:
             # NOTE: a request still in the inbox is bound for a free slot as often as for the queue, so
             # admission counts all unfinished requests against slots + depth (never the timing of the loop).
@@ -152,6 +165,15 @@ class EngineCore:
             self._num_pending += 1
             self._inbox.put(("add", (request, sink)))
 
+    def _apply_server_defaults(self, request: Request) -> None:
+        """--n-predict caps max_tokens and --seed fills a missing seed, as llama-server's -n and -s do."""
+        sampling, cap = request.sampling, self.config.n_predict
+        if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
+            sampling = replace(sampling, max_tokens=cap)
+        if self.config.seed >= 0 and sampling.seed is None:
+            sampling = replace(sampling, seed=self.config.seed)
+        request.sampling = sampling
+
     def _clamp_max_tokens(self, request: Request) -> None:
         """max_tokens past the slot's context is cut to what fits, as llama-server does, and logged."""
         if self.config.max_kv_size:
@@ -162,6 +184,13 @@ class EngineCore:
             log.info("request %s: max_tokens %d clamped to %d (context %d, prompt %d tokens)",
                      request.request_id, wanted, room, self.slot_context, len(request.prompt_token_ids))
             request.sampling = replace(request.sampling, max_tokens=room)
+
+    def _check_memory(self, request: Request) -> None:
+        """Spec O: the prompt plus the planned output must fit the request memory budget."""
+        num_prompt = len(request.prompt_token_ids)
+        planned = request.sampling.max_tokens
+        num_output = planned if planned is not None else max(self.slot_context - num_prompt, 0)
+        self.memory_budget.check(request.request_id, num_prompt, num_output)
 
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
@@ -182,7 +211,17 @@ class EngineCore:
                 sequences_completed=s.num_completed, sequences_aborted=s.num_aborted,
                 tokens_generated=s.num_generated, is_alive=self.failure is None,
                 prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
-                slots=slots, prefix_cache=self.kv.stats())
+                slots=slots, prefix_cache=self.kv.stats(), num_steps=s.num_steps,
+                num_busy_slot_steps=s.num_busy_slot_steps, max_sequence_len=s.max_sequence_len,
+                drafts=self._draft_stats())
+
+    def _draft_stats(self) -> DraftStats:
+        spec, drafts = self.config.speculative, self.drafts
+        if drafts.kind == "none":
+            return DraftStats()
+        return DraftStats(kind=drafts.kind, draft_max=spec.draft_max, draft_min=spec.draft_min,
+                          max_batch=spec.max_batch, draft_model=spec.draft_model,
+                          num_drafted=drafts.num_drafted, num_accepted=drafts.num_accepted)
 
     def _slot_stats(self, slot_id: int) -> SlotStats:
         seq = next((q for q in self.scheduler.running if q.slot_id == slot_id), None)
@@ -190,7 +229,7 @@ class EngineCore:
                          request_id=seq.request_id if seq else None,
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
-                         context_size=self.slot_context)
+                         context_size=self.slot_context, num_remaining_tokens=_remaining(seq))
 
     # ---- slot snapshots (F12); run these on the loop thread through `call` ----
 
@@ -294,27 +333,55 @@ class EngineCore:
         if not out.scheduled:
             self._drain_inbox(block=True)  # nothing fits now; wait for an abort or a finish
             return
+        self.scheduler.attach_drafts(out)
+        reporting = _reporting_progress(out)
         try:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
             self._fail(out)
             return
+        self._emit_progress(reporting)
         self._emit(results)
 
     def _forward_and_sample(self, out: SchedulerOutput) -> list[StepResult]:
-        request_ids, logits = self.runner.execute(out)
+        step = self.runner.execute(out)
+        request_ids, logits = step.request_ids, step.logits
         by_id = {s.seq.request_id: s.seq for s in out.scheduled}
-        rows = [SamplingRow(by_id[r].request.sampling, by_id[r].token_ids, by_id[r].num_output_tokens,
-                            self.eos_token_ids, by_id[r].generator, by_id[r].request.processors)
-                for r in request_ids]
+        rows = [self._sampling_row(by_id[r]) for r in request_ids]
         try:
             tokens, logprobs = sample(logits, rows) if rows else ([], [])
             sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
         except Exception:  # noqa: BLE001 - find the bad row(s) and fail only those
             sampled = self._sample_rows_apart(request_ids, logits, rows)
         with self._lock:
-            return self.scheduler.update_from_output(out, sampled)
+            results = self.scheduler.update_from_output(out, sampled)
+        return results + self._accept_drafts(out, step)
+
+    def _sampling_row(self, seq: Sequence) -> SamplingRow:
+        return SamplingRow(seq.request.sampling, seq.token_ids, seq.num_output_tokens, self.eos_token_ids,
+                           seq.generator, seq.request.processors)
+
+    def _accept_drafts(self, out: SchedulerOutput, step: StepLogits) -> list[StepResult]:
+        """Verify rows (B4): the target's sampler picks each position's token in turn."""
+        results: list[StepResult] = []
+        for item in (s for s in out.scheduled if s.draft):
+            try:
+                with self._lock:
+                    result = self.scheduler.update_verified(item, self._chooser(item, step.verify[item.seq.request_id]))
+            except Exception:  # noqa: BLE001 - logged; the other rows keep going
+                log.exception("verifying the draft of request %s failed; failing it", item.seq.request_id)
+                self._fail_request(item.seq.request_id)
+                continue
+            if result is not None:
+                results.append(result)
+        return results
+
+    def _chooser(self, item: ScheduledSeq, logits: torch.Tensor) -> ChooseToken:
+        def choose(i: int) -> tuple[int, Any]:
+            tokens, logprobs = sample(logits[i:i + 1], [self._sampling_row(item.seq)])
+            return tokens[0], logprobs[0]
+        return choose
 
     def _sample_rows_apart(self, request_ids: list[str], logits: torch.Tensor,
                            rows: list[SamplingRow]) -> dict[str, tuple[int, Any]]:
@@ -328,6 +395,21 @@ class EngineCore:
                 log.exception("sampling failed for request %s; failing it", request_id)
                 self._fail_request(request_id)
         return sampled
+
+    def _emit_progress(self, seqs: list[Sequence]) -> None:
+        """A PromptProgress event for each sequence that asked for one and computed a prompt chunk
+        this step; sent before the step's tokens, as llama-server sends it after each batch."""
+        now = time.monotonic()
+        for seq in seqs:
+            sink = self._sinks.get(seq.request_id)
+            if sink is None:
+                continue
+            started = seq.prefill_start_time if seq.prefill_start_time is not None else now
+            progress = PromptProgress(total=seq.num_prompt_tokens, cache=seq.num_cached_tokens,
+                                      processed=min(seq.num_computed_tokens, seq.num_prompt_tokens),
+                                      time_ms=int((now - started) * 1000))
+            sink(TokenEvent(seq.request_id, (), num_prompt_tokens=seq.num_prompt_tokens,
+                            num_cached_tokens=seq.num_cached_tokens, progress=progress))
 
     def _emit(self, results: list[StepResult]) -> None:
         for r in results:
@@ -372,6 +454,23 @@ class EngineCore:
                     sink(_error_event(request_id))
 
 
+def _max_decode_rows(config: EngineConfig) -> int:
+    """Decode-step rows a step may hold: one per slot, plus each speculating row's draft positions (B4)."""
+    spec = config.speculative
+    extra = min(spec.max_batch, config.max_num_seqs) * spec.draft_max if spec.is_enabled else 0
+    return config.max_num_seqs + extra
+
+
+def _reporting_progress(out: SchedulerOutput) -> list[Sequence]:
+    """The step's rows that compute a prompt chunk for a request with report_progress.
+
+    NOTE: a preempted sequence's recomputation is left out: its client already saw processed ==
+    total, and llama-server, which never preempts, has no progress that goes back."""
+    return [item.seq for item in out.scheduled
+            if item.seq.request.report_progress and item.seq.num_preemptions == 0
+            and item.seq.num_computed_tokens < item.seq.num_prompt_tokens]
+
+
 def _error_event(request_id: str) -> TokenEvent:
     return TokenEvent(request_id, (), finish_reason=FinishReason.ERROR,
                       error="internal engine error; see the server log")
@@ -384,7 +483,16 @@ def log_finished(seq: Sequence, reason: FinishReason) -> None:
     prefill_s = max(first - seq.request.arrival_time, 1e-9)
     decode_s = max(now - first, 1e-9)
     num_out = seq.num_output_tokens
+    drafts = (f"; draft tokens accepted {seq.num_draft_accepted}/{seq.num_drafted} "
+              f"({100 * seq.num_draft_accepted / seq.num_drafted:.0f} %)" if seq.num_drafted else "")
     log.info("request %s finished (%s): prompt %d tokens (%d cached), time to first token %.0f ms; "
-             "generated %d tokens, %.1f tok/s", seq.request_id, reason.value, seq.num_prompt_tokens,
+             "generated %d tokens, %.1f tok/s%s", seq.request_id, reason.value, seq.num_prompt_tokens,
              seq.num_cached_tokens, prefill_s * 1000, num_out,
-             (num_out - 1) / decode_s if num_out > 1 else 0.0)
+             (num_out - 1) / decode_s if num_out > 1 else 0.0, drafts)
+
+
+def _remaining(seq: Sequence | None) -> int:
+    """Tokens a running sequence may still generate (llama-server's n_remain); -1 when idle or unbounded."""
+    if seq is None or seq.request.sampling.max_tokens is None:
+        return -1
+    return max(seq.request.sampling.max_tokens - seq.num_output_tokens, 0)

@@ -3,9 +3,16 @@
 A step's single-token rows (decode) go through the decode step (engine/decode_step.py:
 compiled on CPU, CUDA graphs on GPU), its prefill chunks through the model's eager forward.
 A decode row is therefore computed the same way whatever else shares its step.
+
+A verify row (a decode row with k draft tokens, B4) becomes k + 1 single-token rows of the
+decode step at positions p..p+k: each writes its key first and attends over the keys up to its
+own position, so the step is causal over the draft and every position's logits have the bits a
+plain decode step at that position would give.
 """
 
 from __future__ import annotations
+
+from dataclasses import dataclass
 
 import torch
 
@@ -13,6 +20,17 @@ from mlxcel.engine.decode_step import DecodeRow, DecodeStep
 from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.layers.lora import model_lora_rows, token_scales
+
+
+@dataclass(frozen=True, slots=True)
+class StepLogits:
+    """What one step yields: logits [N, vocab] (float32, CPU) of the N sampling rows without a
+    draft, in `request_ids` order, and each verify row's logits [1 + len(draft), vocab]."""
+
+    request_ids: list[str]
+    logits: torch.Tensor
+    verify: dict[str, torch.Tensor]
 
 
 class Runner:
@@ -27,34 +45,57 @@ class Runner:
         self.decode_step = decode_step
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> tuple[list[str], torch.Tensor]:
-        """Run one step; returns the sampling rows' request ids and their logits [N, vocab] (float32, CPU)."""
-        decode = [s for s in out.scheduled if s.num_new_tokens == 1]
-        prefill = [s for s in out.scheduled if s.num_new_tokens != 1]
+    def execute(self, out: SchedulerOutput) -> StepLogits:
+        """Run one step: logits for the rows that sample (plain rows and verify rows apart)."""
+        decode = [s for s in out.scheduled if s.is_decode and not s.draft]
+        verify = [s for s in out.scheduled if s.is_decode and s.draft]
+        prefill = [s for s in out.scheduled if not s.is_decode]
         ids: list[str] = []
         parts: list[torch.Tensor] = []
-        if decode:
-            logits = self.decode_step.run([self._decode_row(s) for s in decode])
+        verified: dict[str, torch.Tensor] = {}
+        if decode or verify:
+            rows = [self._decode_row(s) for s in decode] + [r for s in verify for r in self._verify_rows(s)]
+            logits = self.decode_step.run(rows)
             keep = [i for i, s in enumerate(decode) if s.is_sampling]
             ids += [decode[i].seq.request_id for i in keep]
-            parts.append(logits if len(keep) == len(decode) else logits[keep])
+            if decode:
+                parts.append(logits[:len(decode)] if len(keep) == len(decode) else logits[keep])
+            verified = self._split_verify(verify, logits[len(decode):])
         if prefill:
             prefill_ids, logits = self._prefill(prefill)
             ids += prefill_ids
             parts.append(logits)
-        if not ids:
-            return [], torch.empty(0)
-        return ids, torch.cat(parts) if len(parts) > 1 else parts[0]
+        merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0)
+        return StepLogits(ids, merged, verified)
 
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
         seq = item.seq
         position = seq.num_computed_tokens
         return DecodeRow(seq.token_ids[position], position, seq.kv_start,
-                         tuple(self.kv.block_table(seq.request_id)))
+                         tuple(self.kv.block_table(seq.request_id)), seq.request.lora_scales)
+
+    def _verify_rows(self, item: ScheduledSeq) -> list[DecodeRow]:
+        """The known token and each draft token as one single-token row at its own position."""
+        seq = item.seq
+        first = seq.num_computed_tokens
+        table = tuple(self.kv.block_table(seq.request_id))
+        tokens = (seq.token_ids[first], *item.draft)
+        return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales)
+                for i, token in enumerate(tokens)]
+
+    @staticmethod
+    def _split_verify(verify: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, torch.Tensor]:
+        out: dict[str, torch.Tensor] = {}
+        start = 0
+        for item in verify:
+            out[item.seq.request_id] = logits[start:start + 1 + len(item.draft)]
+            start += 1 + len(item.draft)
+        return out
 
     def _prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[str], torch.Tensor]:
         input_ids, positions, slices = self._prepare(scheduled)
-        ctx = AttentionContext(slices, self.kv_cache, self.device)
+        ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
+        self._set_lora_rows(scheduled)
         with ctx.active():
             hidden = self.model(input_ids, positions, ctx)
         rows = [(s.seq.request_id, sl.q_start + sl.q_len - 1)
@@ -64,6 +105,13 @@ class Runner:
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [r[0] for r in rows], logits.float().cpu()
+
+    def _set_lora_rows(self, scheduled: list[ScheduledSeq]) -> None:
+        """F8: each prefill token gets its request's adapter scales (rows of one step may differ)."""
+        rows = model_lora_rows(self.model)
+        if rows is not None:
+            rows.set_rows(token_scales(rows, [s.seq.request.lora_scales for s in scheduled],
+                                       [s.num_new_tokens for s in scheduled], self.device))
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceSlice]]:
         ids: list[int] = []

@@ -13,6 +13,7 @@ import heapq
 import itertools
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -20,6 +21,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.sampler import make_generator
+from mlxcel.engine.spec import DraftPolicy, NoDrafter
 from mlxcel.types import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -47,6 +49,9 @@ class Sequence:
     finish_reason: FinishReason | None = None
     num_preemptions: int = 0
     first_token_time: float | None = None  # time.monotonic() of the first generated token
+    prefill_start_time: float | None = None  # time.monotonic() of its first admission to a slot
+    num_drafted: int = 0  # draft tokens verified for this request (B1-B4)
+    num_draft_accepted: int = 0
 
     @property
     def request_id(self) -> str:
@@ -67,13 +72,27 @@ class Sequence:
 
 @dataclass(frozen=True, slots=True)
 class ScheduledSeq:
+    """One sequence's share of a step: `num_new_tokens` positions, the last `len(draft)` of them
+    draft tokens to verify (a decode row with a draft is a verify row)."""
+
     seq: Sequence
     num_new_tokens: int
+    draft: tuple[int, ...] = ()
 
     @property
     def is_sampling(self) -> bool:
         """True when this step reaches the sequence's last token, so it yields logits."""
-        return self.seq.num_computed_tokens + self.num_new_tokens == self.seq.num_tokens
+        return self.seq.num_computed_tokens + self.num_new_tokens - len(self.draft) == self.seq.num_tokens
+
+    @property
+    def is_decode(self) -> bool:
+        """One known generated token (plus any draft): computed by the decode step.
+
+        NOTE: a one-token prompt chunk (the tail left after a prefix-cache hit) is not: through the
+        decode step its KV and logits took other kernels than the same position of a whole prompt,
+        and a cache hit changed the tokens that followed."""
+        return (self.num_new_tokens - len(self.draft) == 1
+                and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens)
 
 
 @dataclass(slots=True)
@@ -96,11 +115,17 @@ class StepResult:
     finish_reason: FinishReason | None
 
 
+# Samples verify position i of a row (0 = the position after its known tokens), reading the
+# sequence as it stands (its accepted tokens so far); returns the token and its logprob.
+ChooseToken = Callable[[int], tuple[int, TokenLogprob | None]]
+
+
 class Scheduler:
     def __init__(self, config: EngineConfig, kv: KVCacheManager, *, slot_context: int,
-                 eos_token_ids: frozenset[int]) -> None:
+                 eos_token_ids: frozenset[int], drafts: DraftPolicy | None = None) -> None:
         self.config = config
         self.kv = kv
+        self.drafts = drafts or DraftPolicy(config.speculative, NoDrafter())
         self.slot_context = slot_context
         self.eos_token_ids = eos_token_ids
         self.waiting: list[tuple[int, float, int, Sequence]] = []  # heap by (priority, arrival, n)
@@ -112,6 +137,9 @@ class Scheduler:
         self.num_aborted = 0  # sequences started and then aborted (a waiting one was never started)
         self.num_generated = 0
         self.num_prompt_computed = 0
+        self.num_steps = 0
+        self.num_busy_slot_steps = 0
+        self.max_sequence_len = 0
         self.slot_tokens: dict[int, list[int]] = {}  # each slot's last computed tokens (F12 save)
 
     # ---- admission and removal ----
@@ -146,6 +174,7 @@ class Scheduler:
         if seq.slot_id is not None:
             self.slot_tokens[seq.slot_id] = seq.token_ids[:seq.num_computed_tokens]
         self.kv.free(seq.request_id)
+        self.drafts.free(seq.request_id)
         seq.status, seq.finish_reason, seq.slot_id = SeqStatus.FINISHED, reason, None
         self.sequences.pop(seq.request_id, None)
         if reason is not FinishReason.ABORT:
@@ -180,9 +209,41 @@ class Scheduler:
             budget -= num_new
         return budget
 
+    def attach_drafts(self, out: SchedulerOutput) -> None:
+        """Give the step's decode rows their drafts (B4), in the budget the schedule left.
+
+        Called on the loop thread after `schedule`, outside the stats lock: a draft model's
+        forward passes run here. A row whose extra KV does not fit simply decodes plainly.
+        """
+        budget = self.config.max_num_batched_tokens - out.num_tokens
+        for index, item in enumerate(out.scheduled):
+            if budget <= 0:
+                return
+            if not (item.is_decode and item.is_sampling) or item.seq.status is not SeqStatus.RUNNING:
+                continue
+            draft = self._draft(item.seq, budget + 1)
+            if draft and self._allocate(item.seq, 1 + len(draft)):
+                out.scheduled[index] = ScheduledSeq(item.seq, 1 + len(draft), draft)
+                budget -= len(draft)
+
+    def _draft(self, seq: Sequence, num_positions: int) -> tuple[int, ...]:
+        """Draft tokens for decode row `seq`: at most `num_positions - 1`, and within max_tokens and the context."""
+        if self.config.max_kv_size:
+            return ()  # NOTE: a sliding window moves per token; a verify row would see other keys
+        room = min(num_positions, self.slot_context - seq.num_tokens) - 1
+        max_tokens = seq.request.sampling.max_tokens
+        if max_tokens is not None:
+            room = min(room, max_tokens - seq.num_output_tokens - 1)
+        return self.drafts.draft(seq, len(self.running), room)
+
+    def _allocate(self, seq: Sequence, num_new: int) -> bool:
+        """Room for `num_new` positions without preempting anyone (a draft is never worth a preemption)."""
+        return self.kv.allocate(seq.request_id, seq.token_ids, seq.num_computed_tokens, num_new,
+                                cache_prompt=seq.request.cache_prompt) is not None
+
     def _allocate_or_preempt(self, seq: Sequence, num_new: int, out: SchedulerOutput) -> bool:
         while self.kv.allocate(seq.request_id, seq.token_ids, seq.num_computed_tokens, num_new,
-                               cache_prompt=seq.request.cache_prompt) is None:
+                               cache_prompt=seq.request.cache_prompt, extra=seq.request.cache_extra) is None:
             victim = self.running[-1]
             self._preempt(victim, out)
             if victim is seq:
@@ -194,6 +255,7 @@ class Scheduler:
         log.info("preempting %s (KV blocks exhausted); it will be recomputed", seq.request_id)
         self.running.remove(seq)
         self.kv.free(seq.request_id)
+        self.drafts.free(seq.request_id)
         out.scheduled = [s for s in out.scheduled if s.seq is not seq]
         seq.num_computed_tokens, seq.kv_start, seq.slot_id = 0, 0, None
         seq.num_preemptions += 1
@@ -206,10 +268,11 @@ class Scheduler:
             slot = self._free_slot(seq.request.slot_id)
             if slot is None:
                 return
-            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=seq.request.cache_prompt)
+            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=seq.request.cache_prompt,
+                                                            extra=seq.request.cache_extra)
             num_new = min(seq.num_tokens - num_cached, budget)
             new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
-                                          cache_prompt=seq.request.cache_prompt)
+                                          cache_prompt=seq.request.cache_prompt, extra=seq.request.cache_extra)
             if new_blocks is None:
                 return
             heapq.heappop(self.waiting)
@@ -221,6 +284,7 @@ class Scheduler:
         if seq.num_preemptions == 0:
             self.num_started += 1
             seq.num_cached_tokens = num_cached
+            seq.prefill_start_time = time.monotonic()
         seq.num_computed_tokens = num_cached
         seq.status, seq.slot_id = SeqStatus.RUNNING, slot
         self.running.append(seq)
@@ -234,27 +298,67 @@ class Scheduler:
     # ---- after the forward pass ----
 
     def update_from_output(self, out: SchedulerOutput, sampled: dict[str, tuple[int, TokenLogprob | None]]) -> list[StepResult]:
+        """Apply a step's sampled tokens to its rows without a draft (verify rows: `update_verified`)."""
         results: list[StepResult] = []
+        self.num_steps += 1
+        self.num_busy_slot_steps += len(self.running)
         for item in out.scheduled:
             seq = item.seq
-            if seq.status is not SeqStatus.RUNNING:
+            if seq.status is not SeqStatus.RUNNING or item.draft:
                 continue
             self._count_prompt_progress(seq, item.num_new_tokens)
             seq.num_computed_tokens += item.num_new_tokens
+            self.max_sequence_len = max(self.max_sequence_len, seq.num_computed_tokens)
             if seq.request_id not in sampled:
                 continue
             token, logprob = sampled[seq.request_id]
-            seq.token_ids.append(token)
-            if seq.first_token_time is None:
-                seq.first_token_time = time.monotonic()
-            self.num_generated += 1
-            reason = self._check_finish(seq, token)
+            reason = self._append_token(seq, token)
             results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason))
-            if reason is not None:
-                self._finish(seq, reason)
-            else:
-                self._slide_window(seq)
+            self._after_tokens(seq, reason)
         return results
+
+    def update_verified(self, item: ScheduledSeq, choose: ChooseToken) -> StepResult | None:
+        """Accept a verify row's tokens one at a time (B4): token i is the target's choice at its
+        position given the tokens accepted before it; the draft ends at the first mismatch or
+        finish, so the stream is the one plain decoding would give.
+
+        KV past the accepted positions stays written but unused (`num_computed_tokens` rolls
+        back to the last accepted position); the next steps overwrite it in place.
+        """
+        seq = item.seq
+        if seq.status is not SeqStatus.RUNNING:
+            return None
+        tokens: list[int] = []
+        logprobs: list[TokenLogprob] = []
+        reason: FinishReason | None = None
+        for i in range(len(item.draft) + 1):
+            token, logprob = choose(i)
+            reason = self._append_token(seq, token)
+            tokens.append(token)
+            logprobs += [logprob] if logprob else []
+            if reason is not None or i == len(item.draft) or token != item.draft[i]:
+                break
+        num_accepted = sum(t == d for t, d in zip(tokens, item.draft))
+        seq.num_computed_tokens += len(tokens)  # the known token and the accepted drafts
+        seq.num_drafted += len(item.draft)
+        seq.num_draft_accepted += num_accepted
+        self.drafts.record(seq.request_id, len(item.draft), num_accepted)
+        result = StepResult(seq, tuple(tokens), tuple(logprobs) if logprobs else None, reason)
+        self._after_tokens(seq, reason)
+        return result
+
+    def _append_token(self, seq: Sequence, token: int) -> FinishReason | None:
+        seq.token_ids.append(token)
+        if seq.first_token_time is None:
+            seq.first_token_time = time.monotonic()
+        self.num_generated += 1
+        return self._check_finish(seq, token)
+
+    def _after_tokens(self, seq: Sequence, reason: FinishReason | None) -> None:
+        if reason is not None:
+            self._finish(seq, reason)
+        else:
+            self._slide_window(seq)
 
     def _count_prompt_progress(self, seq: Sequence, num_new: int) -> None:
         prompt_left = max(seq.num_prompt_tokens - seq.num_computed_tokens, 0)

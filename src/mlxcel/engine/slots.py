@@ -16,6 +16,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.engine.prefix_cache import hash_block_tokens
+from mlxcel.layers import kv_quant
 from mlxcel.layers.attention import KVCache
 from mlxcel.engine.prefix_cache import KVCacheManager
 
@@ -51,8 +52,8 @@ def save_slot(kv: KVCacheManager, cache: KVCache, tokens: list[int], slot_id: in
     slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
     payload = {
         "version": FORMAT_VERSION, "block_size": cache.block_size, "tokens": tokens[:num_tokens],
-        "k": [layer.index_select(0, slots.to(layer.device)).cpu() for layer in cache.k],
-        "v": [layer.index_select(0, slots.to(layer.device)).cpu() for layer in cache.v],
+        "element_types": [cache.k_type, cache.v_type],
+        **{name: _rows(tensors, slots) for name, tensors in _cache_tensors(cache).items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, path)
@@ -68,6 +69,11 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path) -
         raise SlotError(f"{path.name}: saved with another format or block size")
     if len(payload["k"]) != len(cache.k) or payload["k"][0].shape[1:] != cache.k[0].shape[1:]:
         raise SlotError(f"{path.name}: saved from a model with another KV shape")
+    saved_types = list(payload.get("element_types", ["dense", "dense"]))  # dense values convert on restore
+    running = [cache.k_type, cache.v_type]
+    if set(saved_types + running) & set(kv_quant.QUANTIZED_TYPES) and saved_types != running:
+        raise SlotError(f"{path.name}: saved with KV cache types {'/'.join(saved_types)}, "
+                        f"the server runs {'/'.join(running)}")
     tokens: list[int] = payload["tokens"]
     num_blocks = len(tokens) // cache.block_size
     if not kv.can_allocate(num_blocks):
@@ -81,10 +87,23 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path) -
 
 def _write_blocks(cache: KVCache, block_ids: list[int], payload: dict) -> None:
     slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
-    for layer, (k, v) in enumerate(zip(payload["k"], payload["v"])):
-        target = slots.to(cache.k[layer].device)
-        cache.k[layer].index_copy_(0, target, k.to(cache.k[layer]))
-        cache.v[layer].index_copy_(0, target, v.to(cache.v[layer]))
+    for name, tensors in _cache_tensors(cache).items():
+        for layer, saved in zip(tensors, payload[name]):
+            layer.index_copy_(0, slots.to(layer.device), saved.to(layer))
+
+
+def _cache_tensors(cache: KVCache) -> dict[str, list[torch.Tensor]]:
+    """Every per-layer tensor a slot file holds: values (or codes), and scales where quantized."""
+    tensors = {"k": cache.k, "v": cache.v}
+    if cache.k_scales is not None:
+        tensors["k_scales"] = cache.k_scales
+    if cache.v_scales is not None:
+        tensors["v_scales"] = cache.v_scales
+    return tensors
+
+
+def _rows(tensors: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
+    return [layer.index_select(0, slots.to(layer.device)).cpu() for layer in tensors]
 
 
 def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int) -> None:

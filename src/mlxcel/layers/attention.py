@@ -8,12 +8,16 @@ Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks.
 from __future__ import annotations
 
 import contextlib
+import math
+import mmap
 from collections.abc import Iterator
 from contextvars import ContextVar
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
+
+from mlxcel.layers import kv_quant, paged_attention
 
 @dataclass(frozen=True, slots=True)
 class StepRows:
@@ -53,22 +57,97 @@ class KVCache:
 
     The last block belongs to no sequence: the decode step's padding rows and warmup write
     their keys there (from `scratch_slot` on), so they never touch a real sequence's cache.
+    Keys and values each have an element type (layers/kv_quant.py): a dense dtype, or codes plus
+    one float16 scale per block of 32 (`k_scales` / `v_scales`, None when dense); turbo4 stores
+    head vectors turned by `rotation`, which attention applies to the query and undoes on the output.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 v_dtype: torch.dtype | None = None) -> None:
-        shape = ((num_blocks + 1) * block_size, num_kv_heads, head_dim)
-        self.k = [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-        self.v = [torch.zeros(shape, dtype=v_dtype or dtype, device=device) for _ in range(num_layers)]
+                 v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None) -> None:
+        self.k_type = k_type or _dense_name(dtype)
+        self.v_type = v_type or _dense_name(v_dtype or dtype)
+        num_slots = (num_blocks + 1) * block_size
+        self.k, self.k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        self.v, self.v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        turbo = "turbo4" in (self.k_type, self.v_type)
+        self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch_slot = num_blocks * block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
     @property
     def bytes_per_token(self) -> int:
-        k, v = self.k[0], self.v[0]
-        return len(self.k) * k.shape[1] * k.shape[2] * (k.element_size() + v.element_size())
+        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type, self.v_type)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
+        _store(self.k_type, self.k[layer], _side(self.k_scales, layer), slots, self._turned(self.k_type, k))
+        _store(self.v_type, self.v[layer], _side(self.v_scales, layer), slots, self._turned(self.v_type, v))
+
+    def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at cache slots `index` (any shape) -> [*index.shape, Hkv, D] in `dtype`
+        (turbo4 sides still turned: see `turn_query` / `turn_back_output`)."""
+        keys = kv_quant.decode(self.k_type, self.k[layer][index], _gather(self.k_scales, layer, index), dtype)
+        values = kv_quant.decode(self.v_type, self.v[layer][index], _gather(self.v_scales, layer, index), dtype)
+        return keys, values
+
+    def turn_query(self, q: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn(q) if self.k_type == "turbo4" else q
+
+    def turn_back_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
+
+    def _turned(self, element: str, x: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn(x) if element == "turbo4" else x
+
+
+def _dense_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in kv_quant.DENSE_TYPES.items() if d == dtype)
+
+
+def _allocate(element: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+              device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    if not kv_quant.supports(element, head_dim):
+        raise ValueError(f"KV cache type {element} needs a head size divisible by {kv_quant.QBLOCK}, not {head_dim}")
+    shape = (num_slots, num_kv_heads, kv_quant.storage_dim(element, head_dim))
+    codes = _zeros(num_layers, shape, kv_quant.storage_dtype(element), device)
+    if element in kv_quant.DENSE_TYPES:
+        return codes, None
+    scale_shape = (num_slots, num_kv_heads, head_dim // kv_quant.QBLOCK)
+    return codes, _zeros(num_layers, scale_shape, torch.float16, device)
+
+
+def _zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """One zeroed tensor of `shape` a layer.
+
+    NOTE: on the CPU all layers are views of one anonymous memory map, whose pages the OS zeroes
+    on first touch: resident memory then grows with the blocks the pool has handed out (as
+    llama-server's does), not with the pool's size. `torch.zeros` writes every page up front.
+    """
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    count = num_layers * math.prod(shape)
+    region = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    flat = torch.frombuffer(region, dtype=dtype, count=count)  # holds a reference to the map
+    return list(flat.view(num_layers, *shape).unbind(0))
+
+
+def _side(scales: list[torch.Tensor] | None, layer: int) -> torch.Tensor | None:
+    return None if scales is None else scales[layer]
+
+
+def _gather(scales: list[torch.Tensor] | None, layer: int, index: torch.Tensor) -> torch.Tensor | None:
+    return None if scales is None else scales[layer][index]
+
+
+def _store(element: str, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+           x: torch.Tensor) -> None:
+    codes, new_scales = kv_quant.encode(element, x)
+    cache.index_copy_(0, slots, codes)
+    if scales is not None:
+        scales.index_copy_(0, slots, new_scales)
 
 
 @dataclass(frozen=True, slots=True)
@@ -86,18 +165,21 @@ class AttentionContext:
     """Index tensors and masks for one step, computed once and reused by every layer."""
 
     def __init__(self, seqs: list[SequenceSlice], kv: KVCache | None = None,
-                 device: torch.device | str = "cpu") -> None:
+                 device: torch.device | str = "cpu", *, prefill_only: bool = False) -> None:
+        """`prefill_only`: every row is prompt (the runner's prefill chunks), a one-token chunk too,
+        so it is computed as the same position of a whole prompt is (kernels and bits)."""
         self.seqs = seqs
         self.kv = kv
         self.device = torch.device(device)
         self._masks: dict[tuple[str, int | None], object] = {}
         self.slot_mapping = self._slot_mapping() if kv is not None else None
-        decode = [i for i, s in enumerate(seqs) if s.q_len == 1 and kv is not None]
+        decode = [i for i, s in enumerate(seqs) if s.q_len == 1 and kv is not None and not prefill_only]
         self.decode_rows = decode  # one batched path for every decode row, alone or not
         decode_set = set(self.decode_rows)
         self.other_rows = [i for i in range(len(seqs)) if i not in decode_set]
         self.num_tokens = sum(s.q_len for s in seqs)
-        self.num_leading_single_rows = next((i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
+        self.num_leading_single_rows = 0 if prefill_only else next(
+            (i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()
 
     def active(self) -> contextlib.AbstractContextManager[StepRows]:
@@ -143,12 +225,11 @@ class AttentionContext:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D]."""
         if self.kv is None:
             return self._attend_uncached(q, k, v, scale, window)
-        k_cache, v_cache = self.kv.k[layer], self.kv.v[layer]
-        k_cache.index_copy_(0, self.slot_mapping, k.to(k_cache.dtype))
-        v_cache.index_copy_(0, self.slot_mapping, v.to(v_cache.dtype))
+        self.kv.write(layer, self.slot_mapping, k, v)
+        q = self.kv.turn_query(q)
         out = torch.empty_like(q)
         if self.decode_rows:
-            decoded = self._attend_decode_group(q, k_cache, v_cache, scale, window)
+            decoded = self._attend_decode_group(layer, q, scale, window)
             if self._decode_rows_lead:
                 out[:len(self.decode_rows)] = decoded
             else:
@@ -156,11 +237,10 @@ class AttentionContext:
         for i in self.other_rows:
             s = self.seqs[i]
             slots = self._cached(("slots", i), lambda s=s: self._padded_slots(s))
-            keys = k_cache.index_select(0, slots).to(q.dtype)
-            values = v_cache.index_select(0, slots).to(q.dtype)
+            keys, values = self.kv.read(layer, slots, q.dtype)
             out[s.q_start:s.q_start + s.q_len] = self._attend_prefill(
                 i, q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window)
-        return out
+        return self.kv.turn_back_output(out)
 
     def _padded_slots(self, s: SequenceSlice) -> torch.Tensor:
         """Slots of positions kv_start.. up to the next PREFILL_BLOCK boundary; past kv_len, the scratch slot."""
@@ -232,12 +312,11 @@ class AttentionContext:
             return mask
         return self._cached(("prefill", s.q_start, window), build)
 
-    def _attend_decode_group(self, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                             scale: float, window: int | None) -> torch.Tensor:
-        b, length = self._decode_gather.shape
-        flat = self._decode_gather.reshape(-1)
-        keys = k_cache.index_select(0, flat).view(b, length, *k_cache.shape[1:]).transpose(1, 2).to(q.dtype)
-        values = v_cache.index_select(0, flat).view(b, length, *v_cache.shape[1:]).transpose(1, 2).to(q.dtype)
+    def _attend_decode_group(self, layer: int, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+        assert self.kv is not None
+        keys, values = self.kv.read(layer, self._decode_gather, q.dtype)  # [B, L, Hkv, D]
+        keys, values = keys.transpose(1, 2), values.transpose(1, 2)
+        b, length = keys.shape[0], keys.shape[2]
         rows = q[:b] if self._decode_rows_lead else q.index_select(0, self._decode_q_index)
         qh = rows.unsqueeze(2)  # [B, Hq, 1, D]
         # Every gathered key is visible to its (last-position) query unless padded or windowed.
@@ -259,6 +338,22 @@ class AttentionContext:
         return self._masks[key]
 
 
+@torch.library.custom_op("mlxcel::write_kv", mutates_args=("cache",))
+def write_kv(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    """Write one key or value a row into its cache slot, in place.
+
+    NOTE: an opaque op for inductor on CUDA. Traced as a plain `index_copy_` on a cache that the
+    step reads afterwards, inductor's Triton lowering wrote a whole new cache and copied it back
+    (two full-cache passes a layer: at a 64k-token pool 2.2 of the step's 4.4 ms on the H200); on
+    the CPU the same trace is an in-place scatter fused with RoPE, so the CPU keeps it."""
+    cache.index_copy_(0, slots, values.to(cache.dtype))
+
+
+@write_kv.register_fake
+def _write_kv_fake(cache: torch.Tensor, slots: torch.Tensor, values: torch.Tensor) -> None:
+    return None
+
+
 class DecodeAttention:
     """One layer's attention for a batch of single-token rows over the paged cache, as plain
     tensor ops.
@@ -270,27 +365,72 @@ class DecodeAttention:
     """
 
     def __init__(self, k_cache: torch.Tensor, v_cache: torch.Tensor, slot_mapping: torch.Tensor,
-                 key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor) -> None:
-        self.k_cache, self.v_cache = k_cache, v_cache  # [slots, Hkv, D] of this layer
+                 key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, *,
+                 k_scales: torch.Tensor | None = None, v_scales: torch.Tensor | None = None,
+                 k_type: str = "", v_type: str = "", rotation: kv_quant.Rotation | None = None) -> None:
+        self.k_cache, self.v_cache = k_cache, v_cache  # [slots, Hkv, D] of this layer (codes if quantized)
+        self.k_scales, self.v_scales = k_scales, v_scales  # [slots, Hkv, D / 32] when quantized
+        self.k_type, self.v_type, self.rotation = k_type, v_type, rotation
         self.slot_mapping = slot_mapping  # [B] where each row's new key goes
         self.key_slots = key_slots  # [B, L] cache slots of each row's live keys, padding -> scratch
         self.key_pos = key_pos  # [B, L] their positions, -1 for padding
         self.q_pos = q_pos  # [B] position of each row's query
+        # CPU, unquantized: the paged kernel reads each row's keys from their slots (read here,
+        # outside any compiled region, so a traced step sees a constant).
+        self.use_kernel = (k_scales is None and v_scales is None and k_cache.dtype == v_cache.dtype
+                           and paged_attention.supports(k_cache.dtype, k_cache.device))
+
+    @classmethod
+    def of_layer(cls, kv: KVCache, layer: int, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
+                 key_pos: torch.Tensor, q_pos: torch.Tensor) -> DecodeAttention:
+        return cls(kv.k[layer], kv.v[layer], slot_mapping, key_slots, key_pos, q_pos,
+                   k_scales=_side(kv.k_scales, layer), v_scales=_side(kv.v_scales, layer),
+                   k_type=kv.k_type, v_type=kv.v_type, rotation=kv.rotation)
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, window: int | None = None) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors."""
-        self.k_cache.index_copy_(0, self.slot_mapping, k.to(self.k_cache.dtype))
-        self.v_cache.index_copy_(0, self.slot_mapping, v.to(self.v_cache.dtype))
+        self._write(self.k_type, self.k_cache, self.k_scales, k)
+        self._write(self.v_type, self.v_cache, self.v_scales, v)
+        if self.use_kernel:
+            return paged_attention.paged_decode_attention(q, self.k_cache, self.v_cache, self.key_slots, self.key_pos,
+                                                          self.q_pos, scale, window or 0)
         visible = self.key_pos >= 0
         if window is not None:
             visible = visible & (self.key_pos > (self.q_pos.unsqueeze(1) - window))
-        return decode_attention(q, self.k_cache, self.v_cache, self.key_slots, visible, scale)
+        compute = _attention_dtype(q, self.k_cache.dtype if self.k_scales is None else q.dtype)
+        keys = kv_quant.decode(self.k_type, self.k_cache[self.key_slots], _at(self.k_scales, self.key_slots), compute)
+        values = kv_quant.decode(self.v_type, self.v_cache[self.key_slots], _at(self.v_scales, self.key_slots), compute)
+        turned = self.k_type == "turbo4"
+        out = decode_attention(self.rotation.turn(q) if turned else q, keys, values, visible, scale)
+        return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
+
+    def _write(self, element: str, cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor) -> None:
+        if element == "turbo4":
+            x = self.rotation.turn(x)
+        codes, new_scales = kv_quant.encode(element, x) if scales is not None else (x, None)
+        for target, values in ((cache, codes), (scales, new_scales)):
+            if target is None:
+                continue
+            if target.is_cuda:
+                write_kv(target, self.slot_mapping, values)
+            else:
+                target.index_copy_(0, self.slot_mapping, values.to(target.dtype))
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, key_slots: torch.Tensor,
-                     visible: torch.Tensor, scale: float) -> torch.Tensor:
-    """Grouped-query attention of one query a row: q [B, Hq, D]; key_slots, visible [B, L].
+def _at(scales: torch.Tensor | None, index: torch.Tensor) -> torch.Tensor | None:
+    return None if scales is None else scales[index]
+
+
+def _attention_dtype(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.dtype:
+    """float32 where the sums are fused (compiled or CPU), else the cache's dtype (batched GPU matmuls)."""
+    return torch.float32 if torch.compiler.is_compiling() or q.device.type == "cpu" else cache_dtype
+
+
+def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
+                     scale: float) -> torch.Tensor:
+    """Grouped-query attention of one query a row: q [B, Hq, D]; keys, values [B, L, Hkv, D] (already
+    gathered from the cache, in the dtype the sums run in); visible [B, L].
 
     A masked key contributes exactly 0 (probability exp(lowest - max) = 0 times a finite value). On the
     CPU the products are summed along one axis in float32: each row's sums then have the same
@@ -298,13 +438,10 @@ def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     the gather from the cache. On CUDA two batched matmuls in the cache's dtype (the GPU
     accumulates in float32), which a CUDA graph replays.
     """
-    b = key_slots.shape[0]
-    num_kv_heads, head_dim = k_cache.shape[1], k_cache.shape[2]
+    b, num_kv_heads, head_dim = keys.shape[0], keys.shape[2], keys.shape[3]
     groups = q.shape[1] // num_kv_heads
     is_fused = torch.compiler.is_compiling() or q.device.type == "cpu"
-    compute = torch.float32 if is_fused else k_cache.dtype
-    keys = k_cache[key_slots].to(compute)  # [B, L, Hkv, D]
-    values = v_cache[key_slots].to(compute)
+    compute = keys.dtype
     qg = q.to(compute).view(b, num_kv_heads, groups, head_dim)
     if is_fused:
         scores = (qg.unsqueeze(1) * keys.unsqueeze(3)).sum(-1).permute(0, 2, 3, 1)  # [B, Hkv, G, L]

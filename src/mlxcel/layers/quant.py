@@ -18,7 +18,6 @@ from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -77,17 +76,40 @@ def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     n, k = w.shape
     if k % INT4_GROUP or not can_pack_int4():
         return None
-    groups = w.view(n, k // INT4_GROUP, INT4_GROUP)
-    low, high = groups.amin(-1), groups.amax(-1)
-    step = ((high - low) / 15).clamp(min=1e-12)
-    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
-    error = (q * step[..., None] + low[..., None] - groups).abs().amax()
-    if error > 1e-4 * float(w.abs().amax()):  # not a 4-bit source: int8 keeps more
+    groups = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
+    low = groups.amin(-1)
+    step = _grid_steps(groups, low, tolerance=1e-4 * float(w.abs().amax()))
+    if step is None:  # not a 4-bit source: int8 keeps more
         return None
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
     # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
     scales = torch.stack((step, low + 8 * step), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 2)
     return packed, scales
+
+
+def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> torch.Tensor | None:
+    """Each group's grid step, such that its values are low + q * step with integer q in 0..15;
+    None when some group has none.
+
+    Where a group spans all 16 levels (Q4_0/Q4_1: the scale is set from the group's range) the
+    step is range / 15. A K-quant (Q4_K) derives its 6-bit sub-block scales otherwise, so a
+    group may use only some levels: its step is then the smallest gap between its values, or a
+    half or third of it when no two values lie on neighbouring levels.
+    """
+    high = groups.amax(-1)
+    gaps = groups.sort(-1).values.diff(dim=-1)
+    smallest_gap = gaps.masked_fill(gaps <= tolerance, float("inf")).amin(-1)
+    step = torch.full_like(low, float("nan"))
+    for candidate in ((high - low) / 15, smallest_gap, smallest_gap / 2, smallest_gap / 3):
+        candidate = candidate.clamp(min=1e-12)
+        levels = torch.round((groups - low[..., None]) / candidate[..., None])
+        error = (levels * candidate[..., None] + low[..., None] - groups).abs().amax(-1)
+        fits = (error <= tolerance) & (levels.amax(-1) <= 15) & step.isnan()
+        step = torch.where(fits, candidate, step)
+    flat = high - low <= tolerance  # one value: any step (q = 0)
+    step = torch.where(flat & step.isnan(), torch.ones_like(step), step)
+    return None if bool(step.isnan().any()) else step
 
 
 def _num_packed_rows(num_rows: int) -> int:
@@ -127,32 +149,63 @@ FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
 
 class FusedQuantLinear(nn.Module):
-    """Several linears over one input computed as a single quantized/bfloat16 matmul.
+    """Several linears over one input computed as a single matmul: quantized (CPU decode rewrite)
+    or in the weights' own dtype (`fuse_projections`, the GPU path: fewer, larger GEMMs a step).
 
     The model still calls each projection by its own name: `FusedOutput` modules stand in
     for them and return their slice of the fused result, computed once per input tensor.
     """
 
-    def __init__(self, linears: list[nn.Linear]) -> None:
+    def __init__(self, linears: list[nn.Linear], *, quantized: bool = True) -> None:
         super().__init__()
-        weight = torch.cat([lin.weight for lin in linears])
+        weight = torch.cat([lin.weight.detach() for lin in linears])
         has_bias = all(lin.bias is not None for lin in linears)
-        bias = torch.cat([lin.bias for lin in linears]) if has_bias else None
-        self.linear = QuantLinear(weight, bias)
+        bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
+        self.linear = QuantLinear(weight, bias) if quantized else _plain_linear(weight, bias)
         self.sizes = [lin.out_features for lin in linears]
-        # (input, its split outputs); a plain dict, as nn.Module attribute writes cost ~7 us each
-        self._last: dict[str, Any] = {"input": None, "outputs": ()}
+        # [(input, its split outputs)]: a list, as nn.Module attribute writes cost ~7 us each; one
+        # tuple, written and read whole, as two engines over one model may run it on two threads
+        self._last: list[tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]] = [(None, ())]
+
+    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        return self.linear(x).split(self.sizes, dim=-1)
 
     def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # Traced: the repeated matmul on the same input is one node after the compiler's CSE,
             # and a memo would put guards on its identity.
             return self.linear(x).split(self.sizes, dim=-1)[index]
-        last = self._last
-        if x is not last["input"]:
-            last["outputs"] = self.linear(x).split(self.sizes, dim=-1)
-            last["input"] = x
-        return last["outputs"][index]
+        last_input, outputs = self._last[0]
+        if x is not last_input:
+            outputs = self.linear(x).split(self.sizes, dim=-1)
+            self._last[0] = (x, outputs)
+        return outputs[index]
+
+
+def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
+
+
+def project(module: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
+    """The outputs of `module`'s projections `names` over one input: one matmul, split, where they
+    were fused in that order; else each projection on its own.
+
+    NOTE: the families call this rather than each projection: traced (the compiled decode step),
+    three calls of a fused projection were three matmuls, as the compiler does not merge the
+    repeated quantized kernels (1.8x the weight bytes read a layer).
+    """
+    first = getattr(module, names[0])
+    if isinstance(first, FusedOutput) and first.index == 0 and len(first._fused[0].sizes) == len(names):
+        return first._fused[0].outputs(x)
+    return tuple(getattr(module, name)(x) for name in names)
+
+
+QKV = ("q_proj", "k_proj", "v_proj")
+GATE_UP = ("gate_proj", "up_proj")
 
 
 class FusedOutput(nn.Module):
@@ -165,13 +218,13 @@ class FusedOutput(nn.Module):
         return self._fused[0].output(x, self.index)
 
 
-def _fuse_groups(parent: nn.Module) -> int:
+def _fuse_groups(parent: nn.Module, *, quantized: bool = True) -> int:
     count = 0
     for names in FUSABLE_GROUPS:
         linears = [getattr(parent, n, None) for n in names]
         if not all(isinstance(lin, nn.Linear) for lin in linears):
             continue
-        fused = FusedQuantLinear(linears)  # type: ignore[arg-type]
+        fused = FusedQuantLinear(linears, quantized=quantized)  # type: ignore[arg-type]
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedOutput(fused, index))
@@ -216,6 +269,12 @@ def quantize(model: nn.Module) -> QuantSummary:
                 setattr(parent, name, QuantLinear(child.weight, child.bias))
     kinds = [m.bits for m in model.modules() if isinstance(m, QuantLinear)]
     return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8))
+
+
+def fuse_projections(model: nn.Module) -> int:
+    """Unquantized models (the GPU path): q/k/v and gate/up become one matmul each, in the
+    weights' own dtype; returns how many linears were fused. Each weight is still kept once."""
+    return sum(_fuse_groups(parent, quantized=False) for parent in list(model.modules()))
 
 
 @dataclass(frozen=True, slots=True)

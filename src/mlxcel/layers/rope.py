@@ -81,9 +81,10 @@ class RotaryEmbedding(torch.nn.Module):
         self.head_dim, self.theta, self.scaling = head_dim, theta, scaling
         self.max_positions = max_positions
         self.register_buffer("inv_freq", rope_inv_freq(head_dim, theta, scaling), persistent=False)
-        self._cos = self._sin = torch.empty(0)
-        self._memo_positions: torch.Tensor | None = None
-        self._memo: tuple[torch.Tensor, torch.Tensor] = (self._cos, self._sin)
+        self._tables = (torch.empty(0), torch.empty(0))  # cos and signed sin [positions, head_dim]
+        # (positions, cos, sin) of the last lookup: one attribute, written and read whole, as two
+        # engines over one model (the tests' `engine_like`) run it on two threads.
+        self._memo: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] = (None, *self._tables)
         if self.inv_freq.device.type != "meta":
             self._build(max_positions)
 
@@ -99,7 +100,7 @@ class RotaryEmbedding(torch.nn.Module):
         sin = emb.sin()
         # Rotate-half as a roll: rotate_half(x) * sin == roll(x, half) * sin_signed (see apply_rope).
         half = emb.shape[-1] // 2
-        self._cos, self._sin = emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1)
+        self._tables = (emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (first half negated) of shape [T, 1, head_dim], for apply_rope.
@@ -109,25 +110,28 @@ class RotaryEmbedding(torch.nn.Module):
         """
         if torch.compiler.is_compiling() or _is_capturing():
             return self.lookup(positions, dtype)
-        if positions is self._memo_positions and dtype == self._memo[0].dtype:
-            return self._memo
+        memo_positions, cos, sin = self._memo
+        if positions is memo_positions and dtype == cos.dtype:
+            return cos, sin
         needed = int(positions.max()) + 1 if positions.numel() else 0
-        if needed > self._cos.shape[0] or self._cos.device != self.inv_freq.device:
-            self._build(max(needed, 2 * self._cos.shape[0]))
-        self._memo = (self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype))
-        self._memo_positions = positions
-        return self._memo
+        if needed > self._tables[0].shape[0] or self._tables[0].device != self.inv_freq.device:
+            self._build(max(needed, 2 * self._tables[0].shape[0]))
+        table_cos, table_sin = self._tables
+        cos, sin = table_cos[positions].unsqueeze(1).to(dtype), table_sin[positions].unsqueeze(1).to(dtype)
+        self._memo = (positions, cos, sin)
+        return cos, sin
 
 
     def ensure_positions(self, num_positions: int) -> None:
         """Build the tables for positions below `num_positions` now, for steps that cannot grow them
         while they run (a compiled or captured decode step)."""
-        if num_positions > self._cos.shape[0] or self._cos.device != self.inv_freq.device:
-            self._build(max(num_positions, self._cos.shape[0]))
+        if num_positions > self._tables[0].shape[0] or self._tables[0].device != self.inv_freq.device:
+            self._build(max(num_positions, self._tables[0].shape[0]))
 
     def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """`cos_sin` without memo or growth: traceable, for positions `ensure_positions` covered."""
-        return self._cos[positions].unsqueeze(1).to(dtype), self._sin[positions].unsqueeze(1).to(dtype)
+        cos, sin = self._tables
+        return cos[positions].unsqueeze(1).to(dtype), sin[positions].unsqueeze(1).to(dtype)
 
 
 def _is_capturing() -> bool:

@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mlxcel.loading.checkpoint import (
-    build_model, family_module, gguf_config, gguf_state_dict, hf_config, hf_state_dict,
+    build_model, family_module, gguf_config, gguf_readers, gguf_state_dict, hf_config, hf_state_dict,
 )
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
@@ -75,24 +75,38 @@ def open_checkpoint(path: Path) -> Checkpoint:
 
 
 def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Materialize an opened checkpoint's weights fully on `device`."""
+                 dtype: torch.dtype = torch.float32, lazy: bool = False) -> LoadedModel:
+    """Materialize an opened checkpoint's weights fully on `device`; `lazy` (A6) only maps the
+    file and reads each tensor when the module holding it first runs (loading/lazy.py)."""
     started = time.monotonic()
     path, config = checkpoint.path, checkpoint.config
     with _naming(path):
-        if checkpoint.gguf is not None:
-            state = gguf_state_dict(checkpoint.gguf, family_module(config["model_type"]), config)
-        else:
-            state = hf_state_dict(path)
-        model = build_model(config, state, device=device, dtype=dtype)
+        state = _lazy_readers(checkpoint) if lazy else _state_dict(checkpoint)
+        model = build_model(config, state, device=device, dtype=dtype, lazy=lazy)
     loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
-    log.info("loaded %s weights (%s) from %s in %.1f s", loaded.model_type, dtype, path, time.monotonic() - started)
+    log.info("%s %s weights (%s) from %s in %.1f s", "mapped (lazy)" if lazy else "loaded", loaded.model_type,
+             dtype, path, time.monotonic() - started)
     return loaded
 
 
-def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32) -> LoadedModel:
-    """Read a GGUF file or an HF-layout folder fully into memory on `device` (open + load_weights)."""
-    return load_weights(open_checkpoint(path), device=device, dtype=dtype)
+def _state_dict(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+    if checkpoint.gguf is not None:
+        return gguf_state_dict(checkpoint.gguf, family_module(checkpoint.model_type), checkpoint.config)
+    return hf_state_dict(checkpoint.path)
+
+
+def _lazy_readers(checkpoint: Checkpoint) -> dict[str, Any]:
+    from mlxcel.loading.lazy import safetensors_readers
+
+    if checkpoint.gguf is not None:
+        return gguf_readers(checkpoint.gguf, family_module(checkpoint.model_type), checkpoint.config)
+    return safetensors_readers(checkpoint.path)
+
+
+def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,
+               lazy: bool = False) -> LoadedModel:
+    """Read a GGUF file or an HF-layout folder into memory on `device` (open + load_weights)."""
+    return load_weights(open_checkpoint(path), device=device, dtype=dtype, lazy=lazy)
 
 
 @contextlib.contextmanager

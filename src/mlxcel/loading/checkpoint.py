@@ -125,6 +125,27 @@ def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) 
     return fix(state, config) if fix else state
 
 
+def gguf_readers(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> dict[str, Callable[[str], torch.Tensor]]:
+    """HF name -> a reader that dequantizes that tensor from the mapped file (lazy weights, A6),
+    with the family's GGUF layout fix applied to it alone."""
+    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
+    fix = getattr(module, "fix_gguf_weights", None)
+
+    def reader(gguf_name: str) -> Callable[[str], torch.Tensor]:
+        def read(hf_name: str) -> torch.Tensor:
+            array = gguf.dequantize(gguf_name)
+            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            return fix({hf_name: tensor}, config)[hf_name] if fix else tensor
+        return read
+
+    readers = {}
+    for name in gguf.tensors:
+        hf_name = _hf_name(name, layer_names)
+        if hf_name is not None:
+            readers[hf_name] = reader(name)
+    return readers
+
+
 def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if m := _LAYER_RE.match(name):
         part = layer_names.get(m.group(2))
@@ -165,9 +186,12 @@ def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def build_model(config: dict[str, Any], state: dict[str, torch.Tensor], *,
-                device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
-    """Instantiate the family's Model from config and load `state` strictly."""
+def build_model(config: dict[str, Any], state: dict[str, Any], *,
+                device: torch.device | str, dtype: torch.dtype, lazy: bool = False) -> torch.nn.Module:
+    """Instantiate the family's Model from config and load `state` strictly.
+
+    `lazy`: `state` maps names to readers (loading/lazy.py); parameters stay on the meta device
+    until the module holding them first runs."""
     module = family_module(config["model_type"])
     try:
         args = module.ModelArgs.from_dict(config)
@@ -176,6 +200,8 @@ def build_model(config: dict[str, Any], state: dict[str, torch.Tensor], *,
     with torch.device("meta"):
         model = module.Model(args)
     state = module.Model.sanitize(state, args) if hasattr(module.Model, "sanitize") else state
+    if lazy:
+        return _lazy_model(model, config, state, device, dtype)
     model = model.to_empty(device=device)
     missing, unexpected = _load_state(model, state, dtype)
     if missing or unexpected:
@@ -183,6 +209,22 @@ def build_model(config: dict[str, Any], state: dict[str, torch.Tensor], *,
             f"checkpoint does not match the {config['model_type']} model: "
             f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
         )
+    _reset_buffers(model, device)
+    return model.eval()
+
+
+def _lazy_model(model: torch.nn.Module, config: dict[str, Any], readers: dict[str, Any],
+                device: torch.device | str, dtype: torch.dtype) -> torch.nn.Module:
+    from mlxcel.loading.lazy import LazyWeights
+
+    params = {name for name, _ in model.named_parameters()}
+    missing, unexpected = params - set(readers), set(readers) - params
+    if missing or unexpected:
+        raise ModelLoadError(
+            f"checkpoint does not match the {config['model_type']} model: "
+            f"missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]}"
+        )
+    model.lazy_weights = LazyWeights(model, readers, device, dtype)
     _reset_buffers(model, device)
     return model.eval()
 

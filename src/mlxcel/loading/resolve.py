@@ -1,6 +1,7 @@
 """Resolve a model argument (A2) to a local file or folder.
 
-Accepted: an existing path (GGUF file or HF-layout folder); an `owner/name` repo id; a bare
+Accepted: an existing path (GGUF file or HF-layout folder); the name of a checkpoint that ships in
+installed packages (`loading/packaged.py`, e.g. qwen2.5-coder-1.5b-instruct); an `owner/name` repo id; a bare
 name, read as `${MLXCEL_DEFAULT_ORG:-mlx-community}/<name>`; nothing, for the embedded default
 model. Repo ids not in the store are downloaded with huggingface_hub into the store
 (`--models-dir` / `MLXCEL_MODELS_DIR`, else the Hugging Face cache).
@@ -15,6 +16,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from mlxcel.loading.errors import ModelLoadError
+from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
 
 log = logging.getLogger(__name__)
 
@@ -57,6 +59,8 @@ def resolve_model(arg: str | None, *, models_dir: Path | None = None, default_or
     if _is_path_like(arg):
         where = "" if path.is_absolute() else f" (looked for {path.resolve()})"
         raise ModelLoadError(f"model {arg!r}: no such file or folder{where}")
+    if is_packaged_name(arg):
+        return ResolvedModel(resolve_packaged(arg), arg, f"packaged checkpoint {arg}")
     if _REPO_ID.match(arg):
         repo_id = arg
     elif _BARE_NAME.match(arg):

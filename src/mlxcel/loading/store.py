@@ -141,8 +141,7 @@ def _gguf_facts(path: Path) -> dict[str, Any]:
 
 
 def _hf_facts(folder: Path) -> dict[str, Any]:
-    from mlxcel.workers.embedding import is_embedding_checkpoint
-    from mlxcel.workers.rerank import is_rerank_checkpoint
+    from mlxcel.loading.encoder import is_embedding_checkpoint, is_rerank_checkpoint
 
     config = json.loads((folder / "config.json").read_text(encoding="utf-8"))
     quant = config.get("quantization") or config.get("quantization_config")

@@ -1,7 +1,8 @@
 """The media policy (spec C2-C5): sandbox root, SSRF override and payload limits, read once at startup.
 
-`MediaPolicy` is frozen and validated on construction; `MediaPolicy.from_env` combines the
-MLXCEL_* variables with explicit CLI values (a CLI value wins over its environment mirror).
+`MediaPolicy` is frozen and validated on construction. The CLI builds it with `from_values` from
+the settings table (`mlxcel.settings`: flags and their MLXCEL_* mirrors, parsed there once);
+`from_env` reads the MLXCEL_* media variables of a mapping through the same settings.
 """
 
 from __future__ import annotations
@@ -23,8 +24,8 @@ ENV_VIDEO_MAX_FRAMES = "MLXCEL_VIDEO_MAX_FRAMES"
 ENV_VIDEO_FPS = "MLXCEL_VIDEO_FPS"
 ENV_VIDEO_DIR_ALLOWLIST = "MLXCEL_VIDEO_DIR_ALLOWLIST"
 
-_TRUE = frozenset({"1", "true", "yes", "on"})
-_FALSE = frozenset({"", "0", "false", "no", "off"})
+_ENV_FIELDS = {ENV_ALLOW_PRIVATE: "allow_private_urls", ENV_VIDEO_MAX_FRAMES: "video_max_frames",
+               ENV_VIDEO_FPS: "video_fps", ENV_VIDEO_DIR_ALLOWLIST: "video_dir_allowlist"}
 _COUNT_FIELDS = (
     "max_image_payload_bytes",
     "max_images",
@@ -71,66 +72,34 @@ class MediaPolicy:
         _require_int_at_least("max_redirects", self.max_redirects, 0)
 
     @classmethod
-    def from_env(cls, env: Mapping[str, str], **cli: Any) -> MediaPolicy:
-        """Build the policy from MLXCEL_* variables plus CLI values; raises MediaConfigError.
+    def from_values(cls, **values: Any) -> MediaPolicy:
+        """The policy from field values (None = not set: the default); `media_root` may be a path.
 
-        `env` is the startup snapshot (`mlxcel.env.Environment.raw`, read once by the CLI), never
-        os.environ itself. `cli` takes field names (`media_root` may be a path string); a value
-        of None means the flag was not given.
+        The CLI calls this with the values the settings table resolved from flags and their MLXCEL_*
+        mirrors (`mlxcel.settings`); raises MediaConfigError.
         """
-        values: dict[str, Any] = _env_values(env)
-        values.update({name: value for name, value in cli.items() if value is not None})
-        if isinstance(values.get("media_root"), str | os.PathLike):
-            values["media_root"] = MediaRoot.open(values["media_root"])
+        given = {name: value for name, value in values.items() if value is not None}
+        if isinstance(given.get("media_root"), str | os.PathLike):
+            given["media_root"] = MediaRoot.open(given["media_root"])
         try:
-            return cls(**values)
+            return cls(**given)
         except TypeError as exc:
             raise MediaConfigError(f"unknown media option: {exc}") from None
 
+    @classmethod
+    def from_env(cls, env: Mapping[str, str], **cli: Any) -> MediaPolicy:
+        """The MLXCEL_* media variables of `env` (parsed by their settings), then `cli` values over them."""
+        from mlxcel.settings import BY_ENV, SettingError
 
-def _env_values(env: Mapping[str, str]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    if ENV_ALLOW_PRIVATE in env:
-        values["allow_private_urls"] = parse_bool(ENV_ALLOW_PRIVATE, env[ENV_ALLOW_PRIVATE])
-    if ENV_VIDEO_MAX_FRAMES in env:
-        values["video_max_frames"] = parse_positive_int(ENV_VIDEO_MAX_FRAMES, env[ENV_VIDEO_MAX_FRAMES])
-    if ENV_VIDEO_FPS in env:
-        values["video_fps"] = parse_positive_float(ENV_VIDEO_FPS, env[ENV_VIDEO_FPS])
-    if ENV_VIDEO_DIR_ALLOWLIST in env:
-        values["video_dir_allowlist"] = parse_dir_allowlist(
-            ENV_VIDEO_DIR_ALLOWLIST, env[ENV_VIDEO_DIR_ALLOWLIST]
-        )
-    return values
-
-
-def parse_bool(name: str, text: str) -> bool:
-    """Read an on/off variable; anything but 1/true/yes/on or 0/false/no/off/empty is an error."""
-    value = text.strip().lower()
-    if value in _TRUE:
-        return True
-    if value in _FALSE:
-        return False
-    raise MediaConfigError(f"{name} must be 1 or 0 (or true/false), not {text!r}")
-
-
-def parse_positive_int(name: str, text: str) -> int:
-    """Read an integer >= 1."""
-    try:
-        value = int(text.strip())
-    except ValueError:
-        raise MediaConfigError(f"{name} must be a whole number, not {text!r}") from None
-    _require_int_at_least(name, value, 1)
-    return value
-
-
-def parse_positive_float(name: str, text: str) -> float:
-    """Read a finite number > 0."""
-    try:
-        value = float(text.strip())
-    except ValueError:
-        raise MediaConfigError(f"{name} must be a number, not {text!r}") from None
-    _require_positive_float(name, value)
-    return value
+        values: dict[str, Any] = {}
+        try:
+            for name in _ENV_FIELDS.keys() & env.keys():
+                values[_ENV_FIELDS[name]] = BY_ENV[name].parse(env[name])
+        except SettingError as exc:
+            raise MediaConfigError(str(exc)) from None
+        if isinstance(values.get("video_dir_allowlist"), str):
+            values["video_dir_allowlist"] = parse_dir_allowlist(ENV_VIDEO_DIR_ALLOWLIST, values["video_dir_allowlist"])
+        return cls.from_values(**{**values, **{k: v for k, v in cli.items() if v is not None}})
 
 
 def parse_dir_allowlist(name: str, text: str) -> tuple[Path, ...]:

@@ -8,19 +8,13 @@ Batches are right-padded; `attention_mask` marks real tokens.
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, fields
-from pathlib import Path
-from typing import Any, Callable, TypeVar
+from typing import Any, Callable
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlxcel.loading.checkpoint import hf_state_dict
-from mlxcel.loading.errors import ModelLoadError
-
-ModuleT = TypeVar("ModuleT", bound=nn.Module)
 
 _ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
@@ -61,14 +55,14 @@ class ModelArgs:
 
     def validate(self) -> None:
         if self.position_embedding_type != "absolute":
-            raise ModelLoadError(
+            raise ValueError(
                 f"bert: position_embedding_type {self.position_embedding_type!r} is not supported "
                 "(only 'absolute')"
             )
         if self.hidden_act not in _ACTIVATIONS:
-            raise ModelLoadError(f"bert: hidden_act {self.hidden_act!r} is not supported")
+            raise ValueError(f"bert: hidden_act {self.hidden_act!r} is not supported")
         if self.hidden_size % self.num_attention_heads:
-            raise ModelLoadError("bert: hidden_size is not a multiple of num_attention_heads")
+            raise ValueError("bert: hidden_size is not a multiple of num_attention_heads")
 
 
 class Embeddings(nn.Module):
@@ -226,50 +220,14 @@ class ModelForSequenceClassification(nn.Module):
         return {name: t for name, t in state.items() if not name.endswith("position_ids")}
 
 
-def read_args(folder: str | Path) -> ModelArgs:
-    """ModelArgs from `folder/config.json`."""
-    path = Path(folder) / "config.json"
-    try:
-        config = json.loads(path.read_text())
-    except (OSError, ValueError) as exc:
-        raise ModelLoadError(f"{path}: cannot read the model config ({exc})") from exc
-    if config.get("model_type") != "bert":
-        raise ModelLoadError(f"{path}: model_type is {config.get('model_type')!r}, not 'bert'")
-    return ModelArgs.from_dict(config)
+def encoder(args: ModelArgs, state: dict[str, torch.Tensor]) -> tuple[Model, dict[str, torch.Tensor]]:
+    """The encoder for a checkpoint's `state` (with a pooler when it has one) and the state it loads."""
+    weights = Model.sanitize(state, args)
+    return Model(args, add_pooling_layer="pooler.dense.weight" in weights), weights
 
 
-def load_model(
-    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> Model:
-    """The encoder of an HF-layout BERT folder (BertModel or any Bert*For* checkpoint)."""
-    args = read_args(folder)
-    weights = Model.sanitize(hf_state_dict(Path(folder)), args)
-    model = Model(args, add_pooling_layer="pooler.dense.weight" in weights)
-    return _load_into(model, weights, folder, device, dtype)
-
-
-def load_classifier(
-    folder: str | Path, device: str | torch.device = "cpu", dtype: torch.dtype = torch.float32
-) -> ModelForSequenceClassification:
-    """An HF-layout BertForSequenceClassification folder (a cross-encoder)."""
-    args = read_args(folder)
-    weights = ModelForSequenceClassification.sanitize(hf_state_dict(Path(folder)), args)
-    return _load_into(ModelForSequenceClassification(args), weights, folder, device, dtype)
-
-
-def _load_into(
-    model: ModuleT,
-    weights: dict[str, torch.Tensor],
-    folder: str | Path,
-    device: str | torch.device,
-    dtype: torch.dtype,
-) -> ModuleT:
-    expected = set(model.state_dict())
-    missing, unexpected = sorted(expected - set(weights)), sorted(set(weights) - expected)
-    if missing or unexpected:
-        raise ModelLoadError(
-            f"{folder}: checkpoint does not match the bert model: missing {missing[:5]}, "
-            f"unexpected {unexpected[:5]}"
-        )
-    model.load_state_dict(weights)
-    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+def classifier(
+    args: ModelArgs, state: dict[str, torch.Tensor]
+) -> tuple[ModelForSequenceClassification, dict[str, torch.Tensor]]:
+    """The cross-encoder for a BertForSequenceClassification `state` and the state it loads."""
+    return ModelForSequenceClassification(args), ModelForSequenceClassification.sanitize(state, args)

@@ -17,10 +17,11 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
+from mlxcel.layers.quant import GATE_UP, QKV, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
 if TYPE_CHECKING:
-    from mlxcel.loading.gguf import GGUFFile
+    from mlxcel.models._gguf import GGUFTensors
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -125,9 +126,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_out, k_out, v_out = project(self, x, QKV)
+        q = self.q_norm(q_out.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k_out.view(t, self.num_kv_heads, self.head_dim))
+        v = v_out.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rope[0].cos_sin(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
@@ -143,7 +145,8 @@ class MLP(nn.Module):
         self.act = ACTIVATIONS[args.hidden_activation]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(self.act(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, GATE_UP)
+        return self.down_proj(self.act(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -246,7 +249,7 @@ GGUF_LAYER_NAMES = {
 }
 
 
-def gguf_config(config: dict[str, Any], gguf: GGUFFile) -> dict[str, Any]:
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """Settings llama.cpp fixes in code for gemma3 rather than storing them in the file."""
     config = {**config, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6}
     # llama.cpp: 27B (62 layers) scales queries by hidden/heads, every other size by head_dim.

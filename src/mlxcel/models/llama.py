@@ -11,10 +11,11 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
+from mlxcel.layers.quant import GATE_UP, QKV, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
 if TYPE_CHECKING:
-    from mlxcel.loading.gguf import GGUFFile
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -72,9 +73,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_out, k_out, v_out = project(self, x, QKV)
+        q = q_out.view(t, self.num_heads, self.head_dim)
+        k = k_out.view(t, self.num_kv_heads, self.head_dim)
+        v = v_out.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rope[0].cos_sin(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale)
@@ -89,7 +91,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, GATE_UP)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -159,7 +162,7 @@ def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
     return weight.reshape(num_heads, head_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
 
 
-def gguf_config(config: dict[str, Any], gguf: GGUFFile) -> dict[str, Any]:
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """Llama 3.x GGUFs carry their rope scaling as a `rope_freqs` tensor, not as metadata."""
     if "rope_freqs.weight" in gguf.tensors:
         factors = gguf.dequantize("rope_freqs.weight").reshape(-1).tolist()

@@ -11,6 +11,7 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
+from mlxcel.layers.quant import GATE_UP, QKV, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
 
@@ -82,9 +83,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_proj(x).view(t, self.num_heads, self.head_dim)
-        k = self.k_proj(x).view(t, self.num_kv_heads, self.head_dim)
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_out, k_out, v_out = project(self, x, QKV)
+        q = q_out.view(t, self.num_heads, self.head_dim)
+        k = k_out.view(t, self.num_kv_heads, self.head_dim)
+        v = v_out.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rope[0].cos_sin(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
@@ -99,7 +101,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, GATE_UP)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):

@@ -11,10 +11,11 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
+from mlxcel.layers.quant import GATE_UP, QKV, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
 if TYPE_CHECKING:
-    from mlxcel.loading.gguf import GGUFFile
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -88,9 +89,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q = self.q_norm(self.q_proj(x).view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(self.k_proj(x).view(t, self.num_kv_heads, self.head_dim))
-        v = self.v_proj(x).view(t, self.num_kv_heads, self.head_dim)
+        q_out, k_out, v_out = project(self, x, QKV)
+        q = self.q_norm(q_out.view(t, self.num_heads, self.head_dim))
+        k = self.k_norm(k_out.view(t, self.num_kv_heads, self.head_dim))
+        v = v_out.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rope[0].cos_sin(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
@@ -105,7 +107,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(self, x, GATE_UP)
+        return self.down_proj(F.silu(gate) * up)
 
 
 class DecoderLayer(nn.Module):
@@ -168,7 +171,7 @@ class Model(nn.Module):
         return kept
 
 
-def gguf_config(config: dict[str, Any], gguf: GGUFFile) -> dict[str, Any]:
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """GGUF leaves out `key_length` when heads split the hidden size evenly (llama.cpp's default)."""
     if "head_dim" not in config:
         config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}

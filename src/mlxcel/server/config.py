@@ -22,7 +22,8 @@ class ServerConfig:
     host: str = "127.0.0.1"  # --host; a value ending in .sock is a Unix socket path (A4)
     port: int = 8080  # --port; 0 = a kernel-chosen ephemeral port
     api_keys: tuple[str, ...] = ()  # --api-key / --api-key-file / LLAMA_API_KEY (C1); empty = no auth
-    alias: str | None = None  # --alias: the model id /v1/models reports
+    alias: str | None = None  # --alias: the model's names, comma-separated (llama-server); the first is its id
+    tags: tuple[str, ...] = ()  # --tags: informational labels /v1/models reports
     timeout_s: float = 3600.0  # --timeout: HTTP read/write timeout (A8)
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES  # --max-body-size (D1)
     endpoint_slots: bool = True  # --slots / --no-slots (F12)
@@ -38,6 +39,11 @@ class ServerConfig:
     webui: bool = False  # --webui: /webui/ and /ui-api/v1/* (A5)
     ui_session_key: str | None = None  # A5: the one-time key of a loopback --webui without --api-key
     api_prefix: str = ""  # --api-prefix (A11): every route under it, e.g. "/llm"
+
+    @property
+    def aliases(self) -> tuple[str, ...]:
+        """--alias as llama-server reads it: comma-separated, stripped, in sorted order (its std::set)."""
+        return tuple(sorted({name.strip() for name in (self.alias or "").split(",") if name.strip()}))
     cors_origins: tuple[str, ...] | None = None  # --cors-origins / --allowed-origins (C6); None = no policy
     ssl_keyfile: Path | None = None  # --ssl-key-file
     ssl_certfile: Path | None = None  # --ssl-cert-file

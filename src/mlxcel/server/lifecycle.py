@@ -105,7 +105,9 @@ class HttpServer(uvicorn.Server):
     def __init__(self, state: ServerState, sock: socket.socket, *, on_shutdown: Callable[[], None],
                  exits_on_engine_failure: bool = False) -> None:
         tls = state.config
-        config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off",
+        # NOTE: h11, not httptools: uvicorn's httptools protocol lowercases every response header
+        # name, and llama-server clients read `Process-Start-Time-Unix` on /metrics case-sensitively.
+        config = uvicorn.Config(create_app(state), log_config=None, access_log=False, lifespan="off", http="h11",
                                 timeout_graceful_shutdown=int(state.config.shutdown_timeout_s),
                                 ssl_keyfile=str(tls.ssl_keyfile) if tls.ssl_keyfile else None,
                                 ssl_certfile=str(tls.ssl_certfile) if tls.ssl_certfile else None)

@@ -2,19 +2,27 @@
 
 Request counters and latency histograms are pushed by the API layer through the `Telemetry`
 protocol; engine gauges and counters are read from `EngineStats` at scrape time, so a scrape
-costs one consistent snapshot and nothing is double-counted.
+costs one consistent snapshot and nothing is double-counted. Beside the `mlxcel_*` families,
+llama-server's own `llamacpp:*` names are written as llama-server writes them (`LlamaCppTotals`):
+dashboards and llama.cpp's server tests built for llama-server read them unchanged.
 """
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
+from mlxcel.api.context import SequenceRecord
 from mlxcel.types import EngineStats, Usage
-from mlxcel.workers.base import WorkerStats
+
+if TYPE_CHECKING:
+    from mlxcel.workers.base import WorkerStats
 
 CONTENT_TYPE = "text/plain; version=0.0.4; charset=utf-8"
 TTFT_BUCKETS = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0, 120.0)
@@ -38,6 +46,8 @@ class ServerMetrics:
         self.itl = Histogram("mlxcel_inter_token_latency_seconds", "Time between generated tokens",
                              buckets=ITL_BUCKETS, registry=self.registry)
         self.registry.register(EngineCollector(stats))
+        self._stats = stats
+        self.llamacpp = LlamaCppTotals()
         if worker_stats is not None:
             self.registry.register(WorkerCollector(worker_stats))
 
@@ -52,9 +62,12 @@ class ServerMetrics:
         self.completion_tokens.inc(usage.completion_tokens)
         self.prompt_tokens.inc(usage.prompt_tokens)
 
+    def record_sequence(self, record: SequenceRecord) -> None:
+        self.llamacpp.add(record)
+
     def render(self) -> bytes:
-        """The Prometheus text exposition of every metric."""
-        return generate_latest(self.registry)
+        """The Prometheus text exposition of every metric; a scrape starts new throughput buckets."""
+        return generate_latest(self.registry) + self.llamacpp.render(self._stats()).encode()
 
 
 class EngineCollector(Collector):
@@ -79,6 +92,7 @@ class EngineCollector(Collector):
         yield _counter("mlxcel_sequences_completed", "Engine sequences completed", stats.sequences_completed)
         yield _counter("mlxcel_sequences_aborted", "Engine sequences started, then aborted", stats.sequences_aborted)
         yield from _prefix_cache_metrics(stats)
+        yield from _draft_metrics(stats)
 
 
 def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
@@ -93,6 +107,16 @@ def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
     blocks.add_metric(["free"], cache.num_blocks_free)
     blocks.add_metric(["cached"], cache.num_blocks_cached)
     yield blocks
+
+
+def _draft_metrics(stats: EngineStats) -> Iterator[Metric]:
+    """Speculative decoding (B1-B4): draft tokens verified and accepted, and their ratio."""
+    drafts = stats.drafts
+    yield _counter("mlxcel_draft_tokens", "Draft tokens verified by the target (speculative decoding)",
+                   drafts.num_drafted)
+    yield _counter("mlxcel_draft_tokens_accepted", "Draft tokens the target accepted", drafts.num_accepted)
+    yield _gauge("mlxcel_draft_acceptance_rate", "Accepted / verified draft tokens (0 before any draft)",
+                 drafts.acceptance_rate)
 
 
 def _gauge(name: str, doc: str, value: float) -> GaugeMetricFamily:
@@ -136,3 +160,79 @@ def _worker_gauge(name: str, doc: str, workers: list[WorkerStats],
     for worker in workers:
         gauge.add_metric([worker.name], value(worker))
     return gauge
+
+
+@dataclass(slots=True)
+class TokenBucket:
+    """Tokens, the decode steps they cost and the seconds spent (llama-server's server_metrics::bucket)."""
+
+    num_tokens: int = 0
+    num_steps: int = 0  # the first generated token comes with the prompt's logits: no step of its own
+    seconds: float = 0.0
+
+    def add(self, num_tokens: int, num_steps: int, seconds: float) -> None:
+        self.num_tokens += num_tokens
+        self.num_steps += num_steps
+        self.seconds += seconds
+
+    def per_second(self) -> float:
+        return self.num_steps / self.seconds if self.seconds > 0 else 0.0
+
+
+class LlamaCppTotals:
+    """llama-server's `llamacpp:*` metrics: per-sequence totals pushed by the API layer, engine step
+    counts read from `EngineStats`; the throughput gauges cover the time since the previous scrape."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self.prompt, self.predict = TokenBucket(), TokenBucket()
+        self.prompt_bucket, self.predict_bucket = TokenBucket(), TokenBucket()
+        self.num_prompt_cached = 0
+
+    def add(self, record: SequenceRecord) -> None:
+        num_steps = max(record.num_predicted_tokens - 1, 0)
+        with self._lock:
+            for bucket in (self.prompt, self.prompt_bucket):
+                bucket.add(record.num_prompt_tokens, record.num_prompt_tokens, record.prompt_s)
+            for bucket in (self.predict, self.predict_bucket):
+                bucket.add(record.num_predicted_tokens, num_steps, record.decode_s)
+            self.num_prompt_cached += record.num_cached_tokens
+
+    def render(self, stats: EngineStats | None) -> str:
+        with self._lock:
+            counters, gauges = self._items(stats)
+            self.prompt_bucket, self.predict_bucket = TokenBucket(), TokenBucket()
+        return "".join(_llamacpp_item(name, kind, doc, value)
+                       for kind, items in (("counter", counters), ("gauge", gauges)) for name, doc, value in items)
+
+    def _items(self, stats: EngineStats | None) -> tuple[list[tuple[str, str, float]], list[tuple[str, str, float]]]:
+        num_steps = stats.num_steps if stats else 0
+        counters = [
+            ("prompt_tokens_total", "Number of prompt tokens processed, excluding cached tokens", self.prompt.num_tokens),
+            ("prompt_tokens_cached_total", "Number of prompt tokens reused from the cache", self.num_prompt_cached),
+            ("prompt_seconds_total", "Total time spent processing prompts", self.prompt.seconds),
+            ("tokens_predicted_total", "Number of generation tokens processed", self.predict.num_tokens),
+            ("tokens_predicted_seconds_total", "Total time spent generating tokens", self.predict.seconds),
+            ("n_decode_total", "Total number of engine forward steps", num_steps),
+            ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
+             stats.max_sequence_len if stats else 0),
+            # mlxcel has no speculative decoding in this build: these stay 0, as in llama-server without it
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
+        ]
+        gauges = [
+            ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", self.prompt_bucket.per_second()),
+            ("predicted_tokens_seconds", "Average generation throughput in tokens/s", self.predict_bucket.per_second()),
+            ("requests_processing", "Number of requests processing", stats.active_sequences if stats else 0),
+            ("requests_deferred", "Number of requests deferred", stats.queue_depth if stats else 0),
+            ("n_busy_slots_per_decode", "Average number of busy slots per engine forward step",
+             (stats.num_busy_slot_steps if stats else 0) / max(num_steps, 1)),
+        ]
+        return counters, gauges
+
+
+def _llamacpp_item(name: str, kind: str, doc: str, value: float) -> str:
+    # NOTE: written by hand: prometheus_client would name a counter's TYPE line without `_total`
+    # and append `_total` to n_tokens_max; llama-server's exact names are the point here.
+    return f"# HELP llamacpp:{name} {doc}\n# TYPE llamacpp:{name} {kind}\nllamacpp:{name} {float(value)!r}\n"

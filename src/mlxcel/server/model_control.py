@@ -1,8 +1,8 @@
 """Load, unload and switch the served models at run time, for the web UI's control plane (A5).
 
-Every load goes through the startup path (`runtime.start_served_model` for the chat model,
-`side_models.load_side_models` for embedding and rerank) and is attached with
-`ServerState.attach`, as `mlxcel serve` does at startup. A switch loads the new model first,
+Every load goes through the startup path (`startup.ModelLoader`: the chat model and the
+embedding and rerank providers load as `mlxcel serve` loads them at startup) and is attached
+with `ServerState.attach`. A switch loads the new model first,
 attaches it (new requests go to it), then retires the old one: "drain" lets its in-flight
 requests finish (up to a deadline, then aborts what is left), "abort" ends them at once with
 finish_reason "abort". The old engine is stopped and its weights released.
@@ -18,29 +18,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from mlxcel.server.jobs import EventLog, Job, JobCancelled, JobRunner
+from mlxcel.startup import ModelLoader
 
 if TYPE_CHECKING:
-    from mlxcel.config import EngineConfig
     from mlxcel.loading import ResolvedModel
-    from mlxcel.runtime import RuntimeOptions, ServedModel
+    from mlxcel.runtime import ServedModel
     from mlxcel.server.state import ServerState
-    from mlxcel.side_models import SideModelOptions
 
 log = logging.getLogger(__name__)
 
 RETIRE_MODES = ("drain", "abort")
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
-
-
-@dataclass(frozen=True)
-class LoadSettings:
-    """What a load from the UI uses: the same options the command line gave the startup model."""
-
-    runtime: RuntimeOptions
-    engine: EngineConfig
-    models_dir: Path | None = None
-    default_org: str = "mlx-community"
-    side: SideModelOptions | None = None
 
 
 @dataclass
@@ -68,7 +56,7 @@ class ThroughputMeter:
 class ModelControl:
     """The web UI's hands on the server: model actions as jobs, their events, the model states."""
 
-    def __init__(self, state: ServerState, settings: LoadSettings, session_key: str | None = None) -> None:
+    def __init__(self, state: ServerState, settings: ModelLoader, session_key: str | None = None) -> None:
         self.state = state
         self.settings = settings
         self.session_key = session_key
@@ -81,17 +69,7 @@ class ModelControl:
 
     def resolve(self, model_id: str) -> ResolvedModel:
         """A catalog id: "" (the embedded default), a packaged name, a path, or a repo id in the store."""
-        from mlxcel.loading import resolve_model
-        from mlxcel.side_models import resolve_side_model
-
-        def resolve(arg: str | None) -> ResolvedModel:
-            return resolve_model(arg, models_dir=self.settings.models_dir, default_org=self.settings.default_org,
-                                 allow_download=False)  # downloads are their own job, with progress
-
-        in_store = self.settings.models_dir / model_id if self.settings.models_dir and model_id else None
-        if in_store is not None and "/" not in model_id and in_store.exists():  # a folder or file of the store
-            model_id = str(in_store)
-        return resolve_side_model(model_id or None, resolve)
+        return self.settings.resolve(model_id)
 
     # ---- the chat model ----
 
@@ -121,15 +99,13 @@ class ModelControl:
         return {"previous": old.name, **self._retire(job, old, mode, drain_timeout_s)}
 
     def _start_chat(self, job: Job, model_id: str) -> ServedModel:
-        from mlxcel.runtime import start_served_model
-
         resolved = self.resolve(model_id)
         job.message = f"loading {resolved.name}"
         self.jobs.update(job, progress=0.1)
         self.loading["chat"] = resolved.name
         self._publish_model("chat", "loading", resolved.name)
         try:
-            served = start_served_model(resolved, self.settings.runtime, self.settings.engine)
+            served = self.settings.load_chat(resolved)
         except BaseException:
             self._publish_model("chat", "failed", resolved.name)
             raise
@@ -149,7 +125,7 @@ class ModelControl:
         old.close(30.0)  # aborts whatever is still running (finish_reason "abort")
         name = old.name
         del old
-        release_memory(self.settings.runtime.device)
+        release_memory(self.settings.device)
         self._publish_model("chat", "unloaded", name)
         job.message = f"unloaded {name}" + ("" if is_drained or mode == "abort" else " (drain deadline: aborted the rest)")
         return {"retired": name, "drained": is_drained}
@@ -157,18 +133,12 @@ class ModelControl:
     # ---- side models (spec I) ----
 
     def load_side(self, job: Job, role: str, model_id: str) -> dict[str, Any]:
-        from mlxcel.side_models import ProcessPlan, SideModelOptions, checkpoint_kind, load_side_models
-
         if self._side_name(role) is not None:
             raise ValueError(f"an {role} model is already loaded: unload it first")
         resolved = self.resolve(model_id)
         self._publish_model(role, "loading", resolved.name)
-        kind = checkpoint_kind(resolved.path)
-        plan = ProcessPlan(None, embedding=resolved if role == "embedding" else None,
-                           reranker=resolved if role == "rerank" else None,
-                           reranker_kind=kind if role == "rerank" else None)
         try:
-            loaded = load_side_models(plan, self.settings.side or SideModelOptions(), int(time.time()))
+            loaded = self.settings.load_side(role, resolved)
         except BaseException:
             self._publish_model(role, "failed", resolved.name)
             raise
@@ -195,7 +165,7 @@ class ModelControl:
         side.stoppers[:] = [(n, stop) for n, stop in side.stoppers if stop != provider.stop]  # type: ignore[union-attr]
         provider.stop(30.0)  # type: ignore[union-attr]
         del provider
-        release_memory(self.settings.runtime.device)
+        release_memory(self.settings.device)
         self._publish_model(role, "unloaded", name)
         job.message = f"unloaded {name}"
         return {"retired": name}

@@ -45,6 +45,11 @@ HAND_SCHEMAS: Mapping[str, dict[str, Any]] = {
                       "properties": {"input": {"type": "string"}, "model": {"type": "string"},
                                      "voice": {"type": "string"}, "response_format": {"type": "string"},
                                      "speed": {"type": "number"}}},
+    "SettingsPatch": {"type": "object", "additionalProperties": False,  # F9; the names: GET /v1/settings
+                      "properties": {"settings": {"type": "object"}, "replace": {"type": "boolean"}}},
+    "LoraAdaptersRequest": {"type": "array",
+                            "items": {"type": "object", "required": ["id", "scale"],
+                                      "properties": {"id": {"type": "integer"}, "scale": {"type": "number"}}}},
     "ErrorEnvelope": {"type": "object", "required": ["error"],
                       "properties": {"error": {"type": "object"}, "type": {"type": "string"}}},
 }
@@ -66,7 +71,8 @@ _MODEL_BODIES: Mapping[str, type[BaseModel]] = {
 }
 _HAND_BODIES: Mapping[str, str] = {
     "/v1/embeddings": "EmbeddingRequest", "/embedding": "NativeEmbeddingRequest",
-    "/v1/rerank": "RerankRequest", "/v1/audio/speech": "SpeechRequest",
+    "/v1/rerank": "RerankRequest", "/v1/audio/speech": "SpeechRequest", "/v1/settings": "SettingsPatch",
+    "/lora-adapters": "LoraAdaptersRequest",
 }
 _MULTIPART = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _PATH_PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
@@ -106,7 +112,7 @@ def _operation(route: Any, primary: str, path: str, method: str, names: Mapping[
         operation["parameters"] = parameters
     if not route.is_public:
         operation["security"] = [{"bearer": []}, {}]
-    body = _request_body(primary, names) if method == "POST" else None
+    body = _request_body(primary, names) if method in ("POST", "PATCH") else None
     if body is not None:
         operation["requestBody"] = body
     return operation

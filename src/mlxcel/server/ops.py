@@ -8,19 +8,23 @@ from __future__ import annotations
 
 import time
 from importlib.metadata import PackageNotFoundError, version
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxcel.api.errors import ApiError, invalid_request
+from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.api.openai.common import DEFAULT_TEMPERATURE
+from mlxcel.config import EngineConfig
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
-from mlxcel.side_models import SideModels
-from mlxcel.types import EngineStats, PrefixCacheStats, SamplingParams, SlotStats
-from mlxcel.workers.base import WorkerStats
+from mlxcel.process import SideModels
+from mlxcel.types import DraftStats, EngineStats, PrefixCacheStats, SamplingParams, SlotStats
+
+if TYPE_CHECKING:
+    from mlxcel.workers.base import WorkerStats
 
 SLOT_ACTIONS = ("save", "restore", "erase")
 
@@ -46,10 +50,20 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
         "context_size": stats.context_size if stats else 0,
         "tool_call_parser": _tool_call_parser(state),  # the format chosen from the chat template (V)
     }
+    if stats is not None and stats.drafts.kind != "none":  # B1-B4; off: K1's fields exactly
+        body["speculative"] = drafts_json(stats.drafts)
     providers = providers_json(state.side)
     if providers:  # embedding / rerank workers (spec I); a chat-only server keeps K1's fields exactly
         body["providers"] = providers
     return body
+
+
+def drafts_json(drafts: DraftStats) -> dict[str, Any]:
+    """Speculative decoding's configuration and its draft counters (/health, /props)."""
+    return {"draft_kind": drafts.kind, "draft_max": drafts.draft_max, "draft_min": drafts.draft_min,
+            "max_batch": drafts.max_batch, "draft_model": drafts.draft_model,
+            "drafted_tokens": drafts.num_drafted, "accepted_tokens": drafts.num_accepted,
+            "acceptance_rate": round(drafts.acceptance_rate, 4)}
 
 
 def _tool_call_parser(state: ServerState) -> str | None:
@@ -99,10 +113,13 @@ async def health(request: Request, state: ServerState) -> Response:
 # ---- /slots (K3, F12) ----
 
 def slot_json(slot: SlotStats) -> dict[str, Any]:
+    # next_token is a one-item list, as llama-server sends it; an idle slot keeps no task's budget
+    next_token = {"has_next_token": slot.is_processing, "n_remain": slot.num_remaining_tokens,
+                  "n_decoded": slot.num_generated_tokens}
     return {
-        "id": slot.slot_id, "n_ctx": slot.context_size, "context_size": slot.context_size,
+        "id": slot.slot_id, "n_ctx": slot.context_size, "context_size": slot.context_size, "speculative": False,
         "is_processing": slot.is_processing, "request_id": slot.request_id,
-        "n_prompt_tokens": slot.num_prompt_tokens, "next_token": {"n_decoded": slot.num_generated_tokens},
+        "n_prompt_tokens": slot.num_prompt_tokens, "next_token": [next_token],
     }
 
 
@@ -169,8 +186,10 @@ async def props(request: Request, state: ServerState) -> Response:
         raise not_supported("props", "--props")
     served = state.require_served()
     template = served.chat_template
+    drafts = served.engine.stats().drafts
+    speculative = {"speculative": drafts_json(drafts)} if drafts.kind != "none" else {}
     return JSONResponse({
-        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params()},
+        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params(served.engine_config)},
         "total_slots": served.engine_config.max_num_seqs,
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
@@ -178,13 +197,18 @@ async def props(request: Request, state: ServerState) -> Response:
         "modalities": {"vision": False, "audio": False},
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,
         "build_info": f"mlxcel {_version()}",
+        **speculative,
     })
 
 
-def _default_params() -> dict[str, Any]:
+def _default_params(engine: EngineConfig) -> dict[str, Any]:
+    """The sampling a request gets when it names none (--seed, --n-predict); seed 4294967295 is
+    llama-server's "random"."""
     defaults = SamplingParams(temperature=DEFAULT_TEMPERATURE)
-    return {"temperature": defaults.temperature, "top_k": defaults.top_k, "top_p": defaults.top_p,
-            "min_p": defaults.min_p, "repeat_last_n": defaults.repeat_last_n}
+    seed = engine.seed if engine.seed >= 0 else UINT32_RANDOM_SEED
+    return {"seed": seed, "n_predict": engine.n_predict, "temperature": defaults.temperature,
+            "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": defaults.min_p,
+            "repeat_last_n": defaults.repeat_last_n}
 
 
 def _version() -> str:

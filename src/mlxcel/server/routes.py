@@ -21,7 +21,7 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
-from mlxcel.server import audio_routes, ops
+from mlxcel.server import audio_routes, ops, settings_api
 from mlxcel.server.openapi import openapi_json
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
@@ -179,6 +179,15 @@ async def apply_template(request: Request, state: ServerState) -> Reply:
     return llama_server.apply_template(state.require_api(), req)
 
 
+async def lora_adapters(request: Request, state: ServerState) -> Reply:
+    return llama_server.list_adapters(state.require_api())
+
+
+async def set_lora_adapters(request: Request, state: ServerState) -> Reply:
+    entries = llama_server.parse_lora_request(await read_json(request))
+    return llama_server.set_adapters(state.require_api(), entries)
+
+
 # ---- Anthropic Messages (E1, E2) ----
 
 def _anthropic_options(state: ServerState) -> anthropic.AnthropicOptions:
@@ -297,6 +306,8 @@ ROUTES: tuple[Route, ...] = (
     Route(("/tokenize",), ("POST",), tokenize),
     Route(("/detokenize",), ("POST",), detokenize),
     Route(("/apply-template",), ("POST",), apply_template),
+    Route(("/lora-adapters",), ("GET",), lora_adapters),
+    Route(("/lora-adapters",), ("POST",), set_lora_adapters),
     Route(("/v1/messages", "/messages"), ("POST",), messages, protocol="anthropic"),
     Route(("/v1/messages/count_tokens", "/messages/count_tokens"), ("POST",), count_tokens, protocol="anthropic"),
     Route(("/v1/models", "/models"), ("GET",), models),
@@ -312,6 +323,8 @@ ROUTES: tuple[Route, ...] = (
     Route(("/v1/cache/stats",), ("GET",), ops.cache_stats),
     Route(("/v1/cache/reset",), ("POST",), ops.cache_reset),
     Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
+    Route(("/v1/settings", "/settings"), ("GET",), settings_api.get_settings),  # F9
+    Route(("/v1/settings", "/settings"), ("PATCH",), settings_api.patch_settings),
     Route(("/v1/stream",), ("GET",), stream_replay),
     Route(("/v1/stream",), ("DELETE",), stream_delete),
     Route(("/v1/streams/lookup",), ("POST",), streams_lookup),

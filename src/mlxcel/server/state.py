@@ -3,7 +3,8 @@
 from __future__ import annotations
 
 import time
-from typing import TYPE_CHECKING
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
@@ -11,18 +12,19 @@ from mlxcel.api.modes import audio_missing, chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
 from mlxcel.api.resumable import StreamBufferLimits, StreamStore
 from mlxcel.media.limits import MediaPolicy
-from mlxcel.runtime import ServedModel
-from mlxcel.side_models import SideModels
+from mlxcel.settings import LiveSettings
+from mlxcel.process import SideModels
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.types import EngineStats
-from mlxcel.workers.base import WorkerStats
-from mlxcel.workers.embedding import EmbeddingProvider
-from mlxcel.workers.rerank import Reranker
-from mlxcel.workers.speech import SpeechSynthesizer
-from mlxcel.workers.whisper import WhisperTranscriber
 
-if TYPE_CHECKING:
+if TYPE_CHECKING:  # what the startup path built (mlxcel.startup); the server holds it, never loads it
+    from mlxcel.runtime import ServedModel
+    from mlxcel.workers.base import WorkerStats
+    from mlxcel.workers.embedding import EmbeddingProvider
+    from mlxcel.workers.rerank import Reranker
+    from mlxcel.workers.speech import SpeechSynthesizer
+    from mlxcel.workers.whisper import WhisperTranscriber
     from mlxcel.server.model_control import ModelControl
     from mlxcel.server.realtime import RealtimeService
 
@@ -31,8 +33,9 @@ class ServerState:
     """Shared by every route of one app; `served` is None until the model is attached."""
 
     def __init__(self, config: ServerConfig, served: ServedModel | None = None, *, side: SideModels | None = None,
-                 media: MediaPolicy | None = None) -> None:
+                 media: MediaPolicy | None = None, settings: Mapping[str, Any] | None = None) -> None:
         self.config = config
+        self.live = LiveSettings(settings)  # F9: startup values from the settings table, PATCHed at run time
         self.side = side or SideModels()  # embedding / rerank providers (spec I)
         self.media = media or MediaPolicy()  # C2-C5, handed to adapters through ApiContext
         self.metrics = ServerMetrics(self.engine_stats, self.worker_stats)
@@ -53,7 +56,11 @@ class ServerState:
     def model_name(self) -> str | None:
         if self.served is None:
             return self._single_purpose_name()
-        return self.config.alias or self.served.name
+        return self._alias_or(self.served.name)
+
+    def _alias_or(self, name: str) -> str:
+        aliases = self.config.aliases
+        return aliases[0] if aliases else name
 
     def _single_purpose_name(self) -> str | None:
         if self.side.mode is None:
@@ -67,10 +74,15 @@ class ServerState:
         """Start serving `served` (the model is loaded and warmed up)."""
         self.served = served
         self.api = ApiContext(
-            model_name=self.config.alias or served.name, engine=served.engine, tokenizer=served.tokenizer,
+            model_name=self._alias_or(served.name), engine=served.engine, tokenizer=served.tokenizer,
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
-            features=served.chat_features())
+            features=served.features, aliases=self.config.aliases, tags=self.config.tags,
+            lora=served.lora)
+        from mlxcel.server.settings_api import apply_live_settings  # its appliers act on this state
+
+        self.live.observe("parallel", served.engine_config.max_num_seqs)  # after the model's own clamp (A3)
+        apply_live_settings(self)
 
     def detach(self) -> None:
         """Stop routing requests to the served model (A5 unload); in-flight ones keep their context."""

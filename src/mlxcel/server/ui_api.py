@@ -67,12 +67,12 @@ async def bootstrap(request: Request, state: ServerState, control: ModelControl)
     return JSONResponse({
         "server": {"name": "mlxcel", "version": _version()},
         "settings": {"api_prefix": config.api_prefix, "auth": "api-key" if config.api_keys else "session-key",
-                     "models_dir": str(store_dir(control)), "device": settings.runtime.device,
+                     "models_dir": str(store_dir(control)), "device": settings.device,
                      "parallel": settings.engine.max_num_seqs, "ctx_size": settings.engine.ctx_size,
                      "cors_origins": list(config.cors_origins) if config.cors_origins is not None else None,
                      "tls": config.is_tls},
         "models": control.model_states(),
-        "features": {"settings_page": False},  # no /v1/settings route in this build
+        "features": {"settings_page": False},  # the UI has no settings page; /v1/settings is the API (F9)
         "last_event_seq": control.events.last_seq,
     })
 

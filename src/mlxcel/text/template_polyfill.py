@@ -4,7 +4,7 @@ A template written for plain chat (SmolLM2's, the built-in chatml) reads only `r
 `content`: an assistant turn that carries `tool_calls` with `content: null`, or a `tool` result,
 breaks it or vanishes from the prompt. As llama-server does for such templates, the turns are
 rewritten into text the template can render, in the generic JSON tool format the output parser
-reads back (text/tools/generic.py):
+reads back (chat/tools/generic.py):
 
     assistant tool_calls -> content '{"tool_calls": [{"name", "arguments", "id"}], "content": ...}'
     tool result          -> a user turn '{"tool_response": {"tool", "content", "tool_call_id"}}'

@@ -14,7 +14,6 @@ cut gives a worse embedding without saying so, so all-MiniLM-L6-v2 refuses it (4
 from __future__ import annotations
 
 import enum
-import importlib
 import json
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -24,6 +23,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from mlxcel.loading.encoder import load_model as load_encoder
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.workers.base import BatchWorker, WorkerConfig, WorkerStats
 from mlxcel.workers.encoder_inputs import (
@@ -160,7 +160,7 @@ class EmbeddingModel:
     def __init__(self, folder: str | Path, config: EmbeddingConfig = EmbeddingConfig()) -> None:
         self.folder = Path(folder)
         self.device = torch.device(config.device)
-        self.encoder = _load_encoder(self.folder, config.device, parse_dtype(config.dtype))
+        self.encoder = load_encoder(self.folder, config.device, parse_dtype(config.dtype))
         self.tokenizer = load_tokenizer(self.folder)
         args = self.encoder.args
         self.dim: int = args.hidden_size
@@ -298,17 +298,6 @@ class EmbeddingProvider:
         return EmbeddingResult(vectors, lengths, self.model.pooling is PoolingType.NONE)
 
 
-def is_embedding_checkpoint(folder: str | Path) -> bool:
-    """A sentence-transformers folder or a bare encoder (starts an embedding-only process)."""
-    folder = Path(folder)
-    if (folder / "modules.json").is_file():
-        return True
-    config_path = folder / "config.json"
-    config = json.loads(config_path.read_text()) if config_path.is_file() else {}
-    # A bare encoder's architecture is "<Family>Model" (BertModel), not "...ForCausalLM".
-    return any(str(name).endswith("Model") and "For" not in str(name) for name in config.get("architectures") or [])
-
-
 def _pool(hidden: torch.Tensor, mask: torch.Tensor, pooling: PoolingType) -> torch.Tensor:
     if pooling is PoolingType.CLS:
         return hidden[:, 0]
@@ -340,14 +329,3 @@ def _matryoshka_dims(folder: Path, dim: int) -> tuple[int, ...] | None:
         return tuple(sorted(int(d) for d in declared if 0 < int(d) <= dim))
     return None if config.get("is_matryoshka") else ()
 
-
-def _load_encoder(folder: Path, device: str, dtype: torch.dtype) -> torch.nn.Module:
-    # One module per HF model_type, found by name (DESIGN: no if/elif ladder).
-    model_type = json.loads((folder / "config.json").read_text()).get("model_type", "")
-    try:
-        family = importlib.import_module(f"mlxcel.models.{model_type}")
-    except ModuleNotFoundError:
-        raise ModelLoadError(f"{folder}: model_type {model_type!r} has no encoder implementation") from None
-    if not hasattr(family, "load_model"):
-        raise ModelLoadError(f"{folder}: model_type {model_type!r} is not an encoder family")
-    return family.load_model(folder, device=device, dtype=dtype)

@@ -12,7 +12,6 @@ Both return raw scores (logits); the protocol adapter decides whether to squash 
 from __future__ import annotations
 
 import abc
-import json
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
@@ -114,11 +113,11 @@ class CrossEncoder:
     """A 1-label sequence-classification encoder and its tokenizer; no threads here."""
 
     def __init__(self, folder: str | Path, config: RerankConfig = RerankConfig()) -> None:
-        from mlxcel.models import bert  # the only cross-encoder family so far
+        from mlxcel.loading import encoder
 
         self.folder = Path(folder)
         self.device = torch.device(config.device)
-        self.model = bert.load_classifier(self.folder, device=config.device, dtype=parse_dtype(config.dtype))
+        self.model = encoder.load_classifier(self.folder, device=config.device, dtype=parse_dtype(config.dtype))
         args = self.model.bert.args
         if args.num_labels != 1:
             raise ModelLoadError(f"{folder}: the classifier has {args.num_labels} labels; a reranker needs 1")
@@ -233,17 +232,3 @@ class GenerativeReranker(_WorkerReranker):
                 )
             body = body[:budget]
         return EncodedInput(self.prefix_ids + body + self.suffix_ids)
-
-
-def is_rerank_checkpoint(folder: str | Path) -> bool:
-    """A 1-label *ForSequenceClassification checkpoint (starts a rerank-only process)."""
-    config = _read_config(folder)
-    architectures = config.get("architectures") or []
-    is_classifier = any(str(name).endswith("ForSequenceClassification") for name in architectures)
-    num_labels = len(config["id2label"]) if "id2label" in config else config.get("num_labels", 2)
-    return is_classifier and num_labels == 1
-
-
-def _read_config(folder: str | Path) -> dict:
-    path = Path(folder) / "config.json"
-    return json.loads(path.read_text()) if path.is_file() else {}

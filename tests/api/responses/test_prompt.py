@@ -14,7 +14,7 @@ from mlxcel.api.responses.create import parse_create_request
 from mlxcel.api.responses.items import stored_items
 from mlxcel.api.responses.prompt import render_conversation, render_prompt
 from mlxcel.api.responses.schemas import parse_input_items
-from mlxcel.text.chat_plan import ChatFeatures, FeatureSettings
+from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
 from tests.text.conftest import tiny_byte_level_metadata

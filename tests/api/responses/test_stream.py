@@ -17,7 +17,7 @@ from mlxcel.api.generation import LogprobText
 from mlxcel.api.responses.objects import ResponseDraft, request_echo, usage_json
 from mlxcel.api.responses.schemas import ResponseCreateRequest
 from mlxcel.api.responses.stream import ResponseEvents, event_frame
-from mlxcel.text.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
 from mlxcel.types import Usage
 
 EVENT = TypeAdapter(ResponseStreamEvent)

@@ -9,7 +9,7 @@
 - `tools` become OpenAI-style function definitions, the shape templates are written for.
 - image blocks pass the media checks (C2-C5) and are then refused: the served model reads text only.
 
-The chat features (api/chat_features.py) plan each request: `thinking` sets the template's
+`chat_options` turns the request's fields into the chat features' options: `thinking` sets the template's
 `enable_thinking` (and `budget_tokens` the reasoning budget, R), `tool_choice` auto/any/tool/none
 (any and a named tool by constrained decoding, V), `output_config.format` / `output_format` a
 JSON schema (V); reasoning is remembered for the echo only when thinking is shown (Q).
@@ -23,16 +23,20 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel.api import chat_features
+from mlxcel.api.chat_options import budget_fields, build_chat_options, request_template_kwargs
 from mlxcel.api.anthropic import billing
 from mlxcel.api.anthropic.schemas import (
     ConversationFields, ImageBlock, Message, TextBlock, ThinkingBlock, Tool,
     ToolResultBlock, ToolUseBlock,
 )  # fmt: skip
 from mlxcel.api.context import ApiContext
+from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import base64_data_url, validate_media
 from mlxcel.media import MediaKind, MediaRef
-from mlxcel.text.chat_plan import ChatPlan
+from mlxcel.chat.options import ChatOptions
+from mlxcel.chat.plan import ChatPlan
+from mlxcel.chat.template_kwargs import TemplateKwargsError
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,29 +57,42 @@ async def prepare_prompt(ctx: ApiContext, req: ConversationFields, options: Anth
     chat-feature fields and templates that fail."""
     await reject_images(ctx, req)
     messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
-    tools = template_tools(req.tools)
-    body = features_body(req)
+    plan = chat_features.plan_chat(ctx, chat_options(req, max_tokens), messages)
+    return plan, chat_features.render_plan(ctx, plan)
+
+
+def chat_options(req: ConversationFields, max_tokens: int | None) -> ChatOptions:
+    """The request's chat-feature options: `thinking` as the template's `enable_thinking` (an
+    explicit chat_template_kwargs key wins) and an enabled thinking's `budget_tokens` as the
+    reasoning budget (an explicit thinking_budget_tokens wins); raises ApiError(400)."""
     choice = req.tool_choice
-    plan = chat_features.plan_chat(
-        ctx, body, messages, tools=tools, tool_choice=choice.model_dump(exclude_none=True) if choice else None,
+    output = [("output_format", req.output_format),
+              ("output_config.format", req.output_config.format if req.output_config else None)]
+    return build_chat_options(
+        req, output=output, tools=template_tools(req.tools),
+        tool_choice=choice.model_dump(exclude_none=True) if choice else None,
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use), max_tokens=max_tokens,
-        cache_prompt=body.get("cache_prompt") is not False, remembers_reasoning=req.shows_thinking)
-    return plan, chat_features.render_plan(ctx, plan, tools=tools)
+        template_kwargs=_thinking_kwargs(req), budget=_thinking_budget(req), remembers_reasoning=req.shows_thinking)
 
 
-def features_body(req: ConversationFields) -> dict[str, Any]:
-    """The body the chat features read: as received, with `thinking` as the template's
-    `enable_thinking` (an explicit chat_template_kwargs key wins) and an enabled thinking's
-    `budget_tokens` as the reasoning budget (an explicit thinking_budget_tokens wins)."""
-    body = dict(req._body or req.model_dump(exclude_none=True))
+def _thinking_kwargs(req: ConversationFields) -> dict[str, Any] | None:
+    """The request's template kwargs with `enable_thinking` from `thinking`; None without it."""
     if req.thinking is None:
-        return body
-    kwargs = body.get("chat_template_kwargs")
-    if kwargs is None or isinstance(kwargs, Mapping):
-        body["chat_template_kwargs"] = {"enable_thinking": req.shows_thinking, **(kwargs or {})}
-    if req.thinking.type == "enabled" and req.thinking.budget_tokens is not None:
-        body.setdefault("thinking_budget_tokens", req.thinking.budget_tokens)
-    return body
+        return None
+    try:
+        return {"enable_thinking": req.shows_thinking, **request_template_kwargs(req)}
+    except TemplateKwargsError as exc:
+        raise invalid_request(str(exc)) from None
+
+
+def _thinking_budget(req: ConversationFields) -> list[tuple[str, Any]] | None:
+    """The budget fields with an enabled thinking's `budget_tokens` second (after an explicit
+    thinking_budget_tokens); None when thinking sets no budget."""
+    thinking = req.thinking
+    if thinking is None or thinking.type != "enabled" or thinking.budget_tokens is None:
+        return None
+    first, *aliases = budget_fields(req)
+    return [first, ("thinking_budget_tokens", thinking.budget_tokens), *aliases]
 
 
 def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> list[dict[str, Any]]:
@@ -177,5 +194,5 @@ def _image_url(block: ImageBlock) -> str:
     return source.url
 
 
-__all__ = ["AnthropicOptions", "features_body", "prepare_prompt", "render_prompt", "system_text",
+__all__ = ["AnthropicOptions", "chat_options", "prepare_prompt", "render_prompt", "system_text",
            "template_messages", "template_tools", "tool_use_input"]

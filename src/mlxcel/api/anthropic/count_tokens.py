@@ -12,14 +12,12 @@ from mlxcel.api.anthropic.messages import check_model
 from mlxcel.api.anthropic.schemas import CountTokensRequest
 from mlxcel.api.context import ApiContext
 from mlxcel.api.replies import JsonReply
-from mlxcel.api.schema import validate_body
+from mlxcel.api.schema import flatten_extra_body, validate_body
 
 
 def parse_count_tokens_request(body: Any) -> CountTokensRequest:
     """Validate like a Messages body, without max_tokens; raises ApiError(400) (D1)."""
-    req = validate_body(CountTokensRequest, body)
-    req._body = body  # template kwargs and thinking shape the prompt as in /v1/messages (S)
-    return req
+    return validate_body(CountTokensRequest, flatten_extra_body(body))
 
 
 async def count_message_tokens(ctx: ApiContext, req: CountTokensRequest, options: AnthropicOptions) -> JsonReply:

@@ -27,10 +27,10 @@ from mlxcel.api.errors import ApiError
 from mlxcel.api.generation import ChoiceResult, Generation, GenerationParams
 from mlxcel.api.headers import request_priority
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
-from mlxcel.api.schema import validate_body
-from mlxcel.text.chat_output import ParsedReply
-from mlxcel.text.chat_plan import ChatPlan
-from mlxcel.text.events import (
+from mlxcel.api.schema import flatten_extra_body, validate_body
+from mlxcel.chat.output import ParsedReply
+from mlxcel.chat.plan import ChatPlan
+from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
 from mlxcel.types import SamplingParams, Usage
@@ -41,9 +41,7 @@ DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 
 def parse_messages_request(body: Any) -> MessagesRequest:
     """Validate a Messages body; raises ApiError(400) naming the bad field (D1)."""
-    req = validate_body(MessagesRequest, body)
-    req._body = body  # as received, for the chat features' fields
-    return req
+    return validate_body(MessagesRequest, flatten_extra_body(body))
 
 
 def check_model(ctx: ApiContext, model: str) -> None:

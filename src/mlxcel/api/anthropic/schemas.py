@@ -9,9 +9,9 @@ from __future__ import annotations
 
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
-from mlxcel.api.schema import WireModel
+from mlxcel.api.schema import ChatFeatureFields, WireModel
 
 
 class TextBlock(WireModel):
@@ -100,12 +100,17 @@ class ThinkingConfig(WireModel):
     budget_tokens: int | None = Field(None, ge=0)
 
 
+class OutputConfig(WireModel):
+    format: Any = None  # checked by the grammar (V)
+
+
 class Metadata(WireModel):
     user_id: str | None = None
 
 
-class ConversationFields(WireModel):
-    """What shapes the prompt: shared by /v1/messages and /v1/messages/count_tokens."""
+class ConversationFields(ChatFeatureFields):
+    """What shapes the prompt: shared by /v1/messages and /v1/messages/count_tokens (with the
+    chat-feature extensions of ChatFeatureFields: template kwargs, loop guard, json_schema...)."""
 
     model: str
     messages: list[Message] = Field(min_length=1)
@@ -113,9 +118,8 @@ class ConversationFields(WireModel):
     tools: list[Tool] | None = None
     tool_choice: ToolChoice | None = None
     thinking: ThinkingConfig | None = None
-    # The body as received: the chat features read output_config / output_format, loop-guard and
-    # template-kwarg extensions there (S, P, V).
-    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
+    output_format: Any = None  # a JSON schema format (V), beta spelling; checked by the grammar
+    output_config: OutputConfig | None = None  # V: output_config.format
 
     @property
     def shows_thinking(self) -> bool:

@@ -1,6 +1,6 @@
 """Anthropic content blocks and the Messages event stream (E1).
 
-`ContentBlocks` turns the protocol-neutral output events of text/events.py (answer text,
+`ContentBlocks` turns the protocol-neutral output events of chat/events.py (answer text,
 reasoning, tool calls) into Anthropic blocks: `text` (text_delta), `thinking` (thinking_delta)
 and `tool_use` (input_json_delta). Streaming sends the block events as they happen; a
 non-streaming reply reads `content()` from the same object, so both always agree.
@@ -18,7 +18,7 @@ from typing import Any
 from mlxcel.api.anthropic.conversation import tool_use_input
 from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.sse import sse_frame, to_json, with_keepalive
-from mlxcel.text.events import (
+from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
 

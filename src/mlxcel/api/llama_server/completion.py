@@ -15,24 +15,25 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from mlxcel.api import chat_features
+from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
-from mlxcel.api.generation import Generation, GenerationParams, Prompt
+from mlxcel.api.generation import ChoiceDelta, Generation, GenerationParams, Prompt
 from mlxcel.api.headers import request_priority
-from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_json
+from mlxcel.api.llama_server.results import (
+    ReplyOptions, final_json, partial_json, progress_timings_json, timings_json,
+)
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
-from mlxcel.api.schema import validate_body
+from mlxcel.api.schema import flatten_extra_body, lora_pairs, validate_body
 from mlxcel.api.sse import sse_frame, with_keepalive
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import SamplingParams
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
-    """Validate a /completion body; raises ApiError(400) naming the bad field."""
-    req = validate_body(CompletionRequest, body)
-    req._body = body  # reasoning budget, json_schema / grammar and loop-guard fields (R, V, P)
-    return req
+    """Validate a /completion body (extra_body fields lifted); raises ApiError(400) naming the bad field."""
+    return validate_body(CompletionRequest, flatten_extra_body(body))
 
 
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -49,10 +50,11 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     """
     sampling = sampling_params(ctx.tokenizer, fields)
     params = GenerationParams(sampling=sampling, stop=fields.stop_words, priority=request_priority(headers),
-                              cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None)
+                              cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None,
+                              lora=lora_pairs(fields.lora), report_progress=fields.stream and fields.return_progress)
     max_tokens = fields.num_predict if fields.num_predict >= 0 else None  # R: a budget must fit in n_predict
-    params = chat_features.with_completion_features(ctx, params, fields._body or fields.model_dump(), prompts,
-                                                    max_tokens=max_tokens)
+    options = build_chat_options(fields, output=[("response_format", fields.response_format)], max_tokens=max_tokens)
+    params = chat_features.with_completion_features(ctx, params, options, prompts)
     generation = Generation.start(ctx, prompts, params, request_id=f"cmpl-{uuid.uuid4().hex}")
     options = reply_options(ctx, fields, sampling)
     texts = [prompt_text(ctx.tokenizer, p) for p in prompts]
@@ -68,7 +70,9 @@ def reply_options(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
     return ReplyOptions(model=ctx.model_name, id_slot=fields.id_slot, stream=fields.stream,
                         return_tokens=fields.return_tokens, is_prefill_only=fields.num_predict == 0,
                         context_size=ctx.context_size, settings=settings_json(ctx, fields, sampling),
-                        is_post_sampling_probs=fields.post_sampling_probs)
+                        is_post_sampling_probs=fields.post_sampling_probs,
+                        response_fields=tuple(fields.response_fields),
+                        timings_per_token=fields.timings_per_token)
 
 
 async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], texts: Sequence[str],
@@ -78,13 +82,22 @@ async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], text
         async for delta in generation.stream():
             i = delta.index
             predicted[i] += len(delta.token_ids)
-            if (delta.text or delta.token_ids) and not options.is_prefill_only:
+            is_sent = delta.progress is not None or ((delta.text or delta.token_ids) and not options.is_prefill_only)
+            if is_sent:
+                timings = _partial_timings(generation, delta, predicted[i]) if options.timings_per_token else None
                 yield sse_frame(partial_json(delta, predicted[i], len(prompts[i].token_ids), options.id_slot,
-                                             options.is_post_sampling_probs))
+                                             options.is_post_sampling_probs, timings))
             if delta.finish_reason is not None:
                 yield sse_frame(final_json(generation.results()[i], texts[i], options))
     except ApiError as exc:  # after the headers went out: an error event ends the stream
         yield sse_frame(error_body(exc))
+
+
+def _partial_timings(generation: Generation, delta: ChoiceDelta, num_predicted: int) -> dict[str, Any]:
+    """timings_per_token: a progress event's prompt so far, else the choice's timings up to this event."""
+    if delta.progress is not None:
+        return progress_timings_json(delta.progress)
+    return timings_json(generation.snapshot(delta.index), num_predicted)
 
 
 # ---- prompts ----
@@ -224,6 +237,8 @@ def _bias_tokens(tokenizer: Tokenizer, key: Any, where: str) -> list[int]:
 def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingParams) -> dict[str, Any]:
     """`generation_settings`: the options as applied, by llama-server's names."""
     bias = [{"bias": b if math.isfinite(b) else None, "token": t} for t, b in sampling.logit_bias]
+    if fields.ignore_eos:  # the sampler suppresses every end-of-generation token: llama-server lists them as -inf
+        bias += [{"bias": None, "token": t} for t in sorted(ctx.tokenizer.eos_token_ids)]
     return {
         "n_ctx": ctx.context_size, "n_predict": fields.num_predict, "max_tokens": fields.num_predict,
         "seed": UINT32_RANDOM_SEED if sampling.seed is None else sampling.seed,
@@ -232,4 +247,6 @@ def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
         "presence_penalty": fields.presence_penalty, "frequency_penalty": fields.frequency_penalty,
         "stop": list(fields.stop_words), "ignore_eos": fields.ignore_eos, "stream": fields.stream,
         "logit_bias": bias, "n_probs": fields.n_probs, "cache_prompt": fields.cache_prompt,
+        # llama-server's adaptive-p sampler is not in mlxcel's chain: its "disabled" values, as applied
+        "adaptive_target": -1.0, "adaptive_decay": 0.9,
     }

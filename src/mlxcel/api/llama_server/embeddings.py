@@ -12,7 +12,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcel.api.embedding_input import InvalidRequestError, get_bool, get_int, parse_inputs, require_object
+from mlxcel.api.embedding_input import NativeEmbeddingBody, parse_body
 from mlxcel.workers.embedding import EmbeddingOptions, EmbeddingProvider, EmbeddingResult
 
 
@@ -23,16 +23,9 @@ class NativeEmbeddingRequest:
 
 
 def parse_native_embedding_request(body: Any) -> NativeEmbeddingRequest:
-    """`input` (or the older `content`), `embd_normalize` and the `truncate` extension."""
-    body = require_object(body)
-    if "input" in body:
-        inputs = parse_inputs(body["input"], "input", allow_mixed=True)
-    elif "content" in body:
-        inputs = parse_inputs(body["content"], "content", allow_mixed=True)
-    else:
-        raise InvalidRequestError('"input" or "content" must be provided')
-    options = EmbeddingOptions(truncate=get_bool(body, "truncate", False), normalize=get_int(body, "embd_normalize"))
-    return NativeEmbeddingRequest(inputs, options)
+    """`input` (or the older `content`), `embd_normalize` and the `truncate` extension; ApiError (400)."""
+    req = parse_body(NativeEmbeddingBody, body)
+    return NativeEmbeddingRequest(req.input, EmbeddingOptions(truncate=req.truncate, normalize=req.embd_normalize))
 
 
 def build_native_embedding_response(result: EmbeddingResult) -> list[dict[str, Any]]:

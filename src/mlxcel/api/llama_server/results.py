@@ -2,7 +2,8 @@
 
 Pure functions from a generation's results to JSON, so the golden tests can pin every field:
 `final_json` (the non-streaming reply, and the last stream event with `stop: true`),
-`partial_json` (one stream event), `probs_json` (`completion_probabilities`), `timings_json`.
+`partial_json` (one stream event), `probs_json` (`completion_probabilities`), `timings_json`,
+`progress_json` and `progress_timings_json` (a `return_progress` event's `prompt_progress` and `timings`).
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, LogprobText
+from mlxcel.types import PromptProgress
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +29,8 @@ class ReplyOptions:
     context_size: int
     settings: dict[str, Any]  # generation_settings, as `settings_json` builds it
     is_post_sampling_probs: bool = False  # `prob` / `top_probs` instead of `logprob` / `top_logprobs`
+    response_fields: tuple[str, ...] = ()  # when set, the final reply keeps only these "a/b" paths
+    timings_per_token: bool = False  # every stream event carries `timings` (llama-server timings_per_token)
 
 
 def stop_type(result: ChoiceResult) -> str:
@@ -65,16 +69,35 @@ def final_json(result: ChoiceResult, prompt_text: str, options: ReplyOptions) ->
     }
     if not options.stream and result.logprobs and not options.is_prefill_only:
         body["completion_probabilities"] = probs_json(result.logprobs, options.is_post_sampling_probs)
-    return body
+    return select_fields(body, options.response_fields) if options.response_fields else body
+
+
+def select_fields(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
+    """llama-server's response_fields: {"a/b": body["a"]["b"]} for each path that exists; others are left out."""
+    selected: dict[str, Any] = {}
+    for path in paths:
+        value: Any = body
+        for key in path.split("/"):
+            if not isinstance(value, dict) or key not in value:
+                break
+            value = value[key]
+        else:
+            selected[path] = value
+    return selected
 
 
 def partial_json(delta: ChoiceDelta, num_predicted: int, num_prompt_tokens: int, id_slot: int,
-                 is_post_sampling: bool = False) -> dict[str, Any]:
-    """One stream event: the new text and token ids, `stop: false`."""
+                 is_post_sampling: bool = False, timings: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream event: the new text and token ids, `stop: false`; `timings` with timings_per_token,
+    and `prompt_progress` for a progress delta (llama-server's order of the fields)."""
     body: dict[str, Any] = {
         "index": delta.index, "content": delta.text, "tokens": list(delta.token_ids), "stop": False,
         "id_slot": id_slot, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt_tokens,
     }
+    if timings is not None:
+        body["timings"] = timings
+    if delta.progress is not None:
+        body["prompt_progress"] = progress_json(delta.progress)
     if delta.logprobs:
         body["completion_probabilities"] = probs_json(delta.logprobs, is_post_sampling)
     return body
@@ -97,18 +120,43 @@ def _prob(entry: LogprobText) -> dict[str, Any]:
 
 
 def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
-    """Prefill counts only the prompt tokens not served from the cache (cache_n)."""
+    """Prefill counts only the prompt tokens not served from the cache (cache_n). The generation
+    rate is over decode steps, as llama-server's: the first token comes from the prompt's logits,
+    so predicted_ms (first token to last) spans predicted_n - 1 steps."""
     prompt_n = result.num_prompt_tokens - result.num_cached_tokens
     prompt_ms = result.timings.prefill_s * 1000.0
     predicted_ms = result.timings.decode_s * 1000.0
+    num_steps = max(num_predicted - 1, 0)
     return {
         "cache_n": result.num_cached_tokens,
         "prompt_n": prompt_n, "prompt_ms": prompt_ms,
         "prompt_per_token_ms": _per_token_ms(prompt_ms, prompt_n),
         "prompt_per_second": _per_second(prompt_ms, prompt_n),
         "predicted_n": num_predicted, "predicted_ms": predicted_ms,
-        "predicted_per_token_ms": _per_token_ms(predicted_ms, num_predicted),
-        "predicted_per_second": _per_second(predicted_ms, num_predicted),
+        "predicted_per_token_ms": _per_token_ms(predicted_ms, num_steps),
+        "predicted_per_second": _per_second(predicted_ms, num_steps),
+    }
+
+
+def progress_json(progress: PromptProgress) -> dict[str, int]:
+    """`prompt_progress`: {total, cache, processed, time_ms}; processed includes the cached tokens."""
+    return {"total": progress.total, "cache": progress.cache, "processed": progress.processed,
+            "time_ms": progress.time_ms}
+
+
+def progress_timings_json(progress: PromptProgress) -> dict[str, Any]:
+    """`timings` of a progress event (timings_per_token): the prompt so far, nothing predicted yet.
+
+    NOTE: llama-server reports its last finished prompt time here (stale while a prompt runs);
+    the elapsed time is the honest one, and every field stays finite."""
+    prompt_n = progress.processed - progress.cache
+    prompt_ms = float(progress.time_ms)
+    return {
+        "cache_n": progress.cache,
+        "prompt_n": prompt_n, "prompt_ms": prompt_ms,
+        "prompt_per_token_ms": _per_token_ms(prompt_ms, prompt_n),
+        "prompt_per_second": _per_second(prompt_ms, prompt_n),
+        "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0,
     }
 
 

@@ -10,17 +10,18 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, field_validator, model_validator
+from pydantic import Field, field_validator, model_validator
 
-from mlxcel.api.schema import MAX_SEED, ChatRole, WireModel
+from mlxcel.api.schema import MAX_SEED, ChatFeatureFields, ChatRole, LoraEntry, WireModel
 
 MAX_N_PROBS = 20
 RANDOM_SEED = -1
 UINT32_RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: what llama-server reports for "random"
 
 
-class CompletionFields(WireModel):
-    """The /completion options shared with /infill, by llama-server's names."""
+class CompletionFields(ChatFeatureFields):
+    """The /completion options shared with /infill, by llama-server's names (the reasoning
+    budget, json_schema / grammar and loop-guard fields come from ChatFeatureFields)."""
 
     n_predict: int | None = Field(None, ge=-1)
     max_tokens: int | None = Field(None, ge=-1)  # llama-server reads it when n_predict is absent
@@ -42,8 +43,12 @@ class CompletionFields(WireModel):
     cache_prompt: bool = True
     id_slot: int = Field(-1, ge=-1)
     return_tokens: bool = False
+    timings_per_token: bool = False  # each stream event carries `timings`
+    return_progress: bool = False  # a stream gets a `prompt_progress` event per prefill chunk
+    response_fields: list[str] = Field(default_factory=list)  # "a/b" paths the final reply keeps
     model: str | None = None
-    _body: dict[str, Any] = PrivateAttr(default_factory=dict)  # as received: budget, grammar, loop guard (R, V, P)
+    response_format: dict[str, Any] | None = None  # json_object, json_schema (V)
+    lora: list[LoraEntry] | None = None  # per-request adapter scales [{id, scale}] (F8)
 
     @property
     def num_predict(self) -> int:
@@ -116,15 +121,15 @@ class TemplateMessage(WireModel):
     reasoning_content: str | None = None
 
 
-class ApplyTemplateRequest(WireModel):
+class ApplyTemplateRequest(ChatFeatureFields):
     """POST /apply-template: the chat fields that shape the rendered prompt."""
 
     messages: list[TemplateMessage] = Field(min_length=1)
     tools: list[dict[str, Any]] | None = None
+    response_format: dict[str, Any] | None = None  # checked as chat checks it (V), though nothing is generated
     add_generation_prompt: bool = True
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
-    _body: dict[str, Any] = PrivateAttr(default_factory=dict)  # as received, for the template kwargs (S)
 
     @model_validator(mode="after")
     def _check_continue(self) -> ApplyTemplateRequest:

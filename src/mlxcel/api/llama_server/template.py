@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Any
 
 from mlxcel.api import chat_features, chat_prompt
+from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.llama_server.schemas import ApplyTemplateRequest
 from mlxcel.api.replies import JsonReply
@@ -18,16 +19,15 @@ from mlxcel.api.schema import flatten_extra_body, validate_body
 
 def parse_apply_template_request(body: Any) -> ApplyTemplateRequest:
     """Validate like a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
-    req = validate_body(ApplyTemplateRequest, flatten_extra_body(body))
-    req._body = body  # as received: template kwargs read extra_body and the root separately (S)
-    return req
+    return validate_body(ApplyTemplateRequest, flatten_extra_body(body))
 
 
 def apply_template(ctx: ApiContext, req: ApplyTemplateRequest) -> JsonReply:
     """`{"prompt": text}` rendered by the served model's chat template; a template failure is a 400."""
     messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-    plan = chat_features.plan_chat(ctx, req._body or req.model_dump(exclude_none=True), messages, tools=req.tools)
+    options = build_chat_options(req, tools=req.tools, output=[("response_format", req.response_format)])
+    plan = chat_features.plan_chat(ctx, options, messages)
     text = chat_prompt.render_chat_text(
-        ctx, plan.messages, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+        ctx, plan.messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, template_kwargs=plan.template_kwargs)
     return JsonReply({"prompt": text})

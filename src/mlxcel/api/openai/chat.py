@@ -9,12 +9,18 @@ completion is registered in `ctx.controls` while it runs, for live control (F5, 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from mlxcel.api import chat_features, chat_prompt, control
+from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, GenerationParams, LogprobText, Prompt
+from mlxcel.api.llama_server.results import (
+    ReplyOptions, final_json, progress_json, progress_timings_json, timings_json,
+)
+from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.api.media import validate_media
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
@@ -22,17 +28,23 @@ from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
-from mlxcel.text.chat_plan import ChatPlan
-from mlxcel.text.events import ToolCallStart
+from mlxcel.chat.events import ToolCallStart
+from mlxcel.chat.options import ChatOptions
+from mlxcel.chat.plan import ChatPlan
+from mlxcel.types import SamplingParams
 
 
 def parse_chat_request(body: Any) -> ChatCompletionRequest:
-    """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400).
-    The body as received stays on the request for the chat features (their field precedence
-    tells extra_body from the root)."""
-    req = validate_body(ChatCompletionRequest, flatten_extra_body(body))
-    req._body = body
-    return req
+    """Validate a chat body (extra_body fields lifted to the root); raises ApiError(400)."""
+    return validate_body(ChatCompletionRequest, flatten_extra_body(body))
+
+
+def chat_options(req: ChatCompletionRequest) -> ChatOptions:
+    """The request's chat-feature options (S, R, Q, P, V); raises ApiError(400)."""
+    return build_chat_options(
+        req, output=[("response_format", req.response_format)], tools=req.tools,
+        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+        max_tokens=_max_tokens(req), reasoning_effort=req.reasoning_effort, reasoning_control=req.reasoning_control)
 
 
 async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -43,8 +55,9 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     await validate_media(ctx, media_refs(req))  # C2-C5: resolved and checked first, then refused (text model)
     plan, prompt = prepare_chat(ctx, req)
     logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = common.sampling_params(ctx, req, max_tokens=_max_tokens(req), logprobs=logprobs)
+    sampling = common.sampling_params(ctx, req, max_tokens=plan.options.max_tokens, logprobs=logprobs)
     params = chat_features.with_chat_features(common.generation_params(req, sampling, headers), plan)
+    params = replace(params, report_progress=req.stream and req.return_progress)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
     if req.stream:
@@ -61,10 +74,35 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     chat_features.remember_replies(plan, results)
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: counted the same streamed or not
-    return JsonReply({
+    body = {
         "id": completion_id, "object": "chat.completion", "created": common.now(), "model": ctx.model_name,
-        "choices": [_choice_json(r, req.logprobs) for r in results], "usage": common.usage_json(usage),
-    })
+        "system_fingerprint": common.system_fingerprint(), "choices": [_choice_json(r, req.logprobs) for r in results],
+        "usage": common.usage_json(usage), "timings": _timings(results),
+    }
+    if req.verbose:  # llama-server's debug echo: the native reply, rendered prompt
+        body["__verbose"] = _verbose(ctx, prompt, sampling, results[0])
+    return JsonReply(body)
+
+
+def _verbose(ctx: ApiContext, prompt: Prompt, sampling: SamplingParams, result: ChoiceResult) -> dict[str, Any]:
+    settings = {"n_predict": -1 if sampling.max_tokens is None else sampling.max_tokens,
+                "seed": UINT32_RANDOM_SEED if sampling.seed is None else sampling.seed,
+                "temperature": sampling.temperature, "top_k": sampling.top_k, "top_p": sampling.top_p,
+                "min_p": sampling.min_p}
+    options = ReplyOptions(model=ctx.model_name, id_slot=-1, stream=False, return_tokens=False,
+                           is_prefill_only=False, context_size=ctx.context_size, settings=settings)
+    text = prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.token_ids)
+    return final_json(result, text, options)
+
+
+def _timings(results: list[ChoiceResult]) -> dict[str, Any]:
+    """llama-server's `timings` extension (first choice), which its clients read beside `usage`."""
+    return timings_json(results[0], results[0].num_completion_tokens)
+
+
+def _live_timings(generation: Generation, index: int) -> dict[str, Any]:
+    """timings_per_token: choice `index`'s timings up to the chunk being sent."""
+    return _timings([generation.snapshot(index)])
 
 
 def _start_registered(ctx: ApiContext, req: ChatCompletionRequest, prompt: Prompt, params: GenerationParams,
@@ -89,11 +127,8 @@ def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> Json
 def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[ChatPlan, Prompt]:
     """The request's chat plan and its rendered prompt (a failure of either is a 400)."""
     messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-    plan = chat_features.plan_chat(
-        ctx, req._body or req.model_dump(exclude_none=True), messages, tools=req.tools,
-        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls, max_tokens=_max_tokens(req),
-        cache_prompt=req.cache_prompt, reasoning_control=req.reasoning_control)
-    prompt = chat_features.render_plan(ctx, plan, tools=req.tools, add_generation_prompt=req.add_generation_prompt,
+    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
+    prompt = chat_features.render_plan(ctx, plan, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)
     return plan, prompt
 
@@ -128,21 +163,26 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
                          completion_id: str) -> AsyncIterator[str]:
     created = common.now()
     with_usage = common.include_usage(req)
-    base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name}
+    base = {"id": completion_id, "object": "chat.completion.chunk", "created": created, "model": ctx.model_name,
+            "system_fingerprint": common.system_fingerprint()}
     if with_usage:
         base["usage"] = None
 
-    def chunk(choices: list[dict[str, Any]]) -> str:
-        return sse_frame({**base, "choices": choices})
+    def chunk(choices: list[dict[str, Any]], **extra: Any) -> str:
+        return sse_frame({**base, "choices": choices, **extra})
 
     try:
         for index in range(req.n):
-            yield chunk([{"index": index, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                          "finish_reason": None}])
+            yield chunk([_role_choice(index)])
         called: set[int] = set()  # choices that made tool calls
         async for delta in generation.stream():
-            for choice in _delta_choices(delta, req.logprobs, called):
-                yield chunk([choice])
+            if delta.progress is not None:
+                yield chunk([_role_choice(delta.index)], **_progress_extra(delta, req.timings_per_token))
+                continue
+            choices = _delta_choices(delta, req.logprobs, called)
+            for k, choice in enumerate(choices):
+                is_timed = req.timings_per_token and k == len(choices) - 1  # llama-server: on a step's last chunk
+                yield chunk([choice], **({"timings": _live_timings(generation, delta.index)} if is_timed else {}))
     except ApiError as exc:  # a failure after the headers went out: an error event, then the end
         yield sse_frame(error_body(exc))
         yield DONE_FRAME
@@ -153,8 +193,21 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
     usage = generation.usage()
     ctx.telemetry.record_completed_request(usage)  # K2: at the end, whether or not usage was asked for
     if with_usage:
-        yield sse_frame({**base, "choices": [], "usage": common.usage_json(usage)})
+        yield sse_frame({**base, "choices": [], "usage": common.usage_json(usage),
+                         "timings": _timings(generation.results())})
     yield DONE_FRAME
+
+
+def _role_choice(index: int) -> dict[str, Any]:
+    """The role chunk's choice; content null, as llama-server sends it: a delta's content is never ""."""
+    return {"index": index, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}
+
+
+def _progress_extra(delta: ChoiceDelta, with_timings: bool) -> dict[str, Any]:
+    """A progress chunk's fields beside its role delta (llama-server: `timings`, then `prompt_progress`)."""
+    assert delta.progress is not None
+    extra: dict[str, Any] = {"timings": progress_timings_json(delta.progress)} if with_timings else {}
+    return {**extra, "prompt_progress": progress_json(delta.progress)}
 
 
 def _delta_choices(delta: ChoiceDelta, want_logprobs: bool, called: set[int]) -> list[dict[str, Any]]:

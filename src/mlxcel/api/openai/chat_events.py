@@ -11,8 +11,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
-from mlxcel.text.chat_output import ParsedReply
-from mlxcel.text.events import (
+from mlxcel.chat.output import ParsedReply
+from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallArguments, ToolCallStart,
 )  # fmt: skip
 

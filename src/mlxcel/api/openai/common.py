@@ -2,19 +2,31 @@
 
 from __future__ import annotations
 
+import functools
 import time
 import uuid
 from collections.abc import Mapping
+from importlib.metadata import PackageNotFoundError, version
 from typing import Any
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import GenerationParams
 from mlxcel.api.openai.schemas import SamplingFields
+from mlxcel.api.schema import lora_pairs
 from mlxcel.types import Priority, SamplingParams, Usage
 
 PRIORITY_HEADER = "x-priority"
 DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
+
+
+@functools.cache
+def system_fingerprint() -> str:
+    """The backend build a reply came from, in llama-server's `b<build>-<commit>` shape."""
+    try:
+        return f"b{version('mlxcel')}-mlxcel"
+    except PackageNotFoundError:
+        return "b0-mlxcel"
 
 
 def new_id(prefix: str) -> str:
@@ -82,7 +94,7 @@ def generation_params(req: SamplingFields, sampling: SamplingParams, headers: Ma
     slot = req.id_slot if req.id_slot is not None and req.id_slot >= 0 else None
     return GenerationParams(sampling=sampling, stop=stop_strings(req.stop), priority=parse_priority(headers),
                             cache_prompt=req.cache_prompt, slot_id=slot,
-                            skip_special_tokens=req.skip_special_tokens)
+                            skip_special_tokens=req.skip_special_tokens, lora=lora_pairs(req.lora))
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -6,6 +6,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from typing import Any
 
 from mlxcel.api import chat_features
+from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
@@ -18,18 +19,17 @@ from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 
 def parse_completion_request(body: Any) -> CompletionRequest:
     """Validate a completions body (extra_body fields lifted to the root); raises ApiError(400)."""
-    req = validate_body(CompletionRequest, flatten_extra_body(body))
-    req._body = body  # as received: the reasoning budget, grammar and loop guard read it (R, V, P)
-    return req
+    return validate_body(CompletionRequest, flatten_extra_body(body))
 
 
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
     """Run a text completion for one or more prompts, n choices each; raises ApiError before streaming."""
     prompts = completion_prompts(ctx, req.prompt)
     sampling = common.sampling_params(ctx, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    params = chat_features.with_completion_features(
-        ctx, common.generation_params(req, sampling, headers), req._body or req.model_dump(exclude_none=True),
-        prompts, max_tokens=req.max_tokens)
+    # budget, grammar, loop guard (R, V, P)
+    options = build_chat_options(req, output=[("response_format", req.response_format)], max_tokens=req.max_tokens)
+    params = chat_features.with_completion_features(ctx, common.generation_params(req, sampling, headers), options,
+                                                    prompts)
     completion_id = common.new_id("cmpl")
     generation = Generation.start(ctx, prompts, params, n=req.n, request_id=completion_id)
     if req.stream:
@@ -41,7 +41,7 @@ async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Ma
     choices = [_choice_json(r, req, _prompt_text(ctx, prompts[r.prompt_index]) if req.echo else "")
                for r in results]
     return JsonReply({"id": completion_id, "object": "text_completion", "created": common.now(),
-                      "model": ctx.model_name, "choices": choices, "usage": common.usage_json(usage)})
+                      "model": ctx.model_name, "system_fingerprint": common.system_fingerprint(), "choices": choices, "usage": common.usage_json(usage)})
 
 
 def completion_prompts(ctx: ApiContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:
@@ -95,7 +95,7 @@ def logprobs_json(entries: Sequence[LogprobText], offset: int) -> dict[str, Any]
 async def _stream_frames(ctx: ApiContext, generation: Generation, req: CompletionRequest,
                          prompts: Sequence[Prompt], completion_id: str) -> AsyncIterator[str]:
     base: dict[str, Any] = {"id": completion_id, "object": "text_completion", "created": common.now(),
-                            "model": ctx.model_name}
+                            "model": ctx.model_name, "system_fingerprint": common.system_fingerprint()}
     with_usage = common.include_usage(req)
     if with_usage:
         base["usage"] = None

@@ -16,15 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from mlxcel.api.embedding_input import (
-    InvalidRequestError,
-    get_bool,
-    get_choice,
-    get_int,
-    get_positive_int,
-    parse_inputs,
-    require_object,
-)
+from mlxcel.api.embedding_input import EmbeddingsBody, parse_body
+from mlxcel.api.errors import invalid_request
 from mlxcel.workers.embedding import EmbeddingOptions, EmbeddingProvider, EmbeddingResult, PoolingType
 
 
@@ -37,29 +30,16 @@ class EmbeddingsRequest:
 
 
 def parse_embeddings_request(body: Any) -> EmbeddingsRequest:
-    """The request body as typed values; InvalidRequestError (400) names the bad field."""
-    body = require_object(body)
-    if "input" not in body:
-        raise InvalidRequestError("'input' is required")
-    model = body.get("model")
-    if model is not None and not isinstance(model, str):
-        raise InvalidRequestError("'model' must be a string")
-    return EmbeddingsRequest(
-        inputs=parse_inputs(body["input"]),
-        model=model,
-        encoding_format=get_choice(body, "encoding_format", ("float", "base64"), "float"),
-        options=EmbeddingOptions(
-            truncate=get_bool(body, "truncate", False),
-            dimensions=get_positive_int(body, "dimensions"),
-            normalize=get_int(body, "embd_normalize"),
-        ),
-    )
+    """The request body as typed values; ApiError (400) names the bad field."""
+    req = parse_body(EmbeddingsBody, body)
+    options = EmbeddingOptions(truncate=req.truncate, dimensions=req.dimensions, normalize=req.embd_normalize)
+    return EmbeddingsRequest(inputs=req.input, model=req.model, encoding_format=req.encoding_format, options=options)
 
 
 def check_pooling(pooling: PoolingType) -> None:
     """/v1/embeddings returns one vector per input, which pooling none does not give."""
     if pooling is PoolingType.NONE:
-        raise InvalidRequestError(
+        raise invalid_request(
             "the embedding model runs with pooling 'none' (one vector per token), which "
             "/v1/embeddings cannot return; use /embedding or restart with --pooling mean|cls|last"
         )

@@ -16,8 +16,9 @@ from mlxcel.api.replies import JsonReply
 
 
 def model_card(ctx: ApiContext) -> dict[str, Any]:
-    return {"id": ctx.model_name, "object": "model", "created": ctx.created, "owned_by": "mlxcel",
-            "max_model_len": ctx.context_size, "capabilities": ["completion"]}
+    return {"id": ctx.model_name, "aliases": list(ctx.aliases), "tags": list(ctx.tags), "object": "model",
+            "created": ctx.created, "owned_by": "mlxcel", "max_model_len": ctx.context_size,
+            "capabilities": ["completion"]}
 
 
 def entry_card(entry: ModelEntry) -> dict[str, Any]:
@@ -38,7 +39,7 @@ def list_models(ctx: ApiContext | None, providers: Sequence[ModelEntry] = ()) ->
 def retrieve_model(ctx: ApiContext | None, model_id: str, providers: Sequence[ModelEntry] = ()) -> JsonReply:
     cards = _cards(ctx, providers)
     for card in cards:
-        if card["id"] == model_id:
+        if card["id"] == model_id or model_id in card.get("aliases", ()):
             return JsonReply(card)
     served = ", ".join(repr(card["id"]) for card in cards)
     raise ApiError(404, f"the model {model_id!r} does not exist; this server serves {served}",

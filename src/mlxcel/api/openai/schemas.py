@@ -8,9 +8,9 @@ from __future__ import annotations
 
 from typing import Any
 
-from pydantic import Field, PrivateAttr, model_validator
+from pydantic import Field, model_validator
 
-from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatRole, WireModel
+from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatFeatureFields, ChatRole, LoraEntry, WireModel
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -54,8 +54,9 @@ class StreamOptions(WireModel):
     include_usage: bool = False
 
 
-class SamplingFields(WireModel):
-    """Sampling fields shared by chat and completions (OpenAI names, then llama/vLLM extras)."""
+class SamplingFields(ChatFeatureFields):
+    """Sampling fields shared by chat and completions (OpenAI names, then llama/vLLM extras; the
+    chat-feature extensions come from ChatFeatureFields)."""
 
     model: str | None = None  # optional, as in llama-server and vLLM: the served model answers
     temperature: float | None = Field(None, ge=0.0, le=2.0)
@@ -82,10 +83,8 @@ class SamplingFields(WireModel):
     cache_prompt: bool = True
     id_slot: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
-    extra_body: dict[str, Any] | None = None
-    # The body as received (before extra_body is flattened): chat features read their fields
-    # there (S, R, P, V: template kwargs, budget, loop guard, json_schema / grammar).
-    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
+    lora: list[LoraEntry] | None = None  # llama-server: per-request adapter scales (F8)
+    extra_body: dict[str, Any] | None = None  # lifted to the root before validation (api/schema.py)
 
     @model_validator(mode="after")
     def _check_best_of(self) -> SamplingFields:
@@ -110,6 +109,9 @@ class ChatCompletionRequest(SamplingFields):
     continue_final_message: bool = False
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_control: bool = False  # llama-server: opt in to POST /v1/chat/completions/control (F5)
+    verbose: bool = False  # llama-server's debug echo: `__verbose` (the native reply, the rendered prompt)
+    timings_per_token: bool = False  # llama-server: each stream chunk carries `timings`
+    return_progress: bool = False  # llama-server: a stream gets a `prompt_progress` chunk per prefill chunk
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:
@@ -128,6 +130,7 @@ class CompletionRequest(SamplingFields):
     max_tokens: int | None = Field(16, ge=1)
     echo: bool = False
     logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
+    response_format: dict[str, Any] | None = None  # json_object, json_schema (V), as vLLM accepts here
 
 
 class ControlRequest(WireModel):

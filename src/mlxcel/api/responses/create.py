@@ -33,14 +33,12 @@ def parse_create_request(body: Any) -> ResponseCreateRequest:
     """Validate a POST /v1/responses body (extra_body fields lifted) and its items; raises ApiError(400)."""
     req = validate_body(ResponseCreateRequest, flatten_extra_body(body))
     parse_input_items(req.input)  # D1: a bad item is a body error, answered before availability
-    req._body = body  # as received, for the chat features (S, R, P, V)
     return req
 
 
 def parse_input_tokens_request(body: Any) -> InputTokensRequest:
     req = validate_body(InputTokensRequest, flatten_extra_body(body))
     parse_input_items(req.input)
-    req._body = body
     return req
 
 

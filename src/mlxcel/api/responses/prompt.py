@@ -16,13 +16,15 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 
 from mlxcel.api import chat_features
+from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media
 from mlxcel.api.responses.items import Item, media_refs, stored_items, template_tools, to_chat_messages
 from mlxcel.api.responses.schemas import ConversationFields, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
-from mlxcel.text.chat_plan import ChatPlan
+from mlxcel.chat.options import ChatOptions
+from mlxcel.chat.plan import ChatPlan
 
 
 @dataclass(frozen=True, slots=True)
@@ -74,9 +76,14 @@ def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence
     """Plan the chat features and render the chat template (a failure of either is a 400, never a
     fallback); the tokenized prompt and the plan."""
     messages = to_chat_messages(req.instructions, conversation)
-    tools = template_tools(req.tools)
-    plan = chat_features.plan_chat(
-        ctx, req._body or req.model_dump(exclude_none=True, by_alias=True), messages, tools=tools,
-        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-        max_tokens=getattr(req, "max_output_tokens", None), cache_prompt=getattr(req, "cache_prompt", True))
-    return chat_features.render_plan(ctx, plan, tools=tools), plan
+    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
+    return chat_features.render_plan(ctx, plan), plan
+
+
+def chat_options(req: ConversationFields) -> ChatOptions:
+    """The request's chat-feature options (`text.format` the output constraint); raises ApiError(400)."""
+    text_format = req.text.format if req.text else None
+    output = [("text.format", text_format.model_dump(exclude_none=True, by_alias=True) if text_format else None)]
+    return build_chat_options(
+        req, output=output, tools=template_tools(req.tools), tool_choice=req.tool_choice,
+        parallel_tool_calls=req.parallel_tool_calls, max_tokens=getattr(req, "max_output_tokens", None))

@@ -24,8 +24,8 @@ from mlxcel.api.responses.items import Item
 from mlxcel.api.responses.objects import ResponseDraft, usage_json
 from mlxcel.api.responses.store import AsyncResponseStore, StoredResponse
 from mlxcel.api.responses.stream import Event, ResponseEvents
-from mlxcel.text.chat_plan import ChatPlan
-from mlxcel.text.events import ContentDelta
+from mlxcel.chat.plan import ChatPlan
+from mlxcel.chat.events import ContentDelta
 
 CANCEL_WAIT_S = 30.0  # how long a cancel call waits for the run to record its end
 ABORTED_ERROR = {"code": "server_error", "message": "generation was aborted before it finished "

@@ -10,10 +10,10 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, PrivateAttr, ValidationError, model_validator
+from pydantic import Field, ValidationError, model_validator
 
 from mlxcel.api.errors import invalid_request
-from mlxcel.api.schema import MAX_SEED, MIN_SEED, WireModel
+from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatFeatureFields, WireModel
 
 MAX_TOP_LOGPROBS = 20
 MAX_METADATA_KEYS = 16  # OpenAI's metadata limits: 16 pairs, keys up to 64 and values up to 512 chars
@@ -189,8 +189,9 @@ class FunctionTool(WireModel):
     strict: bool | None = None
 
 
-class ConversationFields(WireModel):
-    """What makes the prompt: shared by create, input_tokens and compact."""
+class ConversationFields(ChatFeatureFields):
+    """What makes the prompt: shared by create, input_tokens and compact (with the chat-feature
+    extensions of ChatFeatureFields: budget, loop guard, json_schema / grammar...)."""
 
     model: str | None = None  # optional, as on the other OpenAI routes: the served model answers
     input: str | list[Any] | None = None
@@ -205,10 +206,7 @@ class ConversationFields(WireModel):
     truncation: Literal["auto", "disabled"] = "disabled"
     chat_template_kwargs: dict[str, Any] | None = None  # extra: as on chat (the spec's advice for reasoning)
     prompt_cache_key: str | None = None
-    extra_body: dict[str, Any] | None = None
-    # The body as received (extra_body not flattened): the chat features read text.format, template
-    # kwargs, the reasoning budget and loop-guard fields there (S, R, P, V).
-    _body: dict[str, Any] = PrivateAttr(default_factory=dict)
+    extra_body: dict[str, Any] | None = None  # lifted to the root before validation (api/schema.py)
 
     @model_validator(mode="after")
     def _check_conversation(self) -> ConversationFields:

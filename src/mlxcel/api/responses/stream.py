@@ -10,7 +10,7 @@
 
 Every event has a `sequence_number`; the draft response is kept in step, so a `GET` while
 streaming and the final lifecycle event agree with the deltas. The input is the text layer's
-protocol-neutral `OutputEvent`s (text/events.py), so reasoning and tool calls parsed from the
+protocol-neutral `OutputEvent`s (chat/events.py), so reasoning and tool calls parsed from the
 model's text map to their own output items without touching this sequence.
 """
 
@@ -24,7 +24,7 @@ from mlxcel.api.generation import LogprobText
 from mlxcel.api.responses.items import IdFactory, new_id
 from mlxcel.api.responses.objects import ResponseDraft
 from mlxcel.api.sse import sse_frame
-from mlxcel.text.events import (
+from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
 

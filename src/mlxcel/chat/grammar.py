@@ -1,0 +1,319 @@
+"""Constrained decoding (spec V) on llguidance: JSON schema, JSON object, GBNF, Lark, regex, and
+the tool-call grammar that makes `tool_choice: required` / a named tool always well-formed.
+
+llguidance (not a hand-written engine, DESIGN.md) compiles the grammar against the vocabulary;
+`GrammarProcessor` is a per-request TokenProcessor: each step it masks the logits row to the
+tokens the matcher allows, and each sampled token advances the matcher. Constrained and free
+requests share a batch, since the mask is per row.
+
+    compiler = GrammarCompiler(tokenizer)                 # once per served model
+    grammar = compiler.from_constraints(options.output)  # GrammarError (a 400) before generating
+    processor = compiler.processor(grammar, think=think, starts_in_reasoning=primed)
+
+With reasoning markers, the grammar waits while the model reasons: the reply may open with the
+start marker, and the grammar applies from the end marker on.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import threading
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import jsonschema
+import llguidance
+import torch
+
+from mlxcel.chat.budget import force_token
+from mlxcel.chat.options import OutputConstraint, ToolChoice
+from mlxcel.chat.reasoning import ThinkTokens, ThinkTracker
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.chat.tools import format_module
+from mlxcel.types import FinishReason
+
+log = logging.getLogger(__name__)
+
+# JSON is written as json.dumps writes it: no free whitespace, so a model cannot loop on spaces.
+JSON_LAYOUT = {"whitespace_flexible": False, "item_separator": ", ", "key_separator": ": "}
+_BIT_SHIFTS = torch.arange(8, dtype=torch.uint8)
+FUNCTION_TOOL_TYPES = ("function", "custom")  # chat/responses "function", Anthropic "custom" (or no type)
+PROBE_STEPS = 8  # tokens walked at validation, to meet the grammars llguidance gives up on
+
+
+class GrammarError(ValueError):
+    """A schema or grammar that cannot be compiled; the message is fit for a 400 reply."""
+
+
+@dataclass(frozen=True, slots=True)
+class Grammar:
+    """A validated llguidance grammar and the request field it came from."""
+
+    text: str  # llguidance's grammar JSON
+    source: str  # e.g. "response_format.json_schema.schema"
+
+
+class GrammarCompiler:
+    """Compiles grammars for one vocabulary. Building llguidance's tokenizer takes about a
+    second, so it is done once, on first use."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self.tokenizer = tokenizer
+        self._llg: llguidance.LLTokenizer | None = None
+        self._lock = threading.Lock()
+
+    @property
+    def llg_tokenizer(self) -> llguidance.LLTokenizer:
+        with self._lock:
+            if self._llg is None:
+                self._llg = llguidance.LLTokenizer(
+                    self.tokenizer.backend.to_str(),
+                    n_vocab=self.tokenizer.vocab_size,
+                    eos_token=sorted(self.tokenizer.eos_token_ids),
+                )
+            return self._llg
+
+    # --- grammars from their sources -----------------------------------------------------------
+
+    def json_schema(self, schema: Any, *, strict: bool = False, source: str = "json_schema") -> Grammar:
+        """A grammar for JSON matching `schema`. Strict: a keyword llguidance cannot enforce is
+        an error; otherwise it is ignored (OpenAI's non-strict mode, llama-server)."""
+        if isinstance(schema, bool) or not isinstance(schema, Mapping):
+            raise GrammarError(f"{source} must be a JSON Schema object")
+        options = {**JSON_LAYOUT, "lenient": not strict}
+        try:
+            text = llguidance.LLMatcher.grammar_from_json_schema(json.dumps(schema), defaults=options)
+        except ValueError as exc:
+            raise GrammarError(f"{source}: {exc}") from None
+        return self._validated(text, source)
+
+    def json_object(self, *, source: str = "response_format") -> Grammar:
+        """Any JSON object."""
+        return self.json_schema({"type": "object"}, source=source)
+
+    def gbnf(self, text: str, *, source: str = "grammar") -> Grammar:
+        """llama.cpp GBNF (a Lark grammar is recognised and accepted too)."""
+        if not isinstance(text, str) or not text.strip():
+            raise GrammarError(f"{source} must be a non-empty grammar string")
+        try:
+            grammar = llguidance.grammar_from("gbnf", text)
+        except ValueError as exc:
+            raise GrammarError(f"{source}: {exc}") from None
+        return self._validated(grammar, source)
+
+    def lark(self, text: str, *, source: str = "lark") -> Grammar:
+        return self._validated(llguidance.LLMatcher.grammar_from_lark(text), source)
+
+    def regex(self, pattern: str, *, source: str = "regex") -> Grammar:
+        return self._validated(llguidance.LLMatcher.grammar_from_regex(pattern), source)
+
+    def _validated(self, text: str, source: str) -> Grammar:
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, text, log_level=0)
+        error = matcher.get_error() if matcher.is_error() else _probe(matcher, self.tokenizer.eos_token_ids)
+        if error:
+            raise GrammarError(f"{source}: {_first_line(error)}")
+        return Grammar(text, source)
+
+    # --- requests --------------------------------------------------------------------------------
+
+    def from_constraints(self, constraints: Sequence[OutputConstraint]) -> Grammar | None:
+        """The output constraint a request asks for (its adapter lists every one it was given).
+        None when it asks for none (a plain-text format counts as none); GrammarError when it is
+        invalid or asks for two."""
+        found = [c for c in constraints if c.value is not None and not _is_plain_text(c)]
+        if not found:
+            return None
+        if len(found) > 1:
+            names = " and ".join(c.source for c in found)
+            raise GrammarError(f"{names} cannot be used together; give one output constraint")
+        constraint = found[0]
+        if constraint.kind == "gbnf":
+            return self.gbnf(constraint.value, source=constraint.source)
+        if constraint.kind == "json_schema":
+            return self.json_schema(constraint.value, source=constraint.source)
+        return self._from_format(constraint.value, constraint.source)
+
+    def _from_format(self, spec: Any, source: str) -> Grammar:
+        if not isinstance(spec, Mapping):
+            raise GrammarError(f"{source} must be an object")
+        kind = spec.get("type")
+        if kind == "json_object":
+            schema = spec.get("schema")
+            return self.json_schema(schema, source=f"{source}.schema") if schema else self.json_object(source=source)
+        if kind != "json_schema":
+            raise GrammarError(f"{source}.type must be text, json_object or json_schema, not {kind!r}")
+        # Chat nests {"json_schema": {"name", "schema", "strict"}}; responses/anthropic are flat.
+        inner = spec.get("json_schema", spec)
+        if not isinstance(inner, Mapping):
+            raise GrammarError(f"{source}.json_schema must be an object")
+        schema = inner.get("schema", {"type": "object"})
+        where = f"{source}.json_schema.schema" if "json_schema" in spec else f"{source}.schema"
+        return self.json_schema(schema, strict=inner.get("strict") is True, source=where)
+
+    def tool_calls(
+        self, fmt: str, tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, *, parallel: bool = True
+    ) -> Grammar | None:
+        """For `tool_choice` required (or a named function): a grammar whose every output is a
+        well-formed call in the template's format `fmt` (a tools.FORMATS key). None for
+        auto/none. Accepts the OpenAI, Responses and Anthropic shapes of tools."""
+        chosen = _chosen_tools(tools or (), tool_choice)
+        if chosen is None:
+            return None
+        module = format_module(fmt)
+        schema = _calls_schema(chosen, module.ARGUMENTS_KEY)
+        lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
+        return self._validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
+
+    def check_tools(self, tools: Sequence[Any] | None) -> None:
+        """GrammarError (a 400) for a function tool without a name or whose parameters are not a
+        valid JSON Schema (checked against the 2020-12 meta-schema): refused before generating."""
+        for index, tool in enumerate(tools or ()):
+            if not isinstance(tool, Mapping):
+                raise GrammarError(f"tools.{index}: a tool must be an object")
+            if tool.get("type", "function") not in FUNCTION_TOOL_TYPES:
+                continue  # a built-in tool kind (web_search, ...): no schema of the client's
+            name, parameters = tool_name_and_parameters(tool)
+            try:
+                jsonschema.Draft202012Validator.check_schema(parameters)
+            except jsonschema.SchemaError as exc:
+                where = "/".join(str(p) for p in exc.absolute_path) or "the root"
+                raise GrammarError(f"tools.{index} ({name}): parameters are not a valid JSON Schema "
+                                   f"(at {where}: {exc.message[:200]})") from None
+
+    def processor(
+        self, grammar: Grammar, *, think: ThinkTokens | None = None, starts_in_reasoning: bool = False
+    ) -> GrammarProcessor:
+        """A fresh TokenProcessor for one request (one per choice)."""
+        matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar.text, log_level=0)
+        tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning) if think is not None else None
+        return GrammarProcessor(matcher, self.tokenizer.eos_token_ids, tracker)
+
+
+def _probe(matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> str | None:
+    """Walk a few tokens down one path of a fresh matcher: llguidance gives up on some grammars
+    (ParserTooComplex, "too many items", no text at all) only once it computes a mask or takes a
+    token, and that must be a 400 before generation, not a reply cut short at its first token."""
+    for _ in range(PROBE_STEPS):
+        packed = torch.frombuffer(bytearray(matcher.compute_bitmask()), dtype=torch.uint8)
+        if matcher.is_error():
+            return matcher.get_error()
+        allowed = ((packed.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten().nonzero().flatten().tolist()
+        candidates = [t for t in allowed if t not in eos_token_ids]
+        if not candidates:
+            return None
+        matcher.consume_token(candidates[-1])
+        if matcher.is_error():
+            return matcher.get_error()
+        if matcher.is_stopped():
+            return None
+    return None
+
+
+def _first_line(error: str) -> str:
+    line = error.strip().splitlines()[0] if error.strip() else "invalid grammar"
+    return "the grammar matches no text" if line == "NoExtensionBias" else line
+
+
+def _is_plain_text(constraint: OutputConstraint) -> bool:
+    value = constraint.value
+    return constraint.kind == "format" and isinstance(value, Mapping) and value.get("type") == "text"
+
+
+# --- tools ---------------------------------------------------------------------------------------
+
+
+def tool_name_and_parameters(tool: Mapping[str, Any]) -> tuple[str, Mapping[str, Any]]:
+    """(name, parameters schema) of a tool in the OpenAI chat, Responses or Anthropic shape."""
+    function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+    name = function.get("name")
+    if not isinstance(name, str) or not name:
+        raise GrammarError("every tool needs a function name")
+    parameters = function.get("parameters", function.get("input_schema")) or {"type": "object"}
+    if not isinstance(parameters, Mapping):
+        raise GrammarError(f"tool {name!r}: parameters must be a JSON Schema object")
+    return name, parameters
+
+
+def _chosen_tools(tools: Sequence[Mapping[str, Any]], choice: ToolChoice) -> list[tuple[str, Mapping[str, Any]]] | None:
+    """The tools a call must use, or None when tool_choice forces nothing."""
+    if not choice.is_forced:
+        return None
+    available = [tool_name_and_parameters(t) for t in tools]
+    if not available:
+        raise GrammarError("tool_choice requires a tool call, but the request has no tools")
+    if choice.name is None:
+        return available
+    chosen = [t for t in available if t[0] == choice.name]
+    if not chosen:
+        raise GrammarError(f"tool_choice names the function {choice.name!r}, which is not among the tools")
+    return chosen
+
+
+def _calls_schema(tools: list[tuple[str, Mapping[str, Any]]], arguments_key: str) -> dict[str, Any]:
+    """One call object: {"name": <a chosen tool>, <arguments_key>: <its parameters>}."""
+    options = [
+        {
+            "type": "object",
+            "properties": {"name": {"const": name}, arguments_key: dict(parameters)},
+            "required": ["name", arguments_key],
+            "additionalProperties": False,
+        }
+        for name, parameters in tools
+    ]
+    schema: dict[str, Any] = options[0] if len(options) == 1 else {"anyOf": options}
+    return {**schema, "x-guidance": {**JSON_LAYOUT, "lenient": True}}
+
+
+# --- the processor ---------------------------------------------------------------------------------
+
+
+class GrammarProcessor:
+    """A TokenProcessor holding one request's llguidance matcher.
+
+    `process` masks a logits row to the allowed tokens (end-of-sequence only where the grammar
+    may end); `accept` advances the matcher and returns STOP once the grammar is complete.
+    """
+
+    def __init__(
+        self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int], tracker: ThinkTracker | None
+    ) -> None:
+        self.matcher = matcher
+        self._eos = eos_token_ids
+        self._tracker = tracker
+
+    def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
+        tracker = self._tracker
+        if tracker is not None and tracker.phase == ThinkTracker.REASONING:
+            return  # free while reasoning
+        if tracker is not None and tracker.phase == ThinkTracker.BEFORE and tracker.num_start_matched:
+            force_token(logits, tracker.think.start_ids[tracker.num_start_matched])
+            return
+        allowed = self.allowed_mask(logits.shape[-1])
+        if tracker is not None and tracker.phase == ThinkTracker.BEFORE:
+            allowed[tracker.think.start_ids[0]] = True  # the reply may open with reasoning
+        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+
+    def allowed_mask(self, width: int) -> torch.Tensor:
+        """[width] bool: the tokens the grammar allows next (ids past the vocabulary: none)."""
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.uint8)
+        bits = ((packed.unsqueeze(1) >> _BIT_SHIFTS) & 1).flatten().bool()  # little-endian bit order
+        if bits.numel() >= width:
+            return bits[:width].clone()
+        return torch.cat([bits, torch.zeros(width - bits.numel(), dtype=torch.bool)])
+
+    def accept(self, token_id: int) -> FinishReason | None:
+        if self._tracker is not None and self._tracker.advance(token_id):
+            return None  # a reasoning token: the grammar has not started
+        if token_id in self._eos:
+            return FinishReason.STOP
+        if not self.matcher.consume_token(token_id):
+            # Only possible when something after the mask changed the choice; end cleanly.
+            log.warning("grammar rejected sampled token %d: %s", token_id, self.matcher.get_error())
+            return FinishReason.STOP
+        return FinishReason.STOP if self.matcher.is_stopped() else None
+
+    @property
+    def is_accepting(self) -> bool:
+        return self.matcher.is_accepting()

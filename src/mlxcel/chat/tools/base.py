@@ -1,0 +1,296 @@
+"""The streaming state machine every tool-call format shares.
+
+A parser reads the reply's content text in arbitrary pieces and emits `ContentDelta`s for text
+outside calls and start/arguments/end events for calls (chat/events.py). Text that could still
+turn out to be the start of call markup is held back, so no partial markup reaches content.
+Formats differ only in how a call block starts (`_scan_start`), how its JSON is read
+(`_new_reader`) and what may follow it (`_scan_after`).
+"""
+
+from __future__ import annotations
+
+import abc
+import enum
+import secrets
+import string
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import ClassVar, Protocol
+
+from mlxcel.chat.events import ContentDelta, OutputEvent, ToolCall, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.tools.json_stream import JsonCallsReader
+
+_ALPHANUMERIC = string.ascii_letters + string.digits
+_WHITESPACE = " \t\n\r"
+
+
+def openai_call_id() -> str:
+    """`call_` and 24 random letters/digits, as OpenAI writes tool-call ids."""
+    return "call_" + "".join(secrets.choice(_ALPHANUMERIC) for _ in range(24))
+
+
+class CallsReader(Protocol):
+    """Reads one block of calls (JSON) and emits its events."""
+
+    @property
+    def is_done(self) -> bool: ...
+
+    @property
+    def is_error(self) -> bool: ...
+
+    def feed(self, text: str, out: list[OutputEvent]) -> int: ...
+
+    def close(self, out: list[OutputEvent]) -> None: ...
+
+
+@dataclass(frozen=True, slots=True)
+class CallStart:
+    """Call markup found: content ends at `at`; the calls' JSON (or name) begins at `body`.
+
+    `is_bare`: no marker, only JSON that looks like a call; if it names no function after
+    all, its text is content.
+    """
+
+    at: int
+    body: int
+    is_bare: bool = False
+
+
+class Mode(enum.Enum):
+    CONTENT = enum.auto()
+    OPENING = enum.auto()  # markup seen, the reader not yet chosen (Mistral's name form)
+    CALLS = enum.auto()
+    AFTER = enum.auto()  # a block of calls ended; its closing markup may follow
+
+
+class ToolParser(abc.ABC):
+    """Base streaming tool-call parser: `feed(text)` per content delta, then `finish()` once."""
+
+    name: ClassVar[str] = ""
+    start_markers: ClassVar[tuple[str, ...]] = ()
+
+    def __init__(self, *, new_id: Callable[[], str] | None = None) -> None:
+        self.new_id = new_id or self.default_id
+        self.num_calls = 0
+        self._mode = Mode.CONTENT
+        self._buffer = ""
+        self._held_space = ""  # trailing whitespace of content, dropped when a call follows it
+        self._is_content_seen = False  # non-space content since the start or the last call
+        self._reader: CallsReader | None = None
+        self._bare_text: list[str] | None = None  # the text of a bare JSON block, until it proves a call
+        self._num_calls_before = 0
+
+    @staticmethod
+    def default_id() -> str:
+        return openai_call_id()
+
+    # --- the state machine ------------------------------------------------------------------
+
+    def feed(self, text: str) -> list[OutputEvent]:
+        """Add a piece of content text; return the events it completed."""
+        out: list[OutputEvent] = []
+        self._buffer += text
+        while self._buffer and self._advance(out):
+            pass
+        return coalesce(out)
+
+    def finish(self) -> list[OutputEvent]:
+        """End of the reply: close a call in progress, release held text."""
+        out: list[OutputEvent] = []
+        if self._mode is Mode.CALLS and self._reader is not None:
+            self._reader.close(out)  # a bare block cut off before naming a function is dropped
+        elif self._mode is Mode.CONTENT:
+            self._emit_content(self._final_content(self._buffer), out)
+            if self._held_space and not self.num_calls:
+                out.append(ContentDelta(self._held_space))
+        self._buffer, self._held_space, self._reader = "", "", None
+        return coalesce(out)
+
+    def _advance(self, out: list[OutputEvent]) -> bool:
+        """One step on the buffer; False when it needs more text."""
+        if self._mode is Mode.CONTENT:
+            return self._advance_content(out)
+        if self._mode is Mode.OPENING:
+            return self._open_reader(out)
+        if self._mode is Mode.CALLS:
+            return self._advance_calls(out)
+        return self._advance_after()
+
+    def _advance_content(self, out: list[OutputEvent]) -> bool:
+        found = self._scan_start(self._buffer)
+        if isinstance(found, CallStart):
+            self._emit_content(self._buffer[: found.at], out)
+            self._bare_text = [self._held_space + self._buffer[found.at : found.body]] if found.is_bare else None
+            self._held_space, self._num_calls_before = "", self.num_calls
+            self._buffer = self._buffer[found.body :]
+            self._mode = Mode.OPENING
+            return True
+        keep = len(self._buffer) - found
+        self._emit_content(self._buffer[:keep], out)
+        self._buffer = self._buffer[keep:]
+        return False
+
+    def _open_reader(self, out: list[OutputEvent]) -> bool:
+        opened = self._new_reader(self._buffer, out)
+        if opened is None:
+            return False
+        self._reader, used = opened
+        self._buffer, self._mode = self._buffer[used:], Mode.CALLS
+        return True
+
+    def _advance_calls(self, out: list[OutputEvent]) -> bool:
+        assert self._reader is not None
+        used = self._reader.feed(self._buffer, out)
+        if self._bare_text is not None:
+            self._bare_text.append(self._buffer[:used])
+        self._buffer = self._buffer[used:]
+        if not (self._reader.is_done or self._reader.is_error):
+            return False
+        self._reader.close(out)
+        self._mode, self._reader, self._is_content_seen = Mode.AFTER, None, False
+        if self._is_bare_text_content():
+            self._mode = Mode.CONTENT
+            self._emit_content("".join(self._bare_text or ()), out)
+        return True
+
+    def _is_bare_text_content(self) -> bool:
+        """A bare JSON block that named no function was the model's text, not a call."""
+        return self._bare_text is not None and self.num_calls == self._num_calls_before
+
+    def _advance_after(self) -> bool:
+        result = self._scan_after(self._buffer)
+        if result is None:
+            return False
+        used, mode = result
+        self._buffer, self._mode = self._buffer[used:], mode
+        return True
+
+    def _emit_content(self, text: str, out: list[OutputEvent]) -> None:
+        if not text:
+            return
+        text = self._held_space + text
+        if self.num_calls and not self._is_content_seen:
+            text = text.lstrip(_WHITESPACE)  # the line break after a call block is markup
+        kept = text.rstrip(_WHITESPACE)
+        self._held_space = text[len(kept) :]
+        if kept:
+            out.append(ContentDelta(kept))
+            self._is_content_seen = True
+
+    def _next_index(self) -> int:
+        self.num_calls += 1
+        return self.num_calls - 1
+
+    # --- what formats define -----------------------------------------------------------------
+
+    @abc.abstractmethod
+    def _scan_start(self, buffer: str) -> CallStart | int:
+        """Where call markup starts in `buffer`, else how many characters at its end to hold."""
+
+    def _new_reader(self, buffer: str, out: list[OutputEvent]) -> tuple[CallsReader, int] | None:
+        """The reader for the block starting at `buffer` and how many characters the opening
+        took (None: wait for more text)."""
+        return JsonCallsReader(self._next_index, self.new_id), 0
+
+    def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
+        """After a block: how much markup to drop and the next mode (None: wait for more text)."""
+        return 0, Mode.CONTENT
+
+    def _final_content(self, held: str) -> str:
+        """What of the text held at the end of the reply is content: a cut-off start marker is not."""
+        return "" if any(m.startswith(held) for m in self.start_markers) else held
+
+
+# --- helpers formats share ---------------------------------------------------------------------
+
+
+def partial_suffix_len(buffer: str, markers: Sequence[str]) -> int:
+    """Length of the longest end of `buffer` that is a proper prefix of one of `markers`."""
+    longest = 0
+    for marker in markers:
+        for size in range(min(len(marker) - 1, len(buffer)), longest, -1):
+            if buffer.endswith(marker[:size]):
+                longest = size
+                break
+    return longest
+
+
+def find_marker(buffer: str, markers: Sequence[str]) -> tuple[int, str] | None:
+    """The earliest occurrence of any marker (the longer one at a tie)."""
+    best: tuple[int, str] | None = None
+    for marker in markers:
+        at = buffer.find(marker)
+        if at >= 0 and (best is None or (at, -len(marker)) < (best[0], -len(best[1]))):
+            best = (at, marker)
+    return best
+
+
+class Prefix(enum.Enum):
+    """Whether text opens a bare JSON tool call."""
+
+    YES = enum.auto()
+    MAYBE = enum.auto()  # too short to tell
+    NO = enum.auto()
+
+
+def json_call_prefix(text: str, first_keys: Sequence[str], *, allow_array: bool = True) -> tuple[Prefix, int]:
+    """Does `text` (after whitespace) open `{"<key>"` or `[{"<key>"` with key in `first_keys`?
+
+    Returns the verdict and, for YES, where the JSON starts.
+    """
+    at = len(text) - len(text.lstrip(_WHITESPACE))
+    i = at
+    expected = ["{[" if allow_array else "{", '"']
+    while expected:
+        while i < len(text) and text[i] in _WHITESPACE:
+            i += 1
+        if i == len(text):
+            return Prefix.MAYBE, at
+        if text[i] not in expected[0]:
+            return Prefix.NO, at
+        if text[i] == "[":
+            expected.insert(1, "{")
+        i += 1
+        expected.pop(0)
+    return _key_verdict(text[i:], first_keys), at
+
+
+def is_cut_json_call(text: str, first_keys: Sequence[str]) -> bool:
+    """Whether a reply that ended with `text` was opening a JSON call: more than a lone
+    `{` or `[`, and still a possible call opening."""
+    body = text.strip(_WHITESPACE)
+    return body not in ("", "{", "[") and json_call_prefix(body, first_keys)[0] is Prefix.MAYBE
+
+
+def _key_verdict(rest: str, keys: Sequence[str]) -> Prefix:
+    end = rest.find('"')
+    if end < 0:
+        return Prefix.MAYBE if any(k.startswith(rest) for k in keys) else Prefix.NO
+    return Prefix.YES if rest[:end] in keys else Prefix.NO
+
+
+def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
+    """Adjacent content deltas, and adjacent argument fragments of one call, joined (fewer chunks)."""
+    merged: list[OutputEvent] = []
+    for event in events:
+        last = merged[-1] if merged else None
+        if isinstance(event, ContentDelta) and isinstance(last, ContentDelta):
+            merged[-1] = ContentDelta(last.text + event.text)
+        elif isinstance(event, ToolCallArguments) and isinstance(last, ToolCallArguments) and last.index == event.index:
+            merged[-1] = ToolCallArguments(event.index, last.text + event.text)
+        else:
+            merged.append(event)
+    return merged
+
+
+def collect_tool_calls(events: Sequence[OutputEvent]) -> list[ToolCall]:
+    """The finished calls among `events` (for a non-streaming reply), in index order."""
+    calls = [ToolCall(e.index, e.id, e.name, e.arguments) for e in events if isinstance(e, ToolCallEnd)]
+    return sorted(calls, key=lambda c: c.index)
+
+
+__all__ = [
+    "CallStart", "CallsReader", "ContentDelta", "Mode", "Prefix", "ToolCallArguments", "ToolCallEnd",
+    "ToolCallStart", "ToolParser", "coalesce", "collect_tool_calls", "find_marker", "json_call_prefix", "openai_call_id",
+    "partial_suffix_len",
+]  # fmt: skip

@@ -1,0 +1,64 @@
+"""Generic JSON tool calls, for templates that teach no format of their own.
+
+The reply is a JSON value at its very start (optionally in a ```json fence): a call object
+`{"name": ..., "arguments": {...}}`, an array of them, `{"tool_call": call}` or
+`{"tool_calls": [call, ...]}` (llama.cpp's generic format). Anything else is content.
+"""
+
+from __future__ import annotations
+
+from mlxcel.chat.tools.base import CallStart, Mode, Prefix, ToolParser, is_cut_json_call, json_call_prefix
+
+FIRST_KEYS = ("tool_calls", "tool_call", "name", "type", "function")
+FENCES = ("```json", "```")
+ARGUMENTS_KEY = "arguments"
+_SPACE = " \t\n\r"
+
+
+class GenericToolParser(ToolParser):
+    name = "generic"
+
+    def _scan_start(self, buffer: str) -> CallStart | int:
+        if self._is_content_seen or self.num_calls:
+            return 0  # calls only open the reply
+        body = _skip_fence(buffer)
+        if body is None:
+            return len(buffer)  # could still be an opening fence
+        verdict, json_at = json_call_prefix(buffer[body:], FIRST_KEYS)
+        if verdict is Prefix.YES:
+            return CallStart(0, body + json_at, is_bare=True)
+        return len(buffer) if verdict is Prefix.MAYBE else 0
+
+    def _final_content(self, held: str) -> str:
+        body = _skip_fence(held)
+        if body is None:
+            return ""  # a cut-off opening fence
+        rest = held[body:]
+        if body and json_call_prefix(rest, FIRST_KEYS)[0] is Prefix.MAYBE:
+            return ""  # a fence, then perhaps a call
+        return "" if is_cut_json_call(rest, FIRST_KEYS) else held
+
+    def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
+        head = buffer.lstrip(_SPACE)
+        if len(head) < 3 and "```".startswith(head):
+            return None  # maybe the closing fence
+        skipped = len(buffer) - len(head)
+        return (skipped + 3, Mode.CONTENT) if head.startswith("```") else (0, Mode.CONTENT)
+
+
+def _skip_fence(buffer: str) -> int | None:
+    """Where the JSON may begin: after an opening fence if there is one (None: undecided)."""
+    head = buffer.lstrip(_SPACE)
+    start = len(buffer) - len(head)
+    for fence in FENCES:
+        if head.startswith(fence):
+            return start + len(fence)
+        if fence.startswith(head) and head:
+            return None
+    return 0
+
+
+def lark_calls(call: str, *, parallel: bool) -> str:
+    """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
+    items = f'{call} (", " {call})*' if parallel else call
+    return f'"{{\\"tool_calls\\": [" {items} "]}}"'

@@ -1,0 +1,42 @@
+"""Hermes / Qwen tool calls: `<tool_call>\n{"name": ..., "arguments": {...}}\n</tool_call>`.
+
+Used by Qwen 2.5/3, Hermes 2/3 and most templates that print `<tool_call>`. Several blocks in a
+row are parallel calls. Text between or around blocks is content.
+"""
+
+from __future__ import annotations
+
+from mlxcel.chat.tools.base import CallStart, Mode, ToolParser, find_marker, partial_suffix_len
+
+START = "<tool_call>"
+END = "</tool_call>"
+
+
+class HermesToolParser(ToolParser):
+    name = "hermes"
+    start_markers = (START,)
+
+    def _scan_start(self, buffer: str) -> CallStart | int:
+        at = buffer.find(START)
+        if at >= 0:
+            return CallStart(at, at + len(START))
+        return partial_suffix_len(buffer, (START,))
+
+    def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
+        # The block's JSON ended (or broke): drop everything up to </tool_call>. A model that
+        # forgets the closing tag and opens the next call goes straight on to that call.
+        found = find_marker(buffer, (END, START))
+        if found is None:
+            hold = partial_suffix_len(buffer, (END, START))
+            return (len(buffer) - hold, Mode.AFTER) if len(buffer) > hold else None
+        at, marker = found
+        return (at + len(END), Mode.CONTENT) if marker == END else (at, Mode.CONTENT)
+
+
+ARGUMENTS_KEY = "arguments"
+
+
+def lark_calls(call: str, *, parallel: bool) -> str:
+    """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
+    block = f'"{START}\\n" {call} "\\n{END}"'
+    return f'{block} ("\\n" {block})*' if parallel else block

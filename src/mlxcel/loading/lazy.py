@@ -1,0 +1,99 @@
+"""Lazy weights (A6, `MLXCEL_WEIGHT_MATERIALIZATION=lazy`): map the checkpoint, read each tensor on first use.
+
+The model is built with its parameters on the meta device and a forward pre-hook on every
+module that owns parameters; the first call of such a module reads its tensors from the
+mapped checkpoint (safetensors `safe_open`, the GGUF reader's numpy memmap), converts them
+as the eager path does (GGUF dequantization and layout fixes) and removes the hook. Code that
+reads weights outside a forward (the CPU decode rewrite, the compiled decode step) calls
+`materialize_all` first.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from mlxcel.loading.errors import ModelLoadError
+
+Reader = Callable[[str], torch.Tensor]  # HF parameter name -> its tensor, as eager loading gives it
+
+
+class LazyWeights:
+    """The pending parameters of one model and where to read each; attached as `model.lazy_weights`."""
+
+    def __init__(self, model: nn.Module, readers: dict[str, Reader], device: torch.device | str,
+                 dtype: torch.dtype) -> None:
+        self.readers = readers
+        self.device, self.dtype = torch.device(device), dtype
+        self._handles: dict[str, torch.utils.hooks.RemovableHandle] = {}
+        for prefix, module in model.named_modules():
+            if any(True for _ in module.parameters(recurse=False)):
+                self._handles[prefix] = module.register_forward_pre_hook(self._hook(prefix))
+        self._modules = dict(model.named_modules())
+
+    @property
+    def num_pending(self) -> int:
+        return len(self._handles)
+
+    def _hook(self, prefix: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: object) -> None:
+            self.materialize(prefix)
+        return hook
+
+    def materialize(self, prefix: str) -> None:
+        """Read the direct parameters of the module at `prefix` and drop its hook."""
+        handle = self._handles.pop(prefix, None)
+        if handle is None:
+            return
+        handle.remove()
+        module = self._modules[prefix]
+        for name, param in list(module.named_parameters(recurse=False)):
+            full = f"{prefix}.{name}" if prefix else name
+            value = self.readers[full](full)
+            if tuple(value.shape) != tuple(param.shape):
+                raise ModelLoadError(f"{full}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+            module._parameters[name] = nn.Parameter(value.to(self.device, self.dtype), requires_grad=False)
+
+    def materialize_all(self) -> None:
+        for prefix in list(self._handles):
+            self.materialize(prefix)
+
+
+def materialize_all(model: nn.Module) -> int:
+    """Read every pending lazy weight of `model` now; returns how many modules were pending."""
+    lazy: LazyWeights | None = getattr(model, "lazy_weights", None)
+    if lazy is None or not lazy.num_pending:
+        return 0
+    count = lazy.num_pending
+    lazy.materialize_all()
+    return count
+
+
+def safetensors_readers(model_dir: Path) -> dict[str, Reader]:
+    """name -> reader over the folder's *.safetensors files, each opened once (memory-mapped)."""
+    from safetensors import safe_open
+
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+    readers: dict[str, Reader] = {}
+    for file in files:
+        try:
+            handle = safe_open(str(file), framework="pt")
+        except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds
+            raise ModelLoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
+        for key in handle.keys():
+            readers[key] = _safetensors_reader(handle, key)
+    return readers
+
+
+def _safetensors_reader(handle: object, key: str) -> Reader:
+    return lambda _name: handle.get_tensor(key)  # type: ignore[attr-defined]
+
+
+def renamed(readers: dict[str, Reader], names: Iterable[tuple[str, str]]) -> dict[str, Reader]:
+    """Readers under new names: (old, new) pairs, as a family's `sanitize` renamed the keys."""
+    return {new: readers[old] for old, new in names}

@@ -1,0 +1,163 @@
+"""Streaming tool-call parsers (V, issue 6): every split of the reply gives the same calls.
+
+For each format the reply is fed in two pieces split at every character boundary, in three
+pieces, and one character at a time. Each time: content outside calls is exactly preserved,
+each call's name is emitted once (in order of index), and the argument fragments concatenate
+to JSON equal to the expected arguments. Cut-off replies still yield parseable arguments.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import pytest
+
+from mlxcel.chat.events import ContentDelta, OutputEvent, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.tools import make_tool_parser, select_tool_parser
+from mlxcel.chat.tools.base import collect_tool_calls
+
+Call = tuple[str, dict[str, Any]]
+
+CASES: list[tuple[str, str, str, list[Call]]] = [
+    ("hermes", 'Let me check.\n\n<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris", "n": 1.5e3}}\n'
+     '</tool_call>\n<tool_call>\n{"arguments": {"q": "a \\"quoted\\" <tool_call> \\u00e9"}, "name": "search"}\n'
+     "</tool_call>", "Let me check.",
+     [("get_weather", {"city": "Paris", "n": 1500.0}), ("search", {"q": 'a "quoted" <tool_call> é'})]),
+    ("hermes", "No tools needed: 2 < 3 and <b>bold</b>.", "No tools needed: 2 < 3 and <b>bold</b>.", []),
+    ("hermes", '<tool_call>\n{"type": "function", "function": {"name": "f", "arguments": "{\\"a\\": [1, null]}"}}'
+     "\n</tool_call>\nDone.", "Done.", [("f", {"a": [1, None]})]),
+    ("llama3", '{"name": "f", "parameters": {"a": [1, true, null], "b": {"c": -0.5e-3}}}; {"name": "g", '
+     '"parameters": {}}', "", [("f", {"a": [1, True, None], "b": {"c": -0.5e-3}}), ("g", {})]),
+    ("llama3", '<|python_tag|>{"name": "f", "arguments": {"x": "y"}}', "", [("f", {"x": "y"})]),
+    ("llama3", 'The JSON is {"name": "f"}.', 'The JSON is {"name": "f"}.', []),
+    ("mistral", 'Sure. [TOOL_CALLS] [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": '
+     '{"b": "x,y"}}]', "Sure.", [("f", {"a": 1}), ("g", {"b": "x,y"})]),
+    ("mistral", '[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}[TOOL_CALLS]noop[ARGS]{}', "",
+     [("get_weather", {"city": "Paris"}), ("noop", {})]),
+    ("generic", '```json\n{"tool_calls": [{"name": "f", "arguments": {"a": 1}}, {"name": "g", "arguments": {}}]}\n```',
+     "", [("f", {"a": 1}), ("g", {})]),
+    ("generic", '{"tool_call": {"name": "f", "arguments": {"k": [[], {}]}}}', "", [("f", {"k": [[], {}]})]),
+    ("generic", '[{"name": "f", "arguments": null}]', "", [("f", {})]),
+    ("generic", "Plain answer, {not json}.", "Plain answer, {not json}.", []),
+    ("generic", '```json\n{"name": 5, "size": [1]}\n```', '```json\n{"name": 5, "size": [1]}\n```', []),
+    ("llama3", '{"type": "object", "properties": {}}', '{"type": "object", "properties": {}}', []),
+]  # fmt: skip
+
+
+def splits(text: str) -> Iterator[list[str]]:
+    for at in range(len(text) + 1):
+        yield [text[:at], text[at:]]
+    for a in range(0, len(text) + 1, 5):
+        for b in range(a, len(text) + 1, 7):
+            yield [text[:a], text[a:b], text[b:]]
+    yield list(text)
+
+
+def run(fmt: str, pieces: list[str]) -> list[OutputEvent]:
+    counter = iter(range(1000))
+    parser = make_tool_parser(fmt, new_id=lambda: f"id{next(counter)}")
+    events: list[OutputEvent] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    return events + parser.finish()
+
+
+def summarize(events: list[OutputEvent]) -> tuple[str, list[Call]]:
+    """Content text, and each call's (name, parsed concatenated fragments); checks the protocol."""
+    content = "".join(e.text for e in events if isinstance(e, ContentDelta))
+    starts = [e for e in events if isinstance(e, ToolCallStart)]
+    assert [s.index for s in starts] == list(range(len(starts))), "indexes count up from 0, each once"
+    fragments: dict[int, str] = {}
+    for e in events:
+        if isinstance(e, ToolCallArguments):
+            assert e.index in {s.index for s in starts[: e.index + 1]}, "arguments come after their start"
+            fragments[e.index] = fragments.get(e.index, "") + e.text
+    ends = [e for e in events if isinstance(e, ToolCallEnd)]
+    assert [e.index for e in ends] == [s.index for s in starts]
+    assert [e.arguments for e in ends] == [fragments.get(s.index, "") for s in starts]
+    return content, [(s.name, json.loads(fragments[s.index])) for s in starts]
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), CASES)
+def test_v_every_split_gives_the_same_content_and_calls(fmt: str, reply: str, content: str, calls: list[Call]) -> None:
+    for pieces in splits(reply):
+        assert summarize(run(fmt, pieces)) == (content, calls), pieces
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), [c for c in CASES if c[3]])
+def test_v_cut_off_replies_still_give_parseable_arguments_and_no_markup(
+    fmt: str, reply: str, content: str, calls: list[Call]
+) -> None:
+    for cut in range(len(reply) + 1):
+        got_content, got_calls = summarize(run(fmt, [reply[:cut]]))
+        if got_content.strip() in ("{", "["):
+            continue  # a reply that is only "{" is text: nothing showed it was a call
+        assert content.startswith(got_content.rstrip()), (cut, got_content)
+        for name, _ in got_calls:
+            assert name in [n for n, _ in calls]
+
+
+def test_v_fragments_stream_before_the_call_ends() -> None:
+    """Arguments arrive as the model writes them, not in one piece at the end."""
+    reply = '<tool_call>\n{"name": "write", "arguments": {"text": "' + "word " * 20 + '"}}\n</tool_call>'
+    events = run("hermes", list(reply))
+    fragments = [e for e in events if isinstance(e, ToolCallArguments)]
+    assert len(fragments) > 20
+    assert isinstance(events[0], ToolCallStart) and events[0].name == "write"
+
+
+def test_v_one_delta_gives_one_fragment_per_call() -> None:
+    parser = make_tool_parser("hermes", new_id=lambda: "id")
+    events = parser.feed('<tool_call>{"name": "f", "arguments": {"a": ') + parser.feed('"long text here"}}')
+    fragments = [e.text for e in events if isinstance(e, ToolCallArguments)]
+    assert fragments == ['{', '"a": "long text here"}']  # the key waits for its value
+
+
+def test_v_raw_control_characters_in_strings_become_escapes() -> None:
+    events = run("hermes", ['<tool_call>{"name": "f", "arguments": {"code": "a\n\tb"}}</tool_call>'])
+    assert summarize(events)[1] == [("f", {"code": "a\n\tb"})]
+
+
+def test_v_call_without_a_name_is_dropped_not_leaked() -> None:
+    assert summarize(run("hermes", ['Hi <tool_call>{"arguments": {"a": 1}}</tool_call>'])) == ("Hi", [])
+
+
+def test_v_collect_tool_calls_for_non_streaming_replies() -> None:
+    events = run("hermes", [CASES[0][1]])
+    calls = collect_tool_calls(events)
+    assert [c.name for c in calls] == ["get_weather", "search"]
+    assert [c.id for c in calls] == ["id0", "id1"]
+    assert json.loads(calls[0].arguments) == {"city": "Paris", "n": 1500.0}
+
+
+def test_v_mistral_ids_are_nine_alphanumerics() -> None:
+    parser = make_tool_parser("mistral")
+    events = parser.feed('[TOOL_CALLS][{"name": "f", "arguments": {}}]') + parser.finish()
+    call_id = next(e.id for e in events if isinstance(e, ToolCallStart))
+    assert len(call_id) == 9 and call_id.isalnum()
+
+
+def test_v_openai_ids_look_like_openai_ids() -> None:
+    parser = make_tool_parser("hermes")
+    events = parser.feed('<tool_call>{"name": "f", "arguments": {}}</tool_call>') + parser.finish()
+    call_id = next(e.id for e in events if isinstance(e, ToolCallStart))
+    assert call_id.startswith("call_") and len(call_id) == 29
+
+
+@pytest.mark.parametrize(("source", "expected"), [
+    ("{% for m in messages %}<tool_call>{{ m }}</tool_call>{% endfor %}", "hermes"),
+    ("{{ '[TOOL_CALLS]' }}{{ tools | tojson }}", "mistral"),
+    ("<|start_header_id|>ipython<|end_header_id|>{{ '<|python_tag|>' }}", "llama3"),
+    ("<|start_header_id|>user<|end_header_id|> Respond with {\"name\": ..., \"parameters\": ...}", "llama3"),
+    ("<|im_start|>{{ m.role }}\n{{ m.content }}<|im_end|>", "generic"),
+    (None, "generic"),
+])  # fmt: skip
+def test_v_select_tool_parser_from_the_chat_template(source: str | None, expected: str) -> None:
+    assert select_tool_parser(source) == expected
+
+
+def test_v_unknown_format_is_a_clear_error() -> None:
+    with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
+        make_tool_parser("xml")

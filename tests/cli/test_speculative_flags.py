@@ -1,0 +1,96 @@
+"""Issue 12 flags (B1-B4): spellings, env mirrors and the startup refusals (exit 2, one clear line)."""
+
+from __future__ import annotations
+
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from tests.cli.test_cli import settings
+
+
+def test_draft_flags_and_their_mirrors() -> None:
+    s = settings(["--draft-kind", "prompt-lookup", "--draft-max", "8", "--draft-min", "2",
+                  "--prompt-lookup-max-batch", "3", "--prompt-lookup-ngram", "4"]).engine.speculative
+    assert (s.draft_kind, s.draft_max, s.draft_min, s.max_batch, s.ngram_size) == ("prompt-lookup", 8, 2, 3, 4)
+    env = {"MLXCEL_DRAFT_KIND": "prompt-lookup", "LLAMA_ARG_DRAFT_MAX": "5", "LLAMA_ARG_DRAFT_MIN": "1",
+           "MLXCEL_PROMPT_LOOKUP_MAX_BATCH": "1"}
+    s = settings([], env).engine.speculative
+    assert (s.draft_kind, s.draft_max, s.draft_min, s.max_batch) == ("prompt-lookup", 5, 1, 1)
+    assert settings(["--draft-n", "7"], env).engine.speculative.draft_max == 7  # the flag wins
+    defaults = settings([]).engine.speculative
+    assert (defaults.draft_kind, defaults.draft_max, defaults.draft_min, defaults.max_batch) == ("none", 16, 0, 2)
+
+
+def test_a_draft_model_means_full_model_drafting() -> None:
+    s = settings(["-md", "small.gguf"]).engine.speculative
+    assert (s.draft_kind, s.draft_model) == ("full-model", "small.gguf")
+    with pytest.raises(ValueError, match="--draft-model is for --draft-kind full-model, not prompt-lookup"):
+        settings(["-md", "small.gguf", "--draft-kind", "prompt-lookup"])
+    with pytest.raises(ValueError, match="--draft-min must lie between 0 and --draft-max"):
+        settings(["--draft-kind", "prompt-lookup", "--draft-max", "2", "--draft-min", "3"])
+
+
+def serve(*args: str) -> subprocess.CompletedProcess:
+    return subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--port", "0", *args], capture_output=True,
+                          text=True, timeout=300)
+
+
+def error_lines(stderr: str) -> list[str]:
+    return [line for line in stderr.splitlines() if "ERROR" in line or "error:" in line]
+
+
+def test_unknown_draft_kind_and_dflash_are_refused_with_exit_2() -> None:
+    unknown = serve("--draft-kind", "medusa")
+    assert unknown.returncode == 2 and "'medusa' is not valid" in unknown.stderr and "--draft-kind" in unknown.stderr
+    dflash = serve("--draft-kind", "dflash", "--draft-block-size", "8")
+    assert dflash.returncode == 2
+    [line] = error_lines(dflash.stderr)
+    assert "--draft-kind dflash needs a trained DFlash block-diffusion drafter checkpoint" in line
+    no_model = serve("--draft-kind", "full-model")
+    assert no_model.returncode == 2 and "--draft-kind full-model needs --draft-model" in no_model.stderr
+
+
+@pytest.mark.slow
+def test_a_draft_model_with_another_vocabulary_is_refused_naming_both_files(smollm2_path: Path,
+                                                                            gemma3_path: Path) -> None:
+    result = serve("-m", str(smollm2_path), "--draft-model", str(gemma3_path), "--no-warmup")
+    assert result.returncode == 2, result.stderr[-2000:]
+    [line] = error_lines(result.stderr)
+    assert str(smollm2_path) in line and str(gemma3_path) in line and "different vocabulary" in line
+
+
+@pytest.mark.slow
+def test_serve_with_a_draft_model_drafts_and_logs_acceptance(smollm2_path: Path, tmp_path: Path) -> None:
+    """`mlxcel serve -m X -md X`: the startup path loads the drafter; /props and /health report it;
+    the finish log line carries the request's accepted/drafted count."""
+    import re
+    import signal
+
+    import httpx
+
+    from tests.server.test_process import read_address
+
+    log_file = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(smollm2_path), "-md", str(smollm2_path),
+               "--port", "0", "-c", "2048", "-np", "1", "--no-warmup", "--no-compile", "--props",
+               "--draft-max", "4", "--log-file", str(log_file)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        address = read_address(process, lines, timeout=240)
+        assert httpx.get(address + "/props").json()["speculative"]["draft_kind"] == "full-model"
+        body = {"model": "m", "messages": [{"role": "user", "content": "Copy exactly: one two three four five six"}],
+                "max_tokens": 24, "temperature": 0}
+        assert httpx.post(address + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        health = httpx.get(address + "/health").json()["speculative"]
+        assert health["draft_model"] == str(smollm2_path) and health["drafted_tokens"] > 0
+        process.send_signal(signal.SIGTERM)
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    finished = [line for line in log_file.read_text().splitlines() if " finished (" in line]
+    assert finished and re.search(r"draft tokens accepted \d+/\d+ \(\d+ %\)", finished[-1])

@@ -1,0 +1,70 @@
+"""A6 lazy weights (MLXCEL_WEIGHT_MATERIALIZATION=lazy): the checkpoint is mapped, each tensor read
+on first use, and the logits are the same bits as with eager loading (safetensors and GGUF)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from mlxcel.env import Environment, EnvError
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
+from mlxcel.loading import load_model
+from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
+
+PROMPT = [5, 17, 33, 2, 9, 40, 61, 12, 3, 77, 21, 8]
+
+
+@torch.inference_mode()
+def logits(model: torch.nn.Module, ids: list[int]) -> torch.Tensor:
+    ctx = AttentionContext([SequenceSlice(0, len(ids), len(ids))])
+    return model.compute_logits(model(torch.tensor(ids), torch.arange(len(ids)), ctx))
+
+
+def test_a6_lazy_safetensors_reads_on_first_use_and_equals_eager(tmp_path: Path) -> None:
+    folder = write_files(tmp_path / "tiny", tiny_llama_files(seed=5))
+    lazy = load_model(folder, lazy=True).model
+    pending = lazy.lazy_weights.num_pending
+    assert pending > 0 and all(p.is_meta for p in lazy.parameters())  # nothing read yet
+    assert torch.equal(logits(lazy, PROMPT), logits(load_model(folder).model, PROMPT))
+    assert lazy.lazy_weights.num_pending == 0 and not any(p.is_meta for p in lazy.parameters())
+
+
+@pytest.mark.slow
+def test_a6_lazy_gguf_equals_eager_on_smollm2(smollm2_path: Path) -> None:
+    lazy = load_model(smollm2_path, lazy=True).model
+    assert lazy.lazy_weights.num_pending > 0
+    got = logits(lazy, PROMPT)
+    assert torch.equal(got, logits(load_model(smollm2_path).model, PROMPT))
+
+
+@pytest.mark.parametrize("decode_step", ["eager", pytest.param("compile", marks=pytest.mark.slow)])
+def test_a6_engine_serves_lazy_weights_like_eager(tmp_path: Path, decode_step: str) -> None:
+    from mlxcel.config import EngineConfig
+    from mlxcel.loading import ResolvedModel
+    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.types import Request, SamplingParams
+
+    folder = write_files(tmp_path / "tiny", tiny_llama_files(seed=5))
+    outputs = []
+    for mode in ("lazy", "eager"):
+        options = RuntimeOptions(warmup=False, quantize="off", weight_materialization=mode)
+        served = start_served_model(ResolvedModel(folder, "tiny", "test"), options,
+                                    EngineConfig(max_num_seqs=2, ctx_size=256, decode_step=decode_step,
+                                                 compile_cache_dir=str(tmp_path / "compile")))
+        try:
+            from mlxcel.runtime import _run_blocking
+
+            params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+            outputs.append(_run_blocking(served, Request(f"lazy-{mode}-{decode_step}", PROMPT, params)))
+        finally:
+            served.close()
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 6
+
+
+def test_a6_bad_materialization_value_names_the_variable_and_choices() -> None:
+    with pytest.raises(EnvError, match=r"weight_materialization \(MLXCEL_WEIGHT_MATERIALIZATION\): 'sometimes' is "
+                                       r"not valid; expected one of eager, lazy"):
+        Environment.read({"MLXCEL_WEIGHT_MATERIALIZATION": "sometimes"})
+    assert Environment.read({"MLXCEL_WEIGHT_MATERIALIZATION": "lazy"})["MLXCEL_WEIGHT_MATERIALIZATION"] == "lazy"
