@@ -13,13 +13,15 @@ import time
 
 import pytest
 
+from mlxcel.config import EngineConfig
+from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.engine.slots import SlotError
 from mlxcel.types import (
     ContextOverflowError, EngineShutdownError, FinishReason, Priority, QueueFullError, Request, SamplingParams,
     TokenEvent,
 )
 
-from .conftest import collect, greedy, make_engine, reference_greedy, run
+from .conftest import EOS, collect, greedy, make_engine, reference_greedy, run
 
 random.seed(1)
 PROMPTS = [[random.randrange(4, 97) for _ in range(n)] for n in (3, 7, 12, 18, 25, 31, 40, 57)]
@@ -344,3 +346,34 @@ def test_models_with_their_own_sliding_window_ignore_max_kv_size() -> None:
                                             intermediate_size=96, vocab_size=50))
     assert _fit_engine_config(LoadedModel(windowed, {"model_type": "gemma3"}, None, None, None), config).max_kv_size == 0
     assert _fit_engine_config(LoadedModel(plain, {"model_type": "llama"}, None, None, None), config).max_kv_size == 128
+
+
+def test_events_handed_over_a_step_late_lose_nothing_and_keep_their_order(tiny_model) -> None:
+    """Issue 11 (GPU): with deferred events (the CUDA default: a step's events go out once the next
+    step is launched) every request's sink still gets all its tokens, in order, then exactly one
+    finish and nothing after it; an abort mid-stream is the last event of its request; the pool
+    is whole afterwards."""
+    config = EngineConfig(max_num_seqs=8, ctx_size=8 * 128, max_num_batched_tokens=64, block_size=4,
+                          cache_type_k="f32", cache_type_v="f32")
+    core = EngineCore(tiny_model, ModelShape(2, 2, 16, 512), config, eos_token_ids=frozenset({EOS}),
+                      defer_events=True)
+    events: dict[str, list[TokenEvent]] = {}
+    core.start()
+    try:
+        core.submit(Request("cut", PROMPTS[5], greedy(200)), events.setdefault("cut", []).append)
+        for i, prompt in enumerate(PROMPTS):
+            core.submit(Request(f"d{i}", prompt, greedy(12)), events.setdefault(f"d{i}", []).append)
+        wait_for(lambda: sum(len(e.token_ids) for e in events["cut"]) >= 3)
+        core.abort("cut")
+        wait_for(lambda: all(e and e[-1].finish_reason is not None for e in events.values()))
+        wait_for(lambda: core.stats().active_sequences == 0)
+        time.sleep(0.2)  # anything still queued would arrive now
+        assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    finally:
+        core.stop(10)
+    assert [e.finish_reason for e in events["cut"] if e.finish_reason] == [FinishReason.ABORT]
+    assert events["cut"][-1].finish_reason is FinishReason.ABORT
+    for i, prompt in enumerate(PROMPTS):
+        got = events[f"d{i}"]
+        assert [n for n, e in enumerate(got) if e.finish_reason is not None] == [len(got) - 1]
+        assert [t for e in got for t in e.token_ids] == reference_greedy(tiny_model, prompt, 12)

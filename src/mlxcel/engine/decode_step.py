@@ -125,7 +125,10 @@ class DecodeStep:
 
     @torch.inference_mode()
     def run(self, rows: list[DecodeRow]) -> torch.Tensor:
-        """Logits [len(rows), vocab], float32 on the CPU."""
+        """Logits [len(rows), vocab], float32 on the step's device (the sampler moves what it needs).
+
+        NOTE: under CUDA graphs they may be a view of the graph's output buffer: read them before
+        the next step."""
         self._materialize_lazy_weights()
         if self._graphs is not None:
             return self._graphs.run(rows)
@@ -137,8 +140,9 @@ class DecodeStep:
         tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
         with step_rows(StepRows(num_rows, num_rows)):
             logits = self.forward(*tensors)
-        return logits[:len(rows)].float().cpu()
+        return logits[:len(rows)].float()
 
+    @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
     def warm(self, num_positions: int = 100) -> float:
         """Run (and so compile or capture) the step on scratch rows; returns the seconds it took."""
         started = time.monotonic()
@@ -235,15 +239,15 @@ class CudaGraphs:
                               num_adapters=self.step.num_adapters)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
-        graph.replay()
-        return logits[:len(rows)].float().cpu()
+        graph.replay()  # launched, not awaited: the sampler's read of the logits waits for it
+        return logits[:len(rows)].float()
 
     def _run_uncaptured(self, rows: list[DecodeRow]) -> torch.Tensor:
         kv = self.step.kv_cache
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters)
         with step_rows(StepRows(len(rows), len(rows))):
             logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
-        return logits.float().cpu()
+        return logits.float()
 
     def _capture(self, num_rows: int, num_keys: int) -> None:
         kv = self.step.kv_cache

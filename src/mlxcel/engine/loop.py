@@ -66,7 +66,8 @@ class ModelShape:
 class EngineCore:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: EngineConfig, *,
                  eos_token_ids: frozenset[int], device: torch.device | str = "cpu",
-                 dtype: torch.dtype = torch.float32, drafts: DraftPolicy | None = None) -> None:
+                 dtype: torch.dtype = torch.float32, drafts: DraftPolicy | None = None,
+                 defer_events: bool | None = None) -> None:
         if config.is_turbo_kv and config.max_kv_size:  # spec N2
             log.warning("--max-kv-size %d is ignored: the live-window cap does not apply to Turbo-quantized KV "
                         "layers (--kv-cache-mode turbo4 / --kv-quant-scheme turboquant)", config.max_kv_size)
@@ -93,6 +94,11 @@ class EngineCore:
                                  max_positions=max(shape.context_length, self.slot_context),
                                  max_keys=self.slot_context, cache_dir=cache_dir)
         self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step)
+        # On a GPU a step's events go out once the next step is launched, so the HTTP side turns
+        # them into bytes while the device computes (the loop waits GIL-free); on the CPU at once
+        # (there the step computes as it is called, and a late event would only add latency).
+        self._defers_events = torch.device(device).type == "cuda" if defer_events is None else defer_events
+        self._events: list[tuple[Sink, TokenEvent]] = []  # made, not yet handed to their sinks
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -281,10 +287,13 @@ class EngineCore:
                 self._step()
 
     def _drain_inbox(self, block: bool) -> None:
+        if block:
+            self._flush_events()
         try:
             command = self._inbox.get(timeout=0.5) if block else self._inbox.get_nowait()
         except queue.Empty:
             return
+        self._flush_events()  # an abort or a call sees every event made before it
         while True:
             self._handle(*command)
             try:
@@ -324,6 +333,7 @@ class EngineCore:
                             num_prompt_tokens=seq.num_prompt_tokens))
 
     def _abort_all(self) -> None:
+        self._flush_events()
         for request_id in list(self._sinks):
             self._abort(request_id)
 
@@ -339,13 +349,17 @@ class EngineCore:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server
             log.exception("engine step failed; failing its %d requests", len(out.scheduled))
+            self._flush_events()
             self._fail(out)
             return
-        self._emit_progress(reporting)
-        self._emit(results)
+        self._queue_progress(reporting)
+        self._queue_results(results)
+        if not self._defers_events:
+            self._flush_events()
 
     def _forward_and_sample(self, out: SchedulerOutput) -> list[StepResult]:
-        step = self.runner.execute(out)
+        step = self.runner.execute(out)  # on a GPU: launched; the sampler's read waits for it
+        self._flush_events()  # the previous step's, while this one computes
         request_ids, logits = step.request_ids, step.logits
         by_id = {s.seq.request_id: s.seq for s in out.scheduled}
         rows = [self._sampling_row(by_id[r]) for r in request_ids]
@@ -396,7 +410,7 @@ class EngineCore:
                 self._fail_request(request_id)
         return sampled
 
-    def _emit_progress(self, seqs: list[Sequence]) -> None:
+    def _queue_progress(self, seqs: list[Sequence]) -> None:
         """A PromptProgress event for each sequence that asked for one and computed a prompt chunk
         this step; sent before the step's tokens, as llama-server sends it after each batch."""
         now = time.monotonic()
@@ -408,10 +422,10 @@ class EngineCore:
             progress = PromptProgress(total=seq.num_prompt_tokens, cache=seq.num_cached_tokens,
                                       processed=min(seq.num_computed_tokens, seq.num_prompt_tokens),
                                       time_ms=int((now - started) * 1000))
-            sink(TokenEvent(seq.request_id, (), num_prompt_tokens=seq.num_prompt_tokens,
-                            num_cached_tokens=seq.num_cached_tokens, progress=progress))
+            self._events.append((sink, TokenEvent(seq.request_id, (), num_prompt_tokens=seq.num_prompt_tokens,
+                                                  num_cached_tokens=seq.num_cached_tokens, progress=progress)))
 
-    def _emit(self, results: list[StepResult]) -> None:
+    def _queue_results(self, results: list[StepResult]) -> None:
         for r in results:
             seq = r.seq
             sink = self._sinks.get(seq.request_id)
@@ -419,9 +433,14 @@ class EngineCore:
                 self._sinks.pop(seq.request_id, None)
                 log_finished(seq, r.finish_reason)
             if sink is not None:
-                sink(TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
-                                num_prompt_tokens=seq.num_prompt_tokens,
-                                num_cached_tokens=seq.num_cached_tokens))
+                self._events.append((sink, TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
+                                                      num_prompt_tokens=seq.num_prompt_tokens,
+                                                      num_cached_tokens=seq.num_cached_tokens)))
+
+    def _flush_events(self) -> None:
+        events, self._events = self._events, []
+        for sink, event in events:
+            sink(event)
 
     def _fail(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -436,6 +455,10 @@ class EngineCore:
 
     def _fail_all(self) -> None:
         """The loop is dying: every request still known or still in the inbox gets an error event."""
+        try:
+            self._flush_events()
+        except Exception:  # noqa: BLE001 - a broken sink must not keep the rest unanswered
+            log.exception("handing over the last events failed")
         while True:
             try:
                 kind, payload = self._inbox.get_nowait()

@@ -25,7 +25,7 @@ from mlxcel.layers.lora import model_lora_rows, token_scales
 
 @dataclass(frozen=True, slots=True)
 class StepLogits:
-    """What one step yields: logits [N, vocab] (float32, CPU) of the N sampling rows without a
+    """What one step yields: logits [N, vocab] (float32, on the model's device) of the N sampling rows without a
     draft, in `request_ids` order, and each verify row's logits [1 + len(draft), vocab]."""
 
     request_ids: list[str]
@@ -65,7 +65,7 @@ class Runner:
             prefill_ids, logits = self._prefill(prefill)
             ids += prefill_ids
             parts.append(logits)
-        merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0)
+        merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0, device=self.device)
         return StepLogits(ids, merged, verified)
 
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
@@ -104,7 +104,7 @@ class Runner:
             return [], torch.empty(0)
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
-        return [r[0] for r in rows], logits.float().cpu()
+        return [r[0] for r in rows], logits.float()
 
     def _set_lora_rows(self, scheduled: list[ScheduledSeq]) -> None:
         """F8: each prefill token gets its request's adapter scales (rows of one step may differ)."""

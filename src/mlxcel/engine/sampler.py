@@ -28,9 +28,13 @@ class SamplingRow:
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [num_rows, vocab] float32 -> one token id per row (+ logprobs where asked)."""
+    """logits: [num_rows, vocab] float32 on any device -> one token id per row (+ logprobs where asked).
+
+    Plain greedy rows take their argmax where the logits are (on a GPU only the ids cross to the
+    host); every other chain runs on the host, where the rows' seeded generators live."""
     if all(_is_plain_greedy(r) for r in rows):
         return logits.argmax(dim=-1).tolist(), [None] * len(rows)
+    logits = logits.cpu()
     tokens: list[int] = []
     logprobs: list[TokenLogprob | None] = []
     for i, row in enumerate(rows):

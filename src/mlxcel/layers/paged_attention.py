@@ -1,4 +1,5 @@
-"""CPU decode attention over the paged KV cache: a small C++ kernel (kernels/paged_attention.cpp).
+"""Decode attention over the paged KV cache: a small C++ kernel on the CPU (kernels/paged_attention.cpp),
+a Triton one on CUDA (paged_attention_triton.py), as one torch custom op.
 
 Issue 11: at long context the decode step is its attention. As tensor ops (gather the row's
 keys, a masked softmax, a weighted sum) inductor's kernels took ~0.25 us a key and row on
@@ -40,8 +41,13 @@ def available() -> bool:
 
 
 def supports(cache_dtype: torch.dtype, device: torch.device) -> bool:
-    """Whether a cache of this dtype on this device is read by the kernel (CPU, unquantized)."""
-    return device.type == "cpu" and cache_dtype in CACHE_TYPES and available()
+    """Whether a cache of this dtype on this device is read by a kernel (unquantized): the C++ one on
+    the CPU, the Triton one (paged_attention_triton.py) on CUDA."""
+    if cache_dtype not in CACHE_TYPES:
+        return False
+    if device.type == "cuda":
+        return _triton_kernel()
+    return device.type == "cpu" and available()
 
 
 @torch.library.custom_op("mlxcel::paged_decode_attention", mutates_args=())
@@ -91,6 +97,17 @@ def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache
                                  key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, scale: float,
                                  window: int) -> torch.Tensor:
     return torch.empty_like(q)
+
+
+@functools.cache
+def _triton_kernel() -> bool:
+    """Registers the CUDA kernel of the op on first use; False where Triton is missing or fails."""
+    try:
+        import mlxcel.layers.paged_attention_triton  # noqa: F401 - registers the CUDA kernel
+    except Exception as e:  # noqa: BLE001 - no Triton (or a broken one): the tensor-op path stays
+        log.warning("paged attention: no Triton kernel on CUDA (%s); decode attention stays on tensor ops", e)
+        return False
+    return True
 
 
 @functools.cache
