@@ -26,12 +26,12 @@ from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter, token
 from mlxcel.loading import load_model
 from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
 from mlxcel.types import Request, SamplingParams
+from tests.layers.peft_adapters import make_adapter, peft_greedy, set_peft_scale
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 2e-5  # float32, the same math in another order (tests/models/test_families.py)
 PROMPTS = [[5, 17, 33, 2, 9, 40, 61, 12, 3, 77, 21, 8, 30, 44, 50, 6, 19, 70, 14, 25, 36],
            [60, 3, 3, 41, 22, 90, 11]]
@@ -42,28 +42,6 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_files(tmp_path_factory.mktemp("tiny-llama"), tiny_llama_files(seed=3))
-
-
-def make_adapter(model_dir: Path, out: Path, *, r: int, alpha: float, rslora: bool = False,
-                 targets: list[str] = TARGETS, seed: int = 0) -> Any:
-    """A random peft LoRA over the base model, saved to `out`; returns the peft model (the reference)."""
-    torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
-                             use_rslora=rslora, lora_dropout=0.0)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:  # moderate updates: the adapter changes tokens without swamping the base
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(str(out))
-    return model.eval()
-
-
-def set_peft_scale(model: Any, scale: float) -> None:
-    for module in model.modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            module.set_scale("default", scale)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +60,8 @@ def reference_logits(model: Any, ids: list[int], scale: float) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0]
 
 
-@torch.inference_mode()
 def reference_greedy(model: Any, prompt: list[int], scale: float) -> list[int]:
-    set_peft_scale(model, scale)
-    ids = list(prompt)
-    for _ in range(NUM_TOKENS):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return peft_greedy(model, prompt, scale, NUM_TOKENS)
 
 
 @torch.inference_mode()
