@@ -4,7 +4,8 @@ The adapters are built by peft itself (random A and B, saved in PEFT's layout), 
 reads what a user's adapter folder holds. Checks: logits equal peft's at several scales,
 scale 0 equals the base model bit for bit, rows of one batch with different scales each equal
 their own reference (prefill and the decode step, eager and compiled), the prefix cache never
-hands KV computed under other scales to a request, and adapters that do not fit are refused.
+hands KV computed under other scales to a request, nor does a restored slot file (F12), and adapters
+that do not fit are refused.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ import pytest
 import torch
 
 from mlxcel.config import EngineConfig
+from mlxcel.engine.slots import SlotError
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter, token_scales
 from mlxcel.loading import load_model
@@ -114,10 +116,10 @@ def test_f8_rows_of_one_batch_keep_their_own_scales(ours: torch.nn.Module,
 
 # ---- through the engine: prefill, decode step (eager and compiled), prefix cache ----
 
-def serve(model_dir: Path, adapter: Path, mode: str, cache_dir: Path) -> ServedModel:
+def serve(model_dir: Path, adapter: Path, mode: str, cache_dir: Path, **engine: Any) -> ServedModel:
     from mlxcel.loading import ResolvedModel
 
-    config = EngineConfig(max_num_seqs=4, ctx_size=1024, decode_step=mode, compile_cache_dir=str(cache_dir))
+    config = EngineConfig(max_num_seqs=4, ctx_size=1024, decode_step=mode, compile_cache_dir=str(cache_dir), **engine)
     device = "cuda" if mode == "cuda-graph" else "cpu"  # float32 there too: the reference is float32
     options = RuntimeOptions(device=device, dtype="float32", warmup=mode == "cuda-graph", quantize="off",
                              adapters=((adapter, 1.0),))
@@ -167,6 +169,54 @@ def test_f8_prefix_cache_is_keyed_by_the_scales(engine: ServedModel, adapters: d
     prompt = PROMPTS[0] * 2  # two full blocks of 16 tokens to share
     for scale in (1.0, 0.0, 1.0, 0.5):  # one after another: each could hit the previous one's blocks
         assert generate(engine, [(prompt, (scale,))]) == [reference_greedy(reference, prompt, scale)]
+
+
+def test_f12_slot_files_are_keyed_by_the_lora_scales(model_dir: Path, adapters: dict[str, tuple[Path, Any]],
+                                                     tmp_path: Path) -> None:
+    """A slot saved under scale 1 records it: restored into a fresh engine, a request at scale 1 hits its blocks
+    and one at scale 0 does not (each gives its own reference tokens); base-model KV restores beside other
+    adapters; LoRA KV is refused by a server whose adapters differ, naming both."""
+    reference = adapters["a"][1]
+    prompt = PROMPTS[0] * 2  # two full blocks of 16 tokens
+    slots = {"slot_save_path": str(tmp_path / "slots")}
+
+    def run(served: ServedModel, scales: tuple[float, ...], slot_id: int | None = None) -> tuple[list[int], int]:
+        async def one() -> tuple[list[int], int]:
+            tokens, cached = [], 0
+            params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+            request = Request(f"slot-{next(_ids)}", prompt, params, lora_scales=scales, slot_id=slot_id)
+            async for event in served.engine.generate(request):
+                tokens.extend(event.token_ids)
+                cached = max(cached, event.num_cached_tokens)
+            return tokens, cached
+        return asyncio.run(one())
+
+    first = serve(model_dir, adapters["a"][0], "eager", tmp_path, **slots)
+    try:
+        run(first, (1.0,), slot_id=0)
+        run(first, (0.0,), slot_id=1)
+        saved = asyncio.run(first.engine.save_slot(0, "lora.bin"))
+        base = asyncio.run(first.engine.save_slot(1, "base.bin"))
+    finally:
+        first.close()
+    # prompt and output: 3 full blocks each; a request with the prompt alone hits its 2
+    assert (saved.num_tokens, saved.lora_scales) == (48, (1.0,)) and (base.num_tokens, base.lora_scales) == (48, ())
+    fresh = serve(model_dir, adapters["a"][0], "eager", tmp_path, **slots)
+    try:
+        assert asyncio.run(fresh.engine.restore_slot(0, "lora.bin")).lora_scales == (1.0,)
+        assert run(fresh, (0.0,)) == (reference_greedy(reference, prompt, 0.0), 0)  # not under other scales
+        assert run(fresh, (1.0,)) == (reference_greedy(reference, prompt, 1.0), 32)  # the restored blocks
+    finally:
+        fresh.close()
+    other = serve(model_dir, adapters["b"][0], "eager", tmp_path, **slots)
+    try:
+        with pytest.raises(SlotError, match=rf"under LoRA adapters 0: {adapters['a'][0]} at scale 1, but this "
+                                            rf"server's adapters are 0: {adapters['b'][0]}"):
+            asyncio.run(other.engine.restore_slot(0, "lora.bin"))
+        assert asyncio.run(other.engine.restore_slot(0, "base.bin")).num_tokens == 48
+        assert run(other, (0.0,))[1] == 32  # base-model KV serves the base model whatever adapters are loaded
+    finally:
+        other.close()
 
 
 # ---- refusals ----

@@ -172,11 +172,13 @@ async def _run_slot_action(engine: Any, action: str, slot_id: int, filename: str
     except ValueError as exc:  # the engine's SlotError: bad id, busy slot, missing file
         raise invalid_request(str(exc)) from None
     ms = (time.monotonic() - started) * 1000
+    # F8: the adapter scales the KV was computed under; only requests under these scales reuse it
+    lora = [{"id": i, "scale": scale} for i, scale in enumerate(result.lora_scales)]
     if action == "save":
         return {"id_slot": slot_id, "filename": result.filename, "n_saved": result.num_tokens,
-                "n_written": result.num_bytes, "timings": {"save_ms": ms}}
+                "n_written": result.num_bytes, "lora": lora, "timings": {"save_ms": ms}}
     return {"id_slot": slot_id, "filename": result.filename, "n_restored": result.num_tokens,
-            "n_read": result.num_bytes, "timings": {"restore_ms": ms}}
+            "n_read": result.num_bytes, "lora": lora, "timings": {"restore_ms": ms}}
 
 
 # ---- /props, /metrics ----
