@@ -39,8 +39,9 @@ log = logging.getLogger("mlxcel")
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OPTIONS: tuple[Setting, ...] = SETTINGS  # the serve table (kept under its old name for the cluster and tests)
 GENERATE_OPTIONS: tuple[Setting, ...] = GENERATE_SETTINGS
-_GENERATE_SHARED = ("model", "models_dir", "chat_template", "chat_template_file", "device", "dtype", "ctx_size",
-                    "verbose", "realtime_stt", "realtime_tts", "audio_beam_size", "threads", "default_org", "quantize")
+_GENERATE_SHARED = ("model", "models_dir", "lora", "lora_init_without_apply", "chat_template", "chat_template_file",
+                    "device", "dtype", "ctx_size", "verbose", "realtime_stt", "realtime_tts", "audio_beam_size",
+                    "threads", "default_org", "quantize")
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
@@ -376,6 +377,20 @@ def _generate_prompt(served: ServedModel, text: str, chat: bool) -> Prompt:
     return Prompt(tuple(served.tokenizer.encode(rendered, add_special_tokens=False)), rendered)
 
 
+def generate_settings(values: dict[str, Any]) -> tuple[RuntimeOptions, EngineConfig]:
+    """What `generate` loads and runs with: serve's settings for the model, its adapters (F8) and the decode
+    step (MLXCEL_DECODE_STEP / MLXCEL_NO_COMPILE), one slot, no warmup."""
+    from mlxcel.runtime import RuntimeOptions
+
+    runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
+                             chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
+                             threads=values["threads"], quantize=values["quantize"], adapters=lora_adapters(values),
+                             weight_materialization=values["weight_materialization"])
+    engine = EngineConfig(max_num_seqs=1, ctx_size=values["ctx_size"], decode_step=_decode_step(values),
+                          compile_cache_dir=str(compile_cache_dir(values["models_dir"])))
+    return runtime, engine
+
+
 def run_generate(values: dict[str, Any], environment: Environment) -> int:
     """One-shot generation: generated text to stdout, prompt and generation speed to stderr."""
     logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
@@ -388,15 +403,14 @@ def run_generate(values: dict[str, Any], environment: Environment) -> int:
         return 2
     from mlxcel.api.errors import ApiError
     from mlxcel.loading import ModelLoadError, resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.runtime import AdapterError, start_served_model
 
     try:
         resolved = resolve_model(values["model"], models_dir=values["models_dir"], default_org=values["default_org"])
-        runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
-                                 chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
-                                 threads=values["threads"], quantize=values["quantize"],
-                                 weight_materialization=values["weight_materialization"])
-        served = start_served_model(resolved, runtime, EngineConfig(max_num_seqs=1, ctx_size=values["ctx_size"]))
+        served = start_served_model(resolved, *generate_settings(values))
+    except AdapterError as exc:  # as serve: an adapter that does not fit the model is a usage error
+        log.error("cannot start: LoRA adapter %s", exc)
+        return 2
     except (ModelLoadError, ValueError, OSError) as exc:
         log.error("cannot load the model: %s", exc)
         return 1

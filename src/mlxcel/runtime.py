@@ -21,7 +21,7 @@ from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
-from mlxcel.layers.lora import apply_adapters, load_adapter
+from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: start_served_model raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
 from mlxcel.loading.lazy import materialize_all

@@ -584,8 +584,12 @@ class LiveSettings:
         self.current = dict(self.startup)
 
     def observe(self, name: str, value: Any) -> None:
-        """Record the value in effect when the model overrode a read-only setting (A3: one slot)."""
-        self.startup[name] = self.current[name] = value
+        """Record the value the served engine was started with (A3's one-slot clamp; an engine built from other
+        values) as the startup one; a value PATCHed since stays current (the caller applies it again)."""
+        is_patched = self.current[name] != self.startup[name]
+        self.startup[name] = value
+        if not is_patched:
+            self.current[name] = value
 
     def snapshot(self) -> dict[str, Any]:
         """Every current value as JSON shows it; secrets as null."""

@@ -97,7 +97,13 @@ class Request:
     @property
     def cache_extra(self) -> tuple[str, tuple[float, ...]] | None:
         """What the prefix cache keys blocks by besides tokens: KV under other LoRA scales differs."""
-        return ("lora", self.lora_scales) if any(self.lora_scales) else None
+        return lora_cache_extra(self.lora_scales)
+
+
+def lora_cache_extra(lora_scales: tuple[float, ...]) -> tuple[str, tuple[float, ...]] | None:
+    """The prefix-cache key of KV computed under these adapter scales (F8); None for the base model
+    (no adapters, or every scale 0), so base-model KV is shared whatever adapters are loaded."""
+    return ("lora", tuple(lora_scales)) if any(lora_scales) else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -4,7 +4,8 @@ The adapters are built by peft itself (random A and B, saved in PEFT's layout), 
 reads what a user's adapter folder holds. Checks: logits equal peft's at several scales,
 scale 0 equals the base model bit for bit, rows of one batch with different scales each equal
 their own reference (prefill and the decode step, eager and compiled), the prefix cache never
-hands KV computed under other scales to a request, and adapters that do not fit are refused.
+hands KV computed under other scales to a request, nor does a restored slot file (F12), and adapters
+that do not fit are refused.
 """
 
 from __future__ import annotations
@@ -21,17 +22,18 @@ import pytest
 import torch
 
 from mlxcel.config import EngineConfig
+from mlxcel.engine.slots import SlotError
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter, token_scales
 from mlxcel.loading import load_model
 from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
 from mlxcel.types import Request, SamplingParams
+from tests.layers.peft_adapters import make_adapter, peft_greedy, set_peft_scale
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
 
-TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]
 TOL = 2e-5  # float32, the same math in another order (tests/models/test_families.py)
 PROMPTS = [[5, 17, 33, 2, 9, 40, 61, 12, 3, 77, 21, 8, 30, 44, 50, 6, 19, 70, 14, 25, 36],
            [60, 3, 3, 41, 22, 90, 11]]
@@ -42,28 +44,6 @@ _ids = itertools.count()
 @pytest.fixture(scope="module")
 def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return write_files(tmp_path_factory.mktemp("tiny-llama"), tiny_llama_files(seed=3))
-
-
-def make_adapter(model_dir: Path, out: Path, *, r: int, alpha: float, rslora: bool = False,
-                 targets: list[str] = TARGETS, seed: int = 0) -> Any:
-    """A random peft LoRA over the base model, saved to `out`; returns the peft model (the reference)."""
-    torch.manual_seed(seed)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32)
-    config = peft.LoraConfig(r=r, lora_alpha=alpha, target_modules=targets, init_lora_weights=False,
-                             use_rslora=rslora, lora_dropout=0.0)
-    model = peft.get_peft_model(base, config)
-    with torch.no_grad():
-        for name, param in model.named_parameters():
-            if "lora_" in name:  # moderate updates: the adapter changes tokens without swamping the base
-                param.normal_(0.0, 0.15)
-    model.save_pretrained(str(out))
-    return model.eval()
-
-
-def set_peft_scale(model: Any, scale: float) -> None:
-    for module in model.modules():
-        if isinstance(module, peft.tuners.lora.LoraLayer):
-            module.set_scale("default", scale)
 
 
 @pytest.fixture(scope="module")
@@ -82,13 +62,8 @@ def reference_logits(model: Any, ids: list[int], scale: float) -> torch.Tensor:
     return model(torch.tensor([ids])).logits[0]
 
 
-@torch.inference_mode()
 def reference_greedy(model: Any, prompt: list[int], scale: float) -> list[int]:
-    set_peft_scale(model, scale)
-    ids = list(prompt)
-    for _ in range(NUM_TOKENS):
-        ids.append(int(model(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
+    return peft_greedy(model, prompt, scale, NUM_TOKENS)
 
 
 @torch.inference_mode()
@@ -141,10 +116,10 @@ def test_f8_rows_of_one_batch_keep_their_own_scales(ours: torch.nn.Module,
 
 # ---- through the engine: prefill, decode step (eager and compiled), prefix cache ----
 
-def serve(model_dir: Path, adapter: Path, mode: str, cache_dir: Path) -> ServedModel:
+def serve(model_dir: Path, adapter: Path, mode: str, cache_dir: Path, **engine: Any) -> ServedModel:
     from mlxcel.loading import ResolvedModel
 
-    config = EngineConfig(max_num_seqs=4, ctx_size=1024, decode_step=mode, compile_cache_dir=str(cache_dir))
+    config = EngineConfig(max_num_seqs=4, ctx_size=1024, decode_step=mode, compile_cache_dir=str(cache_dir), **engine)
     device = "cuda" if mode == "cuda-graph" else "cpu"  # float32 there too: the reference is float32
     options = RuntimeOptions(device=device, dtype="float32", warmup=mode == "cuda-graph", quantize="off",
                              adapters=((adapter, 1.0),))
@@ -194,6 +169,54 @@ def test_f8_prefix_cache_is_keyed_by_the_scales(engine: ServedModel, adapters: d
     prompt = PROMPTS[0] * 2  # two full blocks of 16 tokens to share
     for scale in (1.0, 0.0, 1.0, 0.5):  # one after another: each could hit the previous one's blocks
         assert generate(engine, [(prompt, (scale,))]) == [reference_greedy(reference, prompt, scale)]
+
+
+def test_f12_slot_files_are_keyed_by_the_lora_scales(model_dir: Path, adapters: dict[str, tuple[Path, Any]],
+                                                     tmp_path: Path) -> None:
+    """A slot saved under scale 1 records it: restored into a fresh engine, a request at scale 1 hits its blocks
+    and one at scale 0 does not (each gives its own reference tokens); base-model KV restores beside other
+    adapters; LoRA KV is refused by a server whose adapters differ, naming both."""
+    reference = adapters["a"][1]
+    prompt = PROMPTS[0] * 2  # two full blocks of 16 tokens
+    slots = {"slot_save_path": str(tmp_path / "slots")}
+
+    def run(served: ServedModel, scales: tuple[float, ...], slot_id: int | None = None) -> tuple[list[int], int]:
+        async def one() -> tuple[list[int], int]:
+            tokens, cached = [], 0
+            params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+            request = Request(f"slot-{next(_ids)}", prompt, params, lora_scales=scales, slot_id=slot_id)
+            async for event in served.engine.generate(request):
+                tokens.extend(event.token_ids)
+                cached = max(cached, event.num_cached_tokens)
+            return tokens, cached
+        return asyncio.run(one())
+
+    first = serve(model_dir, adapters["a"][0], "eager", tmp_path, **slots)
+    try:
+        run(first, (1.0,), slot_id=0)
+        run(first, (0.0,), slot_id=1)
+        saved = asyncio.run(first.engine.save_slot(0, "lora.bin"))
+        base = asyncio.run(first.engine.save_slot(1, "base.bin"))
+    finally:
+        first.close()
+    # prompt and output: 3 full blocks each; a request with the prompt alone hits its 2
+    assert (saved.num_tokens, saved.lora_scales) == (48, (1.0,)) and (base.num_tokens, base.lora_scales) == (48, ())
+    fresh = serve(model_dir, adapters["a"][0], "eager", tmp_path, **slots)
+    try:
+        assert asyncio.run(fresh.engine.restore_slot(0, "lora.bin")).lora_scales == (1.0,)
+        assert run(fresh, (0.0,)) == (reference_greedy(reference, prompt, 0.0), 0)  # not under other scales
+        assert run(fresh, (1.0,)) == (reference_greedy(reference, prompt, 1.0), 32)  # the restored blocks
+    finally:
+        fresh.close()
+    other = serve(model_dir, adapters["b"][0], "eager", tmp_path, **slots)
+    try:
+        with pytest.raises(SlotError, match=rf"under LoRA adapters 0: {adapters['a'][0]} at scale 1, but this "
+                                            rf"server's adapters are 0: {adapters['b'][0]}"):
+            asyncio.run(other.engine.restore_slot(0, "lora.bin"))
+        assert asyncio.run(other.engine.restore_slot(0, "base.bin")).num_tokens == 48
+        assert run(other, (0.0,))[1] == 32  # base-model KV serves the base model whatever adapters are loaded
+    finally:
+        other.close()
 
 
 # ---- refusals ----

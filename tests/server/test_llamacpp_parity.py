@@ -138,11 +138,13 @@ def test_server_n_predict_caps_requests_and_server_seed_fills_theirs(
             first, second = (http.post("/completion", json=body).json() for _ in range(2))
             capped = http.post("/completion", json={**body, "n_predict": 50}).json()
             params = http.get("/props").json()["default_generation_settings"]["params"]
+            live = http.get("/v1/settings").json()["settings"]
     finally:
         model.close(30)
     assert first["tokens_predicted"] == capped["tokens_predicted"] == 4 and first["stop_type"] == "limit"
     assert first["content"] == second["content"]  # sampled at temperature 1 with the server's seed both times
     assert (params["seed"], params["n_predict"]) == (42, 4)
+    assert (live["default_seed"], live["default_n_predict"]) == (42, 4)  # the table shows what the engine runs
 
 
 def test_chat_verbose_carries_the_native_reply_with_the_rendered_prompt(client: httpx.Client) -> None:

@@ -16,6 +16,8 @@ from mlxcel.config import EngineConfig
 from mlxcel.runtime import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 
+from .conftest import engine_like
+
 pytestmark = pytest.mark.slow
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -56,14 +58,19 @@ def peft_greedy(reference: tuple[Path, Any, Any], ids: list[int], scale: float) 
 
 
 @pytest.fixture(scope="module")
-def lora_server(reference: tuple[Path, Any, Any],
+def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("lora-slots")
+
+
+@pytest.fixture(scope="module")
+def lora_server(reference: tuple[Path, Any, Any], slot_dir: Path,
                 start_server: Callable[..., ServerThread]) -> Iterator[tuple[ServerThread, ServedModel]]:
     from mlxcel.loading import resolve_model
     from mlxcel.runtime import RuntimeOptions, start_served_model
 
     options = RuntimeOptions(warmup=False, quantize="off", adapters=((reference[0], 1.0),))
-    served = start_served_model(resolve_model(None), options,
-                                EngineConfig(max_num_seqs=2, ctx_size=2048, decode_step="eager"))
+    served = start_served_model(resolve_model(None), options, EngineConfig(
+        max_num_seqs=2, ctx_size=2048, decode_step="eager", slot_save_path=str(slot_dir)))
     yield start_server(served), served
     served.close(30)
 
@@ -130,3 +137,35 @@ def test_f8_chat_completions_take_the_lora_field(lora_server: tuple[ServerThread
             assert chat(http) == texts[scale]
         http.post("/lora-adapters", json=[{"id": 0, "scale": 1.0}])
         assert texts[0.0] != texts[1.0]
+
+
+def test_f12_slot_files_carry_the_lora_scales_and_restore_only_for_them(
+        lora_server: tuple[ServerThread, ServedModel], reference: tuple[Path, Any, Any], slot_dir: Path,
+        served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    """/slots/0?action=save under scale 1 records it; restored, a request at scale 1 reuses the KV and one at
+    scale 0 computes its own (both give peft's tokens); a server without the adapter refuses the file (400)."""
+    server, _ = lora_server
+    ids = reference[2](f"{PROMPT} Paris. The capital of Italy is Rome, and the capital of Spain is")["input_ids"]
+    num_cached = (len(ids) - 1) // 16 * 16  # the prompt's full blocks
+    with httpx.Client(base_url=server.address, timeout=300) as http:
+        assert http.post("/v1/cache/reset").json()["reset"] is True  # no block left by the tests above
+        tuned = complete(http, ids, id_slot=0, lora=[{"id": 0, "scale": 1.0}])
+        saved = http.post("/slots/0?action=save", json={"filename": "lora.bin"}).json()
+        assert saved["lora"] == [{"id": 0, "scale": 1.0}] and saved["n_saved"] >= num_cached > 0
+        assert http.post("/slots/0?action=erase").json()["n_erased"] == saved["n_saved"]  # its own blocks
+        restored = http.post("/slots/0?action=restore", json={"filename": "lora.bin"}).json()
+        assert restored["lora"] == [{"id": 0, "scale": 1.0}] and restored["n_restored"] == saved["n_saved"]
+        body = {"prompt": ids, "n_predict": NUM_TOKENS, "temperature": 0, "return_tokens": True, "ignore_eos": True}
+        plain = http.post("/completion", json={**body, "lora": [{"id": 0, "scale": 0.0}]}).json()
+        assert plain["timings"]["cache_n"] == 0 and plain["tokens"] == peft_greedy(reference, ids, 0.0)
+        again = http.post("/completion", json={**body, "lora": [{"id": 0, "scale": 1.0}]}).json()
+        assert again["timings"]["cache_n"] == num_cached
+        assert again["tokens"] == tuned == peft_greedy(reference, ids, 1.0)
+    base = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=1024, slot_save_path=str(slot_dir)))
+    try:
+        with httpx.Client(base_url=start_server(base).address, timeout=300) as http:
+            refused = http.post("/slots/0?action=restore", json={"filename": "lora.bin"})
+    finally:
+        base.close(30)
+    assert refused.status_code == 400
+    assert f"under LoRA adapters 0: {reference[0]} at scale 1, but this server's adapters are none" in refused.text

@@ -30,7 +30,7 @@ def live(served: ServedModel) -> Iterator[tuple[httpx.Client, ServerState]]:
     values = resolve_values(serve_parser("x", "serve").parse_args(["-np", "1", "--reasoning-budget", "-1"]), OPTIONS,
                             Environment.read({"LLAMA_API_KEY": KEY}))
     model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=1024, max_queue_depth=64))
-    state = ServerState(ServerConfig(port=0, api_keys=(KEY,)), model, settings=values)
+    state = ServerState(ServerConfig(port=0, api_keys=(KEY,), endpoint_props=True), model, settings=values)
     thread = ServerThread(state).start()
     with httpx.Client(base_url=thread.address, timeout=120, headers=AUTH) as http:
         yield http, state
@@ -122,6 +122,26 @@ def test_f9_sampling_defaults_take_effect_on_the_next_request(live: tuple[httpx.
     assert http.post("/v1/completions", json={**body, "max_tokens": 5}).json()["usage"]["completion_tokens"] == 5
 
 
+def test_f9_props_shows_the_live_settings(live: tuple[httpx.Client, ServerState]) -> None:
+    """/props reports the settings table's current values: a PATCHed -n / -s shows there on the next GET."""
+    http, _ = live
+
+    def props() -> tuple[int, int, int]:
+        body = http.get("/props").json()
+        params = body["default_generation_settings"]["params"]
+        return body["total_slots"], params["n_predict"], params["seed"]
+
+    assert props() == (1, -1, 4294967295)  # -np 1; no limit; llama-server's "random"
+    params = http.get("/props").json()["default_generation_settings"]["params"]
+    assert (params["temperature"], params["top_k"], params["top_p"], params["min_p"]) == (0.8, 40, 0.95, 0.05)
+    assert patch(http, {"default_n_predict": 12, "default_seed": 9}).status_code == 200
+    assert props() == (1, 12, 9)
+    settings = http.get("/v1/settings").json()["settings"]
+    assert (settings["default_n_predict"], settings["default_seed"]) == (12, 9)
+    assert patch(http, {}, replace=True).status_code == 200
+    assert props() == (1, -1, 4294967295)
+
+
 def test_f9_settings_need_the_api_key(live: tuple[httpx.Client, ServerState]) -> None:
     http, _ = live
     base = str(http.base_url)
@@ -141,12 +161,14 @@ def test_f9_values_patched_before_a_model_loads_apply_when_it_attaches(served: S
     thread = ServerThread(state).start()
     model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=1024))
     try:
-        reply = httpx.patch(thread.address + "/v1/settings", json={"settings": {"reasoning_budget": 5,
-                                                                                "max_queue_depth": 3}})
-        assert reply.status_code == 200 and set(reply.json()["applied"]) == {"reasoning_budget", "max_queue_depth"}
+        reply = httpx.patch(thread.address + "/v1/settings", json={"settings": {
+            "reasoning_budget": 5, "max_queue_depth": 3, "default_n_predict": 7}})
+        assert reply.status_code == 200 and set(reply.json()["applied"]) == {
+            "reasoning_budget", "max_queue_depth", "default_n_predict"}
         state.attach(model)  # as the web UI's load does
         assert state.api is not None and state.api.features.reasoning_budget == 5
         assert model.engine.core.config.max_queue_depth == 3
+        assert model.engine.core.config.n_predict == 7 and state.live.current["default_n_predict"] == 7
     finally:
         thread.stop()
         model.close(30)

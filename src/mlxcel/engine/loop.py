@@ -27,11 +27,14 @@ from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.decode_step import DecodeStep
 from mlxcel.engine.runner import Runner, StepLogits
 from mlxcel.engine.sampler import SamplingRow, sample
-from mlxcel.engine.scheduler import ChooseToken, ScheduledSeq, Scheduler, SchedulerOutput, Sequence, StepResult
+from mlxcel.engine.scheduler import (
+    ChooseToken, ScheduledSeq, Scheduler, SchedulerOutput, Sequence, SlotContent, StepResult,
+)
 from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.engine import slots as slot_files
 from mlxcel.layers import kv_quant
 from mlxcel.layers.attention import KVCache
+from mlxcel.layers.lora import model_lora_rows
 from mlxcel.types import (
     ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PromptProgress, QueueFullError,
     Request, SlotStats, TokenEvent,
@@ -99,6 +102,8 @@ class EngineCore:
         # (there the step computes as it is called, and a late event would only add latency).
         self._defers_events = torch.device(device).type == "cuda" if defer_events is None else defer_events
         self._events: list[tuple[Sink, TokenEvent]] = []  # made, not yet handed to their sinks
+        rows = model_lora_rows(model)
+        self.lora_adapters = rows.paths if rows is not None else ()  # F8: slot files record them (F12)
         self.eos_token_ids = eos_token_ids
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
@@ -241,29 +246,30 @@ class EngineCore:
 
     def save_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
-        return slot_files.save_slot(self.kv, self.kv_cache, self._slot_tokens(slot_id), slot_id, path)
+        content = self._slot_content(slot_id)
+        return slot_files.save_slot(self.kv, self.kv_cache, content, self.lora_adapters, slot_id, path)
 
     def restore_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
-        self._slot_tokens(slot_id, must_exist=False)
-        result, tokens = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path)
-        self.scheduler.slot_tokens[slot_id] = tokens
+        self._slot_content(slot_id, must_exist=False)
+        result, content = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path, self.lora_adapters)
+        self.scheduler.slot_contents[slot_id] = content
         return result
 
     def erase_slot(self, slot_id: int) -> int:
-        tokens = self._slot_tokens(slot_id, must_exist=False)
-        self.scheduler.slot_tokens.pop(slot_id, None)
-        return slot_files.erase_slot(self.kv, tokens) if tokens else 0
+        content = self._slot_content(slot_id, must_exist=False)
+        self.scheduler.slot_contents.pop(slot_id, None)
+        return slot_files.erase_slot(self.kv, content) if content.token_ids else 0
 
-    def _slot_tokens(self, slot_id: int, must_exist: bool = True) -> list[int]:
+    def _slot_content(self, slot_id: int, must_exist: bool = True) -> SlotContent:
         if not 0 <= slot_id < self.config.max_num_seqs:
             raise slot_files.SlotError(f"slot id {slot_id} is out of range (0..{self.config.max_num_seqs - 1})")
         if any(s.slot_id == slot_id for s in self.scheduler.running):
             raise slot_files.SlotError(f"slot {slot_id} is busy")
-        tokens = self.scheduler.slot_tokens.get(slot_id, [])
-        if must_exist and not tokens:
+        content = self.scheduler.slot_contents.get(slot_id, SlotContent([]))
+        if must_exist and not content.token_ids:
             raise slot_files.SlotError(f"slot {slot_id} has no cached prompt to save")
-        return tokens
+        return content
 
     # ---- the loop thread ----
 

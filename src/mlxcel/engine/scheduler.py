@@ -115,6 +115,15 @@ class StepResult:
     finish_reason: FinishReason | None
 
 
+@dataclass(frozen=True, slots=True)
+class SlotContent:
+    """What a slot's last sequence left in the prefix cache (F12): its computed tokens and the LoRA
+    scales their KV was computed under (the cache keys blocks by both)."""
+
+    token_ids: list[int]
+    lora_scales: tuple[float, ...] = ()
+
+
 # Samples verify position i of a row (0 = the position after its known tokens), reading the
 # sequence as it stands (its accepted tokens so far); returns the token and its logprob.
 ChooseToken = Callable[[int], tuple[int, TokenLogprob | None]]
@@ -140,7 +149,7 @@ class Scheduler:
         self.num_steps = 0
         self.num_busy_slot_steps = 0
         self.max_sequence_len = 0
-        self.slot_tokens: dict[int, list[int]] = {}  # each slot's last computed tokens (F12 save)
+        self.slot_contents: dict[int, SlotContent] = {}  # what each slot last computed (F12 save)
 
     # ---- admission and removal ----
 
@@ -172,7 +181,8 @@ class Scheduler:
             heapq.heapify(self.waiting)
         was_started = seq.status is SeqStatus.RUNNING or seq.num_preemptions > 0
         if seq.slot_id is not None:
-            self.slot_tokens[seq.slot_id] = seq.token_ids[:seq.num_computed_tokens]
+            self.slot_contents[seq.slot_id] = SlotContent(seq.token_ids[:seq.num_computed_tokens],
+                                                          seq.request.lora_scales)
         self.kv.free(seq.request_id)
         self.drafts.free(seq.request_id)
         seq.status, seq.finish_reason, seq.slot_id = SeqStatus.FINISHED, reason, None

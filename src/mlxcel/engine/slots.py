@@ -5,6 +5,12 @@ lives in cached blocks; saving writes the still-cached full blocks and their tok
 restoring writes them back into free blocks and registers them in the prefix cache, so
 the next request with that prefix hits. Every function here runs on the engine thread
 (through `EngineCore.call`).
+
+KV computed under LoRA adapters (F8) is keyed as the prefix cache keys it: the file records the
+scales (and the adapters' folders) it was computed under, and a restore registers the blocks
+under those scales, so only a request running under the same scales hits them; a file whose
+LoRA KV came from other adapters than the server's is refused. Base-model KV (no adapters, or
+every scale 0) restores anywhere and serves requests at scale 0.
 """
 
 from __future__ import annotations
@@ -15,10 +21,11 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.engine.prefix_cache import hash_block_tokens
+from mlxcel.engine.prefix_cache import KVCacheManager, hash_block_tokens
+from mlxcel.engine.scheduler import SlotContent
 from mlxcel.layers import kv_quant
 from mlxcel.layers.attention import KVCache
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.types import lora_cache_extra
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 FORMAT_VERSION = 1
@@ -34,6 +41,7 @@ class SlotFileResult:
     filename: str
     num_tokens: int
     num_bytes: int
+    lora_scales: tuple[float, ...] = ()  # the adapter scales the KV was computed under; () = the base model
 
 
 def slot_file(save_dir: str | None, filename: str) -> Path:
@@ -44,27 +52,48 @@ def slot_file(save_dir: str | None, filename: str) -> Path:
     return Path(save_dir) / filename
 
 
-def save_slot(kv: KVCacheManager, cache: KVCache, tokens: list[int], slot_id: int, path: Path) -> SlotFileResult:
-    """Write the slot's cached full blocks (tokens and per-layer K/V) to `path`."""
-    block_ids, num_tokens = kv.find_cached_prefix(tokens + [0], cache_prompt=True)
+def save_slot(kv: KVCacheManager, cache: KVCache, content: SlotContent, adapters: tuple[str, ...], slot_id: int,
+              path: Path) -> SlotFileResult:
+    """Write the slot's cached full blocks (tokens, per-layer K/V, the LoRA scales they were computed under)."""
+    scales = content.lora_scales if any(content.lora_scales) else ()
+    block_ids, num_tokens = kv.find_cached_prefix(content.token_ids + [0], cache_prompt=True,
+                                                  extra=lora_cache_extra(scales))
     if not block_ids:
         raise SlotError(f"slot {slot_id} has no cached prompt to save")
     slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
     payload = {
-        "version": FORMAT_VERSION, "block_size": cache.block_size, "tokens": tokens[:num_tokens],
+        "version": FORMAT_VERSION, "block_size": cache.block_size, "tokens": content.token_ids[:num_tokens],
         "element_types": [cache.k_type, cache.v_type],
+        "lora_scales": list(scales), "lora_adapters": list(adapters) if scales else [],
         **{name: _rows(tensors, slots) for name, tensors in _cache_tensors(cache).items()},
     }
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, path)
-    return SlotFileResult(slot_id, path.name, num_tokens, path.stat().st_size)
+    return SlotFileResult(slot_id, path.name, num_tokens, path.stat().st_size, scales)
 
 
-def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path) -> tuple[SlotFileResult, list[int]]:
-    """Load a snapshot into free blocks and register them in the prefix cache."""
+def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
+                 adapters: tuple[str, ...]) -> tuple[SlotFileResult, SlotContent]:
+    """Load a snapshot into free blocks and register them in the prefix cache under its LoRA scales."""
     if not path.is_file():
         raise SlotError(f"no saved slot file {path.name!r}")
     payload = torch.load(path, map_location="cpu", weights_only=True)
+    _check_layout(payload, cache, path)
+    scales = tuple(float(s) for s in payload.get("lora_scales", ()))  # a file from before F8: base-model KV
+    _check_adapters(path.name, scales, tuple(payload.get("lora_adapters", ())), adapters)
+    tokens: list[int] = payload["tokens"]
+    num_blocks = len(tokens) // cache.block_size
+    if not kv.can_allocate(num_blocks):
+        raise SlotError("not enough free KV blocks to restore the slot now; try again when idle")
+    block_ids = kv.pool.allocate(num_blocks)
+    _write_blocks(cache, block_ids, payload)
+    _register(kv, block_ids, tokens, cache.block_size, lora_cache_extra(scales))
+    kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted
+    result = SlotFileResult(slot_id, path.name, len(tokens), path.stat().st_size, scales)
+    return result, SlotContent(tokens, scales)
+
+
+def _check_layout(payload: dict, cache: KVCache, path: Path) -> None:
     if payload.get("version") != FORMAT_VERSION or payload.get("block_size") != cache.block_size:
         raise SlotError(f"{path.name}: saved with another format or block size")
     if len(payload["k"]) != len(cache.k) or payload["k"][0].shape[1:] != cache.k[0].shape[1:]:
@@ -74,15 +103,20 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path) -
     if set(saved_types + running) & set(kv_quant.QUANTIZED_TYPES) and saved_types != running:
         raise SlotError(f"{path.name}: saved with KV cache types {'/'.join(saved_types)}, "
                         f"the server runs {'/'.join(running)}")
-    tokens: list[int] = payload["tokens"]
-    num_blocks = len(tokens) // cache.block_size
-    if not kv.can_allocate(num_blocks):
-        raise SlotError("not enough free KV blocks to restore the slot now; try again when idle")
-    block_ids = kv.pool.allocate(num_blocks)
-    _write_blocks(cache, block_ids, payload)
-    _register(kv, block_ids, tokens, cache.block_size)
-    kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted
-    return SlotFileResult(slot_id, path.name, len(tokens), path.stat().st_size), tokens
+
+
+def _check_adapters(name: str, scales: tuple[float, ...], saved: tuple[str, ...], running: tuple[str, ...]) -> None:
+    """LoRA KV restores only where the same adapters (by id) are loaded: other weights give other KV."""
+    if any(scales) and saved != running:
+        has = ", ".join(f"{i}: {p}" for i, p in enumerate(running)) or "none"
+        raise SlotError(f"{name}: its KV was computed under LoRA adapters {_describe(saved, scales)}, but this "
+                        f"server's adapters are {has}; restore it into a server started with the same --lora "
+                        "adapters in the same order")
+
+
+def _describe(adapters: tuple[str, ...], scales: tuple[float, ...]) -> str:
+    return ", ".join(f"{i}: {adapters[i] if i < len(adapters) else '?'} at scale {s:g}"
+                     for i, s in enumerate(scales) if s)
 
 
 def _write_blocks(cache: KVCache, block_ids: list[int], payload: dict) -> None:
@@ -106,16 +140,17 @@ def _rows(tensors: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor
     return [layer.index_select(0, slots.to(layer.device)).cpu() for layer in tensors]
 
 
-def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int) -> None:
+def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int, extra: object) -> None:
     parent: int | None = None
     for index, block_id in enumerate(block_ids):
-        parent = hash_block_tokens(parent, tokens[index * block_size:(index + 1) * block_size])
+        parent = hash_block_tokens(parent, tokens[index * block_size:(index + 1) * block_size], extra)
         kv.pool.cache_block(block_id, parent)
 
 
-def erase_slot(kv: KVCacheManager, tokens: list[int]) -> int:
+def erase_slot(kv: KVCacheManager, content: SlotContent) -> int:
     """Drop the slot's cached blocks from the prefix cache; returns how many tokens were erased."""
-    block_ids, num_tokens = kv.find_cached_prefix(tokens + [0], cache_prompt=True)
+    block_ids, num_tokens = kv.find_cached_prefix(content.token_ids + [0], cache_prompt=True,
+                                                  extra=lora_cache_extra(content.lora_scales))
     for block_id in block_ids:
         if kv.pool.blocks[block_id].ref_count == 0:
             kv.pool.uncache_block(block_id)

@@ -124,6 +124,7 @@ class LoraRows:
 
     num_adapters: int
     scales: torch.Tensor = field(default_factory=lambda: torch.zeros(1, 0))
+    paths: tuple[str, ...] = ()  # each adapter's folder, by id: what a slot file's LoRA KV was computed with (F12)
 
     def set_rows(self, scales: torch.Tensor) -> None:
         self.scales = scales
@@ -178,7 +179,8 @@ def apply_adapters(model: nn.Module, adapters: Sequence[LoraAdapter], *, device:
         for name, (a, b) in adapter.weights.items():
             _check_fits(adapter, name, a, b, modules.get(name))
             targets.setdefault(name, []).append((index, a, b))
-    rows = LoraRows(len(adapters), torch.tensor([[a.scale for a in adapters]], dtype=torch.float32, device=device))
+    rows = LoraRows(len(adapters), torch.tensor([[a.scale for a in adapters]], dtype=torch.float32, device=device),
+                    tuple(str(a.path) for a in adapters))
     for name, parts in targets.items():
         parent_name, _, child = name.rpartition(".")
         parent = modules[parent_name]

@@ -8,25 +8,25 @@ from __future__ import annotations
 
 import time
 from importlib.metadata import PackageNotFoundError, version
+from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any
 
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxcel.api.errors import ApiError, invalid_request
-from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
-from mlxcel.api.openai.common import DEFAULT_TEMPERATURE
-from mlxcel.config import EngineConfig
+from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED, CompletionFields
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import SideModels
-from mlxcel.types import DraftStats, EngineStats, PrefixCacheStats, SamplingParams, SlotStats
+from mlxcel.types import DraftStats, EngineStats, PrefixCacheStats, SlotStats
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
 
 SLOT_ACTIONS = ("save", "restore", "erase")
+_SAMPLER_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repeat_last_n")  # /props, as llama-server lists them
 
 
 def not_supported(what: str, flag: str) -> ApiError:
@@ -172,11 +172,13 @@ async def _run_slot_action(engine: Any, action: str, slot_id: int, filename: str
     except ValueError as exc:  # the engine's SlotError: bad id, busy slot, missing file
         raise invalid_request(str(exc)) from None
     ms = (time.monotonic() - started) * 1000
+    # F8: the adapter scales the KV was computed under; only requests under these scales reuse it
+    lora = [{"id": i, "scale": scale} for i, scale in enumerate(result.lora_scales)]
     if action == "save":
         return {"id_slot": slot_id, "filename": result.filename, "n_saved": result.num_tokens,
-                "n_written": result.num_bytes, "timings": {"save_ms": ms}}
+                "n_written": result.num_bytes, "lora": lora, "timings": {"save_ms": ms}}
     return {"id_slot": slot_id, "filename": result.filename, "n_restored": result.num_tokens,
-            "n_read": result.num_bytes, "timings": {"restore_ms": ms}}
+            "n_read": result.num_bytes, "lora": lora, "timings": {"restore_ms": ms}}
 
 
 # ---- /props, /metrics ----
@@ -188,9 +190,10 @@ async def props(request: Request, state: ServerState) -> Response:
     template = served.chat_template
     drafts = served.engine.stats().drafts
     speculative = {"speculative": drafts_json(drafts)} if drafts.kind != "none" else {}
+    live = state.live.current  # the settings table's values now: PATCH /v1/settings shows here at once (F9)
     return JSONResponse({
-        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params(served.engine_config)},
-        "total_slots": served.engine_config.max_num_seqs,
+        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params(live)},
+        "total_slots": live["parallel"],
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
         "chat_template": template.source if template else "",
@@ -201,14 +204,14 @@ async def props(request: Request, state: ServerState) -> Response:
     })
 
 
-def _default_params(engine: EngineConfig) -> dict[str, Any]:
-    """The sampling a request gets when it names none (--seed, --n-predict); seed 4294967295 is
-    llama-server's "random"."""
-    defaults = SamplingParams(temperature=DEFAULT_TEMPERATURE)
-    seed = engine.seed if engine.seed >= 0 else UINT32_RANDOM_SEED
-    return {"seed": seed, "n_predict": engine.n_predict, "temperature": defaults.temperature,
-            "top_k": defaults.top_k, "top_p": defaults.top_p, "min_p": defaults.min_p,
-            "repeat_last_n": defaults.repeat_last_n}
+def _default_params(live: Mapping[str, Any]) -> dict[str, Any]:
+    """What a /completion request that names none of these gets: the server's -n and -s as the settings
+    table holds them now (seed 4294967295 is llama-server's "random"), and llama-server's request
+    defaults for the sampler, which are no setting (the native schema declares them)."""
+    seed = live["default_seed"]
+    fields = CompletionFields.model_fields
+    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"],
+            **{name: fields[name].default for name in _SAMPLER_DEFAULTS}}
 
 
 def _version() -> str:

@@ -81,7 +81,10 @@ class ServerState:
             lora=served.lora)
         from mlxcel.server.settings_api import apply_live_settings  # its appliers act on this state
 
-        self.live.observe("parallel", served.engine_config.max_num_seqs)  # after the model's own clamp (A3)
+        engine = served.engine_config
+        for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
+                            ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):
+            self.live.observe(name, value)  # /props and /v1/settings show what the engine runs with
         apply_live_settings(self)
 
     def detach(self) -> None:
