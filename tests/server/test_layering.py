@@ -22,13 +22,13 @@ ALLOWED: dict[str, set[str]] = {
     "types": set(),
     "lora_registry": set(),  # F8: adapter ids and global scales, torch-free
     "config": {"types"},
-    "env": {"settings"},
+    "env": {"media", "settings"},  # media: the policy from a snapshot's MLXCEL_* media variables
     "settings": {"chat", "config", "media", "types"},  # chat: the loop-guard override parser
     "layers": {"types"},
     "models": {"layers", "types"},
     "loading": {"models", "layers", "types"},
     "engine": {"config", "layers", "types"},
-    "media": {"types", "settings"},
+    "media": {"types"},
     "text": {"loading", "types"},
     "chat": {"text", "types"},
     "workers": {"layers", "loading", "types", "config"},
