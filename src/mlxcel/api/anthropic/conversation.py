@@ -19,7 +19,7 @@ call's temperature, top_p, top_k and max_tokens are its sampling.
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
