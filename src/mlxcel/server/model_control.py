@@ -2,10 +2,10 @@
 
 Every load goes through the startup path (the `Loader` startup hands in, `startup.ModelLoader`:
 the chat model and the embedding and rerank providers load as `mlxcel serve` loads them at
-startup; this module never imports startup) and is attached with `ServerState.attach`. A switch loads the new model first,
-attaches it (new requests go to it), then retires the old one: "drain" lets its in-flight
-requests finish (up to a deadline, then aborts what is left), "abort" ends them at once with
-finish_reason "abort". The old engine is stopped and its weights released.
+startup; this module never imports startup) and is attached with `ServerState.attach`. A switch
+loads the new model first, attaches it (new requests go to it), then retires the old one:
+"drain" lets its in-flight requests finish (up to a deadline, then aborts what is left), "abort"
+ends them at once with finish_reason "abort". The old engine is stopped and its weights released.
 """
 
 from __future__ import annotations
