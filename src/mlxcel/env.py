@@ -3,8 +3,9 @@
 `Environment.read()` takes a snapshot of `os.environ` (or any mapping, for tests) and parses
 every variable that `mlxcel.settings.SETTINGS` declares as a mirror (`LLAMA_ARG_*`, `MLXCEL_*`,
 `LLAMA_API_KEY`, `LLAMA_LOG_FILE`); a malformed value refuses startup with the setting's one
-message (`SettingError`, also exported as `EnvError`). Nothing reads `os.environ` at import
-time (DESIGN.md anti-patterns).
+message (`SettingError`, also exported as `EnvError`). `media_policy` reads a snapshot's MLXCEL_*
+media variables through the same settings into a `MediaPolicy`. Nothing reads `os.environ` at
+import time (DESIGN.md anti-patterns).
 """
 
 from __future__ import annotations
@@ -12,12 +13,15 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.settings import BY_ENV, SettingError, parse_bool, read_environment
 
+if TYPE_CHECKING:
+    from mlxcel.media.limits import MediaPolicy
+
 EnvError = SettingError  # a variable has a value its setting cannot hold; startup is refused
-__all__ = ["EnvError", "Environment", "parse_bool"]
+__all__ = ["EnvError", "Environment", "media_policy", "parse_bool"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,3 +43,20 @@ class Environment:
             raise KeyError(f"{name} is not an environment mirror in mlxcel.settings.SETTINGS")
         setting = BY_ENV[name]
         return self.values.get(setting.name, setting.default)
+
+
+def media_policy(environ: Mapping[str, str], **cli: Any) -> MediaPolicy:
+    """The media policy (C2-C5) of `environ`'s MLXCEL_* media variables, each parsed by its setting,
+    with the `cli` values (None: not given) over them; raises MediaConfigError naming what is bad."""
+    from mlxcel.media.errors import MediaConfigError  # the media package loads only when asked for
+    from mlxcel.media.limits import ENV_FIELDS, ENV_VIDEO_DIR_ALLOWLIST, MediaPolicy, parse_dir_allowlist
+
+    values: dict[str, Any] = {}
+    try:
+        for name in ENV_FIELDS.keys() & environ.keys():
+            values[ENV_FIELDS[name]] = BY_ENV[name].parse(environ[name])
+    except SettingError as exc:
+        raise MediaConfigError(str(exc)) from None
+    if isinstance(values.get("video_dir_allowlist"), str):
+        values["video_dir_allowlist"] = parse_dir_allowlist(ENV_VIDEO_DIR_ALLOWLIST, values["video_dir_allowlist"])
+    return MediaPolicy.from_values(**{**values, **{k: v for k, v in cli.items() if v is not None}})

@@ -22,8 +22,9 @@ from typing import TYPE_CHECKING
 from mlxcel.process import Process, SideModels, Stopper
 
 if TYPE_CHECKING:
+    from mlxcel.api.realtime import RealtimeService
     from mlxcel.audio_models import AudioOptions
-    from mlxcel.cli import ServeSettings
+    from mlxcel.command_line import ServeSettings
     from mlxcel.config import EngineConfig
     from mlxcel.loading import ResolvedModel
     from mlxcel.runtime import RuntimeOptions, ServedModel
@@ -37,13 +38,13 @@ Resolve = Callable[[str | None], "ResolvedModel"]
 
 def run(settings: ServeSettings) -> int:
     """A6 in order: logging, API key, template + weights + engine + warmup, bind; then serve (A7)."""
-    from mlxcel.cli import configure_logging
+    from mlxcel.command_line import configure_logging
     from mlxcel.loading import ModelLoadError
     from mlxcel.server.lifecycle import Worker, bind_socket, serve
 
     configure_logging(settings.verbose, settings.log_file)
     log.info("API key authentication: %s", f"on ({settings.api_key_source})" if settings.server.api_keys else "off")
-    from mlxcel.cli import draft_refusal
+    from mlxcel.command_line import draft_refusal
     from mlxcel.runtime import DraftMismatchError
 
     if (refusal := draft_refusal(settings.engine.speculative)) is not None:
@@ -225,9 +226,9 @@ def _attach_control(state: ServerState, settings: ServeSettings) -> Stopper:
     return state.control.stop
 
 
-def _realtime_service(state: ServerState, side: SideModels):  # noqa: ANN202 - RealtimeService, server-side
+def _realtime_service(state: ServerState, side: SideModels) -> RealtimeService:
+    from mlxcel.api.realtime import RealtimeService
     from mlxcel.api.realtime_cascade import CascadeEngine
-    from mlxcel.server.realtime import RealtimeService
 
     assert side.realtime is not None and state.api is not None
     stt, tts = side.realtime

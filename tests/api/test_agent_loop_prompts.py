@@ -68,7 +68,7 @@ def test_anthropic_tool_use_then_tool_result(ctx: ApiContext) -> None:
         {"role": "assistant", "content": [{"type": "tool_use", "id": "toolu_1", "name": "get_weather",
                                            "input": ARGUMENTS}]},
         {"role": "user", "content": [{"type": "tool_result", "tool_use_id": "toolu_1", "content": RESULT}]}]}
-    _, prompt = asyncio.run(prepare_prompt(ctx, parse_messages_request(body), AnthropicOptions(), max_tokens=8))
+    _, prompt = asyncio.run(prepare_prompt(ctx, parse_messages_request(body), AnthropicOptions()))
     assert_loop_rendered(prompt.text or "")
 
 

@@ -78,11 +78,11 @@ def test_f4_llama_server_defaults(tokenizer: Tokenizer) -> None:
 
 def test_f4_max_tokens_alias_and_prefill_only(tokenizer: Tokenizer) -> None:
     fields = completion.parse_completion_request({"prompt": "x", "max_tokens": 7})
-    assert completion.sampling_params(tokenizer, fields).max_tokens == 7
+    assert completion.completion_options(tokenizer, fields).sampling.max_tokens == 7
     both = completion.parse_completion_request({"prompt": "x", "max_tokens": 7, "n_predict": 2})
-    assert completion.sampling_params(tokenizer, both).max_tokens == 2
+    assert completion.completion_options(tokenizer, both).sampling.max_tokens == 2
     zero = completion.parse_completion_request({"prompt": "x", "n_predict": 0})
-    assert completion.sampling_params(tokenizer, zero).max_tokens == 1  # the one token is dropped from the reply
+    assert completion.completion_options(tokenizer, zero).sampling.max_tokens == 1  # the one token is dropped from the reply
 
 
 # ---- prompts ----

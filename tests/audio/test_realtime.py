@@ -24,13 +24,12 @@ from websockets.asyncio.client import ClientConnection, connect
 from websockets.exceptions import ConnectionClosed, InvalidStatus
 
 from mlxcel.api.modes import ModelEntry, SinglePurposeMode
-from mlxcel.api.realtime import RealtimeLimits
+from mlxcel.api.realtime import RealtimeLimits, RealtimeService
 from mlxcel.api.realtime_cascade import CascadeEngine, resample
 from mlxcel.audio_models import AudioModels
 from mlxcel.runtime import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
-from mlxcel.server.realtime import RealtimeService
 from mlxcel.server.state import ServerState
 from mlxcel.side_models import SideModels
 from tests.audio.conftest import MAX_WER, word_error_rate

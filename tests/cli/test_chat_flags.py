@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_settings
 from mlxcel.env import Environment
 from mlxcel.chat.plan import FeatureSettings
 

@@ -9,10 +9,11 @@ from pathlib import Path
 import pytest
 import torch
 
-from mlxcel.cli import (
-    GENERATE_OPTIONS, OPTIONS, generate_parser, parse_size, resolve_values, serve_parser, serve_settings,
+from mlxcel.command_line import (
+    GENERATE_OPTIONS, OPTIONS, generate_parser, resolve_values, serve_parser, serve_settings,
 )
 from mlxcel.env import Environment, EnvError
+from mlxcel.settings import parse_size
 
 
 def values(argv: list[str], env: dict[str, str] | None = None, style: str = "serve") -> dict[str, object]:

@@ -21,7 +21,7 @@ def test_a10_generate_streams_text_to_stdout_and_speed_to_stderr() -> None:
 
 def test_f8_generate_takes_serves_lora_flags() -> None:
     """The same --lora / --adapter / --lora-scaled declarations as serve (the settings table), in order."""
-    from mlxcel.cli import GENERATE_OPTIONS, OPTIONS, generate_parser, generate_settings, resolve_values
+    from mlxcel.command_line import GENERATE_OPTIONS, OPTIONS, generate_parser, generate_settings, resolve_values
     from mlxcel.env import Environment
 
     argv = ["-p", "x", "--lora", "a", "--lora-scaled", "b", "0.5", "--adapter", "c"]

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser
 from mlxcel.env import Environment, EnvError
 from mlxcel.settings import BOOL, SETTINGS, Setting, SettingError, markdown_table
 

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_settings
 from mlxcel.env import Environment
 from mlxcel.loading import resolve_model
 from mlxcel.media import MediaConfigError

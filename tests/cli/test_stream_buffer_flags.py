@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_settings
 from mlxcel.env import Environment
 from mlxcel.server.config import ServerConfig
 

@@ -6,13 +6,14 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.env import media_policy
 from mlxcel.media.errors import MediaConfigError
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.media.paths import MediaRoot
 
 
 def test_c5_defaults_match_the_spec() -> None:
-    policy = MediaPolicy.from_env({})
+    policy = media_policy({})
     assert policy.video_max_frames == 16
     assert policy.video_fps == 2.0
     assert policy.fetch_timeout_s == 10.0
@@ -31,7 +32,7 @@ def test_c5_env_values_are_read(tmp_path: Path) -> None:
         "MLXCEL_VIDEO_DIR_ALLOWLIST": f"{tmp_path / 'a'}:{tmp_path / 'b'}",
         "MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": "1",
     }
-    policy = MediaPolicy.from_env(env)
+    policy = media_policy(env)
     assert policy.video_max_frames == 8
     assert policy.video_fps == 0.5
     assert policy.video_dir_allowlist == ((tmp_path / "a").resolve(), (tmp_path / "b").resolve())
@@ -40,7 +41,7 @@ def test_c5_env_values_are_read(tmp_path: Path) -> None:
 
 def test_c5_cli_values_win_over_env_and_none_means_not_given(tmp_path: Path) -> None:
     env = {"MLXCEL_VIDEO_MAX_FRAMES": "8", "MLXCEL_VIDEO_FPS": "3"}
-    policy = MediaPolicy.from_env(
+    policy = media_policy(
         env, video_max_frames=4, video_fps=None, media_root=str(tmp_path), max_images=3
     )
     assert policy.video_max_frames == 4
@@ -69,14 +70,14 @@ def test_c5_cli_values_win_over_env_and_none_means_not_given(tmp_path: Path) -> 
 )
 def test_c5_invalid_env_values_name_the_variable(name: str, value: str) -> None:
     with pytest.raises(MediaConfigError, match=name):
-        MediaPolicy.from_env({name: value})
+        media_policy({name: value})
 
 
 @pytest.mark.parametrize(
     ("text", "expected"), [("1", True), ("true", True), ("ON", True), ("0", False), ("", False)]
 )
 def test_c3_private_override_parsing(text: str, expected: bool) -> None:
-    assert MediaPolicy.from_env({"MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": text}).allow_private_urls is expected
+    assert media_policy({"MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": text}).allow_private_urls is expected
 
 
 @pytest.mark.parametrize(
@@ -96,9 +97,9 @@ def test_c4_policy_rejects_nonsense_limits(overrides: dict[str, object]) -> None
 
 def test_c2_media_root_flag_must_exist(tmp_path: Path) -> None:
     with pytest.raises(MediaConfigError, match="--media-path"):
-        MediaPolicy.from_env({}, media_root=str(tmp_path / "missing"))
+        media_policy({}, media_root=str(tmp_path / "missing"))
 
 
 def test_unknown_option_is_a_config_error() -> None:
     with pytest.raises(MediaConfigError, match="unknown media option"):
-        MediaPolicy.from_env({}, max_widgets=3)
+        media_policy({}, max_widgets=3)

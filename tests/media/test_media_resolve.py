@@ -11,6 +11,7 @@ from typing import Any
 import pytest
 from PIL import Image
 
+from mlxcel.env import media_policy
 from mlxcel.media import (
     MediaError,
     MediaKind,
@@ -209,7 +210,7 @@ def test_c5_invalid_block_fps_is_refused(media_dir: Path, fps: float) -> None:
 
 
 def test_c5_video_dir_allowlist_limits_local_videos(media_dir: Path) -> None:
-    policy = MediaPolicy.from_env(
+    policy = media_policy(
         {"MLXCEL_VIDEO_DIR_ALLOWLIST": str(media_dir / "videos")}, media_root=str(media_dir)
     )
     [result] = resolve([MediaRef(MediaKind.VIDEO, "videos/ok.mp4")], policy)

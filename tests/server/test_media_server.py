@@ -21,6 +21,7 @@ import openai
 import pytest
 from PIL import Image
 
+from mlxcel.env import media_policy
 from mlxcel.media import MediaPolicy, MediaRoot
 from mlxcel.runtime import ServedModel
 from mlxcel.server.lifecycle import ServerThread
@@ -103,7 +104,7 @@ def sandboxed(media_server: Callable[[MediaPolicy], str], media_root: Path) -> s
 @pytest.fixture(scope="module")
 def private_ok(media_server: Callable[[MediaPolicy], str]) -> str:
     """MLXCEL_ALLOW_PRIVATE_MEDIA_URLS=1, read from an environment snapshot as the CLI does."""
-    policy = MediaPolicy.from_env({"MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": "1"}, max_image_payload_bytes=2000)
+    policy = media_policy({"MLXCEL_ALLOW_PRIVATE_MEDIA_URLS": "1"}, max_image_payload_bytes=2000)
     assert policy.allow_private_urls
     return media_server(policy)
 

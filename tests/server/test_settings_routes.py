@@ -10,7 +10,7 @@ from collections.abc import Callable, Iterator
 import httpx
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser
 from mlxcel.config import EngineConfig
 from mlxcel.env import Environment
 from mlxcel.runtime import ServedModel

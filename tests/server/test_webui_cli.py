@@ -13,7 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings, server_main
+from mlxcel.cli import server_main
+from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_settings
 from mlxcel.env import Environment
 from tests.server.test_process import read_address
 

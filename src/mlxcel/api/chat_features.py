@@ -1,11 +1,11 @@
 """The chat features of issue 6 (S, R, Q, P, V) as every chat-shaped route uses them.
 
 Protocol-neutral: the OpenAI chat, Anthropic Messages and Responses adapters each translate their
-wire fields into one `ChatOptions` (api/chat_options.py), then
+wire fields into one `ChatOptions` (api/chat_options.py; sampling included), then
 
     plan = plan_chat(ctx, options, messages)                  # 400 for an invalid feature field
     prompt = render_plan(ctx, plan)                           # template kwargs and tools applied; 400 on failure
-    params = with_chat_features(params, plan)                 # processors + output parser per choice
+    params = with_chat_features(params, plan)                 # the options' sampling, processors + parser per choice
     generation = Generation.start(ctx, [prompt], params, ...)
     ... deltas carry `events` (chat/events.py); results carry `reply` ...
     remember_replies(plan, generation.results())              # the reasoning echo (Q)
@@ -55,8 +55,9 @@ def render_plan(
 
 
 def with_chat_features(params: GenerationParams, plan: ChatPlan) -> GenerationParams:
-    """`params` plus the plan's per-choice processors and output parser. Special tokens stay in
-    the text when reasoning or tool-call markers may be special tokens (the parser removes them)."""
+    """`params` plus what the plan decided: its options' sampling, the per-choice processors and
+    output parser. Special tokens stay in the text when reasoning or tool-call markers may be
+    special tokens (the parser removes them)."""
     def processors(prompt: Prompt) -> tuple[TokenProcessor, ...]:
         return plan.processors()
 
@@ -64,15 +65,17 @@ def with_chat_features(params: GenerationParams, plan: ChatPlan) -> GenerationPa
         return plan.output_parser(stops)
 
     skip = params.skip_special_tokens and not plan.keeps_special_tokens
-    return replace(params, processors=processors, output_parser=parser, skip_special_tokens=skip)
+    return replace(params, sampling=plan.options.sampling, processors=processors, output_parser=parser,
+                   skip_special_tokens=skip)
 
 
 def with_completion_features(
     ctx: ApiContext, params: GenerationParams, options: ChatOptions, prompts: Sequence[Prompt],
 ) -> GenerationParams:
-    """`params` for a raw-prompt completion: reasoning budget, grammar (`json_schema`, `grammar`,
-    `response_format`) and loop guard per choice; stop strings spare a budgeted reasoning block.
-    Checks the fields first, so an invalid one is a 400 before anything is submitted."""
+    """`params` for a raw-prompt completion: the options' sampling, and reasoning budget, grammar
+    (`json_schema`, `grammar`, `response_format`) and loop guard per choice; stop strings spare a
+    budgeted reasoning block. Checks the fields first, so an invalid one is a 400 before anything
+    is submitted."""
     features = features_of(ctx)
     try:
         for prompt in prompts:
@@ -86,7 +89,7 @@ def with_completion_features(
     def parser(prompt: Prompt, stops: tuple[str, ...]) -> OutputParser:
         return features.completion_parser(options, _text(ctx, prompt), stops=stops)
 
-    return replace(params, processors=processors, output_parser=parser)
+    return replace(params, sampling=options.sampling, processors=processors, output_parser=parser)
 
 
 def remember_replies(plan: ChatPlan, results: Iterable[ChoiceResult]) -> None:

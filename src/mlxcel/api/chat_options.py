@@ -3,7 +3,8 @@
 Every chat-shaped body (OpenAI chat and completions, Responses, Anthropic Messages, llama-server
 /completion and /apply-template) accepts the same llama-server / vLLM / Qwen extension fields,
 declared once in `api/schema.ChatFeatureFields`; each adapter validates its body (after the one
-extra_body rule, `api/schema.flatten_extra_body`) and hands its own fields to
+extra_body rule, `api/schema.flatten_extra_body`), reads its sampling fields into the engine's
+`SamplingParams` (max_tokens once, there) and hands both with its own fields to
 `build_chat_options`, which checks them with the chat features' messages (a 400) and returns the
 options. Below `api/` nobody reads a request body or a protocol's field names.
 """
@@ -22,6 +23,7 @@ from mlxcel.chat.loop_guard import check_request_overrides
 from mlxcel.chat.options import AUTO, ChatOptions, OutputConstraint, ToolChoice
 from mlxcel.chat.plan import REQUEST_ERRORS
 from mlxcel.chat.template_kwargs import check_flag, check_request_kwargs
+from mlxcel.types import SamplingParams
 
 # The reasoning budget's field names, first present (not null) wins: ours, vLLM's, Qwen's (R).
 BUDGET_FIELDS = ("thinking_budget_tokens", "thinking_token_budget", "thinking_budget")
@@ -37,26 +39,31 @@ def build_chat_options(fields: ChatFeatureFields, **choices: Any) -> ChatOptions
 
 
 def read_chat_options(
-    fields: ChatFeatureFields, *, output: Sequence[tuple[str, Any]] = (),
+    fields: ChatFeatureFields, *, sampling: SamplingParams | None = None, output: Sequence[tuple[str, Any]] = (),
     tools: Sequence[Mapping[str, Any]] | None = None, tool_choice: Any = None, parallel_tool_calls: bool = True,
     max_tokens: int | None = None, reasoning_effort: str | None = None,
     template_kwargs: Mapping[str, Any] | None = None, budget: Sequence[tuple[str, Any]] | None = None,
     remembers_reasoning: bool = True, reasoning_control: bool = False,
 ) -> ChatOptions:
-    """The options of one request from its validated `fields` and the protocol's own fields:
-    `output` lists its format fields as (name, format object), `tool_choice` is its field in
-    any protocol's shape; `template_kwargs` / `budget` replace what `fields` gives where the
-    protocol maps its own fields onto them (Anthropic's `thinking`). Raises one of
-    chat.plan.REQUEST_ERRORS for an invalid field."""
+    """The options of one request from its validated `fields`, its `sampling` and the protocol's
+    own fields: `output` lists its format fields as (name, format object), `tool_choice` is its
+    field in any protocol's shape; `template_kwargs` / `budget` replace what `fields` gives where
+    the protocol maps its own fields onto them (Anthropic's `thinking`). A route that only renders
+    (a token count) gives no `sampling`, only `max_tokens`. The reasoning budget must fit in
+    `max_tokens` when given (llama-server's n_predict 0, where the engine samples one token the
+    reply drops), else in `sampling.max_tokens`. Raises one of chat.plan.REQUEST_ERRORS for an
+    invalid field."""
+    sampling = sampling or SamplingParams(max_tokens=max_tokens)
+    limit = sampling.max_tokens if max_tokens is None else max_tokens
     kwargs = request_template_kwargs(fields) if template_kwargs is None else dict(template_kwargs)
     return ChatOptions(
         template_kwargs=kwargs, reasoning_effort=reasoning_effort,
-        reasoning_budget=request_budget(budget_fields(fields) if budget is None else budget, max_tokens),
+        reasoning_budget=request_budget(budget_fields(fields) if budget is None else budget, limit),
         output=output_constraints(fields, output), tools=tools, tool_choice=read_tool_choice(tool_choice),
         parallel_tool_calls=parallel_tool_calls,
         loop_overrides=check_request_overrides({f: getattr(fields, f) for f in LOOP_FIELDS}),
-        session=session_key(fields), cache_prompt=fields.cache_prompt, max_tokens=max_tokens,
-        remembers_reasoning=remembers_reasoning, reasoning_control=reasoning_control,
+        session=session_key(fields), cache_prompt=fields.cache_prompt,
+        remembers_reasoning=remembers_reasoning, reasoning_control=reasoning_control, sampling=sampling,
     )
 
 

@@ -1,9 +1,10 @@
 """A conversation rendered into the prompt the model sees: the one renderer every chat-shaped route uses.
 
-OpenAI chat, llama-server `/apply-template` and Anthropic Messages each turn their wire messages into
-the template's dict form (role, content text, tool_calls, tool_call_id, reasoning_content) and call
-`render_chat_prompt`, so `/apply-template` returns exactly the text chat would generate from (F4).
-A template that cannot render is a 400, never a fallback.
+OpenAI chat and llama-server `/apply-template` (api/openai/messages.py), Anthropic Messages and
+Responses each turn their wire messages into the template's dict form (role, content text,
+tool_calls, tool_call_id, reasoning_content); the chat features' `render_plan` then calls
+`render_chat_prompt` (`/apply-template` `render_chat_text`), so `/apply-template` returns exactly
+the text chat would generate from (F4). A template that cannot render is a 400, never a fallback.
 """
 
 from __future__ import annotations
@@ -48,28 +49,3 @@ def render_chat_prompt(ctx: ApiContext, messages: Sequence[Mapping[str, Any]], *
     text = render_chat_text(ctx, messages, tools=tools, add_generation_prompt=add_generation_prompt,
                             continue_final_message=continue_final_message, template_kwargs=template_kwargs)
     return Prompt(tuple(ctx.tokenizer.encode(text, add_special_tokens=False)), text)
-
-
-def template_messages(messages: Sequence[Mapping[str, Any]]) -> list[dict[str, Any]]:
-    """OpenAI-shaped dict messages in template form: an array of text parts becomes one string."""
-    plain = []
-    for index, message in enumerate(messages):
-        data = dict(message)
-        if isinstance(data.get("content"), list):
-            data["content"] = joined_text(f"messages.{index}.content", data["content"])
-        plain.append(data)
-    if len(plain) >= 2 and all(m.get("role") == "assistant" for m in plain[-2:]):
-        # llama-server's rule: one trailing assistant turn is a prefill; two cannot alternate.
-        raise invalid_request("Cannot have 2 or more assistant messages at the end of the list.")
-    return plain
-
-
-def joined_text(where: str, parts: Sequence[Mapping[str, Any]]) -> str:
-    """Text-only models read an array of text parts as their texts joined by newlines (as vLLM)."""
-    texts = []
-    for j, part in enumerate(parts):
-        kind = part.get("type")
-        if kind != "text" or not isinstance(part.get("text"), str):
-            raise invalid_request(f"{where}.{j}: content of type {kind!r} is not supported by this model (text only)")
-        texts.append(part["text"])
-    return "\n".join(texts)

@@ -96,6 +96,17 @@ class RealtimeGate:
         self._is_taken = False
 
 
+@dataclass
+class RealtimeService:
+    """What a realtime process serves on /v1/realtime: the engine, the model name and the limits,
+    behind its one-session gate (server/realtime.py mounts it)."""
+
+    engine: RealtimeEngine
+    model: str
+    limits: RealtimeLimits = RealtimeLimits()
+    gate: RealtimeGate = field(default_factory=RealtimeGate)
+
+
 def error_event(kind: str, code: str, message: str, event_id: str | None = None) -> dict[str, Any]:
     error: dict[str, Any] = {"type": kind, "code": code, "message": message}
     if event_id is not None:

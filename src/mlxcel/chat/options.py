@@ -2,9 +2,11 @@
 
 The adapters in `api/` read their own wire fields (OpenAI chat, Responses, Anthropic Messages,
 llama-server) and build one frozen `ChatOptions` (api/chat_options.py holds the shared edge
-rules, extra_body included); nothing in `chat/` ever sees a request body or a protocol's field
-names. Values the chat features check themselves (a reasoning budget past max_tokens, a grammar
-llguidance refuses) arrive here already typed; their checks raise the features' own errors.
+rules, extra_body included): what the request asks of the chat features and how its tokens are
+sampled (`sampling`, max_tokens included), decided once; nothing in `chat/` ever sees a request
+body or a protocol's field names. Values the chat features check themselves (a reasoning budget
+past max_tokens, a grammar llguidance refuses) arrive here already typed; their checks raise
+the features' own errors.
 """
 
 from __future__ import annotations
@@ -12,6 +14,8 @@ from __future__ import annotations
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Literal
+
+from mlxcel.types import SamplingParams
 
 ToolMode = Literal["auto", "none", "required"]
 ConstraintKind = Literal["format", "json_schema", "gbnf"]
@@ -46,7 +50,8 @@ class OutputConstraint:
 
 @dataclass(frozen=True, slots=True)
 class ChatOptions:
-    """What one chat request asks of the chat features (S, R, Q, P, V), decided by its adapter."""
+    """What one chat request asks of the chat features (S, R, Q, P, V) and of the sampler,
+    decided by its adapter."""
 
     template_kwargs: Mapping[str, Any] = field(default_factory=dict)  # the request's own, layers merged (S)
     reasoning_effort: str | None = None  # a template kwarg when the template reads it (S)
@@ -58,9 +63,16 @@ class ChatOptions:
     loop_overrides: Mapping[str, int] = field(default_factory=dict)  # loop-guard fields present (P)
     session: str = ""  # the reasoning echo's session key (Q); "" when none
     cache_prompt: bool = True  # false: no prefix cache, no reasoning echo (M, Q)
-    max_tokens: int | None = None  # None: the request gave none
     remembers_reasoning: bool = True  # False where the route never echoes (Anthropic without thinking)
     reasoning_control: bool = False  # opted in to live control (F5)
+    # The engine's sampling, max_tokens included; a route that only renders (a token count,
+    # /apply-template) keeps no more than its max_tokens.
+    sampling: SamplingParams = field(default_factory=SamplingParams)
+
+    @property
+    def max_tokens(self) -> int | None:
+        """The most tokens the reply may have; None: until the context is full."""
+        return self.sampling.max_tokens
 
 
 __all__ = ["AUTO", "ChatOptions", "OutputConstraint", "ToolChoice"]

@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from mlxcel.cli import ServeSettings
+    from mlxcel.command_line import ServeSettings
     from mlxcel.env import Environment
 
 log = logging.getLogger("mlxcel.cluster")
@@ -71,7 +71,7 @@ def add_cluster_options(parser: argparse.ArgumentParser) -> None:
 
 
 def cluster_parser(prog: str) -> argparse.ArgumentParser:
-    from mlxcel.cli import OPTIONS, HelpFormatter, add_options
+    from mlxcel.command_line import OPTIONS, HelpFormatter, add_options
 
     parser = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, allow_abbrev=False,
                                      description="Serve one model from several replicas on Ray Serve behind one "
@@ -95,7 +95,7 @@ def serve_args(argv: Sequence[str]) -> list[str]:
 
 
 def cluster_main(argv: Sequence[str], prog: str = "mlxcel cluster") -> int:
-    from mlxcel.cli import OPTIONS, configure_logging, resolve_values, serve_settings
+    from mlxcel.command_line import OPTIONS, configure_logging, resolve_values, serve_settings
     from mlxcel.env import Environment
 
     parser = cluster_parser(prog)

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.cluster.wire import HttpCall, ResponseStart
 
 if TYPE_CHECKING:
-    from mlxcel.cli import ServeSettings
+    from mlxcel.command_line import ServeSettings
 
 log = logging.getLogger("mlxcel.cluster")
 
@@ -34,7 +34,7 @@ class EngineReplica:
 
         if is_loopback:
             _bind_serve_grpc_to_loopback()
-        from mlxcel.cli import configure_logging
+        from mlxcel.command_line import configure_logging
         from mlxcel.server.app import create_app
         from mlxcel.startup import build_process, server_state  # serve's own startup path (A6)
 
@@ -94,7 +94,7 @@ def _bind_serve_grpc_to_loopback() -> None:
 
 def replica_settings(argv: Sequence[str]) -> ServeSettings:
     """`serve`'s settings from the cluster's serve flags; no API keys (checked at the entry)."""
-    from mlxcel.cli import OPTIONS, resolve_values, serve_parser, serve_settings
+    from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_settings
     from mlxcel.env import Environment
 
     environment = Environment.read()

@@ -1,8 +1,9 @@
 """Media input security (spec C2-C5): sandboxed local files, SSRF-safe remote fetch, payload limits.
 
 Routes build `MediaRef`s from request parts and call `resolve_media_parts`; a `MediaError`
-becomes a 400 naming its `reason_code`. The policy is built once at startup with
-`MediaPolicy.from_env`.
+becomes a 400 naming its `reason_code`. The policy (`MediaPolicy`) is built once at startup
+from the values the settings table resolved (`MediaPolicy.from_values`; `mlxcel.env.media_policy`
+from an environment snapshot).
 """
 
 from __future__ import annotations

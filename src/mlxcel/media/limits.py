@@ -1,15 +1,15 @@
 """The media policy (spec C2-C5): sandbox root, SSRF override and payload limits, read once at startup.
 
 `MediaPolicy` is frozen and validated on construction. The CLI builds it with `from_values` from
-the settings table (`mlxcel.settings`: flags and their MLXCEL_* mirrors, parsed there once);
-`from_env` reads the MLXCEL_* media variables of a mapping through the same settings.
+the values the settings table resolved (flags and their MLXCEL_* mirrors, parsed there once);
+`mlxcel.env.media_policy` reads the MLXCEL_* media variables of a mapping through the same
+settings. This module knows nothing of the settings table: the table uses its `parse_dir_allowlist`.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -24,8 +24,8 @@ ENV_VIDEO_MAX_FRAMES = "MLXCEL_VIDEO_MAX_FRAMES"
 ENV_VIDEO_FPS = "MLXCEL_VIDEO_FPS"
 ENV_VIDEO_DIR_ALLOWLIST = "MLXCEL_VIDEO_DIR_ALLOWLIST"
 
-_ENV_FIELDS = {ENV_ALLOW_PRIVATE: "allow_private_urls", ENV_VIDEO_MAX_FRAMES: "video_max_frames",
-               ENV_VIDEO_FPS: "video_fps", ENV_VIDEO_DIR_ALLOWLIST: "video_dir_allowlist"}
+ENV_FIELDS = {ENV_ALLOW_PRIVATE: "allow_private_urls", ENV_VIDEO_MAX_FRAMES: "video_max_frames",
+              ENV_VIDEO_FPS: "video_fps", ENV_VIDEO_DIR_ALLOWLIST: "video_dir_allowlist"}  # variable -> field
 _COUNT_FIELDS = (
     "max_image_payload_bytes",
     "max_images",
@@ -76,7 +76,7 @@ class MediaPolicy:
         """The policy from field values (None = not set: the default); `media_root` may be a path.
 
         The CLI calls this with the values the settings table resolved from flags and their MLXCEL_*
-        mirrors (`mlxcel.settings`); raises MediaConfigError.
+        mirrors; raises MediaConfigError.
         """
         given = {name: value for name, value in values.items() if value is not None}
         if isinstance(given.get("media_root"), str | os.PathLike):
@@ -85,21 +85,6 @@ class MediaPolicy:
             return cls(**given)
         except TypeError as exc:
             raise MediaConfigError(f"unknown media option: {exc}") from None
-
-    @classmethod
-    def from_env(cls, env: Mapping[str, str], **cli: Any) -> MediaPolicy:
-        """The MLXCEL_* media variables of `env` (parsed by their settings), then `cli` values over them."""
-        from mlxcel.settings import BY_ENV, SettingError
-
-        values: dict[str, Any] = {}
-        try:
-            for name in _ENV_FIELDS.keys() & env.keys():
-                values[_ENV_FIELDS[name]] = BY_ENV[name].parse(env[name])
-        except SettingError as exc:
-            raise MediaConfigError(str(exc)) from None
-        if isinstance(values.get("video_dir_allowlist"), str):
-            values["video_dir_allowlist"] = parse_dir_allowlist(ENV_VIDEO_DIR_ALLOWLIST, values["video_dir_allowlist"])
-        return cls.from_values(**{**values, **{k: v for k, v in cli.items() if v is not None}})
 
 
 def parse_dir_allowlist(name: str, text: str) -> tuple[Path, ...]:

@@ -33,7 +33,7 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
             app.add_api_route(path, endpoint, methods=list(route.methods), include_in_schema=False)
     if state.realtime is not None:  # spec H: mounted only in a realtime process
         for path in REALTIME_PATHS:
-            app.router.add_websocket_route(path, realtime_endpoint(state, state.realtime))
+            app.router.add_websocket_route(path, realtime_endpoint(state.config, state.realtime))
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(Exception, _unhandled)

@@ -1,11 +1,11 @@
 """Load, unload and switch the served models at run time, for the web UI's control plane (A5).
 
-Every load goes through the startup path (`startup.ModelLoader`: the chat model and the
-embedding and rerank providers load as `mlxcel serve` loads them at startup) and is attached
-with `ServerState.attach`. A switch loads the new model first,
-attaches it (new requests go to it), then retires the old one: "drain" lets its in-flight
-requests finish (up to a deadline, then aborts what is left), "abort" ends them at once with
-finish_reason "abort". The old engine is stopped and its weights released.
+Every load goes through the startup path (the `Loader` startup hands in, `startup.ModelLoader`:
+the chat model and the embedding and rerank providers load as `mlxcel serve` loads them at
+startup; this module never imports startup) and is attached with `ServerState.attach`. A switch
+loads the new model first, attaches it (new requests go to it), then retires the old one:
+"drain" lets its in-flight requests finish (up to a deadline, then aborts what is left), "abort"
+ends them at once with finish_reason "abort". The old engine is stopped and its weights released.
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ import logging
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxcel.server.jobs import EventLog, Job, JobCancelled, JobRunner
-from mlxcel.startup import ModelLoader
 
 if TYPE_CHECKING:
     from mlxcel.loading import ResolvedModel
+    from mlxcel.process import SideModels
     from mlxcel.runtime import ServedModel
     from mlxcel.server.state import ServerState
 
@@ -29,6 +29,19 @@ log = logging.getLogger(__name__)
 
 RETIRE_MODES = ("drain", "abort")
 DEFAULT_DRAIN_TIMEOUT_S = 120.0
+
+
+class Loader(Protocol):
+    """How models load at run time: the startup path's `startup.ModelLoader`."""
+
+    @property
+    def device(self) -> str: ...
+
+    def resolve(self, model_id: str) -> ResolvedModel: ...
+
+    def load_chat(self, resolved: ResolvedModel) -> ServedModel: ...
+
+    def load_side(self, role: str, resolved: ResolvedModel) -> SideModels: ...
 
 
 @dataclass
@@ -56,7 +69,7 @@ class ThroughputMeter:
 class ModelControl:
     """The web UI's hands on the server: model actions as jobs, their events, the model states."""
 
-    def __init__(self, state: ServerState, settings: ModelLoader, session_key: str | None = None) -> None:
+    def __init__(self, state: ServerState, settings: Loader, session_key: str | None = None) -> None:
         self.state = state
         self.settings = settings
         self.session_key = session_key

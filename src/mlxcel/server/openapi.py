@@ -1,9 +1,10 @@
-"""GET /openapi.json: an OpenAPI 3.1 description of the public routes, request bodies included.
+"""The OpenAPI 3.1 description of the routes that GET /openapi.json serves, request bodies included.
 
 The routes read their bodies themselves (body.py, then each adapter's pydantic model), so
 FastAPI's own generator sees no body at all; this one walks the routes table and takes each
 body's JSON Schema from the model that validates it, so the schema is what the server checks.
 Bodies without a pydantic model (embeddings, rerank, multipart audio) get a small hand schema.
+`build_openapi` is handed the table (routes.py serves it), so this module never imports routes.
 """
 
 from __future__ import annotations
@@ -16,14 +17,11 @@ from typing import Any
 
 from pydantic import BaseModel
 from pydantic.json_schema import models_json_schema
-from starlette.requests import Request
-from starlette.responses import JSONResponse, Response
 
 from mlxcel.api.anthropic.schemas import CountTokensRequest, MessagesRequest
 from mlxcel.api.llama_server import schemas as native
 from mlxcel.api.openai import schemas as openai
 from mlxcel.api.responses.schemas import CompactRequest, InputTokensRequest, ResponseCreateRequest
-from mlxcel.server.state import ServerState
 
 REF_TEMPLATE = "#/components/schemas/{model}"
 _TEXT_OR_TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
@@ -150,9 +148,3 @@ def _version() -> str:
         return version("mlxcel")
     except PackageNotFoundError:
         return "0"
-
-
-async def openapi_json(request: Request, state: ServerState) -> Response:
-    from mlxcel.server.routes import ROUTES  # the table that mounts this handler
-
-    return JSONResponse(build_openapi(ROUTES))

@@ -11,38 +11,26 @@ from __future__ import annotations
 import json
 import logging
 from collections.abc import Awaitable, Callable
-from dataclasses import dataclass, field
 from typing import Any
 
 from starlette.responses import JSONResponse
 from starlette.websockets import WebSocket, WebSocketDisconnect
 
 from mlxcel.api.errors import ApiError, error_body, invalid_api_key
-from mlxcel.api.realtime import (
-    CLOSE_TRY_AGAIN, RealtimeEngine, RealtimeGate, RealtimeLimits, RealtimeSession, error_event,
-)
+from mlxcel.api.realtime import CLOSE_TRY_AGAIN, RealtimeService, RealtimeSession, error_event
 from mlxcel.server.auth import is_valid_key, presented_key
+from mlxcel.server.config import ServerConfig
 from mlxcel.server.cors import OriginPolicy
-from mlxcel.server.state import ServerState
 
 log = logging.getLogger(__name__)
 
 REALTIME_PATHS = ("/v1/realtime", "/realtime")
 
 
-@dataclass
-class RealtimeService:
-    """What a realtime process serves on /v1/realtime."""
-
-    engine: RealtimeEngine
-    model: str
-    limits: RealtimeLimits = RealtimeLimits()
-    gate: RealtimeGate = field(default_factory=RealtimeGate)
-
-
-def realtime_endpoint(state: ServerState, service: RealtimeService) -> Callable[[WebSocket], Awaitable[None]]:
+def realtime_endpoint(config: ServerConfig, service: RealtimeService) -> Callable[[WebSocket], Awaitable[None]]:
+    """The WebSocket endpoint of `service`, behind `config`'s API keys and Origin policy."""
     async def endpoint(websocket: WebSocket) -> None:
-        refusal = _refusal(websocket, state)
+        refusal = _refusal(websocket, config)
         if refusal is not None:
             await _deny(websocket, refusal)
             return
@@ -83,12 +71,12 @@ async def _serve(websocket: WebSocket, service: RealtimeService) -> None:
             pass
 
 
-def _refusal(websocket: WebSocket, state: ServerState) -> ApiError | None:
-    keys = state.config.api_keys
+def _refusal(websocket: WebSocket, config: ServerConfig) -> ApiError | None:
+    keys = config.api_keys
     if keys and not is_valid_key(presented_key(websocket.scope["headers"]), keys):
         return invalid_api_key()
     # C6: the same Origin policy as every HTTP route (server/cors.py)
-    return OriginPolicy(state.config.cors_origins).refusal(websocket.headers, "open a realtime session")
+    return OriginPolicy(config.cors_origins).refusal(websocket.headers, "open a realtime session")
 
 
 async def _deny(websocket: WebSocket, error: ApiError) -> None:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from starlette.requests import ClientDisconnect, Request
-from starlette.responses import Response
+from starlette.responses import JSONResponse, Response
 
 from mlxcel.api import openai, providers, responses, resumable
 from mlxcel.api.context import ApiContext
@@ -22,7 +22,7 @@ from mlxcel.api import anthropic, llama_server
 from mlxcel.api.errors import ApiError, Protocol
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.server import audio_routes, ops, settings_api
-from mlxcel.server.openapi import openapi_json
+from mlxcel.server.openapi import build_openapi
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
 from mlxcel.server.state import ServerState
@@ -286,6 +286,10 @@ async def audio_translations(request: Request, state: ServerState) -> Reply:
 
 async def audio_speech(request: Request, state: ServerState) -> Reply:
     return await run_until_disconnect(request, await audio_routes.speech_work(request, state))
+
+
+async def openapi_json(request: Request, state: ServerState) -> Response:
+    return JSONResponse(build_openapi(ROUTES))  # issue 16: this table, described for clients and fuzzers
 
 
 ROUTES: tuple[Route, ...] = (

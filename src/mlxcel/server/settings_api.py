@@ -1,6 +1,7 @@
 """F9 `GET|PATCH /v1/settings` (and `/settings`): the typed schema, current values and fingerprint
-from the settings table, and the appliers that make a mutable setting take effect on the next
-request (default reasoning budget, loop-guard override, queue depth, decode timeout, log level).
+from the settings table; a PATCHed value takes effect on the next request through the state's
+appliers (`ServerState.apply_setting`: default reasoning budget, loop-guard override, queue
+depth, decode timeout, log level).
 
 PATCH body: `{"settings": {name: value, ...}, "replace": false}`. Merge (the default) changes the
 named settings; `"replace": true` also resets every unnamed mutable setting to its startup value.
@@ -10,9 +11,6 @@ reply lists both (`applied`, `rejected`); a PATCH where nothing could be applied
 
 from __future__ import annotations
 
-import logging
-from collections.abc import Callable
-from dataclasses import replace
 from typing import Any
 
 from starlette.requests import Request
@@ -22,51 +20,6 @@ from mlxcel.api.replies import JsonReply
 from mlxcel.server.body import read_json
 from mlxcel.server.state import ServerState
 from mlxcel.settings import Rejection
-
-Applier = Callable[[ServerState, Any], None]
-
-
-def _features(state: ServerState, **changes: Any) -> None:
-    """Swap the served model's chat features; requests already planned keep theirs."""
-    if state.served is None or state.api is None:
-        return  # nothing attached: `ServerState.attach` applies the live values when a model comes
-    features = replace(state.served.features, **changes)
-    state.served.features = features
-    state.api = replace(state.api, features=features)
-
-
-def _engine(state: ServerState, **changes: Any) -> None:
-    if state.served is not None:
-        state.served.engine.reconfigure(**changes)
-
-
-def _loop_detection(state: ServerState, value: str | None) -> None:
-    from mlxcel.chat.loop_guard import parse_operator_override
-
-    _features(state, loop_operator=parse_operator_override(value))
-
-
-def _verbose(state: ServerState, value: bool) -> None:
-    logging.getLogger().setLevel(logging.DEBUG if value else logging.INFO)
-
-
-APPLIERS: dict[str, Applier] = {
-    "reasoning_budget": lambda state, value: _features(state, reasoning_budget=value),
-    "loop_detection": _loop_detection,
-    "max_queue_depth": lambda state, value: _engine(state, max_queue_depth=value),
-    "decode_timeout": lambda state, value: _engine(state, decode_timeout_s=value),
-    "default_n_predict": lambda state, value: _engine(state, n_predict=value),  # sampling defaults (-n, -s)
-    "default_seed": lambda state, value: _engine(state, seed=value),
-    "verbose": _verbose,
-}
-
-
-def apply_live_settings(state: ServerState) -> None:
-    """Re-apply every mutable value that differs from startup (a model attached after a PATCH)."""
-    live = state.live
-    for name, value in live.current.items():
-        if name in APPLIERS and value != live.startup[name]:
-            APPLIERS[name](state, value)
 
 
 def _body(state: ServerState) -> dict[str, Any]:
@@ -79,8 +32,7 @@ async def get_settings(request: Request, state: ServerState) -> JsonReply:
 
 async def patch_settings(request: Request, state: ServerState) -> JsonReply:
     changes, is_replace = _parse_patch(await read_json(request))
-    applied, rejected = state.live.patch(changes, lambda name, value: APPLIERS[name](state, value),
-                                         is_replace=is_replace)
+    applied, rejected = state.live.patch(changes, state.apply_setting, is_replace=is_replace)
     report = {"applied": applied, "rejected": [_rejection(r) for r in rejected]}
     if rejected and not applied:
         first = rejected[0]

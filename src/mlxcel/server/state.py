@@ -1,10 +1,18 @@
-"""The one object an app holds: configuration, the served model once loaded, metrics, lifecycle."""
+"""The one object an app holds: configuration, the served model once loaded, metrics, lifecycle.
+
+It also owns how a live setting (F9) takes effect on what it holds (`APPLIERS`: the served
+model's chat features, the engine, the log level), for `PATCH /v1/settings` and for a model
+attached later. What startup puts beside it (the realtime service, the web UI's model control)
+it holds without importing their modules: the model control only as `ModelActions`.
+"""
 
 from __future__ import annotations
 
+import logging
 import time
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any
+from collections.abc import Callable, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Any, Protocol
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import unavailable
@@ -25,8 +33,15 @@ if TYPE_CHECKING:  # what the startup path built (mlxcel.startup); the server ho
     from mlxcel.workers.rerank import Reranker
     from mlxcel.workers.speech import SpeechSynthesizer
     from mlxcel.workers.whisper import WhisperTranscriber
-    from mlxcel.server.model_control import ModelControl
-    from mlxcel.server.realtime import RealtimeService
+    from mlxcel.api.realtime import RealtimeService
+
+
+class ModelActions(Protocol):
+    """What the state reads of the web UI's model control (server/model_control.ModelControl)."""
+
+    @property
+    def loading(self) -> Mapping[str, str]:
+        """role -> the model id being loaded for it."""
 
 
 class ServerState:
@@ -48,7 +63,7 @@ class ServerState:
         self.is_shutting_down = False
         self.started_at = time.time()  # Process-Start-Time-Unix on /metrics (llama-server)
         self.realtime: RealtimeService | None = None  # /v1/realtime (spec H), set before the app is built
-        self.control: ModelControl | None = None  # --webui's model actions (A5), set before the app is built
+        self.control: ModelActions | None = None  # --webui's model actions (A5), set before the app is built
         if served is not None:
             self.attach(served)
 
@@ -79,13 +94,21 @@ class ServerState:
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.features, aliases=self.config.aliases, tags=self.config.tags,
             lora=served.lora)
-        from mlxcel.server.settings_api import apply_live_settings  # its appliers act on this state
-
         engine = served.engine_config
         for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
                             ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):
             self.live.observe(name, value)  # /props and /v1/settings show what the engine runs with
-        apply_live_settings(self)
+        self.apply_live_settings()
+
+    def apply_setting(self, name: str, value: Any) -> None:
+        """Make the live setting `name` take effect (F9; the value is valid)."""
+        APPLIERS[name](self, value)
+
+    def apply_live_settings(self) -> None:
+        """Re-apply every mutable value that differs from startup (a model attached after a PATCH)."""
+        for name, value in self.live.current.items():
+            if name in APPLIERS and value != self.live.startup[name]:
+                self.apply_setting(name, value)
 
     def detach(self) -> None:
         """Stop routing requests to the served model (A5 unload); in-flight ones keep their context."""
@@ -156,3 +179,43 @@ class ServerState:
         if audio is None or audio.synthesizer is None:
             raise audio_missing("speech synthesis", "a Kokoro or Piper checkpoint", audio.name if audio else None)
         return audio.synthesizer
+
+
+# ---- live settings (F9): how each mutable setting takes effect on the next request ----
+
+Applier = Callable[[ServerState, Any], None]
+
+
+def _features(state: ServerState, **changes: Any) -> None:
+    """Swap the served model's chat features; requests already planned keep theirs."""
+    if state.served is None or state.api is None:
+        return  # nothing attached: `ServerState.attach` applies the live values when a model comes
+    features = replace(state.served.features, **changes)
+    state.served.features = features
+    state.api = replace(state.api, features=features)
+
+
+def _engine(state: ServerState, **changes: Any) -> None:
+    if state.served is not None:
+        state.served.engine.reconfigure(**changes)
+
+
+def _loop_detection(state: ServerState, value: str | None) -> None:
+    from mlxcel.chat.loop_guard import parse_operator_override
+
+    _features(state, loop_operator=parse_operator_override(value))
+
+
+def _verbose(state: ServerState, value: bool) -> None:
+    logging.getLogger().setLevel(logging.DEBUG if value else logging.INFO)
+
+
+APPLIERS: dict[str, Applier] = {
+    "reasoning_budget": lambda state, value: _features(state, reasoning_budget=value),
+    "loop_detection": _loop_detection,
+    "max_queue_depth": lambda state, value: _engine(state, max_queue_depth=value),
+    "decode_timeout": lambda state, value: _engine(state, decode_timeout_s=value),
+    "default_n_predict": lambda state, value: _engine(state, n_predict=value),  # sampling defaults (-n, -s)
+    "default_seed": lambda state, value: _engine(state, seed=value),
+    "verbose": _verbose,
+}

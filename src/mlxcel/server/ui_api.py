@@ -35,10 +35,11 @@ STATS_EVERY_S = 1.0
 
 
 def _control(state: ServerState) -> ModelControl:
-    if state.control is None:
+    control = state.control  # held as its ModelActions view: the state never imports this module's kind
+    if not isinstance(control, ModelControl):
         raise ApiError(404, "the web UI control plane is off: start the server with --webui", "not_found_error",
                        code=404)
-    return state.control
+    return control
 
 
 def guarded(handler: Callable[[Request, ServerState, ModelControl], Awaitable[Response]]) -> Handler:

@@ -12,6 +12,7 @@ import pytest
 
 from mlxcel.api.errors import ApiError
 from mlxcel.api.responses.create import generation_params, parse_create_request
+from mlxcel.api.responses.prompt import chat_options
 from mlxcel.api.responses.items import (
     COMPACTION_HEADING, conversation_turns, media_refs, stored_items, template_tools, to_chat_messages,
 )  # fmt: skip
@@ -172,7 +173,8 @@ def test_f2_sampling_fields_golden() -> None:
                                 "top_logprobs": 2, "include": ["message.output_text.logprobs"],
                                 "extra_body": {"top_k": 5, "seed": 3, "stop": "END", "cache_prompt": False}})
     params = generation_params(FakeContext(), req, {"x-priority": "high"})  # type: ignore[arg-type]
-    assert params.sampling == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=3, max_tokens=7, logprobs=2)
+    sampling = chat_options(req).sampling  # the request's options carry its sampling (issue 17)
+    assert sampling == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=3, max_tokens=7, logprobs=2)
     assert params.stop == ("END",) and params.priority is Priority.HIGH and params.cache_prompt is False
-    default = generation_params(FakeContext(), parse_create_request({"input": "x"}), {})  # type: ignore[arg-type]
-    assert default.sampling == SamplingParams(temperature=1.0, max_tokens=None, logprobs=None)
+    default = chat_options(parse_create_request({"input": "x"})).sampling
+    assert default == SamplingParams(temperature=1.0, max_tokens=None, logprobs=None)

@@ -9,16 +9,17 @@
 - `tools` become OpenAI-style function definitions, the shape templates are written for.
 - image blocks pass the media checks (C2-C5) and are then refused: the served model reads text only.
 
-`chat_options` turns the request's fields into the chat features' options: `thinking` sets the template's
+`chat_options` turns the request's fields into its options: `thinking` sets the template's
 `enable_thinking` (and `budget_tokens` the reasoning budget, R), `tool_choice` auto/any/tool/none
 (any and a named tool by constrained decoding, V), `output_config.format` / `output_format` a
-JSON schema (V); reasoning is remembered for the echo only when thinking is shown (Q).
+JSON schema (V); reasoning is remembered for the echo only when thinking is shown (Q); a Messages
+call's temperature, top_p, top_k and max_tokens are its sampling.
 """
 
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -26,7 +27,7 @@ from mlxcel.api import chat_features
 from mlxcel.api.chat_options import budget_fields, build_chat_options, request_template_kwargs
 from mlxcel.api.anthropic import billing
 from mlxcel.api.anthropic.schemas import (
-    ConversationFields, ImageBlock, Message, TextBlock, ThinkingBlock, Tool,
+    ConversationFields, ImageBlock, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool,
     ToolResultBlock, ToolUseBlock,
 )  # fmt: skip
 from mlxcel.api.context import ApiContext
@@ -37,6 +38,9 @@ from mlxcel.media import MediaKind, MediaRef
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.chat.template_kwargs import TemplateKwargsError
+from mlxcel.types import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -51,28 +55,35 @@ async def render_prompt(ctx: ApiContext, req: ConversationFields, options: Anthr
     return (await prepare_prompt(ctx, req, options))[1]
 
 
-async def prepare_prompt(ctx: ApiContext, req: ConversationFields, options: AnthropicOptions,
-                         max_tokens: int | None = None) -> tuple[ChatPlan, Prompt]:
+async def prepare_prompt(ctx: ApiContext, req: ConversationFields,
+                         options: AnthropicOptions) -> tuple[ChatPlan, Prompt]:
     """The request's chat plan and tokenized prompt; raises ApiError(400) for images, invalid
     chat-feature fields and templates that fail."""
     await reject_images(ctx, req)
     messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
-    plan = chat_features.plan_chat(ctx, chat_options(req, max_tokens), messages)
+    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
     return plan, chat_features.render_plan(ctx, plan)
 
 
-def chat_options(req: ConversationFields, max_tokens: int | None) -> ChatOptions:
-    """The request's chat-feature options: `thinking` as the template's `enable_thinking` (an
-    explicit chat_template_kwargs key wins) and an enabled thinking's `budget_tokens` as the
-    reasoning budget (an explicit thinking_budget_tokens wins); raises ApiError(400)."""
+def chat_options(req: ConversationFields) -> ChatOptions:
+    """The request's options, decided here once: `thinking` as the template's `enable_thinking` (an
+    explicit chat_template_kwargs key wins), an enabled thinking's `budget_tokens` as the
+    reasoning budget (an explicit thinking_budget_tokens wins), and a Messages call's sampling
+    (a token count has none); raises ApiError(400)."""
     choice = req.tool_choice
     output = [("output_format", req.output_format),
               ("output_config.format", req.output_config.format if req.output_config else None)]
     return build_chat_options(
-        req, output=output, tools=template_tools(req.tools),
-        tool_choice=choice.model_dump(exclude_none=True) if choice else None,
-        parallel_tool_calls=not (choice and choice.disable_parallel_tool_use), max_tokens=max_tokens,
+        req, sampling=sampling_params(req) if isinstance(req, MessagesRequest) else None, output=output,
+        tools=template_tools(req.tools), tool_choice=choice.model_dump(exclude_none=True) if choice else None,
+        parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
         template_kwargs=_thinking_kwargs(req), budget=_thinking_budget(req), remembers_reasoning=req.shows_thinking)
+
+
+def sampling_params(req: MessagesRequest) -> SamplingParams:
+    return SamplingParams(temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
+                          max_tokens=req.max_tokens)
 
 
 def _thinking_kwargs(req: ConversationFields) -> dict[str, Any] | None:

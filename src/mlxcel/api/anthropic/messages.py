@@ -33,10 +33,9 @@ from mlxcel.chat.plan import ChatPlan
 from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
-from mlxcel.types import SamplingParams, Usage
+from mlxcel.types import Usage
 
 CLAUDE_PREFIX = "claude-"
-DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
 
 
 def parse_messages_request(body: Any) -> MessagesRequest:
@@ -56,9 +55,8 @@ async def create_message(ctx: ApiContext, req: MessagesRequest, headers: Mapping
                          options: AnthropicOptions) -> Reply:
     """Run one Messages call; raises ApiError (in Anthropic's envelope at the route) before streaming."""
     check_model(ctx, req.model)
-    plan, prompt = await prepare_prompt(ctx, req, options, max_tokens=req.max_tokens)
-    params = GenerationParams(sampling=sampling_params(req), stop=tuple(req.stop_sequences or ()),
-                              priority=request_priority(headers))
+    plan, prompt = await prepare_prompt(ctx, req, options)
+    params = GenerationParams(stop=tuple(req.stop_sequences or ()), priority=request_priority(headers))
     params = chat_features.with_chat_features(params, plan)
     message_id = f"msg_{uuid.uuid4().hex[:24]}"
     generation = Generation.start(ctx, [prompt], params, request_id=message_id)
@@ -95,12 +93,6 @@ def reply_events(reply: ParsedReply) -> list[OutputEvent]:
                    ToolCallArguments(call.index, call.arguments), ToolCallEnd(call.index, call.id, call.name,
                                                                               call.arguments)]
     return events
-
-
-def sampling_params(req: MessagesRequest) -> SamplingParams:
-    return SamplingParams(temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                          max_tokens=req.max_tokens)
 
 
 def collected_blocks(reply: ParsedReply, shows_thinking: bool) -> ContentBlocks:

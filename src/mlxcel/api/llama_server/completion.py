@@ -27,6 +27,7 @@ from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, Com
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, lora_pairs, validate_body
 from mlxcel.api.sse import sse_frame, with_keepalive
+from mlxcel.chat.options import ChatOptions
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import SamplingParams
 
@@ -48,22 +49,28 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     Raises ApiError before any stream starts. Native completions are not counted in the
     request metrics (spec K2 counts chat completions).
     """
-    sampling = sampling_params(ctx.tokenizer, fields)
-    params = GenerationParams(sampling=sampling, stop=fields.stop_words, priority=request_priority(headers),
+    options = completion_options(ctx.tokenizer, fields)
+    params = GenerationParams(stop=fields.stop_words, priority=request_priority(headers),
                               cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None,
                               lora=lora_pairs(fields.lora), report_progress=fields.stream and fields.return_progress)
-    max_tokens = fields.num_predict if fields.num_predict >= 0 else None  # R: a budget must fit in n_predict
-    options = build_chat_options(fields, output=[("response_format", fields.response_format)], max_tokens=max_tokens)
     params = chat_features.with_completion_features(ctx, params, options, prompts)
     generation = Generation.start(ctx, prompts, params, request_id=f"cmpl-{uuid.uuid4().hex}")
-    options = reply_options(ctx, fields, sampling)
+    reply = reply_options(ctx, fields, options.sampling)
     texts = [prompt_text(ctx.tokenizer, p) for p in prompts]
     if fields.stream:
-        frames = _stream_frames(generation, prompts, texts, options)
+        frames = _stream_frames(generation, prompts, texts, reply)
         return StreamReply(with_keepalive(frames, ctx.sse_keepalive_s), on_close=generation.aclose)
     results = await generation.collect()
-    bodies = [final_json(r, texts[r.prompt_index], options) for r in results]
+    bodies = [final_json(r, texts[r.prompt_index], reply) for r in results]
     return JsonReply(bodies[0] if len(bodies) == 1 else bodies)
+
+
+def completion_options(tokenizer: Tokenizer, fields: CompletionFields) -> ChatOptions:
+    """The request's options, decided here once: llama-server's sampling fields and the chat
+    features' (budget, grammar, loop guard: R, V, P); raises ApiError(400)."""
+    max_tokens = fields.num_predict if fields.num_predict >= 0 else None  # R: a budget must fit in n_predict
+    return build_chat_options(fields, sampling=sampling_params(tokenizer, fields, max_tokens), max_tokens=max_tokens,
+                              output=[("response_format", fields.response_format)])
 
 
 def reply_options(ctx: ApiContext, fields: CompletionFields, sampling: SamplingParams) -> ReplyOptions:
@@ -174,17 +181,16 @@ def prompt_text(tokenizer: Tokenizer, prompt: Prompt) -> str:
 
 # ---- sampling ----
 
-def sampling_params(tokenizer: Tokenizer, fields: CompletionFields) -> SamplingParams:
-    """The engine's SamplingParams for llama-server fields (n_predict 0 still samples one token,
-    which the reply drops: the prompt is evaluated into the cache)."""
-    num_predict = fields.num_predict
+def sampling_params(tokenizer: Tokenizer, fields: CompletionFields, max_tokens: int | None) -> SamplingParams:
+    """The engine's SamplingParams for llama-server fields and the request's `max_tokens` (from
+    n_predict; 0 still samples one token, which the reply drops: the prompt is evaluated into the cache)."""
     return SamplingParams(
         temperature=max(fields.temperature, 0.0), top_k=max(fields.top_k, 0), top_p=fields.top_p,
         min_p=fields.min_p, repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty, repeat_last_n=fields.repeat_last_n,
         logit_bias=logit_bias(tokenizer, fields.logit_bias),
         seed=None if fields.seed in (RANDOM_SEED, UINT32_RANDOM_SEED) else fields.seed,
-        max_tokens=None if num_predict < 0 else max(num_predict, 1),
+        max_tokens=None if max_tokens is None else max(max_tokens, 1),
         ignore_eos=fields.ignore_eos, logprobs=fields.n_probs or None,
         is_post_sampling_probs=fields.post_sampling_probs)
 

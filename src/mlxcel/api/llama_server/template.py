@@ -1,6 +1,6 @@
 """llama-server native `POST /apply-template` (F4): the exact prompt /v1/chat/completions would use.
 
-The messages take the chat route's shape and go through the same renderer (api/chat_prompt.py),
+The messages take the chat route's shape (api/openai/messages.py) and go through the same renderer (api/chat_prompt.py),
 so sending the returned `prompt` to `/completion` generates what chat would: server and request
 template kwargs (S) and the reasoning echo (Q) are applied as chat applies them.
 """
@@ -13,6 +13,7 @@ from mlxcel.api import chat_features, chat_prompt
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.llama_server.schemas import ApplyTemplateRequest
+from mlxcel.api.openai.messages import template_messages
 from mlxcel.api.replies import JsonReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 
@@ -24,7 +25,7 @@ def parse_apply_template_request(body: Any) -> ApplyTemplateRequest:
 
 def apply_template(ctx: ApiContext, req: ApplyTemplateRequest) -> JsonReply:
     """`{"prompt": text}` rendered by the served model's chat template; a template failure is a 400."""
-    messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
     options = build_chat_options(req, tools=req.tools, output=[("response_format", req.response_format)])
     plan = chat_features.plan_chat(ctx, options, messages)
     text = chat_prompt.render_chat_text(

@@ -12,7 +12,7 @@ from collections.abc import AsyncIterator, Mapping, Sequence
 from dataclasses import replace
 from typing import Any
 
-from mlxcel.api import chat_features, chat_prompt, control
+from mlxcel.api import chat_features, control
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
@@ -24,6 +24,7 @@ from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.api.media import validate_media
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
+from mlxcel.api.openai.messages import template_messages
 from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
@@ -39,12 +40,17 @@ def parse_chat_request(body: Any) -> ChatCompletionRequest:
     return validate_body(ChatCompletionRequest, flatten_extra_body(body))
 
 
-def chat_options(req: ChatCompletionRequest) -> ChatOptions:
-    """The request's chat-feature options (S, R, Q, P, V); raises ApiError(400)."""
+def chat_options(req: ChatCompletionRequest, ctx: ApiContext | None = None) -> ChatOptions:
+    """The request's options, decided here once: the chat features' (S, R, Q, P, V) and, given the
+    context whose vocabulary the token ids are checked against (a completion, not a count), the
+    sampling; a count keeps only max_tokens (the budget's bound). Raises ApiError(400)."""
+    max_tokens = req.max_completion_tokens or req.max_tokens
+    logprobs = (req.top_logprobs or 0) if req.logprobs else None
+    sampling = None if ctx is None else common.sampling_params(ctx, req, max_tokens=max_tokens, logprobs=logprobs)
     return build_chat_options(
-        req, output=[("response_format", req.response_format)], tools=req.tools,
-        tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
-        max_tokens=_max_tokens(req), reasoning_effort=req.reasoning_effort, reasoning_control=req.reasoning_control)
+        req, sampling=sampling, max_tokens=max_tokens, output=[("response_format", req.response_format)],
+        tools=req.tools, tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls,
+        reasoning_effort=req.reasoning_effort, reasoning_control=req.reasoning_control)
 
 
 async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, headers: Mapping[str, str]) -> Reply:
@@ -53,10 +59,9 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     `headers` (lower-case names) may carry X-Priority. Raises ApiError before any stream starts.
     """
     await validate_media(ctx, media_refs(req))  # C2-C5: resolved and checked first, then refused (text model)
-    plan, prompt = prepare_chat(ctx, req)
-    logprobs = (req.top_logprobs or 0) if req.logprobs else None
-    sampling = common.sampling_params(ctx, req, max_tokens=plan.options.max_tokens, logprobs=logprobs)
-    params = chat_features.with_chat_features(common.generation_params(req, sampling, headers), plan)
+    params = common.generation_params(req, headers)
+    plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx))
+    params = chat_features.with_chat_features(params, plan)
     params = replace(params, report_progress=req.stream and req.return_progress)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
@@ -80,7 +85,7 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
         "usage": common.usage_json(usage), "timings": _timings(results),
     }
     if req.verbose:  # llama-server's debug echo: the native reply, rendered prompt
-        body["__verbose"] = _verbose(ctx, prompt, sampling, results[0])
+        body["__verbose"] = _verbose(ctx, prompt, plan.options.sampling, results[0])
     return JsonReply(body)
 
 
@@ -124,10 +129,13 @@ def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> Json
                       "input_tokens": len(prompt.token_ids)})
 
 
-def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[ChatPlan, Prompt]:
-    """The request's chat plan and its rendered prompt (a failure of either is a 400)."""
-    messages = chat_prompt.template_messages([m.model_dump(exclude_none=True) for m in req.messages])
-    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
+def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest,
+                 options: ChatOptions | None = None) -> tuple[ChatPlan, Prompt]:
+    """The request's chat plan and its rendered prompt (a failure of either is a 400); `options`
+    default to a count's (`chat_options(req)`)."""
+    options = options or chat_options(req)
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    plan = chat_features.plan_chat(ctx, options, messages)
     prompt = chat_features.render_plan(ctx, plan, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)
     return plan, prompt
@@ -136,10 +144,6 @@ def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest) -> tuple[ChatPlan,
 def render_chat_prompt(ctx: ApiContext, req: ChatCompletionRequest) -> Prompt:
     """The prompt the request generates from (template kwargs and reasoning echo applied)."""
     return prepare_chat(ctx, req)[1]
-
-
-def _max_tokens(req: ChatCompletionRequest) -> int | None:
-    return req.max_completion_tokens or req.max_tokens
 
 
 def _choice_json(result: ChoiceResult, want_logprobs: bool) -> dict[str, Any]:

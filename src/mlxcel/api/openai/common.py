@@ -1,4 +1,9 @@
-"""Pieces shared by the OpenAI chat and completions adapters: request fields to engine params, usage."""
+"""Pieces shared by the OpenAI chat and completions adapters: request fields to engine params, usage.
+
+`sampling_params` is the request's `SamplingParams` (which its adapter puts into the
+`ChatOptions`); `generation_params` the rest of its `GenerationParams` (stop strings, priority,
+slot, LoRA), to which the chat features add the options' sampling, processors and parser.
+"""
 
 from __future__ import annotations
 
@@ -90,9 +95,11 @@ def parse_priority(headers: Mapping[str, str]) -> Priority:
         raise invalid_request(f"X-Priority: {exc}") from None
 
 
-def generation_params(req: SamplingFields, sampling: SamplingParams, headers: Mapping[str, str]) -> GenerationParams:
+def generation_params(req: SamplingFields, headers: Mapping[str, str]) -> GenerationParams:
+    """Stop strings, scheduling (X-Priority, slot, prompt cache) and LoRA; the sampling comes with the
+    chat features (api/chat_features.py), from the request's `ChatOptions`."""
     slot = req.id_slot if req.id_slot is not None and req.id_slot >= 0 else None
-    return GenerationParams(sampling=sampling, stop=stop_strings(req.stop), priority=parse_priority(headers),
+    return GenerationParams(stop=stop_strings(req.stop), priority=parse_priority(headers),
                             cache_prompt=req.cache_prompt, slot_id=slot,
                             skip_special_tokens=req.skip_special_tokens, lora=lora_pairs(req.lora))
 

@@ -15,6 +15,7 @@ from mlxcel.api.openai.schemas import CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
+from mlxcel.chat.options import ChatOptions
 
 
 def parse_completion_request(body: Any) -> CompletionRequest:
@@ -25,11 +26,8 @@ def parse_completion_request(body: Any) -> CompletionRequest:
 async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Mapping[str, str]) -> Reply:
     """Run a text completion for one or more prompts, n choices each; raises ApiError before streaming."""
     prompts = completion_prompts(ctx, req.prompt)
-    sampling = common.sampling_params(ctx, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
-    # budget, grammar, loop guard (R, V, P)
-    options = build_chat_options(req, output=[("response_format", req.response_format)], max_tokens=req.max_tokens)
-    params = chat_features.with_completion_features(ctx, common.generation_params(req, sampling, headers), options,
-                                                    prompts)
+    options = completion_options(ctx, req)
+    params = chat_features.with_completion_features(ctx, common.generation_params(req, headers), options, prompts)
     completion_id = common.new_id("cmpl")
     generation = Generation.start(ctx, prompts, params, n=req.n, request_id=completion_id)
     if req.stream:
@@ -42,6 +40,12 @@ async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Ma
                for r in results]
     return JsonReply({"id": completion_id, "object": "text_completion", "created": common.now(),
                       "model": ctx.model_name, "system_fingerprint": common.system_fingerprint(), "choices": choices, "usage": common.usage_json(usage)})
+
+
+def completion_options(ctx: ApiContext, req: CompletionRequest) -> ChatOptions:
+    """The request's sampling and its chat features (budget, grammar, loop guard: R, V, P); raises ApiError(400)."""
+    sampling = common.sampling_params(ctx, req, max_tokens=req.max_tokens, logprobs=req.logprobs)
+    return build_chat_options(req, sampling=sampling, output=[("response_format", req.response_format)])
 
 
 def completion_prompts(ctx: ApiContext, prompt: str | list[str] | list[int] | list[list[int]]) -> list[Prompt]:

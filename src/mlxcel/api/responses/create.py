@@ -22,10 +22,9 @@ from mlxcel.api.responses.stream import Event, event_frame
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import with_keepalive
-from mlxcel.types import Priority, SamplingParams
+from mlxcel.types import Priority
 
 PRIORITY_HEADER = "x-priority"
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 MAX_INPUT_ITEMS_PAGE = 100
 
 
@@ -86,24 +85,10 @@ async def _frames(events: AsyncIterator[Event]) -> AsyncIterator[str]:
 
 
 def generation_params(ctx: ApiContext, req: ResponseCreateRequest, headers: Mapping[str, str]) -> GenerationParams:
-    """Sampling, limits and scheduling of a Responses request (OpenAI names, then llama/vLLM extras)."""
-    top_logprobs = req.top_logprobs or 0
-    sampling = SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=max(req.top_k or 0, 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        seed=req.seed,
-        max_tokens=req.max_output_tokens,
-        ignore_eos=req.ignore_eos,
-        logprobs=top_logprobs if req.wants_logprobs else None,
-    )
+    """Stop strings and scheduling of a Responses request; its sampling and limits are in its
+    `ChatOptions` (prompt.py), which the chat features add."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return GenerationParams(sampling=sampling, stop=stop, priority=parse_priority(headers),
-                            cache_prompt=req.cache_prompt)
+    return GenerationParams(stop=stop, priority=parse_priority(headers), cache_prompt=req.cache_prompt)
 
 
 def parse_priority(headers: Mapping[str, str]) -> Priority:

@@ -5,9 +5,11 @@
     prompt       = template.render(messages, tools=...) -> token ids
 
 Used the same way by create, input_tokens and compact, so `input_tokens` counts exactly the
-prompt a create would run. The chat features plan each render (api/chat_features.py): template
-kwargs, reasoning echo into assistant turns, tools and tool_choice, `text.format`, budget. With `truncation: "auto"` whole turns are dropped from the start
-until the prompt fits the context; with "disabled" an oversized prompt is a 400 (as OpenAI).
+prompt a create would run. The request's `ChatOptions` (chat_options: its sampling and chat
+features) are read here once; the chat features plan each render (api/chat_features.py): template
+kwargs, reasoning echo into assistant turns, tools and tool_choice, `text.format`, budget. With
+`truncation: "auto"` whole turns are dropped from the start until the prompt fits the context;
+with "disabled" an oversized prompt is a 400 (as OpenAI).
 """
 
 from __future__ import annotations
@@ -21,10 +23,13 @@ from mlxcel.api.context import ApiContext
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media
 from mlxcel.api.responses.items import Item, media_refs, stored_items, template_tools, to_chat_messages
-from mlxcel.api.responses.schemas import ConversationFields, parse_input_items
+from mlxcel.api.responses.schemas import ConversationFields, ResponseCreateRequest, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
+from mlxcel.types import SamplingParams
+
+DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,9 +86,27 @@ def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence
 
 
 def chat_options(req: ConversationFields) -> ChatOptions:
-    """The request's chat-feature options (`text.format` the output constraint); raises ApiError(400)."""
+    """The request's options, decided here once: its chat features (`text.format` the output
+    constraint) and, for a create, its sampling (an input-token count has none); raises ApiError(400)."""
     text_format = req.text.format if req.text else None
     output = [("text.format", text_format.model_dump(exclude_none=True, by_alias=True) if text_format else None)]
     return build_chat_options(
-        req, output=output, tools=template_tools(req.tools), tool_choice=req.tool_choice,
-        parallel_tool_calls=req.parallel_tool_calls, max_tokens=getattr(req, "max_output_tokens", None))
+        req, sampling=sampling_params(req) if isinstance(req, ResponseCreateRequest) else None, output=output,
+        tools=template_tools(req.tools), tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+
+
+def sampling_params(req: ResponseCreateRequest) -> SamplingParams:
+    """Sampling and limits of a create (OpenAI names, then llama/vLLM extras)."""
+    return SamplingParams(
+        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
+        top_k=max(req.top_k or 0, 0),
+        top_p=1.0 if req.top_p is None else req.top_p,
+        min_p=req.min_p or 0.0,
+        repetition_penalty=req.repetition_penalty or 1.0,
+        presence_penalty=req.presence_penalty or 0.0,
+        frequency_penalty=req.frequency_penalty or 0.0,
+        seed=req.seed,
+        max_tokens=req.max_output_tokens,
+        ignore_eos=req.ignore_eos,
+        logprobs=(req.top_logprobs or 0) if req.wants_logprobs else None,
+    )

@@ -4,10 +4,11 @@
 begin and end. `ArgumentsStream` turns the raw text of a call's `arguments` value into
 fragments whose concatenation always parses: separators and keys are held back until the next
 value starts, raw control characters inside strings are escaped, and `end()` closes whatever a
-truncated reply left open. `CallObjectStream` reads one call object (`{"name": ..,
-"arguments": ..}`, also the OpenAI-shaped `{"type": "function", "function": {..}}`), and
-`JsonCallsReader` reads a call object, an array of them, or a `{"tool_calls": [..]}` /
-`{"tool_call": {..}}` wrapper.
+truncated reply left open. Three `ValueReader`s (one JSON value through its own scanner, up to
+its end or a syntax error) emit the call events: `CallObjectStream` reads one call object
+(`{"name": .., "arguments": ..}`, also the OpenAI-shaped `{"type": "function", "function": {..}}`),
+`JsonCallsReader` a call object, an array of them, or a `{"tool_calls": [..]}` /
+`{"tool_call": {..}}` wrapper, and `NamedArgumentsCall` the arguments of a call named outside the JSON.
 """
 
 from __future__ import annotations
@@ -441,7 +442,34 @@ class _StringDecoder:
 IdFactory = Callable[[], str]
 
 
-class CallObjectStream:
+class ValueReader:
+    """Reads one JSON value through its own scanner, a character at a time, up to the value's end
+    or a syntax error; `_step` does what each reader does with a character (the `CallsReader` shape)."""
+
+    def __init__(self) -> None:
+        self.scanner = JsonScanner()
+
+    @property
+    def is_done(self) -> bool:
+        return self.scanner.is_done
+
+    @property
+    def is_error(self) -> bool:
+        return self.scanner.is_error
+
+    def feed(self, text: str, out: list[OutputEvent]) -> int:
+        """Read `text`; returns how many characters belonged to the JSON value (up to an error)."""
+        for i, ch in enumerate(text):
+            if self.scanner.is_done or self.scanner.is_error or not self._step(ch, out):
+                return i
+        return len(text)
+
+    def _step(self, ch: str, out: list[OutputEvent]) -> bool:
+        """Read one character; False when it broke the syntax and is not this value's."""
+        raise NotImplementedError
+
+
+class CallObjectStream(ValueReader):
     """One call object, from its `{` to its `}`; emits start/arguments/end events.
 
     The name is emitted once, as soon as it is known; argument text read before the name is
@@ -449,9 +477,9 @@ class CallObjectStream:
     """
 
     def __init__(self, next_index: Callable[[], int], new_id: IdFactory) -> None:
+        super().__init__()
         self._next_index = next_index
         self._new_id = new_id
-        self.scanner = JsonScanner()
         self._members = {1}  # depths whose keys are call members (2 inside "function": {...})
         self._capture: str | None = None  # the member whose value is being read
         self._capture_depth = -1
@@ -462,26 +490,10 @@ class CallObjectStream:
         self.id = ""
         self.name: str | None = None
 
-    @property
-    def is_complete(self) -> bool:
-        return self.scanner.is_done
-
-    @property
-    def is_error(self) -> bool:
-        return self.scanner.is_error
-
-    def feed(self, text: str, out: list[OutputEvent]) -> int:
-        """Read `text`; returns how many characters belong to this call object."""
-        for i, ch in enumerate(text):
-            if self.scanner.is_done or self.scanner.is_error:
-                return i
-            self._step(ch, out)
-        return len(text)
-
-    def _step(self, ch: str, out: list[OutputEvent]) -> None:
+    def _step(self, ch: str, out: list[OutputEvent]) -> bool:
         events = self.scanner.step(ch)
         if self.scanner.is_error:
-            return
+            return True  # counted as read: the next character finds the reader failed
         for event in events:
             self._on_event(event, ch)
         if self._capture == "name":
@@ -491,6 +503,7 @@ class CallObjectStream:
         for event in events:
             if event.kind is Event.VALUE_END and event.depth == self._capture_depth:
                 self._finish_member(out)
+        return True
 
     def _on_event(self, event: ScanEvent, ch: str) -> None:
         if self._capture is None and event.kind is Event.VALUE_START and event.depth in self._members:
@@ -535,7 +548,7 @@ class CallObjectStream:
     def close(self, out: list[OutputEvent]) -> bool:
         """End the call (complete or cut off); False when it never got a name (nothing emitted)."""
         if self.index is None or self.name is None:
-            if not self.is_complete:
+            if not self.is_done:
                 log.debug("dropping a tool call without a function name")
             return False
         args = self._arguments()
@@ -544,7 +557,7 @@ class CallObjectStream:
         return True
 
 
-class JsonCallsReader:
+class JsonCallsReader(ValueReader):
     """Reads the JSON that holds one or more calls, in any of the shapes models write.
 
     Shapes: a call object; an array of call objects; `{"tool_calls": [call, ...]}`;
@@ -553,33 +566,21 @@ class JsonCallsReader:
     """
 
     def __init__(self, next_index: Callable[[], int], new_id: IdFactory) -> None:
+        super().__init__()
         self._next_index = next_index
         self._new_id = new_id
-        self.scanner = JsonScanner()
         self._shape: str | None = None  # "call", "array", "wrapper" or "other"
         self._pending: list[str] = []  # the top object's text until its first key decides the shape
         self._wrapper_key = ""  # the current key of the top object (wrapper shape)
         self._call: CallObjectStream | None = None
 
-    @property
-    def is_done(self) -> bool:
-        return self.scanner.is_done
-
-    @property
-    def is_error(self) -> bool:
-        return self.scanner.is_error
-
-    def feed(self, text: str, out: list[OutputEvent]) -> int:
-        """Read `text`; returns how many characters belonged to the JSON value (up to an error)."""
-        for i, ch in enumerate(text):
-            if self.scanner.is_done or self.scanner.is_error:
-                return i
-            events = self.scanner.step(ch)
-            if self.scanner.is_error:
-                self.close(out)
-                return i
-            self._route(ch, events, out)
-        return len(text)
+    def _step(self, ch: str, out: list[OutputEvent]) -> bool:
+        events = self.scanner.step(ch)
+        if self.scanner.is_error:
+            self.close(out)
+            return False
+        self._route(ch, events, out)
+        return True
 
     def _route(self, ch: str, events: list[ScanEvent], out: list[OutputEvent]) -> None:
         if self._shape is None:
@@ -592,7 +593,7 @@ class JsonCallsReader:
             self._call = CallObjectStream(self._next_index, self._new_id)
         if self._call is not None:
             self._call.feed(ch, out)
-            if self._call.is_complete or self._call.is_error:
+            if self._call.is_done or self._call.is_error:
                 self._end_call(out)
 
     def _decide(self, ch: str, events: list[ScanEvent], out: list[OutputEvent]) -> None:
@@ -636,36 +637,25 @@ class JsonCallsReader:
         self._end_call(out)
 
 
-class NamedArgumentsCall:
+class NamedArgumentsCall(ValueReader):
     """A call whose name came outside the JSON (Mistral's `[TOOL_CALLS]name[ARGS]{...}`):
     only the arguments object is read."""
 
     def __init__(self, index: int, call_id: str, name: str, out: list[OutputEvent]) -> None:
+        super().__init__()
         self.index, self.id, self.name = index, call_id, name
-        self.scanner = JsonScanner()
         self._args = ArgumentsStream()
         self._is_started = False  # the arguments value began (whitespace before it is skipped)
         out.append(ToolCallStart(index, call_id, name))
 
-    @property
-    def is_done(self) -> bool:
-        return self.scanner.is_done
-
-    @property
-    def is_error(self) -> bool:
-        return self.scanner.is_error
-
-    def feed(self, text: str, out: list[OutputEvent]) -> int:
-        for i, ch in enumerate(text):
-            if self.scanner.is_done or self.scanner.is_error:
-                return i
-            events = self.scanner.step(ch)
-            if self.scanner.is_error:
-                return i
-            self._is_started = self._is_started or bool(events)
-            if self._is_started:
-                self._emit(self._args.feed(ch), out)
-        return len(text)
+    def _step(self, ch: str, out: list[OutputEvent]) -> bool:
+        events = self.scanner.step(ch)
+        if self.scanner.is_error:
+            return False
+        self._is_started = self._is_started or bool(events)
+        if self._is_started:
+            self._emit(self._args.feed(ch), out)
+        return True
 
     def _emit(self, fragment: str, out: list[OutputEvent]) -> None:
         if fragment:
