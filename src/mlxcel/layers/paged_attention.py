@@ -103,10 +103,11 @@ def _paged_decode_attention_fake(q: torch.Tensor, k_cache: torch.Tensor, v_cache
 def _triton_kernel() -> bool:
     """Registers the CUDA kernel of the op on first use; False where Triton is missing or fails."""
     try:
-        import mlxcel.layers.paged_attention_triton  # noqa: F401 - registers the CUDA kernel
+        from mlxcel.layers.paged_attention_triton import paged_decode_attention_cuda
     except Exception as e:  # noqa: BLE001 - no Triton (or a broken one): the tensor-op path stays
         log.warning("paged attention: no Triton kernel on CUDA (%s); decode attention stays on tensor ops", e)
         return False
+    paged_decode_attention.register_kernel("cuda")(paged_decode_attention_cuda)
     return True
 
 

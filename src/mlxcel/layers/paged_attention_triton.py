@@ -6,7 +6,8 @@ layer at batch 1, 40 % of the step. These two Triton kernels read each row's key
 their cache slots in fixed chunks of keys (flash-decoding: a chunk's partial softmax, then an
 exact merge of the chunks in order), so a layer's attention is two launches.
 
-Imported only where CUDA and Triton are (paged_attention.supports); the CPU build never sees it.
+Imported only where CUDA and Triton are (paged_attention.supports registers it as the op's CUDA
+kernel); the CPU build never sees it.
 """
 
 from __future__ import annotations
@@ -14,8 +15,6 @@ from __future__ import annotations
 import torch
 import triton
 import triton.language as tl
-
-from mlxcel.layers.paged_attention import paged_decode_attention
 
 CHUNK = 128  # keys a program reads: a row's chunks are key indices, whatever the batch
 BLOCK = 64  # keys a loop iteration loads (a multiple of every KEY_ALIGN bucket)
@@ -81,10 +80,10 @@ def _merge_kernel(m_ptr, l_ptr, acc_ptr, out_ptr, num_chunks, dim,
     tl.store(out_ptr + head * dim + d, out.to(out_ptr.dtype.element_ty), mask=d_ok)
 
 
-@paged_decode_attention.register_kernel("cuda")
-def _paged_decode_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
-                                 key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, scale: float,
-                                 window: int) -> torch.Tensor:
+def paged_decode_attention_cuda(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                                key_slots: torch.Tensor, key_pos: torch.Tensor, q_pos: torch.Tensor, scale: float,
+                                window: int) -> torch.Tensor:
+    """The op's CUDA kernel (paged_attention.py registers it): the same contract as the CPU one."""
     rows, q_heads, dim = q.shape
     kv_heads, num_keys = k_cache.shape[1], key_slots.shape[1]
     group = q_heads // kv_heads
