@@ -3,8 +3,10 @@
 With `return_progress: true` a stream gets one event per prefill chunk before the generated text,
 carrying `prompt_progress` = {total, cache, processed, time_ms}; `processed` counts the cached
 tokens too, so the last event's equals `total` (llama.cpp tools/server/tests test_return_progress).
-`timings_per_token: true` puts a `timings` object on every event. The engine here prefills 32
-tokens a step, so a 100-token prompt takes several chunks.
+`timings_per_token: true` puts a `timings` object on every event. Both hold on /completion,
+/v1/chat/completions, /v1/completions and /v1/responses streams (there a prefill chunk is one more
+`response.in_progress` event, as llama-server's test_responses_stream_with_llama_telemetry reads it).
+The engine here prefills 32 tokens a step, so a 100-token prompt takes several chunks.
 """
 
 from __future__ import annotations
@@ -109,6 +111,54 @@ def test_chat_stream_progress_chunks_carry_the_role_delta_and_timings(chunked: h
     assert after[-1]["choices"][0]["finish_reason"] == "length"
 
 
+def test_v1_completions_stream_reports_progress_then_times_every_chunk(chunked: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "cache_prompt": False, "return_progress": True,
+            "timings_per_token": True, "stream_options": {"include_usage": True}}
+    events = stream_events(chunked, "/v1/completions", body)
+    progress = check_progress(events)
+    count = len(progress)
+    assert count >= 3 and all("prompt_progress" in e for e in events[:count])
+    for event in events[:count]:
+        assert event["object"] == "text_completion"
+        assert event["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+        assert event["timings"]["predicted_n"] == 0 and event["timings"]["cache_n"] == event["prompt_progress"]["cache"]
+    text, usage = events[count:-1], events[-1]
+    assert text and all("timings" in e and "prompt_progress" not in e for e in text)
+    predicted = [e["timings"]["predicted_n"] for e in text]
+    assert predicted == sorted(predicted) and predicted[-1] == 4 and text[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["timings"]["predicted_n"] == 4 and usage["timings"]["prompt_n"] == progress[-1]["total"]
+    assert all(math.isfinite(v) for e in events for v in e["timings"].values())
+
+
+def test_responses_stream_progress_is_in_progress_events_and_deltas_are_timed(chunked: httpx.Client) -> None:
+    body = {"input": PROMPT, "max_output_tokens": 5, "temperature": 0, "cache_prompt": False, "store": False,
+            "return_progress": True, "timings_per_token": True}
+    events = stream_events(chunked, "/v1/responses", body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    progress = check_progress(events)
+    assert len(progress) >= 3 and "prompt_progress" not in events[1]  # the lifecycle's own in_progress first
+    for event in (e for e in events if "prompt_progress" in e):
+        assert event["type"] == "response.in_progress" and event["response"]["status"] == "in_progress"
+        assert event["timings"]["predicted_n"] == 0
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("timings" in e for e in deltas)  # a step's last event carries its timings
+    predicted = [e["timings"]["predicted_n"] for e in deltas]
+    assert predicted == sorted(predicted) and predicted[-1] <= 5
+    final = events[-1]
+    assert final["type"] == "response.incomplete"  # OpenAI: max_output_tokens ends it incomplete
+    assert final["timings"]["predicted_n"] == final["response"]["usage"]["output_tokens"] == 5
+    assert final["timings"]["prompt_n"] == progress[-1]["total"]
+
+
+def test_responses_stream_without_the_flags_times_only_its_end(chunked: httpx.Client) -> None:
+    events = stream_events(chunked, "/v1/responses", {"input": PROMPT, "max_output_tokens": 2, "store": False})
+    assert not any("prompt_progress" in e or "timings" in e for e in events[:-1])
+    assert [e["type"] for e in events].count("response.in_progress") == 1
+    assert events[-1]["timings"]["predicted_n"] == 2  # llama-server: the final timings on the terminal event
+
+
 def test_completion_timings_per_token_times_every_event(chunked: httpx.Client) -> None:
     events = stream_events(chunked, "/completion", {"prompt": "I believe", "n_predict": 4, "temperature": 0,
                                                     "timings_per_token": True})
@@ -126,3 +176,6 @@ def test_no_progress_unless_asked_and_none_without_a_stream(chunked: httpx.Clien
     chat = chunked.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
                                                       "max_tokens": 2, "return_progress": True})
     assert chat.status_code == 200 and "prompt_progress" not in chat.json()
+    legacy = chunked.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "return_progress": True})
+    assert legacy.status_code == 200 and "prompt_progress" not in legacy.json()
+    assert legacy.json()["timings"]["predicted_n"] == 2  # llama-server's timings beside usage, as chat
