@@ -109,8 +109,9 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class PromptProgress:
-    """llama-server's `prompt_progress` after one prefill chunk: `processed` counts the prompt tokens
-    in the slot so far, the `cache` hits included, so the last chunk's equals `total`."""
+    """llama-server's `prompt_progress`, sent once before the first prefill chunk (processed == cache)
+    and after each chunk: `processed` counts the prompt tokens in the slot so far, the `cache` hits
+    included, so the last chunk's equals `total`."""
 
     total: int
     cache: int
@@ -124,7 +125,7 @@ class TokenEvent:
 
     `token_ids` holds the new tokens (more than one after an accepted speculative draft).
     The last event of a request carries `finish_reason`. A request with `report_progress` also gets
-    events with `progress` set and no tokens, one after each of its prefill chunks.
+    events with `progress` set and no tokens: one before its first prefill chunk, one after each.
     """
 
     request_id: str

@@ -1,8 +1,10 @@
 """llama-server's `return_progress` and `timings_per_token` stream fields, through the real server on SmolLM2.
 
-With `return_progress: true` a stream gets one event per prefill chunk before the generated text,
-carrying `prompt_progress` = {total, cache, processed, time_ms}; `processed` counts the cached
-tokens too, so the last event's equals `total` (llama.cpp tools/server/tests test_return_progress).
+With `return_progress: true` a stream gets, before the generated text, one event before the first
+prefill chunk (processed == cache: llama-server's "0 %" update, timed prompt_n 0 and prompt_ms 0)
+and one after each chunk, carrying `prompt_progress` = {total, cache, processed, time_ms};
+`processed` counts the cached tokens too, so the last event's equals `total` (llama.cpp
+tools/server/tests test_return_progress, test_metrics_timings_on_prompt_progress).
 `timings_per_token: true` puts a `timings` object on every event. Both hold on /completion,
 /v1/chat/completions, /v1/completions and /v1/responses streams (there a prefill chunk is one more
 `response.in_progress` event, as llama-server's test_responses_stream_with_llama_telemetry reads it).
@@ -59,8 +61,9 @@ def check_progress(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         assert after["processed"] > before["processed"] and after["time_ms"] >= before["time_ms"]
     last = progress[-1]
     assert last["total"] > 0 and last["processed"] == last["total"]
-    assert progress[0]["processed"] - last["cache"] <= CHUNK  # the first chunk's tokens, after the cache hit
-    assert len(progress) == math.ceil((last["total"] - last["cache"]) / CHUNK)
+    assert progress[0]["processed"] == last["cache"]  # the "0 %" event, before any chunk
+    assert progress[1]["processed"] - last["cache"] <= CHUNK  # the first chunk's tokens, after the cache hit
+    assert len(progress) == 1 + math.ceil((last["total"] - last["cache"]) / CHUNK)
     assert all(set(p) == {"total", "cache", "processed", "time_ms"} for p in progress)
     return progress
 
@@ -84,7 +87,7 @@ def test_a_cached_prefix_counts_in_processed_and_needs_fewer_chunks(chunked: htt
     stream_events(chunked, "/completion", body)  # fills the prefix cache
     events = stream_events(chunked, "/completion", body)
     progress = check_progress(events)
-    assert progress[-1]["cache"] > 0 and len(progress) == 1  # the rest of the last 16-token block
+    assert progress[-1]["cache"] > 0 and len(progress) == 2  # 0 %, then the rest of the last 16-token block
     assert events[-1]["tokens_cached"] == progress[-1]["cache"]
 
 
@@ -102,6 +105,9 @@ def test_chat_stream_progress_chunks_carry_the_role_delta_and_timings(chunked: h
         timings = event["timings"]
         assert timings["predicted_n"] == 0 and timings["cache_n"] == event["prompt_progress"]["cache"]
         assert timings["prompt_n"] == event["prompt_progress"]["processed"] - event["prompt_progress"]["cache"]
+    assert with_progress[0]["timings"]["prompt_n"] == 0 and with_progress[0]["timings"]["prompt_ms"] == 0.0
+    prompt_ms = [e["timings"]["prompt_ms"] for e in with_progress]
+    assert prompt_ms == sorted(prompt_ms) and prompt_ms[-1] > 0  # llama.cpp's timings_on_prompt_progress
     after = events[events.index(with_progress[-1]) + 1:]
     assert after and all("timings" in e for e in after)  # every chunk after the prompt: live timings
     predicted = [e["timings"]["predicted_n"] for e in after]

@@ -335,6 +335,7 @@ class EngineCore:
             return
         self.scheduler.attach_drafts(out)
         reporting = _reporting_progress(out)
+        self._emit_progress([s for s in reporting if s.num_computed_tokens == s.num_cached_tokens])  # the 0 % event
         try:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server
@@ -397,8 +398,8 @@ class EngineCore:
         return sampled
 
     def _emit_progress(self, seqs: list[Sequence]) -> None:
-        """A PromptProgress event for each sequence that asked for one and computed a prompt chunk
-        this step; sent before the step's tokens, as llama-server sends it after each batch."""
+        """A PromptProgress event for each sequence that asked for one: before its first prefill chunk
+        (processed == cache, llama-server's "0 %" update) and after each chunk, before the step's tokens."""
         now = time.monotonic()
         for seq in seqs:
             sink = self._sinks.get(seq.request_id)

@@ -149,12 +149,13 @@ def progress_json(progress: PromptProgress) -> dict[str, int]:
 
 
 def progress_timings_json(progress: PromptProgress) -> dict[str, Any]:
-    """`timings` of a progress event (timings_per_token): the prompt so far, nothing predicted yet.
+    """`timings` of a progress event (timings_per_token): the prompt so far, nothing predicted yet;
+    the "0 %" event before the first chunk has prompt_n 0 and prompt_ms 0, as llama-server's.
 
     NOTE: llama-server reports its last finished prompt time here (stale while a prompt runs);
     the elapsed time is the honest one, and every field stays finite."""
     prompt_n = progress.processed - progress.cache
-    prompt_ms = float(progress.time_ms)
+    prompt_ms = float(progress.time_ms) if prompt_n else 0.0
     return {
         "cache_n": progress.cache,
         "prompt_n": prompt_n, "prompt_ms": prompt_ms,
