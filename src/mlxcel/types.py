@@ -136,6 +136,8 @@ class TokenEvent:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     progress: PromptProgress | None = None
+    num_drafted: int = 0  # the request's draft tokens verified so far (B1-B4; llama-server timings.draft_n)
+    num_draft_accepted: int = 0  # of those, the ones the target accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -219,6 +221,7 @@ class DraftStats:
     draft_model: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    num_rounds: int = 0  # verify steps (llamacpp:spec_decode_num_drafts_total)
 
     @property
     def acceptance_rate(self) -> float:

@@ -221,7 +221,8 @@ class EngineCore:
             return DraftStats()
         return DraftStats(kind=drafts.kind, draft_max=spec.draft_max, draft_min=spec.draft_min,
                           max_batch=spec.max_batch, draft_model=spec.draft_model,
-                          num_drafted=drafts.num_drafted, num_accepted=drafts.num_accepted)
+                          num_drafted=drafts.num_drafted, num_accepted=drafts.num_accepted,
+                          num_rounds=drafts.num_rounds)
 
     def _slot_stats(self, slot_id: int) -> SlotStats:
         seq = next((q for q in self.scheduler.running if q.slot_id == slot_id), None)
@@ -422,7 +423,8 @@ class EngineCore:
             if sink is not None:
                 sink(TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
                                 num_prompt_tokens=seq.num_prompt_tokens,
-                                num_cached_tokens=seq.num_cached_tokens))
+                                num_cached_tokens=seq.num_cached_tokens, num_drafted=seq.num_drafted,
+                                num_draft_accepted=seq.num_draft_accepted))
 
     def _fail(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:

@@ -121,11 +121,13 @@ def _prob(entry: LogprobText) -> dict[str, Any]:
 def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
     """Prefill counts only the prompt tokens not served from the cache (cache_n). The generation
     rate is over decode steps, as llama-server's: the first token comes from the prompt's logits,
-    so predicted_ms (first token to last) spans predicted_n - 1 steps."""
+    so predicted_ms (first token to last) spans predicted_n - 1 steps. A speculating choice adds
+    `draft_n` and `draft_n_accepted`, as llama-server does once a draft was verified."""
     prompt_n = result.num_prompt_tokens - result.num_cached_tokens
     prompt_ms = result.timings.prefill_s * 1000.0
     predicted_ms = result.timings.decode_s * 1000.0
     num_steps = max(num_predicted - 1, 0)
+    drafts = {"draft_n": result.num_drafted, "draft_n_accepted": result.num_draft_accepted}
     return {
         "cache_n": result.num_cached_tokens,
         "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -134,6 +136,7 @@ def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
         "predicted_n": num_predicted, "predicted_ms": predicted_ms,
         "predicted_per_token_ms": _per_token_ms(predicted_ms, num_steps),
         "predicted_per_second": _per_second(predicted_ms, num_steps),
+        **(drafts if result.num_drafted else {}),
     }
 
 
