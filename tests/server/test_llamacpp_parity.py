@@ -133,18 +133,20 @@ def test_chat_replies_carry_timings_and_a_null_role_chunk_content(client: httpx.
     assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
 
 
-def test_server_n_predict_caps_requests_and_server_seed_fills_theirs(
+def test_server_n_predict_and_seed_fill_the_requests_that_set_none(
         served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    """-n is llama-server's default, not a cap: a request's own n_predict wins (test_speculative's
+    test_with_ctx_shift asks 256 of a -n 64 server)."""
     model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=512, n_predict=4, seed=42))
     try:
         with httpx.Client(base_url=start_server(model, CONFIG).address, timeout=120) as http:
             body = {"prompt": "Once upon a time", "temperature": 1.0}  # no n_predict, no seed
             first, second = (http.post("/completion", json=body).json() for _ in range(2))
-            capped = http.post("/completion", json={**body, "n_predict": 50}).json()
+            own = http.post("/completion", json={**body, "n_predict": 6, "ignore_eos": True}).json()
             params = http.get("/props").json()["default_generation_settings"]["params"]
     finally:
         model.close(30)
-    assert first["tokens_predicted"] == capped["tokens_predicted"] == 4 and first["stop_type"] == "limit"
+    assert first["tokens_predicted"] == 4 and first["stop_type"] == "limit" and own["tokens_predicted"] == 6
     assert first["content"] == second["content"]  # sampled at temperature 1 with the server's seed both times
     assert (params["seed"], params["n_predict"]) == (42, 4)
 

@@ -166,10 +166,11 @@ class EngineCore:
             self._inbox.put(("add", (request, sink)))
 
     def _apply_server_defaults(self, request: Request) -> None:
-        """--n-predict caps max_tokens and --seed fills a missing seed, as llama-server's -n and -s do."""
-        sampling, cap = request.sampling, self.config.n_predict
-        if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
-            sampling = replace(sampling, max_tokens=cap)
+        """--n-predict fills a missing max_tokens and --seed a missing seed, as llama-server's -n and -s do
+        ("the per-request limit takes priority over the global one")."""
+        sampling, default = request.sampling, self.config.n_predict
+        if default > 0 and sampling.max_tokens is None:
+            sampling = replace(sampling, max_tokens=default)
         if self.config.seed >= 0 and sampling.seed is None:
             sampling = replace(sampling, seed=self.config.seed)
         request.sampling = sampling
