@@ -69,7 +69,7 @@ class EngineConfig:
     # an engine built in code runs eagerly unless asked, so it pays no compile time.
     decode_step: str = "eager"
     compile_cache_dir: str | None = None  # where compiled decode steps persist (under --models-dir)
-    n_predict: int = -1  # --n-predict: cap on every request's max_tokens; -1 = none
+    n_predict: int = -1  # --n-predict: max_tokens of requests that set none; -1 = none
     seed: int = -1  # --seed: the seed of requests that name none; -1 = random per request
     speculative: SpeculativeConfig = field(default_factory=SpeculativeConfig)  # B1-B4
 

@@ -380,9 +380,9 @@ SETTINGS: tuple[Setting, ...] = (
        group="engine"),
     _s("no_compile", BOOL, False, "run decode steps eagerly, op by op (as --decode-step eager): no compile time "
        "at startup", ("--no-compile",), "MLXCEL_NO_COMPILE", group="engine", action="on"),
-    _s("default_n_predict", integer(minimum=-1), -1, "most tokens one request generates, whatever it asks (-1 = "
-       "no server limit: the request's own, else until its context is full)", ("-n", "--n-predict", "--predict"),
-       "LLAMA_ARG_N_PREDICT", metavar="N", group="engine", is_mutable=True),
+    _s("default_n_predict", integer(minimum=-1), -1, "most tokens a request that sets no limit generates (its "
+       "own max_tokens / n_predict wins, as llama-server's; -1 = until its context is full)",
+       ("-n", "--n-predict", "--predict"), "LLAMA_ARG_N_PREDICT", metavar="N", group="engine", is_mutable=True),
     _s("default_seed", integer(minimum=-1), -1, "sampling seed of requests that name none (-1 = a fresh random "
        "seed per request)", ("-s", "--seed"), (), metavar="SEED", group="engine", is_mutable=True),
     _s("decode_timeout", SECONDS, 600.0, "abort a request that produces no token for this long (not applied to "

@@ -115,8 +115,9 @@ class TokenLogprob:
 
 @dataclass(frozen=True, slots=True)
 class PromptProgress:
-    """llama-server's `prompt_progress` after one prefill chunk: `processed` counts the prompt tokens
-    in the slot so far, the `cache` hits included, so the last chunk's equals `total`."""
+    """llama-server's `prompt_progress`, sent once before the first prefill chunk (processed == cache)
+    and after each chunk: `processed` counts the prompt tokens in the slot so far, the `cache` hits
+    included, so the last chunk's equals `total`."""
 
     total: int
     cache: int
@@ -130,7 +131,7 @@ class TokenEvent:
 
     `token_ids` holds the new tokens (more than one after an accepted speculative draft).
     The last event of a request carries `finish_reason`. A request with `report_progress` also gets
-    events with `progress` set and no tokens, one after each of its prefill chunks.
+    events with `progress` set and no tokens: one before its first prefill chunk, one after each.
     """
 
     request_id: str
@@ -141,6 +142,8 @@ class TokenEvent:
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
     progress: PromptProgress | None = None
+    num_drafted: int = 0  # the request's draft tokens verified so far (B1-B4; llama-server timings.draft_n)
+    num_draft_accepted: int = 0  # of those, the ones the target accepted
 
 
 @dataclass(frozen=True, slots=True)
@@ -224,6 +227,7 @@ class DraftStats:
     draft_model: str | None = None
     num_drafted: int = 0
     num_accepted: int = 0
+    num_rounds: int = 0  # verify steps (llamacpp:spec_decode_num_drafts_total)
 
     @property
     def acceptance_rate(self) -> float:

@@ -60,7 +60,8 @@ def test_chunked_prefill_equals_reference(tiny_model) -> None:
 
 
 def test_report_progress_sends_one_event_per_prefill_chunk_before_the_tokens(tiny_model) -> None:
-    """llama-server return_progress: `processed` counts the cached tokens too and ends at `total`."""
+    """llama-server return_progress: a "0 %" event (processed == cache) before the first chunk, then one
+    per chunk; `processed` counts the cached tokens too and ends at `total`."""
     client = make_engine(tiny_model, max_num_batched_tokens=16)
 
     async def events(request_id: str, report: bool) -> list[TokenEvent]:
@@ -72,11 +73,11 @@ def test_report_progress_sends_one_event_per_prefill_chunk_before_the_tokens(tin
     finally:
         client.core.stop(10)
     progress = [e.progress for e in cold if e.progress is not None]
-    assert [p.processed for p in progress] == [16, 32, 48, 57] and {p.total for p in progress} == {57}
-    assert all(e.progress is not None and not e.token_ids for e in cold[:4]) and cold[4].token_ids
-    assert [e.token_ids for e in cold[4:]] == [e.token_ids for e in plain]  # the tokens are unchanged
+    assert [p.processed for p in progress] == [0, 16, 32, 48, 57] and {p.total for p in progress} == {57}
+    assert all(e.progress is not None and not e.token_ids for e in cold[:5]) and cold[5].token_ids
+    assert [e.token_ids for e in cold[5:]] == [e.token_ids for e in plain]  # the tokens are unchanged
     warm_progress = [e.progress for e in warm if e.progress is not None]
-    assert [(p.cache, p.processed) for p in warm_progress] == [(56, 57)]  # only the recomputed tail
+    assert [(p.cache, p.processed) for p in warm_progress] == [(56, 56), (56, 57)]  # 0 %, the recomputed tail
     assert all(e.progress is None for e in plain)
 
 

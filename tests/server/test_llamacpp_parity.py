@@ -3,7 +3,11 @@
 Each test here failed before the fix it names (issue 16, bench/RELIABILITY.md "llama.cpp server
 tests"): llama-server's `llamacpp:*` metric names with their TYPE and HELP lines and honest values,
 the `Process-Start-Time-Unix` header in llama-server's casing on the wire, /slots' `next_token`
-list, and `seed` in /props' default generation settings.
+list, and `seed` in /props' default generation settings; from the later rerun, `draft_n` /
+`draft_n_accepted` in the timings of a speculating request and the `spec_decode_*` counters
+(test_speculative), and every --alias accepted as the model of /v1/messages (test_compat_anthropic,
+whose requests name the model "test"). The rerun's `return_progress` gap (the "0 %" event before
+the first prefill chunk) is tested in test_prompt_progress.py with the rest of that feature.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from urllib.parse import urlsplit
 import httpx
 import pytest
 
-from mlxcel.config import EngineConfig
+from mlxcel.config import EngineConfig, SpeculativeConfig
 from mlxcel.runtime import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
@@ -129,19 +133,21 @@ def test_chat_replies_carry_timings_and_a_null_role_chunk_content(client: httpx.
     assert chunks[-1]["choices"] == [] and chunks[-1]["timings"]["predicted_n"] == chunks[-1]["usage"]["completion_tokens"]
 
 
-def test_server_n_predict_caps_requests_and_server_seed_fills_theirs(
+def test_server_n_predict_and_seed_fill_the_requests_that_set_none(
         served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    """-n is llama-server's default, not a cap: a request's own n_predict wins (test_speculative's
+    test_with_ctx_shift asks 256 of a -n 64 server)."""
     model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=512, n_predict=4, seed=42))
     try:
         with httpx.Client(base_url=start_server(model, CONFIG).address, timeout=120) as http:
             body = {"prompt": "Once upon a time", "temperature": 1.0}  # no n_predict, no seed
             first, second = (http.post("/completion", json=body).json() for _ in range(2))
-            capped = http.post("/completion", json={**body, "n_predict": 50}).json()
+            own = http.post("/completion", json={**body, "n_predict": 6, "ignore_eos": True}).json()
             params = http.get("/props").json()["default_generation_settings"]["params"]
             live = http.get("/v1/settings").json()["settings"]
     finally:
         model.close(30)
-    assert first["tokens_predicted"] == capped["tokens_predicted"] == 4 and first["stop_type"] == "limit"
+    assert first["tokens_predicted"] == 4 and first["stop_type"] == "limit" and own["tokens_predicted"] == 6
     assert first["content"] == second["content"]  # sampled at temperature 1 with the server's seed both times
     assert (params["seed"], params["n_predict"]) == (42, 4)
     assert (live["default_seed"], live["default_n_predict"]) == (42, 4)  # the table shows what the engine runs
@@ -175,3 +181,36 @@ def test_ignore_eos_lists_the_suppressed_end_tokens_in_the_settings(client: http
     plain = client.post("/completion", json=body).json()["generation_settings"]
     assert ignoring["logit_bias"] and all(entry["bias"] is None for entry in ignoring["logit_bias"])  # -inf
     assert plain["logit_bias"] == []
+
+
+def test_speculating_completion_times_its_drafts_and_metrics_count_them(
+        served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    """llama.cpp test_speculative reads `timings.draft_n`; /metrics' spec_decode_* counters were always 0."""
+    lookup = SpeculativeConfig(draft_kind="prompt-lookup", draft_max=8)
+    model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=512, speculative=lookup))
+    try:
+        with httpx.Client(base_url=start_server(model, CONFIG).address, timeout=180) as http:
+            body = {"prompt": "one two three four five six seven eight " * 4, "n_predict": 16, "temperature": 0}
+            timings = http.post("/completion", json=body).json()["timings"]
+            plain = http.post("/completion", json={**body, "prompt": "Hi"}).json()["timings"]
+            metrics = llamacpp_metrics(http.get("/metrics").text)
+    finally:
+        model.close(30)
+    assert timings["draft_n"] > 0 and 0 <= timings["draft_n_accepted"] <= timings["draft_n"]
+    assert metrics["llamacpp:spec_decode_num_draft_tokens_total"][1] >= timings["draft_n"]
+    assert metrics["llamacpp:spec_decode_num_accepted_tokens_total"][1] >= timings["draft_n_accepted"]
+    assert metrics["llamacpp:spec_decode_num_drafts_total"][1] >= 1
+    assert "draft_n" not in plain or plain["draft_n"] > 0  # llama-server: only once a draft was verified
+
+
+def test_anthropic_messages_take_every_alias_of_the_model(
+        served: ServedModel, start_server: Callable[..., ServerThread]) -> None:
+    config = ServerConfig(port=0, alias="tinyllama-2-anthropic,test")  # the id is "test", sorted first
+    body = {"max_tokens": 1, "messages": [{"role": "user", "content": "Say hello"}]}
+    with httpx.Client(base_url=start_server(served, config).address, timeout=120) as http:
+        by_alias = http.post("/v1/messages", json={**body, "model": "tinyllama-2-anthropic"})
+        counted = http.post("/v1/messages/count_tokens", json={**body, "model": "tinyllama-2-anthropic"})
+        other = http.post("/v1/messages", json={**body, "model": "gpt-4o"})
+    assert by_alias.status_code == 200 and by_alias.json()["model"] == "tinyllama-2-anthropic"
+    assert counted.status_code == 200
+    assert other.status_code == 404 and other.json()["error"]["type"] == "not_found_error"

@@ -1,10 +1,14 @@
 """llama-server's `return_progress` and `timings_per_token` stream fields, through the real server on SmolLM2.
 
-With `return_progress: true` a stream gets one event per prefill chunk before the generated text,
-carrying `prompt_progress` = {total, cache, processed, time_ms}; `processed` counts the cached
-tokens too, so the last event's equals `total` (llama.cpp tools/server/tests test_return_progress).
-`timings_per_token: true` puts a `timings` object on every event. The engine here prefills 32
-tokens a step, so a 100-token prompt takes several chunks.
+With `return_progress: true` a stream gets, before the generated text, one event before the first
+prefill chunk (processed == cache: llama-server's "0 %" update, timed prompt_n 0 and prompt_ms 0)
+and one after each chunk, carrying `prompt_progress` = {total, cache, processed, time_ms};
+`processed` counts the cached tokens too, so the last event's equals `total` (llama.cpp
+tools/server/tests test_return_progress, test_metrics_timings_on_prompt_progress).
+`timings_per_token: true` puts a `timings` object on every event. Both hold on /completion,
+/v1/chat/completions, /v1/completions and /v1/responses streams (there a prefill chunk is one more
+`response.in_progress` event, as llama-server's test_responses_stream_with_llama_telemetry reads it).
+The engine here prefills 32 tokens a step, so a 100-token prompt takes several chunks.
 """
 
 from __future__ import annotations
@@ -57,8 +61,9 @@ def check_progress(events: list[dict[str, Any]]) -> list[dict[str, Any]]:
         assert after["processed"] > before["processed"] and after["time_ms"] >= before["time_ms"]
     last = progress[-1]
     assert last["total"] > 0 and last["processed"] == last["total"]
-    assert progress[0]["processed"] - last["cache"] <= CHUNK  # the first chunk's tokens, after the cache hit
-    assert len(progress) == math.ceil((last["total"] - last["cache"]) / CHUNK)
+    assert progress[0]["processed"] == last["cache"]  # the "0 %" event, before any chunk
+    assert progress[1]["processed"] - last["cache"] <= CHUNK  # the first chunk's tokens, after the cache hit
+    assert len(progress) == 1 + math.ceil((last["total"] - last["cache"]) / CHUNK)
     assert all(set(p) == {"total", "cache", "processed", "time_ms"} for p in progress)
     return progress
 
@@ -82,7 +87,7 @@ def test_a_cached_prefix_counts_in_processed_and_needs_fewer_chunks(chunked: htt
     stream_events(chunked, "/completion", body)  # fills the prefix cache
     events = stream_events(chunked, "/completion", body)
     progress = check_progress(events)
-    assert progress[-1]["cache"] > 0 and len(progress) == 1  # the rest of the last 16-token block
+    assert progress[-1]["cache"] > 0 and len(progress) == 2  # 0 %, then the rest of the last 16-token block
     assert events[-1]["tokens_cached"] == progress[-1]["cache"]
 
 
@@ -100,6 +105,9 @@ def test_chat_stream_progress_chunks_carry_the_role_delta_and_timings(chunked: h
         timings = event["timings"]
         assert timings["predicted_n"] == 0 and timings["cache_n"] == event["prompt_progress"]["cache"]
         assert timings["prompt_n"] == event["prompt_progress"]["processed"] - event["prompt_progress"]["cache"]
+    assert with_progress[0]["timings"]["prompt_n"] == 0 and with_progress[0]["timings"]["prompt_ms"] == 0.0
+    prompt_ms = [e["timings"]["prompt_ms"] for e in with_progress]
+    assert prompt_ms == sorted(prompt_ms) and prompt_ms[-1] > 0  # llama.cpp's timings_on_prompt_progress
     after = events[events.index(with_progress[-1]) + 1:]
     assert after and all("timings" in e for e in after)  # every chunk after the prompt: live timings
     predicted = [e["timings"]["predicted_n"] for e in after]
@@ -107,6 +115,54 @@ def test_chat_stream_progress_chunks_carry_the_role_delta_and_timings(chunked: h
     assert "timings" not in events[0]  # the role chunk, as llama-server's timings_per_token test reads it
     assert all(math.isfinite(v) for e in events[1:] for v in e["timings"].values())
     assert after[-1]["choices"][0]["finish_reason"] == "length"
+
+
+def test_v1_completions_stream_reports_progress_then_times_every_chunk(chunked: httpx.Client) -> None:
+    body = {"prompt": PROMPT, "max_tokens": 4, "temperature": 0, "cache_prompt": False, "return_progress": True,
+            "timings_per_token": True, "stream_options": {"include_usage": True}}
+    events = stream_events(chunked, "/v1/completions", body)
+    progress = check_progress(events)
+    count = len(progress)
+    assert count >= 3 and all("prompt_progress" in e for e in events[:count])
+    for event in events[:count]:
+        assert event["object"] == "text_completion"
+        assert event["choices"] == [{"index": 0, "text": "", "logprobs": None, "finish_reason": None}]
+        assert event["timings"]["predicted_n"] == 0 and event["timings"]["cache_n"] == event["prompt_progress"]["cache"]
+    text, usage = events[count:-1], events[-1]
+    assert text and all("timings" in e and "prompt_progress" not in e for e in text)
+    predicted = [e["timings"]["predicted_n"] for e in text]
+    assert predicted == sorted(predicted) and predicted[-1] == 4 and text[-1]["choices"][0]["finish_reason"] == "length"
+    assert usage["choices"] == [] and usage["usage"]["completion_tokens"] == 4
+    assert usage["timings"]["predicted_n"] == 4 and usage["timings"]["prompt_n"] == progress[-1]["total"]
+    assert all(math.isfinite(v) for e in events for v in e["timings"].values())
+
+
+def test_responses_stream_progress_is_in_progress_events_and_deltas_are_timed(chunked: httpx.Client) -> None:
+    body = {"input": PROMPT, "max_output_tokens": 5, "temperature": 0, "cache_prompt": False, "store": False,
+            "return_progress": True, "timings_per_token": True}
+    events = stream_events(chunked, "/v1/responses", body)
+    assert [e["sequence_number"] for e in events] == list(range(len(events)))
+    assert [e["type"] for e in events[:2]] == ["response.created", "response.in_progress"]
+    progress = check_progress(events)
+    assert len(progress) >= 3 and "prompt_progress" not in events[1]  # the lifecycle's own in_progress first
+    for event in (e for e in events if "prompt_progress" in e):
+        assert event["type"] == "response.in_progress" and event["response"]["status"] == "in_progress"
+        assert event["timings"]["predicted_n"] == 0
+    deltas = [e for e in events if e["type"] == "response.output_text.delta"]
+    assert deltas and all("timings" in e for e in deltas)  # a step's last event carries its timings
+    predicted = [e["timings"]["predicted_n"] for e in deltas]
+    assert predicted == sorted(predicted) and predicted[-1] <= 5
+    final = events[-1]
+    assert final["type"] == "response.incomplete"  # OpenAI: max_output_tokens ends it incomplete
+    assert final["timings"]["predicted_n"] == final["response"]["usage"]["output_tokens"] == 5
+    assert final["timings"]["prompt_n"] == progress[-1]["total"]
+
+
+def test_responses_stream_without_the_flags_times_only_its_end(chunked: httpx.Client) -> None:
+    events = stream_events(chunked, "/v1/responses", {"input": PROMPT, "max_output_tokens": 2, "store": False})
+    assert not any("prompt_progress" in e or "timings" in e for e in events[:-1])
+    assert [e["type"] for e in events].count("response.in_progress") == 1
+    assert events[-1]["timings"]["predicted_n"] == 2  # llama-server: the final timings on the terminal event
 
 
 def test_completion_timings_per_token_times_every_event(chunked: httpx.Client) -> None:
@@ -126,3 +182,6 @@ def test_no_progress_unless_asked_and_none_without_a_stream(chunked: httpx.Clien
     chat = chunked.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": PROMPT}],
                                                       "max_tokens": 2, "return_progress": True})
     assert chat.status_code == 200 and "prompt_progress" not in chat.json()
+    legacy = chunked.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2, "return_progress": True})
+    assert legacy.status_code == 200 and "prompt_progress" not in legacy.json()
+    assert legacy.json()["timings"]["predicted_n"] == 2  # llama-server's timings beside usage, as chat

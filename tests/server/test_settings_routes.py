@@ -110,9 +110,9 @@ def test_f9_queue_depth_takes_effect_on_the_next_request(live: tuple[httpx.Clien
 
 
 def test_f9_sampling_defaults_take_effect_on_the_next_request(live: tuple[httpx.Client, ServerState]) -> None:
-    """-n caps every request's output and -s seeds the requests that name no seed, changed at run time."""
+    """-n limits and -s seeds the requests that name no limit / no seed, changed at run time."""
     http, _ = live
-    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": 20, "temperature": 1.0}
+    body = {"model": "m", "prompt": "Once upon a time", "max_tokens": None, "temperature": 1.0}  # null: no limit
     assert patch(http, {"default_n_predict": 3, "default_seed": 7}).json()["applied"] == {
         "default_n_predict": 3, "default_seed": 7}
     first, second = (http.post("/v1/completions", json=body).json() for _ in range(2))

@@ -131,6 +131,8 @@ class ChoiceResult:
     timings: ChoiceTimings
     reply: ParsedReply | None = None  # the output parser's result (with GenerationParams.output_parser)
     num_generated: int | None = None  # a snapshot's token count (it carries no token_ids)
+    num_drafted: int = 0  # speculative draft tokens verified (B1-B4), and the accepted ones
+    num_draft_accepted: int = 0
 
     @property
     def num_completion_tokens(self) -> int:
@@ -154,6 +156,7 @@ class _Choice:
         self.hidden = ctx.tokenizer.eos_token_ids
         self.num_prompt_tokens = len(prompt.token_ids)
         self.num_cached_tokens = 0
+        self.num_drafted = self.num_draft_accepted = 0
         self.text: list[str] = []
         self.token_ids: list[int] = []
         self.unsent_ids: list[int] = []  # generated but not yet carried by a delta
@@ -176,6 +179,7 @@ class _Choice:
             self.num_cached_tokens = event.num_cached_tokens
             return ChoiceDelta(self.index, "", progress=event.progress)
         self._observe_timing(event)
+        self.num_drafted, self.num_draft_accepted = event.num_drafted, event.num_draft_accepted
         if len(event.token_ids) <= 1:
             return self._apply_one(event)
         deltas: list[ChoiceDelta] = []
@@ -256,7 +260,8 @@ class _Choice:
         for every chunk (timings_per_token), where a full result would copy and parse the whole output."""
         return ChoiceResult(self.index, self.prompt_index, "", (), (), self.finish_reason or "", None,
                             self.num_prompt_tokens, self.num_cached_tokens, self._timings(),
-                            num_generated=len(self.token_ids))
+                            num_generated=len(self.token_ids), num_drafted=self.num_drafted,
+                            num_draft_accepted=self.num_draft_accepted)
 
     def result(self) -> ChoiceResult:
         timings = self._timings()
@@ -264,7 +269,8 @@ class _Choice:
         reply = self.parser.result() if self.parser is not None else None
         return ChoiceResult(self.index, self.prompt_index, "".join(self.text), tuple(self.token_ids),
                             tuple(self.logprobs), self.finish_reason or "abort", stop,
-                            self.num_prompt_tokens, self.num_cached_tokens, timings, reply)
+                            self.num_prompt_tokens, self.num_cached_tokens, timings, reply,
+                            num_drafted=self.num_drafted, num_draft_accepted=self.num_draft_accepted)
 
 
 def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:

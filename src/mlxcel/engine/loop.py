@@ -177,10 +177,11 @@ class EngineCore:
             self._inbox.put(("add", (request, sink)))
 
     def _apply_server_defaults(self, request: Request) -> None:
-        """--n-predict caps max_tokens and --seed fills a missing seed, as llama-server's -n and -s do."""
-        sampling, cap = request.sampling, self.config.n_predict
-        if cap > 0 and (sampling.max_tokens is None or sampling.max_tokens > cap):
-            sampling = replace(sampling, max_tokens=cap)
+        """--n-predict fills a missing max_tokens and --seed a missing seed, as llama-server's -n and -s do
+        ("the per-request limit takes priority over the global one")."""
+        sampling, default = request.sampling, self.config.n_predict
+        if default > 0 and sampling.max_tokens is None:
+            sampling = replace(sampling, max_tokens=default)
         if self.config.seed >= 0 and sampling.seed is None:
             sampling = replace(sampling, seed=self.config.seed)
         request.sampling = sampling
@@ -232,7 +233,8 @@ class EngineCore:
             return DraftStats()
         return DraftStats(kind=drafts.kind, draft_max=spec.draft_max, draft_min=spec.draft_min,
                           max_batch=spec.max_batch, draft_model=spec.draft_model,
-                          num_drafted=drafts.num_drafted, num_accepted=drafts.num_accepted)
+                          num_drafted=drafts.num_drafted, num_accepted=drafts.num_accepted,
+                          num_rounds=drafts.num_rounds)
 
     def _slot_stats(self, slot_id: int) -> SlotStats:
         seq = next((q for q in self.scheduler.running if q.slot_id == slot_id), None)
@@ -351,6 +353,9 @@ class EngineCore:
             return
         self.scheduler.attach_drafts(out)
         reporting = _reporting_progress(out)
+        self._queue_progress([s for s in reporting if s.num_computed_tokens == s.num_cached_tokens])  # the 0 % event
+        if not self._defers_events:
+            self._flush_events()
         try:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server
@@ -417,8 +422,8 @@ class EngineCore:
         return sampled
 
     def _queue_progress(self, seqs: list[Sequence]) -> None:
-        """A PromptProgress event for each sequence that asked for one and computed a prompt chunk
-        this step; sent before the step's tokens, as llama-server sends it after each batch."""
+        """A PromptProgress event for each sequence that asked for one: before its first prefill chunk
+        (processed == cache, llama-server's "0 %" update) and after each chunk, before the step's tokens."""
         now = time.monotonic()
         for seq in seqs:
             sink = self._sinks.get(seq.request_id)
@@ -441,7 +446,9 @@ class EngineCore:
             if sink is not None:
                 self._events.append((sink, TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
                                                       num_prompt_tokens=seq.num_prompt_tokens,
-                                                      num_cached_tokens=seq.num_cached_tokens)))
+                                                      num_cached_tokens=seq.num_cached_tokens,
+                                                      num_drafted=seq.num_drafted,
+                                                      num_draft_accepted=seq.num_draft_accepted)))
 
     def _flush_events(self) -> None:
         events, self._events = self._events, []

@@ -216,10 +216,13 @@ class LlamaCppTotals:
             ("n_decode_total", "Total number of engine forward steps", num_steps),
             ("n_tokens_max", "Largest observed sequence length (prompt + generation)",
              stats.max_sequence_len if stats else 0),
-            # mlxcel has no speculative decoding in this build: these stay 0, as in llama-server without it
-            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated", 0),
-            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model", 0),
-            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps", 0),
+            # B1-B4 (0 without --draft-kind, as in llama-server without a draft)
+            ("spec_decode_num_draft_tokens_total", "Speculative: Total draft tokens generated",
+             stats.drafts.num_drafted if stats else 0),
+            ("spec_decode_num_accepted_tokens_total", "Speculative: Total draft tokens accepted by the target model",
+             stats.drafts.num_accepted if stats else 0),
+            ("spec_decode_num_drafts_total", "Speculative: Total speculative decoding verification steps",
+             stats.drafts.num_rounds if stats else 0),
         ]
         gauges = [
             ("prompt_tokens_seconds", "Average prompt throughput in tokens/s", self.prompt_bucket.per_second()),

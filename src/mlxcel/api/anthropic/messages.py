@@ -1,6 +1,6 @@
 """POST /v1/messages (E1): Anthropic Messages <-> Generation, streamed or whole.
 
-Any `claude-*` model name (and the served model's own name) maps to the served model; the
+Any `claude-*` model name (and the served model's own names: its --alias list) maps to the served model; the
 reply echoes the name the client sent. stop_reason: end_turn (end of sequence), max_tokens,
 stop_sequence (with `stop_sequence` set), tool_use (a tool call was made). usage reports
 Anthropic's split: input_tokens are the prompt tokens not read from the prefix cache,
@@ -44,8 +44,9 @@ def parse_messages_request(body: Any) -> MessagesRequest:
 
 
 def check_model(ctx: ApiContext, model: str) -> None:
-    """Any claude-* name, or the served model's own name; anything else is a 404."""
-    if model == ctx.model_name or model.startswith(CLAUDE_PREFIX):
+    """Any claude-* name, or one of the served model's names (its id and every --alias, as /v1/models
+    lists them); anything else is a 404."""
+    if model == ctx.model_name or model in ctx.aliases or model.startswith(CLAUDE_PREFIX):
         return
     raise ApiError(404, f"model: {model!r} is not served here; use {ctx.model_name!r} or any claude-* name",
                    "not_found_error", code=404)

@@ -18,11 +18,9 @@ from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
-from mlxcel.api.generation import ChoiceDelta, Generation, GenerationParams, Prompt
+from mlxcel.api.generation import Generation, GenerationParams, Prompt
 from mlxcel.api.headers import request_priority
-from mlxcel.api.llama_server.results import (
-    ReplyOptions, final_json, partial_json, progress_timings_json, timings_json,
-)
+from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_json, stream_telemetry
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, lora_pairs, validate_body
@@ -91,20 +89,14 @@ async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], text
             predicted[i] += len(delta.token_ids)
             is_sent = delta.progress is not None or ((delta.text or delta.token_ids) and not options.is_prefill_only)
             if is_sent:
-                timings = _partial_timings(generation, delta, predicted[i]) if options.timings_per_token else None
+                telemetry = stream_telemetry(generation, delta, is_timed=options.timings_per_token,
+                                             num_predicted=predicted[i])
                 yield sse_frame(partial_json(delta, predicted[i], len(prompts[i].token_ids), options.id_slot,
-                                             options.is_post_sampling_probs, timings))
+                                             options.is_post_sampling_probs, telemetry))
             if delta.finish_reason is not None:
                 yield sse_frame(final_json(generation.results()[i], texts[i], options))
     except ApiError as exc:  # after the headers went out: an error event ends the stream
         yield sse_frame(error_body(exc))
-
-
-def _partial_timings(generation: Generation, delta: ChoiceDelta, num_predicted: int) -> dict[str, Any]:
-    """timings_per_token: a progress event's prompt so far, else the choice's timings up to this event."""
-    if delta.progress is not None:
-        return progress_timings_json(delta.progress)
-    return timings_json(generation.snapshot(delta.index), num_predicted)
 
 
 # ---- prompts ----

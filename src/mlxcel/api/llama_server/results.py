@@ -3,7 +3,9 @@
 Pure functions from a generation's results to JSON, so the golden tests can pin every field:
 `final_json` (the non-streaming reply, and the last stream event with `stop: true`),
 `partial_json` (one stream event), `probs_json` (`completion_probabilities`), `timings_json`,
-`progress_json` and `progress_timings_json` (a `return_progress` event's `prompt_progress` and `timings`).
+`progress_json` and `progress_timings_json` (a `return_progress` event's `prompt_progress` and `timings`),
+and `stream_telemetry`: those fields on a stream event of any protocol that offers them (/completion,
+/v1/chat/completions, /v1/completions, /v1/responses).
 """
 
 from __future__ import annotations
@@ -13,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from mlxcel.api.generation import ChoiceDelta, ChoiceResult, LogprobText
+from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText
 from mlxcel.types import PromptProgress
 
 
@@ -87,17 +89,14 @@ def select_fields(body: dict[str, Any], paths: Sequence[str]) -> dict[str, Any]:
 
 
 def partial_json(delta: ChoiceDelta, num_predicted: int, num_prompt_tokens: int, id_slot: int,
-                 is_post_sampling: bool = False, timings: dict[str, Any] | None = None) -> dict[str, Any]:
-    """One stream event: the new text and token ids, `stop: false`; `timings` with timings_per_token,
-    and `prompt_progress` for a progress delta (llama-server's order of the fields)."""
+                 is_post_sampling: bool = False, telemetry: dict[str, Any] | None = None) -> dict[str, Any]:
+    """One stream event: the new text and token ids, `stop: false`, then `telemetry` (`stream_telemetry`:
+    `timings`, `prompt_progress`) and the probabilities, in llama-server's order of the fields."""
     body: dict[str, Any] = {
         "index": delta.index, "content": delta.text, "tokens": list(delta.token_ids), "stop": False,
         "id_slot": id_slot, "tokens_predicted": num_predicted, "tokens_evaluated": num_prompt_tokens,
+        **(telemetry or {}),
     }
-    if timings is not None:
-        body["timings"] = timings
-    if delta.progress is not None:
-        body["prompt_progress"] = progress_json(delta.progress)
     if delta.logprobs:
         body["completion_probabilities"] = probs_json(delta.logprobs, is_post_sampling)
     return body
@@ -122,11 +121,13 @@ def _prob(entry: LogprobText) -> dict[str, Any]:
 def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
     """Prefill counts only the prompt tokens not served from the cache (cache_n). The generation
     rate is over decode steps, as llama-server's: the first token comes from the prompt's logits,
-    so predicted_ms (first token to last) spans predicted_n - 1 steps."""
+    so predicted_ms (first token to last) spans predicted_n - 1 steps. A speculating choice adds
+    `draft_n` and `draft_n_accepted`, as llama-server does once a draft was verified."""
     prompt_n = result.num_prompt_tokens - result.num_cached_tokens
     prompt_ms = result.timings.prefill_s * 1000.0
     predicted_ms = result.timings.decode_s * 1000.0
     num_steps = max(num_predicted - 1, 0)
+    drafts = {"draft_n": result.num_drafted, "draft_n_accepted": result.num_draft_accepted}
     return {
         "cache_n": result.num_cached_tokens,
         "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -135,7 +136,13 @@ def timings_json(result: ChoiceResult, num_predicted: int) -> dict[str, Any]:
         "predicted_n": num_predicted, "predicted_ms": predicted_ms,
         "predicted_per_token_ms": _per_token_ms(predicted_ms, num_steps),
         "predicted_per_second": _per_second(predicted_ms, num_steps),
+        **(drafts if result.num_drafted else {}),
     }
+
+
+def reply_timings(results: Sequence[ChoiceResult]) -> dict[str, Any]:
+    """The `timings` an OpenAI-shaped reply carries beside `usage` (llama-server: its first choice's)."""
+    return timings_json(results[0], results[0].num_completion_tokens)
 
 
 def progress_json(progress: PromptProgress) -> dict[str, int]:
@@ -145,12 +152,13 @@ def progress_json(progress: PromptProgress) -> dict[str, int]:
 
 
 def progress_timings_json(progress: PromptProgress) -> dict[str, Any]:
-    """`timings` of a progress event (timings_per_token): the prompt so far, nothing predicted yet.
+    """`timings` of a progress event (timings_per_token): the prompt so far, nothing predicted yet;
+    the "0 %" event before the first chunk has prompt_n 0 and prompt_ms 0, as llama-server's.
 
     NOTE: llama-server reports its last finished prompt time here (stale while a prompt runs);
     the elapsed time is the honest one, and every field stays finite."""
     prompt_n = progress.processed - progress.cache
-    prompt_ms = float(progress.time_ms)
+    prompt_ms = float(progress.time_ms) if prompt_n else 0.0
     return {
         "cache_n": progress.cache,
         "prompt_n": prompt_n, "prompt_ms": prompt_ms,
@@ -158,6 +166,24 @@ def progress_timings_json(progress: PromptProgress) -> dict[str, Any]:
         "prompt_per_second": _per_second(prompt_ms, prompt_n),
         "predicted_n": 0, "predicted_ms": 0.0, "predicted_per_token_ms": 0.0, "predicted_per_second": 0.0,
     }
+
+
+def stream_telemetry(generation: Generation, delta: ChoiceDelta, *, is_timed: bool,
+                     num_predicted: int | None = None) -> dict[str, Any]:
+    """llama-server's extra fields on a stream event: `timings` when `is_timed` (timings_per_token), then
+    `prompt_progress` for a progress delta; empty for a plain delta that is not timed.
+
+    A progress delta is timed with the prompt so far; any other with its choice's timings as they stand,
+    `predicted_n` being `num_predicted` when the caller counts the tokens it has sent (else the choice's)."""
+    extra: dict[str, Any] = {}
+    if is_timed and delta.progress is not None:
+        extra["timings"] = progress_timings_json(delta.progress)
+    elif is_timed:
+        live = generation.snapshot(delta.index)
+        extra["timings"] = timings_json(live, live.num_completion_tokens if num_predicted is None else num_predicted)
+    if delta.progress is not None:
+        extra["prompt_progress"] = progress_json(delta.progress)
+    return extra
 
 
 def _per_token_ms(ms: float, count: int) -> float:

@@ -9,7 +9,6 @@ completion is registered in `ctx.controls` while it runs, for live control (F5, 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from mlxcel.api import chat_features, control
@@ -17,9 +16,7 @@ from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, GenerationParams, LogprobText, Prompt
-from mlxcel.api.llama_server.results import (
-    ReplyOptions, final_json, progress_json, progress_timings_json, timings_json,
-)
+from mlxcel.api.llama_server.results import ReplyOptions, final_json, reply_timings, stream_telemetry
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.api.media import validate_media
 from mlxcel.api.openai import chat_events, common
@@ -62,7 +59,6 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     params = common.generation_params(req, headers)
     plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx))
     params = chat_features.with_chat_features(params, plan)
-    params = replace(params, report_progress=req.stream and req.return_progress)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
     if req.stream:
@@ -82,7 +78,7 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     body = {
         "id": completion_id, "object": "chat.completion", "created": common.now(), "model": ctx.model_name,
         "system_fingerprint": common.system_fingerprint(), "choices": [_choice_json(r, req.logprobs) for r in results],
-        "usage": common.usage_json(usage), "timings": _timings(results),
+        "usage": common.usage_json(usage), "timings": reply_timings(results),
     }
     if req.verbose:  # llama-server's debug echo: the native reply, rendered prompt
         body["__verbose"] = _verbose(ctx, prompt, plan.options.sampling, results[0])
@@ -98,16 +94,6 @@ def _verbose(ctx: ApiContext, prompt: Prompt, sampling: SamplingParams, result: 
                            is_prefill_only=False, context_size=ctx.context_size, settings=settings)
     text = prompt.text if prompt.text is not None else ctx.tokenizer.decode(prompt.token_ids)
     return final_json(result, text, options)
-
-
-def _timings(results: list[ChoiceResult]) -> dict[str, Any]:
-    """llama-server's `timings` extension (first choice), which its clients read beside `usage`."""
-    return timings_json(results[0], results[0].num_completion_tokens)
-
-
-def _live_timings(generation: Generation, index: int) -> dict[str, Any]:
-    """timings_per_token: choice `index`'s timings up to the chunk being sent."""
-    return _timings([generation.snapshot(index)])
 
 
 def _start_registered(ctx: ApiContext, req: ChatCompletionRequest, prompt: Prompt, params: GenerationParams,
@@ -181,12 +167,14 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
         called: set[int] = set()  # choices that made tool calls
         async for delta in generation.stream():
             if delta.progress is not None:
-                yield chunk([_role_choice(delta.index)], **_progress_extra(delta, req.timings_per_token))
+                yield chunk([_role_choice(delta.index)], **stream_telemetry(generation, delta,
+                                                                            is_timed=req.timings_per_token))
                 continue
             choices = _delta_choices(delta, req.logprobs, called)
             for k, choice in enumerate(choices):
-                is_timed = req.timings_per_token and k == len(choices) - 1  # llama-server: on a step's last chunk
-                yield chunk([choice], **({"timings": _live_timings(generation, delta.index)} if is_timed else {}))
+                is_last = k == len(choices) - 1  # llama-server: telemetry on a step's last chunk
+                yield chunk([choice], **(stream_telemetry(generation, delta, is_timed=req.timings_per_token)
+                                         if is_last else {}))
     except ApiError as exc:  # a failure after the headers went out: an error event, then the end
         yield sse_frame(error_body(exc))
         yield DONE_FRAME
@@ -198,20 +186,13 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
     ctx.telemetry.record_completed_request(usage)  # K2: at the end, whether or not usage was asked for
     if with_usage:
         yield sse_frame({**base, "choices": [], "usage": common.usage_json(usage),
-                         "timings": _timings(generation.results())})
+                         "timings": reply_timings(generation.results())})
     yield DONE_FRAME
 
 
 def _role_choice(index: int) -> dict[str, Any]:
     """The role chunk's choice; content null, as llama-server sends it: a delta's content is never ""."""
     return {"index": index, "delta": {"role": "assistant", "content": None}, "logprobs": None, "finish_reason": None}
-
-
-def _progress_extra(delta: ChoiceDelta, with_timings: bool) -> dict[str, Any]:
-    """A progress chunk's fields beside its role delta (llama-server: `timings`, then `prompt_progress`)."""
-    assert delta.progress is not None
-    extra: dict[str, Any] = {"timings": progress_timings_json(delta.progress)} if with_timings else {}
-    return {**extra, "prompt_progress": progress_json(delta.progress)}
 
 
 def _delta_choices(delta: ChoiceDelta, want_logprobs: bool, called: set[int]) -> list[dict[str, Any]]:

@@ -101,7 +101,8 @@ def generation_params(req: SamplingFields, headers: Mapping[str, str]) -> Genera
     slot = req.id_slot if req.id_slot is not None and req.id_slot >= 0 else None
     return GenerationParams(stop=stop_strings(req.stop), priority=parse_priority(headers),
                             cache_prompt=req.cache_prompt, slot_id=slot,
-                            skip_special_tokens=req.skip_special_tokens, lora=lora_pairs(req.lora))
+                            skip_special_tokens=req.skip_special_tokens, lora=lora_pairs(req.lora),
+                            report_progress=req.stream and req.return_progress)
 
 
 def usage_json(usage: Usage) -> dict[str, Any]:

@@ -1,4 +1,9 @@
-"""POST /v1/completions (F1): prompt strings or token ids in, text_completion JSON or SSE out."""
+"""POST /v1/completions (F1): prompt strings or token ids in, text_completion JSON or SSE out.
+
+llama-server's extensions ride along as on chat: `timings` beside `usage`, and in a stream
+`return_progress` (a chunk with empty text and `prompt_progress` per prefill chunk) and
+`timings_per_token` (`timings` on every chunk), both from llama_server/results.stream_telemetry.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,7 @@ from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt
+from mlxcel.api.llama_server.results import reply_timings, stream_telemetry
 from mlxcel.api.openai import common
 from mlxcel.api.openai.schemas import CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
@@ -39,7 +45,8 @@ async def create_completion(ctx: ApiContext, req: CompletionRequest, headers: Ma
     choices = [_choice_json(r, req, _prompt_text(ctx, prompts[r.prompt_index]) if req.echo else "")
                for r in results]
     return JsonReply({"id": completion_id, "object": "text_completion", "created": common.now(),
-                      "model": ctx.model_name, "system_fingerprint": common.system_fingerprint(), "choices": choices, "usage": common.usage_json(usage)})
+                      "model": ctx.model_name, "system_fingerprint": common.system_fingerprint(),
+                      "choices": choices, "usage": common.usage_json(usage), "timings": reply_timings(results)})
 
 
 def completion_options(ctx: ApiContext, req: CompletionRequest) -> ChatOptions:
@@ -111,14 +118,20 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: Completio
                 offsets[index] = len(text)
                 yield sse_frame({**base, "choices": [_chunk_choice(index, text, None, None)]})
         async for delta in generation.stream():
-            yield sse_frame({**base, "choices": [_delta_json(delta, req, offsets)]})
+            if delta.progress is not None:  # a prefill chunk: empty text, as llama-server's
+                choice = _chunk_choice(delta.index, "", None, None)
+            else:
+                choice = _delta_json(delta, req, offsets)
+            yield sse_frame({**base, "choices": [choice],
+                             **stream_telemetry(generation, delta, is_timed=req.timings_per_token)})
     except ApiError as exc:
         yield sse_frame(error_body(exc))
         yield DONE_FRAME
         return
     # K2: streaming /v1/completions is deliberately not counted in requests_total.
     if with_usage:
-        yield sse_frame({**base, "choices": [], "usage": common.usage_json(generation.usage())})
+        yield sse_frame({**base, "choices": [], "usage": common.usage_json(generation.usage()),
+                         "timings": reply_timings(generation.results())})
     yield DONE_FRAME
 
 

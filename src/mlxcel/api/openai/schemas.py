@@ -84,6 +84,8 @@ class SamplingFields(ChatFeatureFields):
     id_slot: int | None = Field(None, ge=-1)
     skip_special_tokens: bool = True
     lora: list[LoraEntry] | None = None  # llama-server: per-request adapter scales (F8)
+    timings_per_token: bool = False  # llama-server: each stream chunk carries `timings`
+    return_progress: bool = False  # llama-server: a stream gets a `prompt_progress` chunk per prefill chunk
     extra_body: dict[str, Any] | None = None  # lifted to the root before validation (api/schema.py)
 
     @model_validator(mode="after")
@@ -110,8 +112,6 @@ class ChatCompletionRequest(SamplingFields):
     chat_template_kwargs: dict[str, Any] | None = None
     reasoning_control: bool = False  # llama-server: opt in to POST /v1/chat/completions/control (F5)
     verbose: bool = False  # llama-server's debug echo: `__verbose` (the native reply, the rendered prompt)
-    timings_per_token: bool = False  # llama-server: each stream chunk carries `timings`
-    return_progress: bool = False  # llama-server: a stream gets a `prompt_progress` chunk per prefill chunk
 
     @model_validator(mode="after")
     def _check_logprobs(self) -> ChatCompletionRequest:

@@ -55,7 +55,7 @@ async def create_response(ctx: ApiContext, service: ResponsesService, req: Respo
     draft = ResponseDraft(response_id, ctx.model_name, request_echo(req), background=req.background,
                           status="queued" if req.background else "in_progress")
     run = ResponseRun(ctx, service.store, draft, plan.conversation, generation, should_store=req.store,
-                      plan=plan.chat)
+                      plan=plan.chat, timings_per_token=req.timings_per_token)
     if req.background:
         reply = draft.to_json()
         service.launch(run)
@@ -88,7 +88,8 @@ def generation_params(ctx: ApiContext, req: ResponseCreateRequest, headers: Mapp
     """Stop strings and scheduling of a Responses request; its sampling and limits are in its
     `ChatOptions` (prompt.py), which the chat features add."""
     stop = (req.stop,) if isinstance(req.stop, str) else tuple(req.stop or ())
-    return GenerationParams(stop=stop, priority=parse_priority(headers), cache_prompt=req.cache_prompt)
+    return GenerationParams(stop=stop, priority=parse_priority(headers), cache_prompt=req.cache_prompt,
+                            report_progress=req.stream and req.return_progress)
 
 
 def parse_priority(headers: Mapping[str, str]) -> Priority:

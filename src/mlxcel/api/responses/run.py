@@ -7,6 +7,11 @@ finished plain answer's reasoning is remembered for the echo (Q). It writes the 
 starts (so `GET` finds it in progress) and when it ends, whatever the ending: completed,
 incomplete (token limit), failed, or cancelled (cancel call, client gone). A background run
 also keeps its event log so `GET ?stream=true` can replay and follow it.
+
+llama-server's telemetry (llama_server/results.stream_telemetry): with `return_progress` each
+prefill chunk is one more response.in_progress event carrying `prompt_progress`; with
+`timings_per_token` the last event of each step carries `timings`; the terminal event of a
+finished response carries the final `timings` either way.
 """
 
 from __future__ import annotations
@@ -20,6 +25,7 @@ from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError
 from mlxcel.api.generation import ChoiceDelta, Generation
+from mlxcel.api.llama_server.results import reply_timings, stream_telemetry
 from mlxcel.api.responses.items import Item
 from mlxcel.api.responses.objects import ResponseDraft, usage_json
 from mlxcel.api.responses.store import AsyncResponseStore, StoredResponse
@@ -39,7 +45,8 @@ class ResponseRun:
     """One response's generation, events and storage."""
 
     def __init__(self, ctx: ApiContext, store: AsyncResponseStore, draft: ResponseDraft, conversation: list[Item],
-                 generation: Generation, *, should_store: bool, plan: ChatPlan | None = None) -> None:
+                 generation: Generation, *, should_store: bool, plan: ChatPlan | None = None,
+                 timings_per_token: bool = False) -> None:
         self.ctx = ctx
         self.store = store
         self.events = ResponseEvents(draft)
@@ -47,6 +54,7 @@ class ResponseRun:
         self.generation = generation
         self.should_store = should_store
         self.plan = plan  # for the reasoning echo
+        self.timings_per_token = timings_per_token
         self.log: list[Event] | None = [] if draft.background else None
         self.is_cancel_requested = False
         self.is_finished = False
@@ -73,7 +81,7 @@ class ResponseRun:
             finish_reason = None
             try:
                 async for delta in self.generation.stream():
-                    for event in self._record(self._output(delta)):
+                    for event in self._record(self._delta_events(delta)):
                         yield event
                     finish_reason = delta.finish_reason or finish_reason
                 final = self._final(finish_reason)
@@ -91,6 +99,13 @@ class ResponseRun:
                 self._save_nowait()
             self.is_finished = True
             self._wake()
+
+    def _delta_events(self, delta: ChoiceDelta) -> list[Event]:
+        """A step's events: a prefill chunk's response.in_progress, else its output; telemetry on the last."""
+        events = [self.events.in_progress()] if delta.progress is not None else self._output(delta)
+        if events:
+            events[-1].update(stream_telemetry(self.generation, delta, is_timed=self.timings_per_token))
+        return events
 
     def _output(self, delta: ChoiceDelta) -> list[Event]:
         parsed = delta.events if delta.events or not delta.text else (ContentDelta(delta.text),)
@@ -113,10 +128,12 @@ class ResponseRun:
     def _finish(self, status: str, *, incomplete_reason: str | None = None,
                 error: dict[str, Any] | None = None) -> list[Event]:
         usage = self.generation.usage()
+        events = self.events.finish(status, usage=usage_json(usage), incomplete_reason=incomplete_reason,
+                                    error=error, completed_at=int(time.time()))
         if status in ("completed", "incomplete"):
             self.ctx.telemetry.record_completed_request(usage)  # K2: as chat counts a finished request
-        return self.events.finish(status, usage=usage_json(usage), incomplete_reason=incomplete_reason,
-                                  error=error, completed_at=int(time.time()))
+            events[-1]["timings"] = reply_timings(self.generation.results())  # llama-server's, on the terminal event
+        return events
 
     def _record(self, events: Iterable[Event]) -> Iterable[Event]:
         for event in events:

@@ -246,6 +246,8 @@ class ResponseCreateRequest(ConversationFields):
     stop: str | list[str] | None = None
     ignore_eos: bool = False
     cache_prompt: bool = True
+    timings_per_token: bool = False  # llama-server: a stream step's last event carries `timings`
+    return_progress: bool = False  # llama-server: a stream gets a response.in_progress event per prefill chunk
 
     @model_validator(mode="after")
     def _check_fields(self) -> ResponseCreateRequest:

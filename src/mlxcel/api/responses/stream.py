@@ -58,6 +58,10 @@ class ResponseEvents:
         self.draft.status = "in_progress"
         return events + [self._lifecycle("response.in_progress")]
 
+    def in_progress(self) -> Event:
+        """Another response.in_progress: llama-server's return_progress sends one per prefill chunk."""
+        return self._lifecycle("response.in_progress")
+
     def feed(self, event: OutputEvent, logprobs: Sequence[LogprobText] = ()) -> list[Event]:
         """The events for one parsed piece of output."""
         if isinstance(event, ContentDelta):

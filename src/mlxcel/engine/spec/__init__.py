@@ -64,6 +64,7 @@ class DraftPolicy:
         self.drafter = drafter
         self.num_drafted = 0  # draft tokens sent to verification
         self.num_accepted = 0  # of those, tokens the target accepted
+        self.num_rounds = 0  # verify steps
         self._lengths: dict[str, int] = {}  # each request's current draft length (see `record`)
 
     @property
@@ -87,6 +88,7 @@ class DraftPolicy:
         keep failing stops paying for long verify rows (the output does not depend on it)."""
         self.num_drafted += num_drafted
         self.num_accepted += num_accepted
+        self.num_rounds += 1
         length = self._lengths.get(request_id, self.config.draft_max)
         grown = min(2 * length, self.config.draft_max) if num_accepted == num_drafted else num_accepted + 1
         self._lengths[request_id] = max(grown, self.config.draft_min, 1)
