@@ -161,7 +161,7 @@ def test_sampling_defaults_parse_from_each_spelling_with_one_error(setting: Sett
     text the one message naming the setting."""
     good, bad = _SAMPLING[setting.name]
     assert setting.default is None and setting.is_mutable
-    assert resolve_values(serve_parser("x", "serve").parse_args([]), OPTIONS, Environment.read({}))[setting.name] is None
+    assert _from_env(setting, "UNRELATED", "x")[setting.name] is None  # unset unless given
     for name in [n for flag in setting.flags for n in flag.names]:
         got = resolve_values(serve_parser("x", "serve").parse_args([name, good]), OPTIONS, Environment.read({}))
         assert got[setting.name] == setting.parse(good)
