@@ -40,6 +40,7 @@ _GENERATE_SHARED = ("model", "models_dir", "lora", "lora_init_without_apply", "c
                     "device", "dtype", "ctx_size", "verbose", "realtime_stt", "realtime_tts", "audio_beam_size",
                     "threads", "default_org", "quantize")
 GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
+                "sampling": "sampling defaults (unset: each protocol's own; a request's own field wins)",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
                 "speculative": "speculative decoding",

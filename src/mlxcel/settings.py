@@ -93,13 +93,17 @@ def integer(minimum: int | None = None) -> Kind:
     return Kind("integer", accepted, parse)
 
 
-def number(*, is_positive: bool = False) -> Kind:
-    """A finite number (above 0 when `is_positive`)."""
-    accepted = "a finite number" + (" above 0" if is_positive else "")
+def number(*, is_positive: bool = False, minimum: float | None = None, maximum: float | None = None) -> Kind:
+    """A finite number (above 0 when `is_positive`, within `minimum`..`maximum` when given)."""
+    bounds = [bound for bound in ("above 0" if is_positive else "", f">= {minimum:g}" if minimum is not None else "",
+                                  f"<= {maximum:g}" if maximum is not None else "") if bound]
+    accepted = " ".join(["a finite number", " and ".join(bounds)]).strip()
 
     def parse(text: str) -> float:
         value = _number(float, text)
-        if not math.isfinite(value) or (is_positive and value <= 0):
+        is_out = (is_positive and value <= 0) or (minimum is not None and value < minimum) or (
+            maximum is not None and value > maximum)
+        if not math.isfinite(value) or is_out:
             raise ValueError("")
         return value
 
@@ -385,6 +389,24 @@ SETTINGS: tuple[Setting, ...] = (
        ("-n", "--n-predict", "--predict"), "LLAMA_ARG_N_PREDICT", metavar="N", group="engine", is_mutable=True),
     _s("default_seed", integer(minimum=-1), -1, "sampling seed of requests that name none (-1 = a fresh random "
        "seed per request)", ("-s", "--seed"), (), metavar="SEED", group="engine", is_mutable=True),
+    # sampling defaults: unset = each protocol's own; a request's own field always wins (llama-server's spellings)
+    _s("default_temperature", number(minimum=0), None, "temperature of requests that send none (0 = greedy)",
+       ("--temp", "--temperature"), metavar="N", group="sampling", is_mutable=True),
+    _s("default_top_k", INT, None, "top-k of requests that send none (<= 0 = off)", ("--top-k",), "LLAMA_ARG_TOP_K",
+       metavar="N", group="sampling", is_mutable=True),
+    _s("default_top_p", number(is_positive=True, maximum=1), None, "top-p of requests that send none (1 = off)",
+       ("--top-p",), metavar="N", group="sampling", is_mutable=True),
+    _s("default_min_p", number(minimum=0, maximum=1), None, "min-p of requests that send none (0 = off)",
+       ("--min-p",), metavar="N", group="sampling", is_mutable=True),
+    _s("default_repeat_last_n", integer(minimum=-1), None, "tokens the penalties look back over, for requests that "
+       "send none (-1 = the whole context, 0 = off)", ("--repeat-last-n",), metavar="N", group="sampling",
+       is_mutable=True),
+    _s("default_repeat_penalty", number(is_positive=True), None, "repeat penalty of requests that send none "
+       "(1 = off)", ("--repeat-penalty",), metavar="N", group="sampling", is_mutable=True),
+    _s("default_presence_penalty", number(), None, "presence penalty of requests that send none (0 = off)",
+       ("--presence-penalty",), metavar="N", group="sampling", is_mutable=True),
+    _s("default_frequency_penalty", number(), None, "frequency penalty of requests that send none (0 = off)",
+       ("--frequency-penalty",), metavar="N", group="sampling", is_mutable=True),
     _s("decode_timeout", SECONDS, 600.0, "abort a request that produces no token for this long (not applied to "
        "prefill)", ("--decode-timeout",), "LLAMA_ARG_DECODE_TIMEOUT", metavar="SECONDS", group="engine",
        is_mutable=True),

@@ -242,3 +242,17 @@ def test_f4_infill_prompt_layout(tokenizer: Tokenizer) -> None:
     with pytest.raises(ApiError) as raised:
         infill.infill_token_ids(tokenizer, req)
     assert raised.value.status == 400 and "prefix (<fim_prefix> / <|fim_prefix|>)" in raised.value.message
+
+
+def test_server_sampling_defaults_fill_only_the_fields_a_request_left_out() -> None:
+    """Issue 13 (F9): --temp / --top-k ... replace llama-server's request defaults; a sent field wins."""
+    from mlxcel.api.context import SamplingDefaults
+
+    unset = completion.parse_completion_request({"prompt": "x"})
+    assert completion.with_server_defaults(unset, SamplingDefaults()) is unset  # no server value: as before
+    server = SamplingDefaults(temperature=0.2, top_k=5, repeat_penalty=1.3)
+    filled = completion.with_server_defaults(unset, server)
+    assert (filled.temperature, filled.top_k, filled.repeat_penalty, filled.top_p) == (0.2, 5, 1.3, 0.95)
+    sent = completion.with_server_defaults(
+        completion.parse_completion_request({"prompt": "x", "temperature": 0.9, "top_k": 40}), server)
+    assert (sent.temperature, sent.top_k, sent.repeat_penalty) == (0.9, 40, 1.3)  # 40 sent is kept, not "unset"

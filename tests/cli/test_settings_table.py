@@ -146,3 +146,35 @@ def test_bad_value_exits_2_with_one_line() -> None:
     assert run.returncode == 2 and run.stderr.splitlines() == [
         "mlxcel serve: error: max_queue_depth (--max-queue-depth, LLAMA_ARG_MAX_QUEUE_DEPTH): 'lots' is not valid; "
         "expected a whole number >= 0"]
+
+
+# a valid and an invalid text per sampling default (--temp, --top-k, ...)
+_SAMPLING = {"default_temperature": ("0.7", "-0.1"), "default_top_k": ("-1", "1.5"), "default_top_p": ("0.9", "0"),
+             "default_min_p": ("0.1", "1.01"), "default_repeat_last_n": ("-1", "-2"),
+             "default_repeat_penalty": ("1.1", "0"), "default_presence_penalty": ("-0.5", "inf"),
+             "default_frequency_penalty": ("0.25", "nan")}
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if s.group == "sampling"], ids=lambda s: s.name)
+def test_sampling_defaults_parse_from_each_spelling_with_one_error(setting: Setting) -> None:
+    """--temp, --top-k, ...: unset unless given; every spelling (and LLAMA_ARG_TOP_K) gives one value, a bad
+    text the one message naming the setting."""
+    good, bad = _SAMPLING[setting.name]
+    assert setting.default is None and setting.is_mutable
+    assert _from_env(setting, "UNRELATED", "x")[setting.name] is None  # unset unless given
+    for name in [n for flag in setting.flags for n in flag.names]:
+        got = resolve_values(serve_parser("x", "serve").parse_args([name, good]), OPTIONS, Environment.read({}))
+        assert got[setting.name] == setting.parse(good)
+    for env in setting.env:
+        assert _from_env(setting, env, good)[setting.name] == setting.parse(good)
+    with pytest.raises(SettingError) as from_flag:
+        _from_flag(setting, bad)
+    assert str(from_flag.value).startswith(f"{setting.name} ({setting.flags[0].names[0]}")
+    assert setting.kind.accepted in str(from_flag.value)
+
+
+def test_a_bad_sampling_default_exits_2() -> None:
+    run = subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--temperature", "-1"],
+                         capture_output=True, text=True, timeout=120)
+    assert run.returncode == 2 and run.stderr.splitlines() == [
+        "mlxcel serve: error: default_temperature (--temp): '-1' is not valid; expected a finite number >= 0"]

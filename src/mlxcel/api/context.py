@@ -6,8 +6,8 @@ the engine's internals (DESIGN.md dependency rule: server -> api -> {text, engin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-from typing import Protocol
+from dataclasses import dataclass, field, fields
+from typing import Any, Protocol
 
 from mlxcel.api.control import CompletionControls
 from mlxcel.api.sse import KEEPALIVE_INTERVAL_S
@@ -61,6 +61,39 @@ class NullTelemetry:
         return None
 
 
+_PARAM_NAMES = {"repeat_penalty": "repetition_penalty"}  # llama-server's name -> SamplingParams'
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingDefaults:
+    """The server's sampling defaults (--temp, --top-k, ...; settings `default_<name>`): None = unset, where
+    each protocol keeps its own default. A request's own field always wins."""
+
+    temperature: float | None = None
+    top_k: int | None = None
+    top_p: float | None = None
+    min_p: float | None = None
+    repeat_last_n: int | None = None
+    repeat_penalty: float | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+
+    def pick(self, name: str, sent: Any, protocol_default: Any) -> Any:
+        """The request's value when it sent one, else the server's when set, else the protocol's."""
+        if sent is not None:
+            return sent
+        server = getattr(self, name)
+        return protocol_default if server is None else server
+
+    def values(self) -> dict[str, Any]:
+        """The defaults the server sets, by their llama-server field names."""
+        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    def params(self, *names: str) -> dict[str, Any]:
+        """The set defaults among `names` as SamplingParams fields (for fields a protocol has no name for)."""
+        return {_PARAM_NAMES.get(name, name): value for name, value in self.values().items() if name in names}
+
+
 @dataclass(frozen=True, slots=True)
 class ApiContext:
     """The served chat model as the API layer sees it."""
@@ -79,4 +112,5 @@ class ApiContext:
     aliases: tuple[str, ...] = ()  # --alias names (the model_name among them); /v1/models lists them
     tags: tuple[str, ...] = ()  # --tags
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: adapters and global scales
+    sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # F9: replaced when PATCHed
 

@@ -26,7 +26,9 @@ if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
 
 SLOT_ACTIONS = ("save", "restore", "erase")
-_SAMPLER_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repeat_last_n")  # /props, as llama-server lists them
+# /props, as llama-server lists them; each also the setting `default_<name>`
+_SAMPLER_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repeat_last_n", "repeat_penalty", "presence_penalty",
+                     "frequency_penalty")
 
 
 def not_supported(what: str, flag: str) -> ApiError:
@@ -206,12 +208,13 @@ async def props(request: Request, state: ServerState) -> Response:
 
 def _default_params(live: Mapping[str, Any]) -> dict[str, Any]:
     """What a /completion request that names none of these gets: the server's -n and -s as the settings
-    table holds them now (seed 4294967295 is llama-server's "random"), and llama-server's request
-    defaults for the sampler, which are no setting (the native schema declares them)."""
+    table holds them now (seed 4294967295 is llama-server's "random"), and for the sampler the server's
+    default (--temp, --top-k, ...) where one is set, else llama-server's request default (the native schema's)."""
     seed = live["default_seed"]
     fields = CompletionFields.model_fields
-    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"],
-            **{name: fields[name].default for name in _SAMPLER_DEFAULTS}}
+    sampler = {name: fields[name].default if live[f"default_{name}"] is None else live[f"default_{name}"]
+               for name in _SAMPLER_DEFAULTS}
+    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"], **sampler}
 
 
 def _version() -> str:

@@ -11,10 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import replace
+from dataclasses import fields, replace
+from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxcel.api.context import ApiContext
+from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.errors import unavailable
 from mlxcel.api.modes import audio_missing, chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
@@ -93,7 +94,7 @@ class ServerState:
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.features, aliases=self.config.aliases, tags=self.config.tags,
-            lora=served.lora)
+            lora=served.lora, sampling=sampling_defaults(self.live.current))
         engine = served.engine_config
         for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
                             ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):
@@ -184,6 +185,7 @@ class ServerState:
 # ---- live settings (F9): how each mutable setting takes effect on the next request ----
 
 Applier = Callable[[ServerState, Any], None]
+SAMPLING_DEFAULTS = tuple(f.name for f in fields(SamplingDefaults))  # each the setting `default_<name>`
 
 
 def _features(state: ServerState, **changes: Any) -> None:
@@ -206,6 +208,17 @@ def _loop_detection(state: ServerState, value: str | None) -> None:
     _features(state, loop_operator=parse_operator_override(value))
 
 
+def sampling_defaults(values: Mapping[str, Any]) -> SamplingDefaults:
+    """The server's sampling defaults from the settings `default_<field>` (--temp, --top-k, ...)."""
+    return SamplingDefaults(**{name: values.get(f"default_{name}") for name in SAMPLING_DEFAULTS})
+
+
+def _sampling(name: str, state: ServerState, value: Any) -> None:
+    """Swap one sampling default; the next request reads it, requests already built keep theirs."""
+    if state.api is not None:
+        state.api = replace(state.api, sampling=replace(state.api.sampling, **{name: value}))
+
+
 def _verbose(state: ServerState, value: bool) -> None:
     logging.getLogger().setLevel(logging.DEBUG if value else logging.INFO)
 
@@ -218,4 +231,5 @@ APPLIERS: dict[str, Applier] = {
     "default_n_predict": lambda state, value: _engine(state, n_predict=value),  # sampling defaults (-n, -s)
     "default_seed": lambda state, value: _engine(state, seed=value),
     "verbose": _verbose,
+    **{f"default_{name}": partial(_sampling, name) for name in SAMPLING_DEFAULTS},  # --temp, --top-k, ...
 }

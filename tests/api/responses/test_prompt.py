@@ -9,6 +9,7 @@ from typing import Any
 
 import pytest
 
+from mlxcel.api.context import SamplingDefaults
 from mlxcel.api.errors import ApiError
 from mlxcel.api.responses.create import parse_create_request
 from mlxcel.api.responses.items import stored_items
@@ -36,6 +37,7 @@ class TemplateContext:
     tokenizer: Tokenizer
     features: ChatFeatures  # template kwargs and the rest of the chat features (S-V)
     context_size: int = 4096
+    sampling: SamplingDefaults = SamplingDefaults()  # the server's sampling defaults (none set)
 
 
 @pytest.fixture(scope="module")

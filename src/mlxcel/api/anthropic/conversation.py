@@ -30,7 +30,7 @@ from mlxcel.api.anthropic.schemas import (
     ConversationFields, ImageBlock, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool,
     ToolResultBlock, ToolUseBlock,
 )  # fmt: skip
-from mlxcel.api.context import ApiContext
+from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import base64_data_url, validate_media
@@ -61,29 +61,33 @@ async def prepare_prompt(ctx: ApiContext, req: ConversationFields,
     chat-feature fields and templates that fail."""
     await reject_images(ctx, req)
     messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
-    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
+    plan = chat_features.plan_chat(ctx, chat_options(req, ctx.sampling), messages)
     return plan, chat_features.render_plan(ctx, plan)
 
 
-def chat_options(req: ConversationFields) -> ChatOptions:
+def chat_options(req: ConversationFields, defaults: SamplingDefaults = SamplingDefaults()) -> ChatOptions:
     """The request's options, decided here once: `thinking` as the template's `enable_thinking` (an
     explicit chat_template_kwargs key wins), an enabled thinking's `budget_tokens` as the
     reasoning budget (an explicit thinking_budget_tokens wins), and a Messages call's sampling
-    (a token count has none); raises ApiError(400)."""
+    (a token count has none; `defaults`: the server's, for what it leaves out); raises ApiError(400)."""
     choice = req.tool_choice
     output = [("output_format", req.output_format),
               ("output_config.format", req.output_config.format if req.output_config else None)]
     return build_chat_options(
-        req, sampling=sampling_params(req) if isinstance(req, MessagesRequest) else None, output=output,
+        req, sampling=sampling_params(req, defaults) if isinstance(req, MessagesRequest) else None, output=output,
         tools=template_tools(req.tools), tool_choice=choice.model_dump(exclude_none=True) if choice else None,
         parallel_tool_calls=not (choice and choice.disable_parallel_tool_use),
         template_kwargs=_thinking_kwargs(req), budget=_thinking_budget(req), remembers_reasoning=req.shows_thinking)
 
 
-def sampling_params(req: MessagesRequest) -> SamplingParams:
-    return SamplingParams(temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-                          top_p=1.0 if req.top_p is None else req.top_p, top_k=req.top_k or 0,
-                          max_tokens=req.max_tokens)
+def sampling_params(req: MessagesRequest, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """Messages names temperature, top_p and top_k; the server's defaults fill those it leaves out and the
+    fields it has no name for (min_p, the penalties)."""
+    return SamplingParams(
+        temperature=defaults.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
+        top_p=defaults.pick("top_p", req.top_p, 1.0), top_k=max(defaults.pick("top_k", req.top_k, 0), 0),
+        **defaults.params("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"),
+        max_tokens=req.max_tokens)
 
 
 def _thinking_kwargs(req: ConversationFields) -> dict[str, Any] | None:

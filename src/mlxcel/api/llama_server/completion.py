@@ -16,7 +16,7 @@ from typing import Any
 
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
-from mlxcel.api.context import ApiContext
+from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.errors import ApiError, error_body, invalid_request
 from mlxcel.api.generation import Generation, GenerationParams, Prompt
 from mlxcel.api.headers import request_priority
@@ -47,6 +47,7 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     Raises ApiError before any stream starts. Native completions are not counted in the
     request metrics (spec K2 counts chat completions).
     """
+    fields = with_server_defaults(fields, ctx.sampling)
     options = completion_options(ctx.tokenizer, fields)
     params = GenerationParams(stop=fields.stop_words, priority=request_priority(headers),
                               cache_prompt=fields.cache_prompt, slot_id=fields.id_slot if fields.id_slot >= 0 else None,
@@ -61,6 +62,13 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
     results = await generation.collect()
     bodies = [final_json(r, texts[r.prompt_index], reply) for r in results]
     return JsonReply(bodies[0] if len(bodies) == 1 else bodies)
+
+
+def with_server_defaults(fields: CompletionFields, defaults: SamplingDefaults) -> CompletionFields:
+    """`fields` with the server's sampling defaults (--temp, ...) in place of llama-server's request
+    defaults, for the fields the request did not send (a field it sent always wins)."""
+    unsent = {name: value for name, value in defaults.values().items() if name not in fields.model_fields_set}
+    return fields.model_copy(update=unsent) if unsent else fields
 
 
 def completion_options(tokenizer: Tokenizer, fields: CompletionFields) -> ChatOptions:

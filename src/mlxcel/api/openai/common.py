@@ -68,15 +68,16 @@ def sampling_params(ctx: ApiContext, req: SamplingFields, *, max_tokens: int | N
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < ctx.tokenizer.vocab_size for t in stop_ids):
         raise invalid_request("stop_token_ids: every id must be a token id of this model")
+    server = ctx.sampling  # the server's defaults (--temp, ...) for fields the request leaves out
     return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=max(req.top_k or 0, 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or req.repeat_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
-        repeat_last_n=64 if req.repeat_last_n is None else req.repeat_last_n,
+        temperature=server.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
+        top_k=max(server.pick("top_k", req.top_k, 0), 0),
+        top_p=server.pick("top_p", req.top_p, 1.0),
+        min_p=server.pick("min_p", req.min_p, 0.0),
+        repetition_penalty=server.pick("repeat_penalty", req.repetition_penalty or req.repeat_penalty, 1.0),
+        presence_penalty=server.pick("presence_penalty", req.presence_penalty, 0.0),
+        frequency_penalty=server.pick("frequency_penalty", req.frequency_penalty, 0.0),
+        repeat_last_n=server.pick("repeat_last_n", req.repeat_last_n, 64),
         logit_bias=logit_bias(ctx, req.logit_bias),
         seed=req.seed,
         max_tokens=max_tokens,

@@ -19,7 +19,7 @@ from dataclasses import dataclass
 
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
-from mlxcel.api.context import ApiContext
+from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media
 from mlxcel.api.responses.items import Item, media_refs, stored_items, template_tools, to_chat_messages
@@ -81,30 +81,32 @@ def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence
     """Plan the chat features and render the chat template (a failure of either is a 400, never a
     fallback); the tokenized prompt and the plan."""
     messages = to_chat_messages(req.instructions, conversation)
-    plan = chat_features.plan_chat(ctx, chat_options(req), messages)
+    plan = chat_features.plan_chat(ctx, chat_options(req, ctx.sampling), messages)
     return chat_features.render_plan(ctx, plan), plan
 
 
-def chat_options(req: ConversationFields) -> ChatOptions:
+def chat_options(req: ConversationFields, defaults: SamplingDefaults = SamplingDefaults()) -> ChatOptions:
     """The request's options, decided here once: its chat features (`text.format` the output
     constraint) and, for a create, its sampling (an input-token count has none); raises ApiError(400)."""
     text_format = req.text.format if req.text else None
     output = [("text.format", text_format.model_dump(exclude_none=True, by_alias=True) if text_format else None)]
     return build_chat_options(
-        req, sampling=sampling_params(req) if isinstance(req, ResponseCreateRequest) else None, output=output,
+        req, sampling=sampling_params(req, defaults) if isinstance(req, ResponseCreateRequest) else None, output=output,
         tools=template_tools(req.tools), tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
 
 
-def sampling_params(req: ResponseCreateRequest) -> SamplingParams:
-    """Sampling and limits of a create (OpenAI names, then llama/vLLM extras)."""
+def sampling_params(req: ResponseCreateRequest, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:
+    """Sampling and limits of a create (OpenAI names, then llama/vLLM extras); the server's `defaults`
+    fill the fields it leaves out or has no name for (repeat_last_n)."""
     return SamplingParams(
-        temperature=DEFAULT_TEMPERATURE if req.temperature is None else req.temperature,
-        top_k=max(req.top_k or 0, 0),
-        top_p=1.0 if req.top_p is None else req.top_p,
-        min_p=req.min_p or 0.0,
-        repetition_penalty=req.repetition_penalty or 1.0,
-        presence_penalty=req.presence_penalty or 0.0,
-        frequency_penalty=req.frequency_penalty or 0.0,
+        temperature=defaults.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
+        top_k=max(defaults.pick("top_k", req.top_k, 0), 0),
+        top_p=defaults.pick("top_p", req.top_p, 1.0),
+        min_p=defaults.pick("min_p", req.min_p, 0.0),
+        repetition_penalty=defaults.pick("repeat_penalty", req.repetition_penalty, 1.0),
+        presence_penalty=defaults.pick("presence_penalty", req.presence_penalty, 0.0),
+        frequency_penalty=defaults.pick("frequency_penalty", req.frequency_penalty, 0.0),
+        **defaults.params("repeat_last_n"),
         seed=req.seed,
         max_tokens=req.max_output_tokens,
         ignore_eos=req.ignore_eos,
