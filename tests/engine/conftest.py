@@ -18,16 +18,22 @@ VOCAB = 97
 EOS = 3
 
 
+def random_llama(seed: int, *, hidden_size: int = 64, num_layers: int = 2, std: float = 0.3) -> llama.Model:
+    """A tiny random Llama (4 heads over 2 KV heads, vocabulary 97); larger weights than the
+    default init make logits far from ties."""
+    torch.manual_seed(seed)
+    args = llama.ModelArgs(hidden_size=hidden_size, num_hidden_layers=num_layers, num_attention_heads=4,
+                           num_key_value_heads=2, intermediate_size=128, vocab_size=VOCAB,
+                           max_position_embeddings=512, tie_word_embeddings=True)
+    model = llama.Model(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return model.eval()
+
+
 @pytest.fixture(scope="session")
 def tiny_model() -> llama.Model:
-    torch.manual_seed(0)
-    args = llama.ModelArgs(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=512,
-                           tie_word_embeddings=True)
-    model = llama.Model(args)
-    for p in model.parameters():  # larger weights make logits far from ties
-        torch.nn.init.normal_(p, std=0.3)
-    return model.eval()
+    return random_llama(0)
 
 
 def reference_greedy(model: llama.Model, prompt: list[int], n: int) -> list[int]:

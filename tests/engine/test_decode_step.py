@@ -14,17 +14,14 @@ from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
 from mlxcel.layers.quant import quantize
 from mlxcel.models import llama
 
+from .conftest import random_llama
+
 BLOCK = 4
 
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
-    torch.manual_seed(1)
-    args = llama.ModelArgs(hidden_size=64, num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=True)
-    m = llama.Model(args).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.3)
+    m = random_llama(1, num_layers=3)
     quantize(m)
     return m
 

@@ -16,6 +16,7 @@ from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.layers import kv_quant
 from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
 from mlxcel.models import llama
+from tests.engine.conftest import random_llama
 
 BLOCK = 4
 HEAD_DIM = 32
@@ -23,13 +24,7 @@ HEAD_DIM = 32
 
 @pytest.fixture(scope="module")
 def model() -> llama.Model:
-    torch.manual_seed(3)
-    args = llama.ModelArgs(hidden_size=128, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                           intermediate_size=128, vocab_size=97, max_position_embeddings=512, tie_word_embeddings=True)
-    m = llama.Model(args).eval()
-    for p in m.parameters():
-        torch.nn.init.normal_(p, std=0.2)
-    return m
+    return random_llama(3, hidden_size=128, std=0.2)
 
 
 @pytest.mark.parametrize("element", kv_quant.QUANTIZED_TYPES)
