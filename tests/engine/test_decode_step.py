@@ -51,6 +51,18 @@ def test_build_inputs_pads_rows_and_keys_with_the_scratch_slot() -> None:
     assert (inputs.key_slots[2] == 256).all() and (inputs.key_pos[2] == -1).all()
 
 
+def test_build_inputs_for_a_window_row_and_adapter_scales() -> None:
+    """A row whose live keys start past 0 (--max-kv-size) maps each position through its own block
+    table entry; rows without LoRA scales get the base model's zeros beside one that has them."""
+    rows_ = [DecodeRow(3, 9, 6, (7, 2, 5), (0.5, 2.0)), DecodeRow(4, 2, 0, (1,))]
+    inputs = build_inputs(rows_, 4, 99, num_adapters=2)
+    assert inputs.key_pos[0, :5].tolist() == [6, 7, 8, 9, -1]
+    assert inputs.key_slots[0, :5].tolist() == [2 * 4 + 2, 2 * 4 + 3, 5 * 4 + 0, 5 * 4 + 1, 99]
+    assert inputs.slot_mapping.tolist() == [5 * 4 + 1, 1 * 4 + 2]
+    assert inputs.key_slots[1, :4].tolist() == [4, 5, 6, 99]
+    assert inputs.lora_scales.tolist() == [[0.5, 2.0], [0.0, 0.0]]
+
+
 def test_eager_step_equals_the_uncached_forward(model: llama.Model) -> None:
     """Write a prompt's KV by prefill, then one decode step: logits equal a cache-free forward."""
     cache = kv_cache()

@@ -61,25 +61,33 @@ class DecodeInputs:
 
 def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, num_rows: int | None = None,
                  num_keys: int | None = None, num_adapters: int = 0) -> DecodeInputs:
-    """Host tensors for `rows`, padded to `num_rows` rows and `num_keys` keys (default: just enough)."""
+    """Host tensors for `rows`, padded to `num_rows` rows and `num_keys` keys (default: just enough).
+
+    Built for the whole batch at once (a handful of tensor ops, not a few per row: at 64 rows the
+    per-row version cost ~2 ms a step, longer than the GPU's step)."""
     num_rows = num_rows or len(rows)
-    longest = max(r.position + 1 - r.kv_start for r in rows)
-    num_keys = num_keys or -(-longest // KEY_ALIGN) * KEY_ALIGN
+    count = len(rows)
+    starts = torch.tensor([r.kv_start for r in rows], dtype=torch.long)
+    last = torch.tensor([r.position for r in rows], dtype=torch.long)
+    num_keys = num_keys or -(-int((last + 1 - starts).max()) // KEY_ALIGN) * KEY_ALIGN
+    width = max(len(r.block_table) for r in rows)
+    tables = torch.tensor([r.block_table + (0,) * (width - len(r.block_table)) for r in rows], dtype=torch.long)
+    pos = starts.unsqueeze(1) + torch.arange(num_keys).unsqueeze(0)  # [rows, keys]
+    live = pos <= last.unsqueeze(1)
+    blocks = tables.gather(1, (pos // block_size).clamp(max=width - 1))  # past a row's end: masked below
     key_slots = torch.full((num_rows, num_keys), scratch_slot, dtype=torch.long)
     key_pos = torch.full((num_rows, num_keys), -1, dtype=torch.long)
+    key_slots[:count] = torch.where(live, blocks * block_size + pos % block_size, scratch_slot)
+    key_pos[:count] = torch.where(live, pos, -1)
     ids = torch.zeros(num_rows, dtype=torch.long)
     positions = torch.zeros(num_rows, dtype=torch.long)
     slots = torch.full((num_rows,), scratch_slot, dtype=torch.long)
+    ids[:count] = torch.tensor([r.token_id for r in rows], dtype=torch.long)
+    positions[:count] = last
+    slots[:count] = tables.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
     lora = torch.zeros(num_rows, num_adapters)  # padding rows and rows without scales: the base model
-    for b, row in enumerate(rows):
-        pos = torch.arange(row.kv_start, row.position + 1)
-        table = torch.tensor(row.block_table, dtype=torch.long)
-        row_slots = table[pos // block_size] * block_size + pos % block_size
-        key_slots[b, :len(pos)] = row_slots
-        key_pos[b, :len(pos)] = pos
-        ids[b], positions[b], slots[b] = row.token_id, row.position, row_slots[-1]
-        if row.lora_scales:
-            lora[b] = torch.tensor(row.lora_scales)
+    if any(r.lora_scales for r in rows):
+        lora[:count] = torch.tensor([r.lora_scales or (0.0,) * num_adapters for r in rows])
     return DecodeInputs(ids, positions, slots, key_slots, key_pos, lora)
 
 
