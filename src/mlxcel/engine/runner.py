@@ -64,7 +64,8 @@ class Runner:
         if prefill:
             prefill_ids, logits = self._prefill(prefill)
             ids += prefill_ids
-            parts.append(logits)
+            if prefill_ids:  # chunks that do not sample yet add nothing (and no host tensor beside GPU logits)
+                parts.append(logits)
         merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0, device=self.device)
         return StepLogits(ids, merged, verified)
 
