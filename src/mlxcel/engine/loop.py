@@ -354,8 +354,7 @@ class EngineCore:
         self.scheduler.attach_drafts(out)
         reporting = _reporting_progress(out)
         self._queue_progress([s for s in reporting if s.num_computed_tokens == s.num_cached_tokens])  # the 0 % event
-        if not self._defers_events:
-            self._flush_events()
+        self._hand_over()
         try:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server
@@ -365,8 +364,7 @@ class EngineCore:
             return
         self._queue_progress(reporting)
         self._queue_results(results)
-        if not self._defers_events:
-            self._flush_events()
+        self._hand_over()
 
     def _forward_and_sample(self, out: SchedulerOutput) -> list[StepResult]:
         step = self.runner.execute(out)  # on a GPU: launched; the sampler's read waits for it
@@ -449,6 +447,11 @@ class EngineCore:
                                                       num_cached_tokens=seq.num_cached_tokens,
                                                       num_drafted=seq.num_drafted,
                                                       num_draft_accepted=seq.num_draft_accepted)))
+
+    def _hand_over(self) -> None:
+        """Events just made go out now on the CPU; on a GPU they wait for the next step's launch."""
+        if not self._defers_events:
+            self._flush_events()
 
     def _flush_events(self) -> None:
         events, self._events = self._events, []
