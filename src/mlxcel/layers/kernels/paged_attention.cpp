@@ -9,8 +9,14 @@
 // nothing, so a row's bits depend on its own keys only: the same alone and in any batch, with
 // any padding of the batch to its longest row and any number of threads.
 //
-// Built at run time by mlxcel/layers/paged_attention.py (g++ -O3 -march=native -fopenmp) and
-// called through ctypes: plain C types only, no torch headers (it builds in about a second).
+// Built at run time by mlxcel/layers/paged_attention.py (g++ -O3 -march=native -fopenmp, against
+// torch's headers, about 10 s once) and loaded with torch.ops.load_library: the file registers
+// itself as the CPU kernel of the op `mlxcel::paged_decode_attention` (whose schema Python
+// defines), so a call from the compiled step goes straight from the dispatcher to C++.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
 
 #include <cmath>
 #include <cstdint>
@@ -259,32 +265,59 @@ int run(const float* q, const void* k_cache, const void* v_cache, const int64_t*
     return 0;
 }
 
-}  // namespace
-
-extern "C" {
-
 // Floats of scratch space run() needs.
-int64_t mlxcel_paged_attention_scratch(int64_t rows, int64_t keys, int64_t q_heads, int64_t kv_heads, int64_t dim) {
+int64_t scratch_floats(int64_t rows, int64_t keys, int64_t q_heads, int64_t dim) {
     return rows * ((keys + CHUNK - 1) / CHUNK) * q_heads * (2 + dim);
 }
 
-// q, out: [rows, q_heads, dim] float32; k_cache, v_cache: [slots, kv_heads, dim] of `cache_type`
-// (0 float32, 1 bfloat16, 2 float16); key_slots, key_pos: [rows, keys] int64 (pos -1: padding);
-// q_pos: [rows] int64; `slots`: the caches' first dimension (a key slot outside it is skipped).
-// Returns 0, or 1 for a shape it does not take.
-int mlxcel_paged_attention(int cache_type, const float* q, const void* k_cache, const void* v_cache,
-                           const int64_t* key_slots, const int64_t* key_pos, const int64_t* q_pos, float* out,
-                           float* scratch, int64_t rows, int64_t keys, int64_t q_heads, int64_t kv_heads,
-                           int64_t dim, int64_t slots, float scale, int64_t window) {
-    switch (cache_type) {
-        case 0: return run<float>(q, k_cache, v_cache, key_slots, key_pos, q_pos, out, scratch, rows, keys, q_heads,
-                                  kv_heads, dim, slots, scale, window);
-        case 1: return run<uint16_t>(q, k_cache, v_cache, key_slots, key_pos, q_pos, out, scratch, rows, keys,
-                                     q_heads, kv_heads, dim, slots, scale, window);
-        case 2: return run<_Float16>(q, k_cache, v_cache, key_slots, key_pos, q_pos, out, scratch, rows, keys,
-                                     q_heads, kv_heads, dim, slots, scale, window);
-        default: return 1;
-    }
+bool is_long_vector(const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous() && t.is_cpu(); }
+
+// q [rows, q_heads, dim] -> the same shape in q's dtype; k_cache, v_cache [slots, kv_heads, dim] of
+// float32, bfloat16 or float16; key_slots, key_pos [rows, keys] int64 (pos -1: padding); q_pos
+// [rows] int64; window 0 = none. The kernel reads raw memory: every shape, dtype and layout it
+// relies on is checked first (a ValueError in Python). A key slot outside the caches is skipped.
+at::Tensor paged_decode_attention(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                                  const at::Tensor& key_slots, const at::Tensor& key_pos, const at::Tensor& q_pos,
+                                  double scale, int64_t window) {
+    const auto cache_type = k_cache.scalar_type();
+    TORCH_CHECK_VALUE(
+        q.dim() == 3 && k_cache.dim() == 3 && k_cache.sizes() == v_cache.sizes() && k_cache.size(2) == q.size(2) &&
+            v_cache.scalar_type() == cache_type &&
+            (cache_type == at::kFloat || cache_type == at::kBFloat16 || cache_type == at::kHalf) &&
+            k_cache.is_contiguous() && v_cache.is_contiguous() && q.is_cpu() && k_cache.is_cpu() && v_cache.is_cpu() &&
+            key_slots.dim() == 2 &&
+            key_slots.sizes() == key_pos.sizes() && key_slots.size(0) == q.size(0) && q_pos.dim() == 1 &&
+            q_pos.size(0) == q.size(0) && is_long_vector(key_slots) && is_long_vector(key_pos) &&
+            is_long_vector(q_pos),
+        "paged attention: inconsistent inputs q ", q.sizes(), ", caches ", k_cache.sizes(), " ", cache_type,
+        ", key slots ", key_slots.sizes(), " ", key_slots.scalar_type(), ", positions ", key_pos.sizes(),
+        ", query positions ", q_pos.sizes());
+    const int64_t rows = q.size(0), q_heads = q.size(1), dim = q.size(2);
+    const int64_t kv_heads = k_cache.size(1), keys = key_slots.size(1), slots = k_cache.size(0);
+    const at::Tensor query = q.to(at::kFloat).contiguous();
+    at::Tensor out = at::empty({rows, q_heads, dim}, q.options().dtype(at::kFloat));
+    at::Tensor scratch = at::empty({scratch_floats(rows, keys, q_heads, dim)}, q.options().dtype(at::kFloat));
+    const float* qp = query.const_data_ptr<float>();
+    const int64_t* ks = key_slots.const_data_ptr<int64_t>();
+    const int64_t* kp = key_pos.const_data_ptr<int64_t>();
+    const int64_t* qpos = q_pos.const_data_ptr<int64_t>();
+    float* op = out.mutable_data_ptr<float>();
+    float* sp = scratch.mutable_data_ptr<float>();
+    const void* kc = k_cache.const_data_ptr();
+    const void* vc = v_cache.const_data_ptr();
+    const float sc = static_cast<float>(scale);
+    int status = 1;
+    if (cache_type == at::kFloat)
+        status = run<float>(qp, kc, vc, ks, kp, qpos, op, sp, rows, keys, q_heads, kv_heads, dim, slots, sc, window);
+    else if (cache_type == at::kBFloat16)
+        status = run<uint16_t>(qp, kc, vc, ks, kp, qpos, op, sp, rows, keys, q_heads, kv_heads, dim, slots, sc, window);
+    else
+        status = run<_Float16>(qp, kc, vc, ks, kp, qpos, op, sp, rows, keys, q_heads, kv_heads, dim, slots, sc, window);
+    TORCH_CHECK_VALUE(status == 0, "the paged attention kernel does not take ", q_heads, " query heads over ",
+                      kv_heads, " kv heads of dim ", dim);
+    return q.scalar_type() == at::kFloat ? out : out.to(q.scalar_type());
 }
 
-}  // extern "C"
+}  // namespace
+
+TORCH_LIBRARY_IMPL(mlxcel, CPU, m) { m.impl("paged_decode_attention", &paged_decode_attention); }
