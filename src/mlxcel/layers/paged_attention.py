@@ -108,6 +108,7 @@ def _build(compiler: str) -> Path:
     target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
+    log.info("building the paged attention kernel for this CPU and torch %s (about 10 s, once)", torch.__version__)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
         built = Path(tmp) / target.name
