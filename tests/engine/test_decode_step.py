@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mlxcel.engine.decode_step import KEY_ALIGN, DecodeRow, DecodeStep, build_inputs
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.quant import quantize
 from mlxcel.models import llama
 

@@ -91,7 +91,8 @@ def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir
     NOTE: a cache of random noise (std 2) is not a fair input: 30 layers over keys no model wrote
     amplify bfloat16 rounding into logit gaps of 16 on either path (seen on AMD and Intel machines)."""
     from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-    from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+    from mlxcel.engine.kv.tensors import KVCache
+    from mlxcel.layers.attention import AttentionContext, SequenceSlice
 
     model = compiled.loaded.model
     args = model.args

@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.layers.attention import DecodeAttention, KVCache, StepRows, step_rows
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import DecodeAttention, StepRows, step_rows
 from mlxcel.layers.lora import model_lora_rows
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class DecodeStep:
             self.lora_rows.set_rows(lora_scales)
         x = inner.embed(input_ids)
         for index, layer in enumerate(inner.layers):
-            ctx = DecodeAttention.of_layer(self.kv_cache, index, slot_mapping, key_slots, key_pos, positions)
+            ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
             x = self._layer(layer, x, positions, ctx)
         return self._head(inner.norm(x))
 

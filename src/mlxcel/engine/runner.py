@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.kv.prefix import KVCacheManager
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import model_lora_rows, token_scales
 
 

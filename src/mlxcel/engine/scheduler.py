@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlxcel.config import EngineConfig
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
 from mlxcel.types import FinishReason, Request, TokenLogprob
