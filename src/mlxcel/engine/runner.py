@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-from mlxcel.engine.kv.prefix import KVCacheManager
+from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
@@ -37,7 +37,7 @@ class StepLogits:
 class Runner:
     """Owns the model and the KV tensors; called only from the engine loop's thread."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: KVCacheManager,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: PrefixCache,
                  device: torch.device | str, decode_step: DecodeStep) -> None:
         self.model = model
         self.kv_cache = kv_cache
