@@ -58,9 +58,8 @@ def _prefill_then_decode(model: llama.Model, cache: KVCache, mode: str, prompts:
         for i, prompt in enumerate(prompts):
             table = tuple(range(i * 16, (i + 1) * 16))
             n = len(prompt) - 1
-            ctx = AttentionContext([SequenceSlice(0, n, n, block_table=table)], cache)
-            with ctx.active():
-                model(torch.tensor(prompt[:n]), torch.arange(n), ctx)
+            ctx = AttentionContext([SequenceSlice(0, n, n, block_table=table)], cache, prefill_only=True)
+            model(torch.tensor(prompt[:n]), torch.arange(n), ctx)
             rows.append(DecodeRow(prompt[n], n, 0, table))
         return step.run(rows)
 

@@ -105,8 +105,7 @@ def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir
             table = tuple(range(i * 36, (i + 1) * 36))
             ctx = AttentionContext([SequenceSlice(0, len(prompt) - 1, len(prompt) - 1, 0, table)], cache, "cpu",
                                    prefill_only=True)
-            with ctx.active():
-                model(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), ctx)
+            model(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), ctx)
             batch.append(DecodeRow(prompt[-1], len(prompt) - 1, 0, table))
         eager, fast = steps["eager"].run(batch), steps["compile"].run(batch)
         alone = [steps["compile"].run([row])[0] for row in batch[:2]]

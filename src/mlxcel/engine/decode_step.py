@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.engine.kv.tensors import KVCache
-from mlxcel.layers.attention import DecodeAttention, StepRows, step_rows
+from mlxcel.layers.attention import DecodeAttention
 from mlxcel.layers.lora import model_lora_rows
 
 log = logging.getLogger(__name__)
@@ -147,8 +147,7 @@ class DecodeStep:
         inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
                               num_adapters=self.num_adapters)
         tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
-        with step_rows(StepRows(num_rows, num_rows)):
-            logits = self.forward(*tensors)
+        logits = self.forward(*tensors)
         return logits[:len(rows)].float()
 
     @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
@@ -254,8 +253,7 @@ class CudaGraphs:
     def _run_uncaptured(self, rows: list[DecodeRow]) -> torch.Tensor:
         kv = self.step.kv_cache
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters)
-        with step_rows(StepRows(len(rows), len(rows))):
-            logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
+        logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
         return logits.float()
 
     def _capture(self, num_rows: int, num_keys: int) -> None:
@@ -267,12 +265,12 @@ class CudaGraphs:
         static = DecodeInputs(*(t.to(device) for t in host.tensors()))
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), step_rows(StepRows(num_rows, num_rows)):
+        with torch.cuda.stream(stream):
             for _ in range(2):  # warm the kernels (and cuBLAS workspaces) outside the capture
                 self.step.forward(*static.tensors())
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), step_rows(StepRows(num_rows, num_rows)):
+        with torch.cuda.graph(graph, pool=self._pool):
             logits = self.step.forward(*static.tensors())
         self._pool = graph.pool()
         self._graphs[(num_rows, num_keys)] = (graph, static, logits)

@@ -98,8 +98,7 @@ class Runner:
         input_ids, positions, slices = self._prepare(scheduled)
         ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
         self._set_lora_rows(scheduled)
-        with ctx.active():
-            hidden = self.model(input_ids, positions, ctx)
+        hidden = self.model(input_ids, positions, ctx)
         rows = [(s.seq.request_id, sl.q_start + sl.q_len - 1)
                 for s, sl in zip(scheduled, slices) if s.is_sampling]
         if not rows:

@@ -2,14 +2,14 @@
 
 The runner describes one engine step as an `AttentionContext`: which sequences take part,
 how many new tokens each brings, and where their keys and values live in the block pool.
-Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks.
+Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks. They also hand the
+context to their projections (`quant.project` / `quant.linear`): it tells the quantized ones
+which rows are decode rows (`num_decode_rows`). The decode step's `DecodeAttention` is the same
+interface over one layer's cache tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -17,31 +17,6 @@ import torch
 import torch.nn.functional as F
 
 from mlxcel.layers import kv_quant, paged_attention
-
-@dataclass(frozen=True, slots=True)
-class StepRows:
-    """The shape of the step being computed: its token count and how many leading rows are
-    single-token (decode) rows. Layers that choose kernels per row read it (quant.py)."""
-
-    num_tokens: int
-    num_leading_single_rows: int
-
-
-_CURRENT_STEP: ContextVar[StepRows | None] = ContextVar("mlxcel_current_step", default=None)
-
-
-def current_step() -> StepRows | None:
-    return _CURRENT_STEP.get()
-
-
-@contextlib.contextmanager
-def step_rows(rows: StepRows) -> Iterator[StepRows]:
-    """Make `rows` the current step of this thread while a model runs it."""
-    token = _CURRENT_STEP.set(rows)
-    try:
-        yield rows
-    finally:
-        _CURRENT_STEP.reset(token)
 
 
 PREFILL_BLOCK = 64  # prefill queries attend in blocks of this many positions (see _attend_prefill)
@@ -85,8 +60,10 @@ class AttentionContext:
     def __init__(self, seqs: list[SequenceSlice], kv: PagedKV | None = None,
                  device: torch.device | str = "cpu", *, prefill_only: bool = False) -> None:
         """`prefill_only`: every row is prompt (the runner's prefill chunks), a one-token chunk too,
-        so it is computed as the same position of a whole prompt is (kernels and bits)."""
+        so it is computed as the same position of a whole prompt is (kernels and bits: see
+        `num_decode_rows`). Without it the context is a plain forward, not an engine step."""
         self.seqs = seqs
+        self.prefill_only = prefill_only
         self.kv = kv
         self.device = torch.device(device)
         self._masks: dict[tuple[str, int | None], object] = {}
@@ -96,13 +73,13 @@ class AttentionContext:
         decode_set = set(self.decode_rows)
         self.other_rows = [i for i in range(len(seqs)) if i not in decode_set]
         self.num_tokens = sum(s.q_len for s in seqs)
-        self.num_leading_single_rows = 0 if prefill_only else next(
-            (i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()
 
-    def active(self) -> contextlib.AbstractContextManager[StepRows]:
-        """Make this the current step of the thread while the model runs it."""
-        return step_rows(StepRows(self.num_tokens, self.num_leading_single_rows))
+    def num_decode_rows(self, num_rows: int) -> int | None:
+        """How many leading rows of this step's activations [num_rows, ...] are decode rows, for the
+        layers that pick a kernel per row (quant.py); None for a plain forward (picked by size).
+        An engine prefill step (`prefill_only`) has none."""
+        return 0 if self.prefill_only and num_rows == self.num_tokens else None
 
     # ---- index building (once per step) ----
 
@@ -297,6 +274,10 @@ class DecodeAttention:
         # outside any compiled region, so a traced step sees a constant).
         self.use_kernel = (k_scales is None and v_scales is None and k_cache.dtype == v_cache.dtype
                            and paged_attention.supports(k_cache.dtype, k_cache.device))
+
+    def num_decode_rows(self, num_rows: int) -> int:
+        """Every row of the decode step is a decode row (see `AttentionContext.num_decode_rows`)."""
+        return num_rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, window: int | None = None) -> torch.Tensor:
