@@ -39,7 +39,7 @@ def load(gguf: Path | None, device: str) -> torch.nn.Module:
 
 def measure(model: torch.nn.Module, device: str, mode: str, rows: list[int], contexts: list[int], steps: int) -> None:
     from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-    from mlxcel.layers.attention import KVCache
+    from mlxcel.engine.kv.tensors import KVCache
 
     args = model.args
     block = 16

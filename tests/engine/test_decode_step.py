@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from mlxcel.engine.decode_step import KEY_ALIGN, DecodeRow, DecodeStep, build_inputs
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.quant import quantize
 from mlxcel.models import llama
 
@@ -70,13 +71,11 @@ def test_eager_step_equals_the_uncached_forward(model: llama.Model) -> None:
     prompt = [11, 22, 33, 44, 55, 66, 77]
     table = (5, 2)
     with torch.inference_mode():
-        ctx = AttentionContext([SequenceSlice(0, 6, 6, block_table=table)], cache)
-        with ctx.active():
-            model(torch.tensor(prompt[:6]), torch.arange(6), ctx)
+        ctx = AttentionContext([SequenceSlice(0, 6, 6, block_table=table)], cache, prefill_only=True)
+        model(torch.tensor(prompt[:6]), torch.arange(6), ctx)
         logits = step.run([DecodeRow(prompt[6], 6, 0, table)])
-        full = AttentionContext([SequenceSlice(0, 7, 7)])
-        with full.active():
-            reference = model.compute_logits(model(torch.tensor(prompt), torch.arange(7), full)[-1:])
+        full = AttentionContext([SequenceSlice(0, 7, 7)], prefill_only=True)
+        reference = model.compute_logits(model(torch.tensor(prompt), torch.arange(7), full)[-1:])
     # Decode rows use the int8 kernel, the reference's prefill rows bfloat16: close, not equal.
     torch.testing.assert_close(logits, reference.float(), atol=0.05, rtol=0.02)
     assert logits.argmax(-1).item() == reference.argmax(-1).item()

@@ -15,7 +15,7 @@ import pytest
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.loop import EngineCore, ModelShape
-from mlxcel.engine.slots import SlotError
+from mlxcel.engine.kv.slot_files import SlotError
 from mlxcel.types import (
     ContextOverflowError, EngineShutdownError, FinishReason, Priority, QueueFullError, Request, SamplingParams,
     TokenEvent,

@@ -12,9 +12,10 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.layers import kv_quant
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.models import llama
 from tests.engine.conftest import random_llama
 
@@ -57,9 +58,8 @@ def _prefill_then_decode(model: llama.Model, cache: KVCache, mode: str, prompts:
         for i, prompt in enumerate(prompts):
             table = tuple(range(i * 16, (i + 1) * 16))
             n = len(prompt) - 1
-            ctx = AttentionContext([SequenceSlice(0, n, n, block_table=table)], cache)
-            with ctx.active():
-                model(torch.tensor(prompt[:n]), torch.arange(n), ctx)
+            ctx = AttentionContext([SequenceSlice(0, n, n, block_table=table)], cache, prefill_only=True)
+            model(torch.tensor(prompt[:n]), torch.arange(n), ctx)
             rows.append(DecodeRow(prompt[n], n, 0, table))
         return step.run(rows)
 
@@ -127,7 +127,7 @@ def test_n2_a_saved_slot_keeps_its_scales_and_a_mismatched_type_is_refused(model
     import asyncio
 
     from mlxcel.engine.client import EngineClient
-    from mlxcel.engine.slots import SlotError
+    from mlxcel.engine.kv.slot_files import SlotError
     from mlxcel.types import Request, SamplingParams
 
     def engine(**settings: object) -> EngineClient:

@@ -36,7 +36,7 @@ def test_issue11_a_cpu_pool_is_resident_only_where_blocks_were_written() -> None
 
     import pytest
 
-    from mlxcel.layers.attention import KVCache
+    from mlxcel.engine.kv.tensors import KVCache
 
     if not sys.platform.startswith("linux"):
         pytest.skip("reads /proc/self/statm")

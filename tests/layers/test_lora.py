@@ -22,7 +22,7 @@ import pytest
 import torch
 
 from mlxcel.config import EngineConfig
-from mlxcel.engine.slots import SlotError
+from mlxcel.engine.kv.slot_files import SlotError
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter, token_scales
 from mlxcel.loading import load_model

@@ -14,7 +14,8 @@ import numpy as np
 import torch
 from torch import nn
 
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 
 
 def uncached_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:

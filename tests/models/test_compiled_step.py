@@ -91,7 +91,8 @@ def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir
     NOTE: a cache of random noise (std 2) is not a fair input: 30 layers over keys no model wrote
     amplify bfloat16 rounding into logit gaps of 16 on either path (seen on AMD and Intel machines)."""
     from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-    from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+    from mlxcel.engine.kv.tensors import KVCache
+    from mlxcel.layers.attention import AttentionContext, SequenceSlice
 
     model = compiled.loaded.model
     args = model.args
@@ -104,8 +105,7 @@ def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir
             table = tuple(range(i * 36, (i + 1) * 36))
             ctx = AttentionContext([SequenceSlice(0, len(prompt) - 1, len(prompt) - 1, 0, table)], cache, "cpu",
                                    prefill_only=True)
-            with ctx.active():
-                model(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), ctx)
+            model(torch.tensor(prompt[:-1]), torch.arange(len(prompt) - 1), ctx)
             batch.append(DecodeRow(prompt[-1], len(prompt) - 1, 0, table))
         eager, fast = steps["eager"].run(batch), steps["compile"].run(batch)
         alone = [steps["compile"].run([row])[0] for row in batch[:2]]

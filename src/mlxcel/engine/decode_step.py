@@ -23,7 +23,8 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.layers.attention import DecodeAttention, KVCache, StepRows, step_rows
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import DecodeAttention
 from mlxcel.layers.lora import model_lora_rows
 
 log = logging.getLogger(__name__)
@@ -127,7 +128,7 @@ class DecodeStep:
             self.lora_rows.set_rows(lora_scales)
         x = inner.embed(input_ids)
         for index, layer in enumerate(inner.layers):
-            ctx = DecodeAttention.of_layer(self.kv_cache, index, slot_mapping, key_slots, key_pos, positions)
+            ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
             x = self._layer(layer, x, positions, ctx)
         return self._head(inner.norm(x))
 
@@ -146,8 +147,7 @@ class DecodeStep:
         inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
                               num_adapters=self.num_adapters)
         tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
-        with step_rows(StepRows(num_rows, num_rows)):
-            logits = self.forward(*tensors)
+        logits = self.forward(*tensors)
         return logits[:len(rows)].float()
 
     @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
@@ -253,8 +253,7 @@ class CudaGraphs:
     def _run_uncaptured(self, rows: list[DecodeRow]) -> torch.Tensor:
         kv = self.step.kv_cache
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters)
-        with step_rows(StepRows(len(rows), len(rows))):
-            logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
+        logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
         return logits.float()
 
     def _capture(self, num_rows: int, num_keys: int) -> None:
@@ -266,12 +265,12 @@ class CudaGraphs:
         static = DecodeInputs(*(t.to(device) for t in host.tensors()))
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
-        with torch.cuda.stream(stream), step_rows(StepRows(num_rows, num_rows)):
+        with torch.cuda.stream(stream):
             for _ in range(2):  # warm the kernels (and cuBLAS workspaces) outside the capture
                 self.step.forward(*static.tensors())
         torch.cuda.current_stream(device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self._pool), step_rows(StepRows(num_rows, num_rows)):
+        with torch.cuda.graph(graph, pool=self._pool):
             logits = self.step.forward(*static.tensors())
         self._pool = graph.pool()
         self._graphs[(num_rows, num_keys)] = (graph, static, logits)

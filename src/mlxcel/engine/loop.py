@@ -22,18 +22,18 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.admission import MemoryBudget
-from mlxcel.engine.kv_cache import BlockPool
-from mlxcel.engine.prefix_cache import KVCacheManager
 from mlxcel.engine.decode_step import DecodeStep
+from mlxcel.engine.kv import slot_files
+from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.prefix import KVCacheManager
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner, StepLogits
 from mlxcel.engine.sampler import SamplingRow, sample
 from mlxcel.engine.scheduler import (
     ChooseToken, ScheduledSeq, Scheduler, SchedulerOutput, Sequence, SlotContent, StepResult,
 )
 from mlxcel.engine.spec import DraftPolicy, build_policy
-from mlxcel.engine import slots as slot_files
 from mlxcel.layers import kv_quant
-from mlxcel.layers.attention import KVCache
 from mlxcel.layers.lora import model_lora_rows
 from mlxcel.types import (
     ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PromptProgress, QueueFullError,

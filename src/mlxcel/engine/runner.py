@@ -17,9 +17,10 @@ from dataclasses import dataclass
 import torch
 
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.kv import PrefixCache
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
-from mlxcel.layers.attention import AttentionContext, KVCache, SequenceSlice
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import model_lora_rows, token_scales
 
 
@@ -36,7 +37,7 @@ class StepLogits:
 class Runner:
     """Owns the model and the KV tensors; called only from the engine loop's thread."""
 
-    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: KVCacheManager,
+    def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: PrefixCache,
                  device: torch.device | str, decode_step: DecodeStep) -> None:
         self.model = model
         self.kv_cache = kv_cache
@@ -97,8 +98,7 @@ class Runner:
         input_ids, positions, slices = self._prepare(scheduled)
         ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
         self._set_lora_rows(scheduled)
-        with ctx.active():
-            hidden = self.model(input_ids, positions, ctx)
+        hidden = self.model(input_ids, positions, ctx)
         rows = [(s.seq.request_id, sl.q_start + sl.q_len - 1)
                 for s, sl in zip(scheduled, slices) if s.is_sampling]
         if not rows:

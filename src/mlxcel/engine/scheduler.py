@@ -19,7 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from mlxcel.config import EngineConfig
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
 from mlxcel.types import FinishReason, Request, TokenLogprob
@@ -130,7 +130,7 @@ ChooseToken = Callable[[int], tuple[int, TokenLogprob | None]]
 
 
 class Scheduler:
-    def __init__(self, config: EngineConfig, kv: KVCacheManager, *, slot_context: int,
+    def __init__(self, config: EngineConfig, kv: PrefixCache, *, slot_context: int,
                  eos_token_ids: frozenset[int], drafts: DraftPolicy | None = None) -> None:
         self.config = config
         self.kv = kv

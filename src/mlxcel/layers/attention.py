@@ -2,47 +2,21 @@
 
 The runner describes one engine step as an `AttentionContext`: which sequences take part,
 how many new tokens each brings, and where their keys and values live in the block pool.
-Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks.
+Models call `ctx.attend(layer, q, k, v)`; they never see blocks or masks. They also hand the
+context to their projections (`quant.project` / `quant.linear`): it tells the quantized ones
+which rows are decode rows (`num_decode_rows`). The decode step's `DecodeAttention` is the same
+interface over one layer's cache tensors.
 """
 
 from __future__ import annotations
 
-import contextlib
-import math
-import mmap
-from collections.abc import Iterator
-from contextvars import ContextVar
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 
 from mlxcel.layers import kv_quant, paged_attention
-
-@dataclass(frozen=True, slots=True)
-class StepRows:
-    """The shape of the step being computed: its token count and how many leading rows are
-    single-token (decode) rows. Layers that choose kernels per row read it (quant.py)."""
-
-    num_tokens: int
-    num_leading_single_rows: int
-
-
-_CURRENT_STEP: ContextVar[StepRows | None] = ContextVar("mlxcel_current_step", default=None)
-
-
-def current_step() -> StepRows | None:
-    return _CURRENT_STEP.get()
-
-
-@contextlib.contextmanager
-def step_rows(rows: StepRows) -> Iterator[StepRows]:
-    """Make `rows` the current step of this thread while a model runs it."""
-    token = _CURRENT_STEP.set(rows)
-    try:
-        yield rows
-    finally:
-        _CURRENT_STEP.reset(token)
 
 
 PREFILL_BLOCK = 64  # prefill queries attend in blocks of this many positions (see _attend_prefill)
@@ -52,102 +26,21 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
-class KVCache:
-    """Key and value tensors for every layer: [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
+class PagedKV(Protocol):
+    """The paged KV tensors a step attends over, as the engine hands them in (engine/kv/tensors.py's
+    `KVCache`): keys and values at cache slots `block_id * block_size + offset`, whose last block
+    (from `scratch_slot` on) belongs to no sequence."""
 
-    The last block belongs to no sequence: the decode step's padding rows and warmup write
-    their keys there (from `scratch_slot` on), so they never touch a real sequence's cache.
-    Keys and values each have an element type (layers/kv_quant.py): a dense dtype, or codes plus
-    one float16 scale per block of 32 (`k_scales` / `v_scales`, None when dense); turbo4 stores
-    head vectors turned by `rotation`, which attention applies to the query and undoes on the output.
-    """
+    block_size: int
+    scratch_slot: int
 
-    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None) -> None:
-        self.k_type = k_type or _dense_name(dtype)
-        self.v_type = v_type or _dense_name(v_dtype or dtype)
-        num_slots = (num_blocks + 1) * block_size
-        self.k, self.k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        self.v, self.v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        turbo = "turbo4" in (self.k_type, self.v_type)
-        self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
-        self.block_size = block_size
-        self.num_blocks = num_blocks
-        self.scratch_slot = num_blocks * block_size
-        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None: ...
 
-    @property
-    def bytes_per_token(self) -> int:
-        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type, self.v_type)
+    def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
-        """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
-        _store(self.k_type, self.k[layer], _side(self.k_scales, layer), slots, self._turned(self.k_type, k))
-        _store(self.v_type, self.v[layer], _side(self.v_scales, layer), slots, self._turned(self.v_type, v))
+    def turn_query(self, q: torch.Tensor) -> torch.Tensor: ...
 
-    def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """Keys and values at cache slots `index` (any shape) -> [*index.shape, Hkv, D] in `dtype`
-        (turbo4 sides still turned: see `turn_query` / `turn_back_output`)."""
-        keys = kv_quant.decode(self.k_type, self.k[layer][index], _gather(self.k_scales, layer, index), dtype)
-        values = kv_quant.decode(self.v_type, self.v[layer][index], _gather(self.v_scales, layer, index), dtype)
-        return keys, values
-
-    def turn_query(self, q: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn(q) if self.k_type == "turbo4" else q
-
-    def turn_back_output(self, out: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
-
-    def _turned(self, element: str, x: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn(x) if element == "turbo4" else x
-
-
-def _dense_name(dtype: torch.dtype) -> str:
-    return next(name for name, d in kv_quant.DENSE_TYPES.items() if d == dtype)
-
-
-def _allocate(element: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-              device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-    if not kv_quant.supports(element, head_dim):
-        raise ValueError(f"KV cache type {element} needs a head size divisible by {kv_quant.QBLOCK}, not {head_dim}")
-    shape = (num_slots, num_kv_heads, kv_quant.storage_dim(element, head_dim))
-    codes = _zeros(num_layers, shape, kv_quant.storage_dtype(element), device)
-    if element in kv_quant.DENSE_TYPES:
-        return codes, None
-    scale_shape = (num_slots, num_kv_heads, head_dim // kv_quant.QBLOCK)
-    return codes, _zeros(num_layers, scale_shape, torch.float16, device)
-
-
-def _zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed tensor of `shape` a layer.
-
-    NOTE: on the CPU all layers are views of one anonymous memory map, whose pages the OS zeroes
-    on first touch: resident memory then grows with the blocks the pool has handed out (as
-    llama-server's does), not with the pool's size. `torch.zeros` writes every page up front.
-    """
-    if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
-    count = num_layers * math.prod(shape)
-    region = mmap.mmap(-1, max(count * dtype.itemsize, 1))
-    flat = torch.frombuffer(region, dtype=dtype, count=count)  # holds a reference to the map
-    return list(flat.view(num_layers, *shape).unbind(0))
-
-
-def _side(scales: list[torch.Tensor] | None, layer: int) -> torch.Tensor | None:
-    return None if scales is None else scales[layer]
-
-
-def _gather(scales: list[torch.Tensor] | None, layer: int, index: torch.Tensor) -> torch.Tensor | None:
-    return None if scales is None else scales[layer][index]
-
-
-def _store(element: str, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
-           x: torch.Tensor) -> None:
-    codes, new_scales = kv_quant.encode(element, x)
-    cache.index_copy_(0, slots, codes)
-    if scales is not None:
-        scales.index_copy_(0, slots, new_scales)
+    def turn_back_output(self, out: torch.Tensor) -> torch.Tensor: ...
 
 
 @dataclass(frozen=True, slots=True)
@@ -164,11 +57,13 @@ class SequenceSlice:
 class AttentionContext:
     """Index tensors and masks for one step, computed once and reused by every layer."""
 
-    def __init__(self, seqs: list[SequenceSlice], kv: KVCache | None = None,
+    def __init__(self, seqs: list[SequenceSlice], kv: PagedKV | None = None,
                  device: torch.device | str = "cpu", *, prefill_only: bool = False) -> None:
         """`prefill_only`: every row is prompt (the runner's prefill chunks), a one-token chunk too,
-        so it is computed as the same position of a whole prompt is (kernels and bits)."""
+        so it is computed as the same position of a whole prompt is (kernels and bits: see
+        `num_decode_rows`). Without it the context is a plain forward, not an engine step."""
         self.seqs = seqs
+        self.prefill_only = prefill_only
         self.kv = kv
         self.device = torch.device(device)
         self._masks: dict[tuple[str, int | None], object] = {}
@@ -178,13 +73,13 @@ class AttentionContext:
         decode_set = set(self.decode_rows)
         self.other_rows = [i for i in range(len(seqs)) if i not in decode_set]
         self.num_tokens = sum(s.q_len for s in seqs)
-        self.num_leading_single_rows = 0 if prefill_only else next(
-            (i for i, s in enumerate(seqs) if s.q_len != 1), len(seqs))
         self._prepare_decode_group()
 
-    def active(self) -> contextlib.AbstractContextManager[StepRows]:
-        """Make this the current step of the thread while the model runs it."""
-        return step_rows(StepRows(self.num_tokens, self.num_leading_single_rows))
+    def num_decode_rows(self, num_rows: int) -> int | None:
+        """How many leading rows of this step's activations [num_rows, ...] are decode rows, for the
+        layers that pick a kernel per row (quant.py); None for a plain forward (picked by size).
+        An engine prefill step (`prefill_only`) has none."""
+        return 0 if self.prefill_only and num_rows == self.num_tokens else None
 
     # ---- index building (once per step) ----
 
@@ -380,12 +275,9 @@ class DecodeAttention:
         self.use_kernel = (k_scales is None and v_scales is None and k_cache.dtype == v_cache.dtype
                            and paged_attention.supports(k_cache.dtype, k_cache.device))
 
-    @classmethod
-    def of_layer(cls, kv: KVCache, layer: int, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
-                 key_pos: torch.Tensor, q_pos: torch.Tensor) -> DecodeAttention:
-        return cls(kv.k[layer], kv.v[layer], slot_mapping, key_slots, key_pos, q_pos,
-                   k_scales=_side(kv.k_scales, layer), v_scales=_side(kv.v_scales, layer),
-                   k_type=kv.k_type, v_type=kv.v_type, rotation=kv.rotation)
+    def num_decode_rows(self, num_rows: int) -> int:
+        """Every row of the decode step is a decode row (see `AttentionContext.num_decode_rows`)."""
+        return num_rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
                scale: float, window: int | None = None) -> torch.Tensor:

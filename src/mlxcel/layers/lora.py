@@ -30,6 +30,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlxcel.layers.quant import Step, linear
+
 TARGET_MODULES = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 CONFIG_FILE = "adapter_config.json"
 WEIGHTS_FILE = "adapter_model.safetensors"
@@ -144,8 +146,8 @@ class LoraLinear(nn.Module):
         columns = [index for index, a, _ in parts for _ in range(a.shape[0])]
         self.register_buffer("columns", torch.tensor(columns, dtype=torch.long, device=device))  # rank -> adapter
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = self.base(x)
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        y = linear(self.base, x, step)
         scales = self._rows[0].scales.to(x.dtype).index_select(1, self.columns)  # [T or 1, sum r]
         low = F.linear(x, self.lora_a) * scales  # [T, sum r]
         return y + F.linear(low, self.lora_b).to(y.dtype)

@@ -11,25 +11,34 @@ already-quantized weights, and half the bytes where the checkpoint allows it.
 Inside an engine step the kernel is picked per row, not per step: the rows of single-token
 sequences (decode) go through the packed kernel, the rows of prefill chunks through
 bfloat16. Both give each row the same bits whatever else is in the batch, so a request's
-greedy output does not depend on its batch neighbours.
+greedy output does not depend on its batch neighbours. The step is an explicit argument: the
+families call their projections through `project` / `linear` with the attention context they
+were given, which says how many leading rows are decode rows (`Step`).
 """
 
 from __future__ import annotations
 
 import functools
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlxcel.layers.attention import current_step
-
-
 PACKED_MAX_ROWS = 8  # outside an engine step, fewer rows than this use the packed kernel
 
 
 INT4_GROUP = 32  # GGUF's 4-bit types scale blocks of 32 weights
+
+
+class Step(Protocol):
+    """The step a projection runs in: the model's attention context (layers/attention.py's
+    `AttentionContext` or the decode step's `DecodeAttention`)."""
+
+    def num_decode_rows(self, num_rows: int) -> int | None:
+        """How many leading rows of an activation [num_rows, ...] are decode rows; None outside an engine step."""
+        ...
 
 
 class QuantLinear(nn.Module):
@@ -51,9 +60,9 @@ class QuantLinear(nn.Module):
             self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
             self.register_buffer("scale", scale.to(torch.bfloat16))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
-        num_packed = _num_packed_rows(xb.shape[0])
+        num_packed = _num_packed_rows(xb.shape[0], step)
         if num_packed == xb.shape[0]:
             y = self.packed_rows(xb)
         elif num_packed == 0:
@@ -112,13 +121,15 @@ def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> to
     return None if bool(step.isnan().any()) else step
 
 
-def _num_packed_rows(num_rows: int) -> int:
-    """How many leading rows take the packed kernel: an engine step's single-token rows, else by size."""
+def _num_packed_rows(num_rows: int, step: Step | None) -> int:
+    """How many leading rows take the packed kernel: an engine step's decode rows, else by size."""
     if torch.compiler.is_compiling():
-        return num_rows  # NOTE: only the decode step is compiled, and all its rows are single-token
-    step = current_step()
-    if step is not None and step.num_tokens == num_rows:
-        return step.num_leading_single_rows
+        # NOTE: only the decode step is compiled, and all its rows are decode rows; asking the
+        # step here would only add to the traced layer's guards.
+        return num_rows
+    num_decode = step.num_decode_rows(num_rows) if step is not None else None
+    if num_decode is not None:
+        return num_decode
     return num_rows if num_rows < PACKED_MAX_ROWS else 0
 
 
@@ -167,17 +178,17 @@ class FusedQuantLinear(nn.Module):
         # tuple, written and read whole, as two engines over one model may run it on two threads
         self._last: list[tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]] = [(None, ())]
 
-    def outputs(self, x: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        return self.linear(x).split(self.sizes, dim=-1)
+    def outputs(self, x: torch.Tensor, step: Step | None) -> tuple[torch.Tensor, ...]:
+        return linear(self.linear, x, step).split(self.sizes, dim=-1)
 
-    def output(self, x: torch.Tensor, index: int) -> torch.Tensor:
+    def output(self, x: torch.Tensor, index: int, step: Step | None) -> torch.Tensor:
         if torch.compiler.is_compiling():
             # Traced: the repeated matmul on the same input is one node after the compiler's CSE,
             # and a memo would put guards on its identity.
-            return self.linear(x).split(self.sizes, dim=-1)[index]
+            return self.outputs(x, step)[index]
         last_input, outputs = self._last[0]
         if x is not last_input:
-            outputs = self.linear(x).split(self.sizes, dim=-1)
+            outputs = self.outputs(x, step)
             self._last[0] = (x, outputs)
         return outputs[index]
 
@@ -190,9 +201,15 @@ def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
     return linear
 
 
-def project(module: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple[torch.Tensor, ...]:
-    """The outputs of `module`'s projections `names` over one input: one matmul, split, where they
-    were fused in that order; else each projection on its own.
+def linear(projection: nn.Module, x: torch.Tensor, step: Step | None) -> torch.Tensor:
+    """`projection(x)` as part of `step`: the rewritten projections (quantized, fused, LoRA) take the
+    step, which picks each row's kernel; a plain nn.Linear has only one."""
+    return projection(x) if isinstance(projection, nn.Linear) else projection(x, step)
+
+
+def project(module: nn.Module, x: torch.Tensor, names: tuple[str, ...], step: Step | None) -> tuple[torch.Tensor, ...]:
+    """The outputs of `module`'s projections `names` over one input, as part of `step`: one matmul,
+    split, where they were fused in that order; else each projection on its own.
 
     NOTE: the families call this rather than each projection: traced (the compiled decode step),
     three calls of a fused projection were three matmuls, as the compiler does not merge the
@@ -200,8 +217,8 @@ def project(module: nn.Module, x: torch.Tensor, names: tuple[str, ...]) -> tuple
     """
     first = getattr(module, names[0])
     if isinstance(first, FusedOutput) and first.index == 0 and len(first._fused[0].sizes) == len(names):
-        return first._fused[0].outputs(x)
-    return tuple(getattr(module, name)(x) for name in names)
+        return first._fused[0].outputs(x, step)
+    return tuple(linear(getattr(module, name), x, step) for name in names)
 
 
 QKV = ("q_proj", "k_proj", "v_proj")
@@ -214,8 +231,8 @@ class FusedOutput(nn.Module):
         self._fused = [fused]  # a list: the group is registered once, on the parent
         self.index = index
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self._fused[0].output(x, self.index)
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        return self._fused[0].output(x, self.index, step)
 
 
 def _fuse_groups(parent: nn.Module, *, quantized: bool = True) -> int:

@@ -17,7 +17,7 @@ from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.norm import RMSNorm
-from mlxcel.layers.quant import GATE_UP, QKV, project
+from mlxcel.layers.quant import GATE_UP, QKV, linear, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
 if TYPE_CHECKING:
@@ -126,14 +126,14 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t = x.shape[0]
-        q_out, k_out, v_out = project(self, x, QKV)
+        q_out, k_out, v_out = project(self, x, QKV, ctx)
         q = self.q_norm(q_out.view(t, self.num_heads, self.head_dim))
         k = self.k_norm(k_out.view(t, self.num_kv_heads, self.head_dim))
         v = v_out.view(t, self.num_kv_heads, self.head_dim)
         cos, sin = self.rope[0].cos_sin(positions, q.dtype)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
-        return self.o_proj(out.reshape(t, -1))
+        return linear(self.o_proj, out.reshape(t, -1), ctx)
 
 
 class MLP(nn.Module):
@@ -144,9 +144,9 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
         self.act = ACTIVATIONS[args.hidden_activation]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = project(self, x, GATE_UP)
-        return self.down_proj(self.act(gate) * up)
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        gate, up = project(self, x, GATE_UP, ctx)
+        return linear(self.down_proj, self.act(gate) * up, ctx)
 
 
 class DecoderLayer(nn.Module):
@@ -160,7 +160,7 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x)))
+        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), ctx))
 
 
 class Gemma3Model(nn.Module):

@@ -17,12 +17,12 @@ from typing import TYPE_CHECKING
 import torch
 
 from mlxcel.engine.decode_step import DecodeStep
-from mlxcel.engine.kv_cache import BlockPool
-from mlxcel.engine.prefix_cache import KVCacheManager
+from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.prefix import KVCacheManager
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mlxcel.engine.scheduler import Sequence as EngineSequence
-from mlxcel.layers.attention import KVCache
 
 if TYPE_CHECKING:
     from mlxcel.engine.loop import ModelShape

@@ -1,6 +1,6 @@
 """Paged KV block pool: ref-counted blocks, an LRU free queue and the hash index of cached blocks.
 
-Pure bookkeeping, no tensors: the runner owns the KV tensors and indexes them by block id
+Pure bookkeeping, no tensors: the KV tensors (tensors.py) are indexed by block id
 (spec A3). A block whose ref count drops to 0 keeps its hash and stays reusable by the
 prefix cache until `allocate` takes it from the head of the free queue (the eviction).
 """

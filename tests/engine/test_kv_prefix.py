@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.engine.kv_cache import BlockPool
-from mlxcel.engine.prefix_cache import (
+from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.prefix import (
     RELEASED_BLOCK,
     KVCacheManager,
     hash_block_tokens,

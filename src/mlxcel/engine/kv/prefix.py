@@ -12,7 +12,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from mlxcel.engine.kv_cache import BlockPool
+from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.types import PrefixCacheStats
 
 # Marks a block released by free_prefix (spec N); table indices stay equal to positions.

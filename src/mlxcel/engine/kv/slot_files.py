@@ -21,10 +21,10 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.engine.prefix_cache import KVCacheManager, hash_block_tokens
+from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
+from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import SlotContent
 from mlxcel.layers import kv_quant
-from mlxcel.layers.attention import KVCache
 from mlxcel.types import lora_cache_extra
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from mlxcel.engine.kv_cache import Block, BlockPool, NoFreeBlocksError
+from mlxcel.engine.kv.blocks import Block, BlockPool, NoFreeBlocksError
 
 
 def refs(pool: BlockPool) -> list[int]:

@@ -1,0 +1,122 @@
+"""The paged KV tensors: keys and values of every layer, indexed by cache slot
+(`block_id * block_size + offset`, the block ids of engine/kv/prefix.py).
+
+The engine allocates one `KVCache` and hands it to the attention of each step: the prefill
+path's `AttentionContext` reads and writes it through `write` / `read`, and the decode step
+gives each layer a `DecodeAttention` over that layer's tensors (`decode_attention`).
+"""
+
+from __future__ import annotations
+
+import math
+import mmap
+
+import torch
+
+from mlxcel.layers import kv_quant
+from mlxcel.layers.attention import DecodeAttention
+
+
+class KVCache:
+    """Key and value tensors for every layer: [(num_blocks + 1) * block_size, num_kv_heads, head_dim].
+
+    The last block belongs to no sequence: the decode step's padding rows and warmup write
+    their keys there (from `scratch_slot` on), so they never touch a real sequence's cache.
+    Keys and values each have an element type (layers/kv_quant.py): a dense dtype, or codes plus
+    one float16 scale per block of 32 (`k_scales` / `v_scales`, None when dense); turbo4 stores
+    head vectors turned by `rotation`, which attention applies to the query and undoes on the output.
+    """
+
+    def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype, device: torch.device | str,
+                 v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None) -> None:
+        self.k_type = k_type or _dense_name(dtype)
+        self.v_type = v_type or _dense_name(v_dtype or dtype)
+        num_slots = (num_blocks + 1) * block_size
+        self.k, self.k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        self.v, self.v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        turbo = "turbo4" in (self.k_type, self.v_type)
+        self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
+        self.block_size = block_size
+        self.num_blocks = num_blocks
+        self.scratch_slot = num_blocks * block_size
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+
+    @property
+    def bytes_per_token(self) -> int:
+        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type, self.v_type)
+
+    def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
+        """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
+        _store(self.k_type, self.k[layer], _side(self.k_scales, layer), slots, self._turned(self.k_type, k))
+        _store(self.v_type, self.v[layer], _side(self.v_scales, layer), slots, self._turned(self.v_type, v))
+
+    def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        """Keys and values at cache slots `index` (any shape) -> [*index.shape, Hkv, D] in `dtype`
+        (turbo4 sides still turned: see `turn_query` / `turn_back_output`)."""
+        keys = kv_quant.decode(self.k_type, self.k[layer][index], _gather(self.k_scales, layer, index), dtype)
+        values = kv_quant.decode(self.v_type, self.v[layer][index], _gather(self.v_scales, layer, index), dtype)
+        return keys, values
+
+    def turn_query(self, q: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn(q) if self.k_type == "turbo4" else q
+
+    def turn_back_output(self, out: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
+
+    def _turned(self, element: str, x: torch.Tensor) -> torch.Tensor:
+        return self.rotation.turn(x) if element == "turbo4" else x
+
+    def decode_attention(self, layer: int, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
+                         key_pos: torch.Tensor, q_pos: torch.Tensor) -> DecodeAttention:
+        """The decode step's attention over layer `layer`'s tensors (see `DecodeAttention`)."""
+        return DecodeAttention(self.k[layer], self.v[layer], slot_mapping, key_slots, key_pos, q_pos,
+                               k_scales=_side(self.k_scales, layer), v_scales=_side(self.v_scales, layer),
+                               k_type=self.k_type, v_type=self.v_type, rotation=self.rotation)
+
+
+def _dense_name(dtype: torch.dtype) -> str:
+    return next(name for name, d in kv_quant.DENSE_TYPES.items() if d == dtype)
+
+
+def _allocate(element: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+              device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+    if not kv_quant.supports(element, head_dim):
+        raise ValueError(f"KV cache type {element} needs a head size divisible by {kv_quant.QBLOCK}, not {head_dim}")
+    shape = (num_slots, num_kv_heads, kv_quant.storage_dim(element, head_dim))
+    codes = _zeros(num_layers, shape, kv_quant.storage_dtype(element), device)
+    if element in kv_quant.DENSE_TYPES:
+        return codes, None
+    scale_shape = (num_slots, num_kv_heads, head_dim // kv_quant.QBLOCK)
+    return codes, _zeros(num_layers, scale_shape, torch.float16, device)
+
+
+def _zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
+    """One zeroed tensor of `shape` a layer.
+
+    NOTE: on the CPU all layers are views of one anonymous memory map, whose pages the OS zeroes
+    on first touch: resident memory then grows with the blocks the pool has handed out (as
+    llama-server's does), not with the pool's size. `torch.zeros` writes every page up front.
+    """
+    if torch.device(device).type != "cpu":
+        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+    count = num_layers * math.prod(shape)
+    region = mmap.mmap(-1, max(count * dtype.itemsize, 1))
+    flat = torch.frombuffer(region, dtype=dtype, count=count)  # holds a reference to the map
+    return list(flat.view(num_layers, *shape).unbind(0))
+
+
+def _side(scales: list[torch.Tensor] | None, layer: int) -> torch.Tensor | None:
+    return None if scales is None else scales[layer]
+
+
+def _gather(scales: list[torch.Tensor] | None, layer: int, index: torch.Tensor) -> torch.Tensor | None:
+    return None if scales is None else scales[layer][index]
+
+
+def _store(element: str, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
+           x: torch.Tensor) -> None:
+    codes, new_scales = kv_quant.encode(element, x)
+    cache.index_copy_(0, slots, codes)
+    if scales is not None:
+        scales.index_copy_(0, slots, new_scales)
