@@ -64,6 +64,14 @@ def test_build_inputs_for_a_window_row_and_adapter_scales() -> None:
     assert inputs.lora_scales.tolist() == [[0.5, 2.0], [0.0, 0.0]]
 
 
+def test_build_inputs_sends_a_row_that_writes_no_kv_to_the_scratch_slot() -> None:
+    """A prompt's last token whose KV is cached (issue 11) writes scratch, and still reads its own key."""
+    inputs = build_inputs([DecodeRow(7, 5, 0, (3, 9), writes_kv=False), DecodeRow(8, 1, 0, (4,))], BLOCK,
+                          scratch_slot=256)
+    assert inputs.slot_mapping.tolist() == [256, 4 * 4 + 1]
+    assert inputs.key_slots[0, :6].tolist() == [12, 13, 14, 15, 36, 37]
+
+
 def test_eager_step_equals_the_uncached_forward(model: llama.Model) -> None:
     """Write a prompt's KV by prefill, then one decode step: logits equal a cache-free forward."""
     cache = kv_cache()

@@ -12,6 +12,7 @@ import random
 import time
 
 import pytest
+import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.loop import EngineCore, ModelShape
@@ -90,6 +91,24 @@ def test_prefix_cache_hit_reports_cached_tokens_and_same_output(engine, tiny_mod
     assert first == second == reference_greedy(tiny_model, prompt, 6)
     stats = engine.stats().prefix_cache
     assert stats.num_hits == 1 and stats.num_reused_tokens == ev2.num_cached_tokens
+
+
+def test_a_whole_prompt_hit_computes_only_the_last_token_and_leaves_the_cached_kv(engine, tiny_model) -> None:
+    """Issue 11: a repeated prompt whose every block is cached hits the last block too; its last token
+    goes through the decode step for logits only, so the shared blocks keep the prefill's bits."""
+    prompt = PROMPTS[6]  # 40 tokens: 10 full blocks
+    first, _ = run(collect(engine, Request("w1", prompt, greedy(6))))
+    core = engine.core
+    blocks, _ = core.call(lambda: core.scheduler.kv.find_cached_prefix(prompt, cache_prompt=True,
+                                                                        include_last_block=True)).result()
+    assert len(blocks) == len(prompt) // 4
+    slots = torch.tensor([b * 4 + i for b in blocks for i in range(4)])
+    before = [(k[slots].clone(), v[slots].clone()) for k, v in zip(core.runner.kv_cache.k, core.runner.kv_cache.v)]
+    second, ev = run(collect(engine, Request("w2", prompt, greedy(6))))
+    assert ev.num_cached_tokens == len(prompt) - 1
+    assert first == second == reference_greedy(tiny_model, prompt, 6)
+    for (k0, v0), k, v in zip(before, core.runner.kv_cache.k, core.runner.kv_cache.v):
+        assert torch.equal(k[slots], k0) and torch.equal(v[slots], v0)
 
 
 def test_cache_prompt_false_reads_nothing(engine) -> None:

@@ -105,6 +105,26 @@ def test_a3_full_hit_leaves_the_last_token_to_compute() -> None:
     assert kv.num_cached_tokens("b") == 4
 
 
+def test_a3_full_hit_with_the_last_block_leaves_only_the_last_token() -> None:
+    """Issue 11: the scheduler's lookup may hit the block holding the last token too (its KV is
+    cached; only its logits are computed), so a repeated prompt recomputes 1 token, not a block."""
+    kv = manager()
+    prompt = tokens(8)
+    admit(kv, "a", prompt)
+    kv.free("a")
+    assert kv.find_cached_prefix(prompt, cache_prompt=True, include_last_block=True) == ([0, 1], 7)
+    assert kv.find_cached_prefix(prompt + [9], cache_prompt=True, include_last_block=True) == ([0, 1], 8)
+    assert kv.find_cached_prefix(prompt[:7], cache_prompt=True, include_last_block=True) == ([0], 4)
+    assert kv.find_cached_prefix([], cache_prompt=True, include_last_block=True) == ([], 0)
+    cached, num_cached = kv.find_cached_prefix(prompt, cache_prompt=True, include_last_block=True)
+    assert kv.allocate("b", prompt, num_cached, 1, cached) == []  # no new block: both are shared hits
+    assert kv.block_table("b") == [0, 1] and refs(kv)[:2] == [1, 1]
+    assert kv.num_cached_tokens("b") == 8
+    assert kv.allocate("b", prompt + [5], 8, 1) == [2]  # the first output token gets a block of its own
+    kv.free("b", num_computed_tokens=8)
+    assert kv.find_cached_prefix(prompt, cache_prompt=True, include_last_block=True) == ([0, 1], 7)
+
+
 def test_a3_freed_blocks_are_evicted_lru_last_blocks_first() -> None:
     kv = manager(6)
     prompt_a = tokens(12)

@@ -42,6 +42,7 @@ class DecodeRow:
     kv_start: int
     block_table: tuple[int, ...]
     lora_scales: tuple[float, ...] = ()  # F8: this row's adapter scales; () = none (all 0)
+    writes_kv: bool = True  # False: the key at `position` is already cached (a prefix-cache hit); write scratch
 
 
 @dataclass(slots=True)
@@ -86,6 +87,8 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
     ids[:count] = torch.tensor([r.token_id for r in rows], dtype=torch.long)
     positions[:count] = last
     slots[:count] = tables.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
+    if not all(r.writes_kv for r in rows):
+        slots[:count] = torch.where(torch.tensor([r.writes_kv for r in rows]), slots[:count], scratch_slot)
     lora = torch.zeros(num_rows, num_adapters)  # padding rows and rows without scales: the base model
     if any(r.lora_scales for r in rows):
         lora[:count] = torch.tensor([r.lora_scales or (0.0,) * num_adapters for r in rows])

@@ -2,7 +2,9 @@
 
 A step's single-token rows (decode) go through the decode step (engine/decode_step.py:
 compiled on CPU, CUDA graphs on GPU), its prefill chunks through the model's eager forward.
-A decode row is therefore computed the same way whatever else shares its step.
+A decode row is therefore computed the same way whatever else shares its step. When a whole
+prompt was cached (every block a hit), its last token only needs logits: it goes through the
+decode step too, reading its own cached key and writing no KV.
 
 A verify row (a decode row with k draft tokens, B4) becomes k + 1 single-token rows of the
 decode step at positions p..p+k: each writes its key first and attends over the keys up to its
@@ -19,7 +21,7 @@ import torch
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
 from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.kv.tensors import KVCache
-from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
+from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput, Sequence
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import model_lora_rows, token_scales
 
@@ -48,9 +50,9 @@ class Runner:
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run one step: logits for the rows that sample (plain rows and verify rows apart)."""
-        decode = [s for s in out.scheduled if s.is_decode and not s.draft]
+        decode = [s for s in out.scheduled if (s.is_decode and not s.draft) or self._is_cached_token(s)]
         verify = [s for s in out.scheduled if s.is_decode and s.draft]
-        prefill = [s for s in out.scheduled if not s.is_decode]
+        prefill = [s for s in out.scheduled if not s.is_decode and not self._is_cached_token(s)]
         ids: list[str] = []
         parts: list[torch.Tensor] = []
         verified: dict[str, torch.Tensor] = {}
@@ -70,11 +72,24 @@ class Runner:
         merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0, device=self.device)
         return StepLogits(ids, merged, verified)
 
+    def _is_cached_token(self, item: ScheduledSeq) -> bool:
+        """A prompt's last token whose KV came with a prefix-cache hit (the whole prompt was cached).
+
+        It needs only its logits: the decode step computes them over the cached keys and writes no KV,
+        so the shared block keeps the bits the whole prompt's prefill gave it."""
+        seq = item.seq
+        return (not item.is_decode and item.num_new_tokens == 1
+                and seq.num_computed_tokens < self.kv.num_cached_tokens(seq.request_id))
+
+    def _writes_kv(self, seq: Sequence, position: int) -> bool:
+        return position >= self.kv.num_cached_tokens(seq.request_id)  # a hit block may be shared: never write it
+
     def _decode_row(self, item: ScheduledSeq) -> DecodeRow:
         seq = item.seq
         position = seq.num_computed_tokens
         return DecodeRow(seq.token_ids[position], position, seq.kv_start,
-                         tuple(self.kv.block_table(seq.request_id)), seq.request.lora_scales)
+                         tuple(self.kv.block_table(seq.request_id)), seq.request.lora_scales,
+                         self._writes_kv(seq, position))
 
     def _verify_rows(self, item: ScheduledSeq) -> list[DecodeRow]:
         """The known token and each draft token as one single-token row at its own position."""
@@ -82,7 +97,8 @@ class Runner:
         first = seq.num_computed_tokens
         table = tuple(self.kv.block_table(seq.request_id))
         tokens = (seq.token_ids[first], *item.draft)
-        return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales)
+        return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales,
+                          self._writes_kv(seq, first + i))
                 for i, token in enumerate(tokens)]
 
     @staticmethod

@@ -90,7 +90,8 @@ class ScheduledSeq:
 
         NOTE: a one-token prompt chunk (the tail left after a prefix-cache hit) is not: through the
         decode step its KV and logits took other kernels than the same position of a whole prompt,
-        and a cache hit changed the tokens that followed."""
+        and a cache hit changed the tokens that followed. (The runner still sends the decode step a
+        prompt's last token whose KV is cached, when the whole prompt hit: it writes no KV there.)"""
         return (self.num_new_tokens - len(self.draft) == 1
                 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens)
 
@@ -279,7 +280,7 @@ class Scheduler:
             if slot is None:
                 return
             cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=seq.request.cache_prompt,
-                                                            extra=seq.request.cache_extra)
+                                                            extra=seq.request.cache_extra, include_last_block=True)
             num_new = min(seq.num_tokens - num_cached, budget)
             new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
                                           cache_prompt=seq.request.cache_prompt, extra=seq.request.cache_extra)

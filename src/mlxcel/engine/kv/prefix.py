@@ -79,25 +79,30 @@ class KVCacheManager:
         self._num_reused_tokens = 0
 
     def find_cached_prefix(
-        self, token_ids: Sequence[int], *, cache_prompt: bool, extra: object = None
+        self, token_ids: Sequence[int], *, cache_prompt: bool, extra: object = None,
+        include_last_block: bool = False,
     ) -> tuple[list[int], int]:
         """The cached blocks of the longest cached prefix of `token_ids`, and its token count.
 
         Never the whole prompt: at least one token is left to compute so the step produces
-        logits. Reads nothing when caching is off or `cache_prompt` is False (spec M).
+        logits. Reads nothing when caching is off or `cache_prompt` is False (spec M). With
+        `include_last_block`, a block holding the last token may be hit too; the count is then
+        len(token_ids) - 1, and that token's KV is already cached: the caller computes its
+        logits without writing its KV (the block may be shared).
         """
         if not (self.is_enabled and cache_prompt):
             return [], 0
         size = self.block_size
         block_ids: list[int] = []
         parent: int | None = None
-        for index in range((len(token_ids) - 1) // size):
+        num_blocks = len(token_ids) // size if include_last_block else (len(token_ids) - 1) // size
+        for index in range(num_blocks):
             parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size], extra)
             block_id = self.pool.lookup(parent)
             if block_id is None:
                 break
             block_ids.append(block_id)
-        return block_ids, len(block_ids) * size
+        return block_ids, min(len(block_ids) * size, max(len(token_ids) - 1, 0))
 
     def allocate(
         self,

@@ -1,0 +1,54 @@
+"""Issue 11 on the real SmolLM2 (Q4_1, packed 4-bit decode matmuls, bf16 KV): a repeated prompt whose
+every 16-token block is cached computes only its last token (through the decode step, writing no KV)
+and gives the cold request's greedy tokens; a prompt with a partial last block still prefills its tail."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from mlxcel.config import EngineConfig
+from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.types import Request, SamplingParams
+
+pytestmark = pytest.mark.slow
+
+NUM_TOKENS = 32
+TEXT = "Write a short story about a lighthouse keeper who finds a message in a bottle. " * 40
+
+
+@pytest.fixture(scope="module")
+def served() -> Iterator[ServedModel]:
+    from mlxcel.loading import resolve_model
+
+    torch.set_num_threads(2)
+    model = start_served_model(resolve_model(None), RuntimeOptions(threads=2, warmup=False),
+                               EngineConfig(max_num_seqs=2, ctx_size=2 * 1024, decode_step="eager"))
+    yield model
+    model.close()
+
+
+def generate(served: ServedModel, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
+    async def run() -> tuple[list[int], int]:
+        tokens: list[int] = []
+        cached = 0
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        async for event in served.engine.generate(Request(request_id, prompt, params)):
+            tokens.extend(event.token_ids)
+            cached = event.num_cached_tokens
+        return tokens, cached
+
+    return asyncio.run(run())
+
+
+@pytest.mark.parametrize("length, expected_cached", [(256, 255), (250, 240)])
+def test_a_repeated_prompt_gives_the_cold_tokens(served: ServedModel, length: int, expected_cached: int) -> None:
+    prompt = served.tokenizer.encode(f"Story {length}: {TEXT}")[:length]  # no prefix shared between cases
+    assert len(prompt) == length
+    cold, cold_cached = generate(served, f"cold-{length}", prompt)
+    hit, hit_cached = generate(served, f"hit-{length}", prompt)
+    assert cold_cached == 0 and hit_cached == expected_cached
+    assert hit == cold
