@@ -9,7 +9,7 @@ from dataclasses import dataclass, field
 CACHE_TYPES = ("f32", "bf16", "f16", "q8_0")
 KV_CACHE_MODES = ("default", "turbo4")
 KV_QUANT_SCHEMES = ("none", "turboquant")
-DECODE_STEPS = ("auto", "compile", "cuda-graph", "eager")
+DECODE_STEPS = ("auto", "native", "compile", "cuda-graph", "eager")
 # Speculative decoding draft kinds (B1-B3), as --draft-kind spells them.
 DRAFT_KINDS = ("none", "prompt-lookup", "full-model", "dflash")
 
@@ -65,7 +65,7 @@ class EngineConfig:
     cache_type_v: str = "bf16"  # --cache-type-v
     kv_cache_mode: str = "default"  # --kv-cache-mode: default | turbo4 (N2; overrides both cache types)
     kv_quant_scheme: str = "none"  # --kv-quant-scheme: none | turboquant (the same Turbo 4-bit store)
-    # --decode-step: auto | compile | cuda-graph | eager (--no-compile). The CLI's default is auto;
+    # --decode-step: auto | native | compile | cuda-graph | eager (--no-compile). The CLI's default is auto;
     # an engine built in code runs eagerly unless asked, so it pays no compile time.
     decode_step: str = "eager"
     compile_cache_dir: str | None = None  # where compiled decode steps persist (under --models-dir)
@@ -111,10 +111,11 @@ class EngineConfig:
         return self.cache_type_k, self.cache_type_v
 
     def decode_step_mode(self, device: str) -> str:
-        """`auto` is compile on CPU, CUDA graphs on CUDA."""
+        """`auto` is native on CPU (compile where the model's layers are not native: engine/native_step.py),
+        CUDA graphs on CUDA."""
         if self.decode_step != "auto":
             return self.decode_step
-        return "cuda-graph" if device.startswith("cuda") else "compile"
+        return "cuda-graph" if device.startswith("cuda") else "native"
 
     def slot_context(self, model_context: int) -> int:
         """Per-slot context: ctx / parallel when --ctx-size is given (as llama-server reports it)."""

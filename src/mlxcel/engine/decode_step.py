@@ -3,6 +3,8 @@
 Its inputs are six tensors (token ids, positions, the slot each new key goes to, each row's
 live key slots and their positions, its LoRA scales), so the step traces whole:
 - `eager`: the reference path, the same function run op by op (`--no-compile`);
+- `native` (CPU): the decoder layers in one C++ call (engine/native_step.py) where the model
+  has a Llama/Qwen2 layout with packed weights, else `compile`;
 - `compile`: torch.compile with inductor (CPU): one decoder layer compiled once and shared
   by every layer, batch and key lengths symbolic, plus the output head compiled on its own;
   compiled code is kept in a persistent cache on disk;
@@ -23,14 +25,16 @@ from pathlib import Path
 
 import torch
 
+from mlxcel.engine import native_step
 from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.engine.native_step import NativeLayers
 from mlxcel.layers.attention import DecodeAttention
 from mlxcel.layers.lora import model_lora_rows
 
 log = logging.getLogger(__name__)
 
 KEY_ALIGN = 64  # each row's keys are padded to a multiple of this (fixed reduction shapes)
-STEP_MODES = ("eager", "compile", "cuda-graph")
+STEP_MODES = ("eager", "native", "compile", "cuda-graph")
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +119,13 @@ class DecodeStep:
             rotary.ensure_positions(max_positions)
         self._layer: Callable[..., torch.Tensor] = run_layer
         self._head: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
+        self._native: NativeLayers | None = None
+        if mode == "native":
+            reason = native_step.unsupported(model, kv_cache, has_lora=self.lora_rows is not None)
+            if reason is not None or self.device.type != "cpu":
+                log.info("decode step: native layers do not take this model (%s); compiling it instead",
+                         reason or f"they run on the CPU, not {self.device}")
+                self.mode = mode = "compile"
         if mode in ("compile", "cuda-graph"):
             self._layer = compile_layer(cache_dir)
         if mode == "compile":
@@ -127,6 +138,11 @@ class DecodeStep:
         its decoder layers one by one (`_layer`: compiled once, shared by every layer), final
         norm and output head (`_head`: on CPU compiled on its own with frozen weights)."""
         inner = self.model.model
+        if self.mode == "native":
+            if self._native is None:  # collected on first use: lazy weights are loaded by then
+                self._native = NativeLayers(self.model, self.kv_cache)
+            x = self._native(inner.embed(input_ids), positions, slot_mapping, key_slots, key_pos)
+            return self._head(inner.norm(x))
         if self.lora_rows is not None:  # read by the (compiled) layers as an input, not a constant
             self.lora_rows.set_rows(lora_scales)
         x = inner.embed(input_ids)

@@ -33,7 +33,8 @@ import torch
 
 log = logging.getLogger(__name__)
 
-SOURCE = Path(__file__).with_name("kernels") / "paged_attention.cpp"
+# Built into one library: the attention kernel, and the decode step's layers that call it.
+SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_attention.cpp", "decode_layers.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-std=c++17", "-w")
 CACHE_TYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -90,6 +91,7 @@ def _library() -> Path | None:
     try:
         path = _build(compiler)
         torch.ops.load_library(str(path))
+        _register_fakes()
     except subprocess.CalledProcessError as e:
         log.warning("paged attention kernel could not be built (%s: %s); decode attention stays on tensor ops", e,
                     (e.stderr or "").strip()[-2000:])
@@ -100,21 +102,30 @@ def _library() -> Path | None:
     return path
 
 
+def _register_fakes() -> None:
+    """Shapes of the ops decode_layers.cpp defines, for a traced step (torch.compile) that calls them."""
+    @torch.library.register_fake("mlxcel::int8_linear", lib=_LIBRARY)
+    def _int8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], w.shape[0])
+
+
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout
     flags = [*FLAGS, *_torch_flags()]  # after the source: the linker takes libraries in order
-    key = hashlib.sha256("\0".join([SOURCE.read_text(), " ".join(flags), version, _cpu_signature(),
-                                     torch.__version__]).encode())
-    target = _cache_dir() / f"paged_attention-{key.hexdigest()[:16]}.so"
+    key = hashlib.sha256("\0".join([*(source.read_text() for source in SOURCES), " ".join(flags), version,
+                                     _cpu_signature(), torch.__version__]).encode())
+    target = _cache_dir() / f"cpu_kernels-{key.hexdigest()[:16]}.so"
     if target.exists():
         return target
-    log.info("building the paged attention kernel for this CPU and torch %s (about 10 s, once)", torch.__version__)
+    log.info("building the CPU kernels (paged attention, decode layers) for this CPU and torch %s (about 20 s, once)",
+             torch.__version__)
     target.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=target.parent) as tmp:  # built aside, then moved in whole
         built = Path(tmp) / target.name
-        subprocess.run([compiler, "-o", str(built), str(SOURCE), *flags], check=True, capture_output=True, text=True)
+        subprocess.run([compiler, "-o", str(built), *map(str, SOURCES), *flags], check=True, capture_output=True,
+                       text=True)
         os.replace(built, target)
-    log.info("paged attention kernel built: %s", target)
+    log.info("CPU kernels built: %s", target)
     return target
 
 

@@ -1,0 +1,356 @@
+// The CPU decode step's decoder layers as one call (issue 11: single-stream decode).
+//
+// A decode step is a few single-token rows through 30-odd identical layers. Run as torch ops
+// (eager or torch.compile'd per layer) each layer pays ~100 us of Python, guards and small-op
+// dispatch around ~150 us of arithmetic; this file runs the whole stack of a Llama-layout model
+// (Llama, SmolLM2, Qwen2: RMSNorm, fused q/k/v with optional bias, RoPE, paged attention, SiLU
+// MLP) in C++. The weight-only matmuls stay ATen's kernels (`_weight_int4pack_mm_for_cpu`,
+// `_weight_int8pack_mm`: the same bits as the Python path's decode rows), attention is the op
+// `mlxcel::paged_decode_attention` (paged_attention.cpp), and the glue between them (norms,
+// bias, RoPE, the KV write, SiLU, residual adds) is plain loops over each row, in float32 as the
+// Python modules compute it. Every row is computed on its own, so its bits do not depend on the
+// batch.
+//
+// It also holds `mlxcel::int8_linear`, the int8 weight-only matmul of the output head: ATen's
+// kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row, this one streams the
+// weight once for all rows at near memory speed.
+//
+// Built and loaded with paged_attention.cpp by mlxcel/layers/paged_attention.py; Python calls
+// `torch.ops.mlxcel.decode_layers` from engine/native_step.py.
+
+#include <ATen/core/Tensor.h>
+#include <ATen/core/dispatch/Dispatcher.h>
+#include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
+#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#endif
+
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+namespace {
+
+constexpr int64_t INT4_GROUP = 32;  // layers/quant.py: GGUF's 4-bit types scale blocks of 32
+constexpr int64_t WEIGHTS_PER_LAYER = 14;
+
+inline float bf16_to_float(uint16_t bits) {
+    const uint32_t wide = static_cast<uint32_t>(bits) << 16;
+    float f;
+    std::memcpy(&f, &wide, sizeof f);
+    return f;
+}
+
+inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's conversion (NaN kept NaN)
+    uint32_t bits;
+    std::memcpy(&bits, &f, sizeof bits);
+    if (std::isnan(f)) return 0x7fc0;
+    bits += 0x7fff + ((bits >> 16) & 1);
+    return static_cast<uint16_t>(bits >> 16);
+}
+
+// One weight-only quantized linear of layers/quant.py's QuantLinear: packed weight, its scales
+// and an optional bias (empty tensor: none).
+struct Linear {
+    at::Tensor weight, scale, bias;
+
+    // x: [rows, in] bfloat16 -> [rows, out] float32 (the bias added in bfloat16, as QuantLinear does).
+    at::Tensor operator()(const at::Tensor& x) const {
+        at::Tensor y = weight.scalar_type() == at::kByte
+                           ? at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scale)
+                           : at::_weight_int8pack_mm(x, weight, scale);
+        const int64_t rows = y.size(0), out = y.size(1);
+        at::Tensor result = at::empty({rows, out}, y.options().dtype(at::kFloat));
+        const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.const_data_ptr());
+        const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.const_data_ptr()) : nullptr;
+        float* rp = result.mutable_data_ptr<float>();
+        for (int64_t r = 0; r < rows; ++r)
+            for (int64_t o = 0; o < out; ++o) {
+                const float v = bf16_to_float(yp[r * out + o]);
+                rp[r * out + o] = bp ? bf16_to_float(float_to_bf16(v + bf16_to_float(bp[o]))) : v;
+            }
+        return result;
+    }
+};
+
+struct Layer {
+    at::Tensor input_norm, post_norm;  // float32 [hidden]
+    Linear qkv, o, gate_up, down;
+    at::Tensor k_cache, v_cache;  // [slots, kv_heads, head_dim], float32 / bfloat16 / float16
+    int64_t window;  // 0: full attention
+};
+
+struct Dims {
+    int64_t rows, hidden, q_heads, kv_heads, head_dim, intermediate;
+    float eps, scale;
+};
+
+// y = x / rms(x) * weight, in float32, each row on its own; written as bfloat16 (the linears' input).
+void rms_norm(const Dims& d, const float* x, const float* weight, uint16_t* out) {
+    for (int64_t r = 0; r < d.rows; ++r) {
+        const float* row = x + r * d.hidden;
+        float squares = 0.0f;
+        for (int64_t i = 0; i < d.hidden; ++i) squares += row[i] * row[i];
+        const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d.hidden) + d.eps);
+        for (int64_t i = 0; i < d.hidden; ++i) out[r * d.hidden + i] = float_to_bf16(row[i] * inv * weight[i]);
+    }
+}
+
+// HF's rotate-half RoPE on [heads, head_dim] of one row: x * cos + roll(x, half) * sin_signed.
+void rope(float* x, int64_t heads, int64_t dim, const float* cos, const float* sin_signed) {
+    const int64_t half = dim / 2;
+    float turned[1024];
+    for (int64_t h = 0; h < heads; ++h) {
+        float* v = x + h * dim;
+        for (int64_t i = 0; i < dim; ++i) turned[i] = v[i] * cos[i] + v[(i + half) % dim] * sin_signed[i];
+        std::memcpy(v, turned, sizeof(float) * dim);
+    }
+}
+
+template <typename T>
+void store(T* dst, const float* src, int64_t count);
+template <>
+void store<float>(float* dst, const float* src, int64_t count) { std::memcpy(dst, src, sizeof(float) * count); }
+template <>
+void store<uint16_t>(uint16_t* dst, const float* src, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = float_to_bf16(src[i]);
+}
+template <>
+void store<_Float16>(_Float16* dst, const float* src, int64_t count) {
+    for (int64_t i = 0; i < count; ++i) dst[i] = static_cast<_Float16>(src[i]);
+}
+
+// Each row's new key and value [kv_heads * head_dim] into its cache slot.
+void write_kv(const at::Tensor& cache, const float* values, const int64_t* slots, int64_t rows, int64_t stride,
+              int64_t offset, int64_t width) {
+    const int64_t token = cache.size(1) * cache.size(2);
+    for (int64_t r = 0; r < rows; ++r) {
+        const float* src = values + r * stride + offset;
+        const int64_t slot = slots[r];
+        switch (cache.scalar_type()) {
+            case at::kFloat: store(cache.mutable_data_ptr<float>() + slot * token, src, width); break;
+            case at::kBFloat16:
+                store(reinterpret_cast<uint16_t*>(cache.mutable_data_ptr()) + slot * token, src, width);
+                break;
+            default: store(reinterpret_cast<_Float16*>(cache.mutable_data_ptr()) + slot * token, src, width); break;
+        }
+    }
+}
+
+at::Tensor attention(const at::Tensor& q, const Layer& layer, const at::Tensor& key_slots, const at::Tensor& key_pos,
+                     const at::Tensor& q_pos, double scale) {
+    static const auto op = c10::Dispatcher::singleton()
+                               .findSchemaOrThrow("mlxcel::paged_decode_attention", "")
+                               .typed<at::Tensor(const at::Tensor&, const at::Tensor&, const at::Tensor&,
+                                                 const at::Tensor&, const at::Tensor&, const at::Tensor&, double,
+                                                 int64_t)>();
+    return op.call(q, layer.k_cache, layer.v_cache, key_slots, key_pos, q_pos, scale, layer.window);
+}
+
+void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, const float* sin_signed,
+               const int64_t* slots, const at::Tensor& key_slots, const at::Tensor& key_pos, const at::Tensor& q_pos,
+               at::Tensor& normed, at::Tensor& attended_bf16, at::Tensor& hidden_bf16) {
+    const int64_t q_width = d.q_heads * d.head_dim, kv_width = d.kv_heads * d.head_dim;
+    const int64_t qkv_width = q_width + 2 * kv_width;
+    uint16_t* np = reinterpret_cast<uint16_t*>(normed.mutable_data_ptr());
+    rms_norm(d, x, layer.input_norm.const_data_ptr<float>(), np);
+    at::Tensor qkv = layer.qkv(normed);  // [rows, q | k | v] float32
+    float* qkvp = qkv.mutable_data_ptr<float>();
+    for (int64_t r = 0; r < d.rows; ++r) {
+        float* row = qkvp + r * qkv_width;
+        rope(row, d.q_heads, d.head_dim, cos + r * d.head_dim, sin_signed + r * d.head_dim);
+        rope(row + q_width, d.kv_heads, d.head_dim, cos + r * d.head_dim, sin_signed + r * d.head_dim);
+    }
+    write_kv(layer.k_cache, qkvp, slots, d.rows, qkv_width, q_width, kv_width);
+    write_kv(layer.v_cache, qkvp, slots, d.rows, qkv_width, q_width + kv_width, kv_width);
+    const at::Tensor q = qkv.narrow(1, 0, q_width).view({d.rows, d.q_heads, d.head_dim});
+    const at::Tensor attended = attention(q, layer, key_slots, key_pos, q_pos, d.scale);  // float32
+    const float* ap = attended.const_data_ptr<float>();
+    uint16_t* abp = reinterpret_cast<uint16_t*>(attended_bf16.mutable_data_ptr());
+    for (int64_t i = 0; i < d.rows * q_width; ++i) abp[i] = float_to_bf16(ap[i]);
+    const at::Tensor projected = layer.o(attended_bf16);
+    const float* pp = projected.const_data_ptr<float>();
+    for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += pp[i];
+    rms_norm(d, x, layer.post_norm.const_data_ptr<float>(), np);
+    const at::Tensor gate_up = layer.gate_up(normed);  // [rows, gate | up] float32
+    const float* gp = gate_up.const_data_ptr<float>();
+    uint16_t* hp = reinterpret_cast<uint16_t*>(hidden_bf16.mutable_data_ptr());
+    for (int64_t r = 0; r < d.rows; ++r)
+        for (int64_t i = 0; i < d.intermediate; ++i) {
+            const float g = gp[r * 2 * d.intermediate + i], u = gp[r * 2 * d.intermediate + d.intermediate + i];
+            hp[r * d.intermediate + i] = float_to_bf16(g / (1.0f + std::exp(-g)) * u);
+        }
+    const at::Tensor down = layer.down(hidden_bf16);
+    const float* dp = down.const_data_ptr<float>();
+    for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += dp[i];
+}
+
+bool is_long_vector(const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous() && t.is_cpu(); }
+
+void check_linear(const Linear& lin, int64_t in, int64_t out, const char* name, int64_t index) {
+    const bool int4 = lin.weight.scalar_type() == at::kByte, int8 = lin.weight.scalar_type() == at::kChar;
+    const bool bias_ok = lin.bias.numel() == 0 || (lin.bias.scalar_type() == at::kBFloat16 &&
+                                                   lin.bias.is_contiguous() && lin.bias.numel() == out);
+    TORCH_CHECK_VALUE((int4 || int8) && lin.weight.is_cpu() && bias_ok &&
+                          (int8 ? lin.weight.size(0) == out && lin.weight.size(1) == in
+                                : in % INT4_GROUP == 0 && lin.scale.dim() == 3 && lin.scale.size(0) == in / INT4_GROUP &&
+                                      lin.scale.size(1) == out),
+                      "decode layers: layer ", index, "'s ", name, " is not a packed ", in, " -> ", out,
+                      " linear (weight ", lin.weight.sizes(), " ", lin.weight.scalar_type(), ", bias ",
+                      lin.bias.sizes(), ")");
+}
+
+// x [rows, hidden] float32 (the embedded tokens) -> the last layer's output, same shape; writes each
+// row's key and value of every layer at slot_mapping. cos, sin_signed [rows, head_dim] float32 (the
+// rotary tables at the rows' positions, sin's first half negated: layers/rope.py). weights: 14 a
+// layer (input norm; qkv weight, scale, bias; o weight, scale, bias; post norm; gate_up weight,
+// scale, bias; down weight, scale, bias; an empty tensor where a bias is absent). caches: k and v a
+// layer. windows: a layer's sliding window, 0 = none. dims: q heads, kv heads, head dim.
+at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin_signed,
+                         const at::Tensor& slot_mapping, const at::Tensor& key_slots, const at::Tensor& key_pos,
+                         const at::Tensor& q_pos, at::TensorList weights, at::TensorList k_caches,
+                         at::TensorList v_caches, at::IntArrayRef windows, at::IntArrayRef dims, double eps,
+                         double scale) {
+    const int64_t num_layers = static_cast<int64_t>(k_caches.size());
+    TORCH_CHECK_VALUE(dims.size() == 3 && x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu() &&
+                          static_cast<int64_t>(weights.size()) == num_layers * WEIGHTS_PER_LAYER &&
+                          static_cast<int64_t>(v_caches.size()) == num_layers &&
+                          static_cast<int64_t>(windows.size()) == num_layers,
+                      "decode layers: inconsistent inputs (x ", x.sizes(), " ", x.scalar_type(), ", ", weights.size(),
+                      " weights for ", num_layers, " layers, ", windows.size(), " windows, ", dims.size(), " dims)");
+    const int64_t rows = x.size(0), hidden = x.size(1);
+    Dims d{rows, hidden, dims[0], dims[1], dims[2], 0, static_cast<float>(eps), static_cast<float>(scale)};
+    TORCH_CHECK_VALUE(d.q_heads > 0 && d.kv_heads > 0 && d.head_dim > 0 && d.head_dim <= 1024 &&
+                          d.head_dim % 2 == 0 && d.q_heads % d.kv_heads == 0,
+                      "decode layers: ", d.q_heads, " query heads over ", d.kv_heads, " kv heads of ", d.head_dim);
+    TORCH_CHECK_VALUE(cos.scalar_type() == at::kFloat && sin_signed.scalar_type() == at::kFloat &&
+                          cos.is_contiguous() && sin_signed.is_contiguous() && cos.numel() == rows * d.head_dim &&
+                          sin_signed.numel() == rows * d.head_dim && is_long_vector(slot_mapping) &&
+                          slot_mapping.numel() == rows,
+                      "decode layers: rotary tables ", cos.sizes(), " / slot mapping ", slot_mapping.sizes(),
+                      " do not match ", rows, " rows of head dim ", d.head_dim);
+    std::vector<Layer> layers;
+    layers.reserve(num_layers);
+    for (int64_t i = 0; i < num_layers; ++i) {
+        const at::Tensor* w = weights.data() + i * WEIGHTS_PER_LAYER;
+        Layer layer{w[0].contiguous(),
+                    w[7].contiguous(),
+                    {w[1], w[2], w[3]},
+                    {w[4], w[5], w[6]},
+                    {w[8], w[9], w[10]},
+                    {w[11], w[12], w[13]},
+                    k_caches[i],
+                    v_caches[i],
+                    windows[i]};
+        if (i == 0) d.intermediate = layer.down.weight.scalar_type() == at::kChar ? layer.down.weight.size(1)
+                                                                                   : layer.down.scale.size(0) * INT4_GROUP;
+        const int64_t kv_width = d.kv_heads * d.head_dim;
+        check_linear(layer.qkv, hidden, d.q_heads * d.head_dim + 2 * kv_width, "q/k/v", i);
+        check_linear(layer.o, d.q_heads * d.head_dim, hidden, "o_proj", i);
+        check_linear(layer.gate_up, hidden, 2 * d.intermediate, "gate/up", i);
+        check_linear(layer.down, d.intermediate, hidden, "down_proj", i);
+        for (const at::Tensor* cache : {&layer.k_cache, &layer.v_cache}) {
+            const auto type = cache->scalar_type();
+            TORCH_CHECK_VALUE(cache->dim() == 3 && cache->size(1) == d.kv_heads && cache->size(2) == d.head_dim &&
+                                  cache->is_contiguous() && cache->is_cpu() &&
+                                  (type == at::kFloat || type == at::kBFloat16 || type == at::kHalf),
+                              "decode layers: layer ", i, "'s cache ", cache->sizes(), " ", type, " does not hold ",
+                              d.kv_heads, " heads of ", d.head_dim);
+        }
+        TORCH_CHECK_VALUE(layer.input_norm.scalar_type() == at::kFloat && layer.post_norm.scalar_type() == at::kFloat &&
+                              layer.input_norm.numel() == hidden && layer.post_norm.numel() == hidden,
+                          "decode layers: layer ", i, "'s norms are not float32 of size ", hidden);
+        layers.push_back(std::move(layer));
+    }
+    const int64_t* slots = slot_mapping.const_data_ptr<int64_t>();
+    const int64_t num_slots = num_layers ? layers[0].k_cache.size(0) : 0;
+    for (int64_t r = 0; r < rows; ++r)
+        TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_slots, "decode layers: slot ", slots[r], " of row ", r,
+                          " lies outside the cache's ", num_slots, " slots");
+    at::Tensor out = x.clone();
+    at::Tensor normed = at::empty({rows, hidden}, x.options().dtype(at::kBFloat16));
+    at::Tensor attended = at::empty({rows, d.q_heads * d.head_dim}, x.options().dtype(at::kBFloat16));
+    at::Tensor hidden_bf16 = at::empty({rows, d.intermediate}, x.options().dtype(at::kBFloat16));
+    for (const Layer& layer : layers)
+        run_layer(d, layer, out.mutable_data_ptr<float>(), cos.const_data_ptr<float>(),
+                  sin_signed.const_data_ptr<float>(), slots, key_slots, key_pos, q_pos, normed, attended,
+                  hidden_bf16);
+    return out;
+}
+
+// One row's dot product with an int8 weight row, in float32: 64 weights a pass into four vector
+// accumulators, summed in a fixed order (the same for every row, whatever the batch), then the tail.
+inline float dot_int8(const float* x, const int8_t* w, int64_t n) {
+    int64_t k = 0;
+    float sum = 0.0f;
+#if defined(__AVX512F__)
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    for (; k + 64 <= n; k += 64)
+        for (int lane = 0; lane < 4; ++lane) {
+            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * lane));
+            const __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
+            acc[lane] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + k + 16 * lane), acc[lane]);
+        }
+    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+#elif defined(__AVX2__)
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    for (; k + 32 <= n; k += 32)
+        for (int lane = 0; lane < 4; ++lane) {
+            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8 * lane));
+            const __m256 weights = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
+            acc[lane] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + k + 8 * lane), acc[lane]);
+        }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+    for (float v : lanes) sum += v;
+#endif
+    for (; k < n; ++k) sum += static_cast<float>(w[k]) * x[k];
+    return sum;
+}
+
+// y = (x @ w.T) * scale: x [rows, in] bfloat16, w [out, in] int8, scale [out] bfloat16 -> [rows, out]
+// bfloat16, as aten::_weight_int8pack_mm. The weight is read once for all rows (each weight row
+// while it is in cache); each row's sums run in float32 in the same order whatever the batch.
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+    TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kBFloat16 &&
+                          w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 &&
+                          scale.numel() == w.size(0) && w.is_contiguous() && scale.is_contiguous() && x.is_cpu() &&
+                          w.is_cpu(),
+                      "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
+                      " ", w.scalar_type(), ", scale ", scale.sizes(), " ", scale.scalar_type());
+    const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
+    std::vector<float> xs(rows * in);  // the rows in float32, once
+    const at::Tensor xc = x.contiguous();
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+    for (int64_t i = 0; i < rows * in; ++i) xs[i] = bf16_to_float(xp[i]);
+    at::Tensor y = at::empty({rows, out}, x.options());
+    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+    const int8_t* wp = w.const_data_ptr<int8_t>();
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+    const float* xf = xs.data();
+#pragma omp parallel for schedule(static)
+    for (int64_t o = 0; o < out; ++o) {
+        const float s = bf16_to_float(sp[o]);
+        for (int64_t r = 0; r < rows; ++r) yp[r * out + o] = float_to_bf16(dot_int8(xf + r * in, wp + o * in, in) * s);
+    }
+    return y;
+}
+
+}  // namespace
+
+TORCH_LIBRARY_FRAGMENT(mlxcel, m) {
+    m.def("decode_layers(Tensor x, Tensor cos, Tensor sin_signed, Tensor slot_mapping, Tensor key_slots, "
+          "Tensor key_pos, Tensor q_pos, Tensor[] weights, Tensor(a!)[] k_caches, Tensor(b!)[] v_caches, "
+          "int[] windows, int[] dims, float eps, float scale) -> Tensor");
+    m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
+}
+
+TORCH_LIBRARY_IMPL(mlxcel, CPU, m) {
+    m.impl("decode_layers", &decode_layers);
+    m.impl("int8_linear", &int8_linear);
+}
