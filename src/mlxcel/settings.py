@@ -379,9 +379,9 @@ SETTINGS: tuple[Setting, ...] = (
        "then ignored, with a warning)", ("--kv-cache-mode",), "MLXCEL_KV_CACHE_MODE", group="engine"),
     _s("kv_quant_scheme", choice(*KV_QUANT_SCHEMES), "none", "KV quantization scheme (N2): turboquant = the "
        "turbo4 store of --kv-cache-mode", ("--kv-quant-scheme",), "MLXCEL_KV_QUANT_SCHEME", group="engine"),
-    _s("decode_step", choice(*DECODE_STEPS), "auto", "how decode steps run: auto = compiled (torch.compile) on "
-       "CPU and CUDA graphs on CUDA; compile, cuda-graph or eager", ("--decode-step",), "MLXCEL_DECODE_STEP",
-       group="engine"),
+    _s("decode_step", choice(*DECODE_STEPS), "auto", "how decode steps run: auto = native on CPU (Llama/Qwen2 "
+       "decoder layers in one C++ call; other models compile) and CUDA graphs on CUDA; native, compile "
+       "(torch.compile), cuda-graph or eager", ("--decode-step",), "MLXCEL_DECODE_STEP", group="engine"),
     _s("no_compile", BOOL, False, "run decode steps eagerly, op by op (as --decode-step eager): no compile time "
        "at startup", ("--no-compile",), "MLXCEL_NO_COMPILE", group="engine", action="on"),
     _s("default_n_predict", integer(minimum=-1), -1, "most tokens a request that sets no limit generates (its "

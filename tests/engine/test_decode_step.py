@@ -1,4 +1,4 @@
-"""The decode step (issue 11): its inputs, eager vs compiled, batch invariance, KV cache types.
+"""The decode step (issue 11): its inputs, eager vs compiled vs native, batch invariance, KV cache types.
 
 The compiled tests build a tiny model, so inductor compiles one small layer (and the head)
 once per session; the real-model check of the compiled path is tests/models/test_compiled_step.py.
@@ -89,7 +89,7 @@ def test_eager_step_equals_the_uncached_forward(model: llama.Model) -> None:
     assert logits.argmax(-1).item() == reference.argmax(-1).item()
 
 
-@pytest.mark.parametrize("mode", ["eager", "compile"])
+@pytest.mark.parametrize("mode", ["eager", "native", "compile"])
 def test_a_row_gets_the_same_bits_alone_and_in_any_batch(model: llama.Model, mode: str) -> None:
     """Issue 11 point 4: each row attends over its own keys only; padding adds exact zeros."""
     cache = kv_cache(torch.bfloat16)
@@ -116,6 +116,69 @@ def test_compiled_step_matches_eager(model: llama.Model, tmp_path) -> None:
     # row writes there, and nothing reads it).
     real = slice(0, compiled.kv_cache.scratch_slot)
     torch.testing.assert_close(compiled.kv_cache.k[2][real], eager.kv_cache.k[2][real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_native_step_matches_eager(model: llama.Model, dtype: torch.dtype) -> None:
+    """The C++ layers (engine/native_step.py) against the same step op by op: logits and the KV
+    each wrote agree to float rounding (the norms and RoPE sum in another order), tokens are equal."""
+    eager = DecodeStep(model, kv_cache(dtype), "cpu", mode="eager", max_rows=8, max_positions=512)
+    native = DecodeStep(model, kv_cache(dtype), "cpu", mode="native", max_rows=8, max_positions=512)
+    assert native.mode == "native"
+    with torch.inference_mode():
+        for lengths in ([12], [5, 70, 33], [200, 1], [1, 2, 3, 4, 5, 6, 7, 250], [64]):
+            a, b = eager.run(rows(lengths, 64)), native.run(rows(lengths, 64))
+            torch.testing.assert_close(b, a, atol=2e-2, rtol=1e-2)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    real = slice(0, native.kv_cache.scratch_slot)
+    tolerance = 1e-5 if dtype == torch.float32 else 1e-2
+    for layer in range(3):
+        torch.testing.assert_close(native.kv_cache.k[layer][real], eager.kv_cache.k[layer][real], atol=tolerance,
+                                   rtol=tolerance)
+        torch.testing.assert_close(native.kv_cache.v[layer][real], eager.kv_cache.v[layer][real], atol=tolerance,
+                                   rtol=tolerance)
+
+
+def test_native_step_writes_only_its_rows_slots(model: llama.Model) -> None:
+    """A row writes its one new key and value a layer, at its slot; nothing else of the cache moves."""
+    cache = kv_cache()
+    before = [t.clone() for t in cache.k + cache.v]
+    step = DecodeStep(model, cache, "cpu", mode="native", max_rows=4, max_positions=512)
+    with torch.inference_mode():
+        step.run([DecodeRow(9, 5, 0, (3, 7)), DecodeRow(4, 0, 0, (8,))])
+    for layer, old in zip(cache.k + cache.v, before):
+        assert (layer != old).any(dim=(1, 2)).nonzero().flatten().tolist() == [7 * BLOCK + 1, 8 * BLOCK]  # position 5: block 7
+
+
+def test_native_step_falls_back_to_compile_where_the_model_is_not_native(model: llama.Model) -> None:
+    """Quantized KV, plain (unquantized) linears and other families keep the torch.compile'd step."""
+    from mlxcel.engine import native_step
+
+    assert native_step.unsupported(model, kv_cache(), has_lora=False) is None
+    q8 = KVCache(3, 64, BLOCK, 2, 32, torch.bfloat16, "cpu", k_type="q8_0", v_type="q8_0")
+    assert "q8_0" in native_step.unsupported(model, q8, has_lora=False)
+    assert "LoRA" in native_step.unsupported(model, kv_cache(), has_lora=True)
+    plain = random_llama(1, num_layers=3)  # not quantized
+    assert "packed" in native_step.unsupported(plain, kv_cache(), has_lora=False)
+    step = DecodeStep(plain, kv_cache(), "cpu", mode="native", max_rows=4, max_positions=512)
+    assert step.mode == "compile"
+
+
+def test_native_op_refuses_inconsistent_inputs(model: llama.Model) -> None:
+    """The C++ op checks what it reads: a slot outside the cache or a missing weight is a ValueError."""
+    from mlxcel.engine.native_step import NativeLayers
+
+    cache = kv_cache()
+    layers = NativeLayers(model, cache)
+    x, positions = torch.zeros(1, 64), torch.tensor([3])
+    key_slots, key_pos = torch.tensor([[0, 1, 2, 3]]), torch.tensor([[0, 1, 2, 3]])
+    with torch.inference_mode():
+        layers(x, positions, torch.tensor([4]), key_slots, key_pos)  # consistent: runs
+        with pytest.raises(ValueError, match="outside the cache"):
+            layers(x, positions, torch.tensor([cache.scratch_slot + BLOCK]), key_slots, key_pos)
+        layers.weights = layers.weights[:-1]
+        with pytest.raises(ValueError, match="weights for 3 layers"):
+            layers(x, positions, torch.tensor([4]), key_slots, key_pos)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])

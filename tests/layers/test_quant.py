@@ -162,3 +162,30 @@ def test_weights_off_any_4bit_grid_stay_int8() -> None:
     grid = (torch.randint(0, 16, (64, 128)).float() * 0.01)
     grid[3, 40] += 0.003  # one value off its group's grid
     assert pack_int4_if_lossless(grid) is None
+
+
+@pytest.mark.parametrize("in_features", [64, 576, 100])  # whole passes of 64, SmolLM2's width, a tail
+def test_int8_kernel_agrees_with_aten_and_checks_its_inputs(in_features: int) -> None:
+    """Issue 11: the output head's int8 matmul is our kernel (kernels/decode_layers.cpp) where the CPU
+    kernels build; it computes the dequantized matmul to bfloat16 rounding of a float32 sum, as ATen's
+    does where ATen's is right (at 100 inputs ATen's returned values near 1e35: measured, torch 2.13)."""
+    from mlxcel.layers import paged_attention
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(9)
+    q = QuantLinear(torch.randn(300, in_features), None)
+    assert q.bits == 8 and q.int8_kernel
+    for rows in (1, 2, 7):
+        x = torch.randn(rows, in_features).bfloat16()
+        ours = torch.ops.mlxcel.int8_linear(x, q.qweight, q.scale)
+        reference = x.float() @ (q.qweight.float() * q.scale.float()[:, None]).t()
+        assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 300)
+        torch.testing.assert_close(ours.float(), reference, atol=0.05, rtol=0.01)
+        if in_features % 64 == 0:
+            theirs = torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.scale)
+            torch.testing.assert_close(ours.float(), theirs.float(), atol=0.05, rtol=0.01)
+    with pytest.raises(ValueError, match="inconsistent inputs"):
+        torch.ops.mlxcel.int8_linear(torch.randn(1, in_features + 1).bfloat16(), q.qweight, q.scale)
+    with pytest.raises(ValueError, match="inconsistent inputs"):
+        torch.ops.mlxcel.int8_linear(torch.randn(1, in_features), q.qweight, q.scale)  # float32 rows

@@ -18,7 +18,7 @@ from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
 
-ENGINE = EngineConfig(max_num_seqs=4, ctx_size=4096)  # 1024 tokens per slot
+ENGINE = EngineConfig(max_num_seqs=4, ctx_size=4096, decode_step="native")  # 1024 tokens per slot; the CPU default step
 SERVER = ServerConfig(port=0, endpoint_metrics=True, endpoint_props=True)
 
 

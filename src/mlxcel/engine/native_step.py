@@ -29,8 +29,6 @@ DENSE_CACHES = ("f32", "bf16", "f16")
 
 def unsupported(model: nn.Module, kv_cache: KVCache, *, has_lora: bool) -> str | None:
     """Why the native layers cannot run this model's decode step; None when they can."""
-    from mlxcel.models import llama, qwen2
-
     if has_lora:
         return "LoRA adapters are loaded"
     if kv_cache.k_type not in DENSE_CACHES or kv_cache.k_type != kv_cache.v_type:
@@ -41,8 +39,8 @@ def unsupported(model: nn.Module, kv_cache: KVCache, *, has_lora: bool) -> str |
     if not layers:
         return "the model has no decoder layers"
     for layer in layers:
-        if type(layer) not in (llama.DecoderLayer, qwen2.DecoderLayer):
-            return f"{type(layer).__module__}.{type(layer).__name__} is not a Llama or Qwen2 decoder layer"
+        if vars(type(layer)).get("NATIVE_LAYOUT") != "llama":  # the family vouches for this class (not subclasses)
+            return f"{type(layer).__module__}.{type(layer).__name__} is not a Llama-layout decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
         linears = (getattr(attn, "fused_q_k_v", None), attn.o_proj, getattr(mlp, "fused_gate_up", None), mlp.down_proj)
         if not all(_packed(lin) is not None for lin in linears):

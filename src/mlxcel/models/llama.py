@@ -96,6 +96,10 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # The function engine/native_step.py's C++ decoder layer computes (RMSNorm, q/k/v, RoPE, attention
+    # over the paged cache, o_proj, residual; RMSNorm, SiLU-gated MLP, residual): it may run this layer.
+    NATIVE_LAYOUT = "llama"
+
     def __init__(self, args: ModelArgs, layer_idx: int, rope: RotaryEmbedding) -> None:
         super().__init__()
         self.self_attn = Attention(args, layer_idx, rope)
