@@ -5,6 +5,7 @@ does without it (temperature 0: the same text), and the draft counters and confi
 from __future__ import annotations
 
 import json
+from dataclasses import replace
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any
@@ -31,7 +32,7 @@ LOOKUP = SpeculativeConfig(draft_kind="prompt-lookup", draft_max=8, max_batch=4)
 
 @pytest.fixture(scope="module")
 def spec_server(served: ServedModel, start_server: Callable[..., ServerThread]) -> Iterator[ServerThread]:
-    config = EngineConfig(max_num_seqs=ENGINE.max_num_seqs, ctx_size=ENGINE.ctx_size, speculative=LOOKUP)
+    config = replace(ENGINE, speculative=LOOKUP)  # the plain server's step too: logprobs compare bit for bit
     model = engine_like(served, config)
     yield start_server(model)
     model.close(30)
