@@ -179,11 +179,12 @@ def test_int8_kernel_agrees_with_aten_and_checks_its_inputs(in_features: int) ->
     for rows in (1, 2, 7):
         x = torch.randn(rows, in_features).bfloat16()
         ours = torch.ops.mlxcel.int8_linear(x, q.qweight, q.scale)
-        reference = x.float() @ (q.qweight.float() * q.scale.float()[:, None]).t()
+        codes = q.qweight.transpose(1, 2).reshape(-1, in_features)[:300]  # ours keeps transposed blocks of 64
+        reference = x.float() @ (codes.float() * q.scale.float()[:, None]).t()
         assert ours.dtype == torch.bfloat16 and ours.shape == (rows, 300)
         torch.testing.assert_close(ours.float(), reference, atol=0.05, rtol=0.01)
         if in_features % 64 == 0:
-            theirs = torch.ops.aten._weight_int8pack_mm(x, q.qweight, q.scale)
+            theirs = torch.ops.aten._weight_int8pack_mm(x, codes.contiguous(), q.scale)
             torch.testing.assert_close(ours.float(), theirs.float(), atol=0.05, rtol=0.01)
     with pytest.raises(ValueError, match="inconsistent inputs"):
         torch.ops.mlxcel.int8_linear(torch.randn(1, in_features + 1).bfloat16(), q.qweight, q.scale)

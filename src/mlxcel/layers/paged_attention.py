@@ -106,7 +106,7 @@ def _register_fakes() -> None:
     """Shapes of the ops decode_layers.cpp defines, for a traced step (torch.compile) that calls them."""
     @torch.library.register_fake("mlxcel::int8_linear", lib=_LIBRARY)
     def _int8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        return x.new_empty(x.shape[0], w.shape[0])
+        return x.new_empty(x.shape[0], scale.shape[0])  # w: [blocks, in, 64] (layers/quant.py int8_blocks)
 
 
 def _build(compiler: str) -> Path:

@@ -54,16 +54,19 @@ class QuantLinear(nn.Module):
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         int4 = pack_int4_if_lossless(w)
         self.bits = 4 if int4 is not None else 8
+        self.int8_kernel = False
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # [K / 32, N, 2]: scale and zero per group
         else:
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-            self.register_buffer("qweight", torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8))
+            codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            # Our kernel (kernels/decode_layers.cpp, where the CPU kernels build) reads the weight in
+            # transposed blocks of 64 outputs (`int8_blocks`); ATen's [out, in]. Chosen once here, so
+            # every row of every step takes the same kernel (ours is 2-3x faster at a few rows).
+            self.int8_kernel = paged_attention.available()
+            self.register_buffer("qweight", int8_blocks(codes) if self.int8_kernel else codes)
             self.register_buffer("scale", scale.to(torch.bfloat16))
-        # int8: our kernel (kernels/decode_layers.cpp) where the CPU kernels build, chosen once here so
-        # that every row of every step takes the same one (ATen's is ~2x slower at a few rows).
-        self.int8_kernel = self.bits == 8 and paged_attention.available()
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
@@ -85,6 +88,18 @@ class QuantLinear(nn.Module):
         else:
             y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
         return y if self.bias is None else y + self.bias
+
+
+INT8_BLOCK = 64  # output rows a block of `int8_blocks`
+
+
+def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """int8 [out, in] -> [ceil(out / 64), in, 64]: blocks of 64 output rows, each transposed (zeros past
+    `out`), so that the kernel's work item for 64 outputs streams one contiguous block."""
+    out, inputs = codes.shape
+    padded = torch.zeros(-(-out // INT8_BLOCK) * INT8_BLOCK, inputs, dtype=codes.dtype)
+    padded[:out] = codes
+    return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
 
 
 def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:

@@ -4,16 +4,17 @@
 // (eager or torch.compile'd per layer) each layer pays ~100 us of Python, guards and small-op
 // dispatch around ~150 us of arithmetic; this file runs the whole stack of a Llama-layout model
 // (Llama, SmolLM2, Qwen2: RMSNorm, fused q/k/v with optional bias, RoPE, paged attention, SiLU
-// MLP) in C++. The weight-only matmuls stay ATen's kernels (`_weight_int4pack_mm_for_cpu`,
-// `_weight_int8pack_mm`: the same bits as the Python path's decode rows), attention is the op
+// MLP) in C++. The weight-only matmuls are the Python path's decode kernels (ATen's
+// `_weight_int4pack_mm_for_cpu`, and `int8_linear` below: the same bits), attention is the op
 // `mlxcel::paged_decode_attention` (paged_attention.cpp), and the glue between them (norms,
 // bias, RoPE, the KV write, SiLU, residual adds) is plain loops over each row, in float32 as the
 // Python modules compute it. Every row is computed on its own, so its bits do not depend on the
 // batch.
 //
-// It also holds `mlxcel::int8_linear`, the int8 weight-only matmul of the output head: ATen's
-// kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row, this one streams the
-// weight once for all rows at near memory speed.
+// It also holds `mlxcel::int8_linear`, the int8 weight-only matmul (the output head, and the int8
+// linears of mixed checkpoints): ATen's kernel took 2.3-3.9 ms for SmolLM2's 49,152 x 576 head at
+// one row and 11.8 ms at 16; this one, over weights kept in transposed blocks of 64 outputs, 0.6
+// and 5.3 ms.
 //
 // Built and loaded with paged_attention.cpp by mlxcel/layers/paged_attention.py; Python calls
 // `torch.ops.mlxcel.decode_layers` from engine/native_step.py.
@@ -21,7 +22,9 @@
 #include <ATen/core/Tensor.h>
 #include <ATen/core/dispatch/Dispatcher.h>
 #include <ATen/ops/_weight_int4pack_mm_for_cpu.h>
-#include <ATen/ops/_weight_int8pack_mm.h>
+#include <ATen/ops/add.h>
+#include <ATen/ops/mul.h>
+#include <ATen/ops/silu.h>
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
@@ -29,6 +32,7 @@
 #include <immintrin.h>
 #endif
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstring>
@@ -54,6 +58,88 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
     return static_cast<uint16_t>(bits >> 16);
 }
 
+constexpr int64_t ROWS_TOGETHER = 4;  // rows that share one conversion of the weights
+constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
+
+// y[r, o0 + j] = sum_k x[r, k] * w[k, j] for ROWS rows and `count` <= OUT_BLOCK outputs (w: the block's
+// [in, OUT_BLOCK] weights, contiguous, so a work item streams its memory in order): the
+// weights of each k converted once for all rows, one float32 accumulator per (row, output) that
+// adds k = 0, 1, ... in order. A row's arithmetic is the same alone or with others (its bits do not
+// depend on the batch), and no horizontal sums are needed.
+template <int64_t ROWS>
+void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, float* sums) {
+#if defined(__AVX512F__)
+    if (count == OUT_BLOCK) {
+        __m512 acc[ROWS][4];
+        for (int64_t r = 0; r < ROWS; ++r)
+            for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+        for (int64_t k = 0; k < in; ++k) {
+            const int8_t* wk = w + k * OUT_BLOCK;
+            __m512 weights[4];
+            for (int v = 0; v < 4; ++v)
+                weights[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * v))));
+            for (int64_t r = 0; r < ROWS; ++r) {
+                const __m512 xv = _mm512_set1_ps(x[r * in + k]);
+                for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(weights[v], xv, acc[r][v]);
+            }
+        }
+        for (int64_t r = 0; r < ROWS; ++r)
+            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, acc[r][v]);
+        return;
+    }
+#endif
+    for (int64_t r = 0; r < ROWS; ++r)  // a partial block (or no AVX-512): the same order, one output at a time
+        for (int64_t j = 0; j < count; ++j) {
+            float acc = 0.0f;
+            for (int64_t k = 0; k < in; ++k) acc = std::fma(static_cast<float>(w[k * OUT_BLOCK + j]), x[r * in + k], acc);
+            sums[r * OUT_BLOCK + j] = acc;
+        }
+}
+
+// y = x @ W.T * scale: x [rows, in] bfloat16; w int8 [ceil(out / 64), in, 64], W [out, in] in blocks
+// of 64 output rows, each block transposed (layers/quant.py `int8_blocks`: zeros past `out`); scale
+// [out] bfloat16 -> [rows, out] bfloat16. ATen's int8 kernel took
+// 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and returned garbage at 100 inputs).
+at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
+    TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
+                          x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
+                          scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
+                          (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0) && w.is_contiguous() &&
+                          scale.is_contiguous() && x.is_cpu() && w.is_cpu(),
+                      "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
+                      " ", w.scalar_type(), ", scale ", scale.sizes(), " ", scale.scalar_type());
+    const int64_t rows = x.size(0), in = x.size(1), out = scale.numel();
+    std::vector<float> xs(rows * in);  // the rows in float32, once
+    const at::Tensor xc = x.contiguous();
+    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+    for (int64_t i = 0; i < rows * in; ++i) xs[i] = bf16_to_float(xp[i]);
+    at::Tensor y = at::empty({rows, out}, x.options());
+    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+    const int8_t* wp = w.const_data_ptr<int8_t>();
+    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+    const float* xf = xs.data();
+    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t o0 = b * OUT_BLOCK, count = std::min(OUT_BLOCK, out - o0);
+        float sums[ROWS_TOGETHER * OUT_BLOCK];
+        for (int64_t r = 0; r < rows;) {
+            const int64_t group = std::min(ROWS_TOGETHER, rows - r);
+            switch (group) {
+                case 4: int8_block<4>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
+                case 3: int8_block<3>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
+                case 2: int8_block<2>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
+                default: int8_block<1>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
+            }
+            for (int64_t i = 0; i < group; ++i)
+                for (int64_t j = 0; j < count; ++j)
+                    yp[(r + i) * out + o0 + j] = float_to_bf16(sums[i * OUT_BLOCK + j] * bf16_to_float(sp[o0 + j]));
+            r += group;
+        }
+    }
+    return y;
+}
+
 // One weight-only quantized linear of layers/quant.py's QuantLinear: packed weight, its scales
 // and an optional bias (empty tensor: none).
 struct Linear {
@@ -61,20 +147,10 @@ struct Linear {
 
     // x: [rows, in] bfloat16 -> [rows, out] float32 (the bias added in bfloat16, as QuantLinear does).
     at::Tensor operator()(const at::Tensor& x) const {
-        at::Tensor y = weight.scalar_type() == at::kByte
-                           ? at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scale)
-                           : at::_weight_int8pack_mm(x, weight, scale);
-        const int64_t rows = y.size(0), out = y.size(1);
-        at::Tensor result = at::empty({rows, out}, y.options().dtype(at::kFloat));
-        const uint16_t* yp = reinterpret_cast<const uint16_t*>(y.const_data_ptr());
-        const uint16_t* bp = bias.numel() ? reinterpret_cast<const uint16_t*>(bias.const_data_ptr()) : nullptr;
-        float* rp = result.mutable_data_ptr<float>();
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t o = 0; o < out; ++o) {
-                const float v = bf16_to_float(yp[r * out + o]);
-                rp[r * out + o] = bp ? bf16_to_float(float_to_bf16(v + bf16_to_float(bp[o]))) : v;
-            }
-        return result;
+        const at::Tensor y = weight.scalar_type() == at::kByte
+                                 ? at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scale)
+                                 : int8_linear(x, weight, scale);
+        return (bias.numel() ? at::add(y, bias) : y).to(at::kFloat);
     }
 };
 
@@ -154,7 +230,7 @@ at::Tensor attention(const at::Tensor& q, const Layer& layer, const at::Tensor& 
 
 void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, const float* sin_signed,
                const int64_t* slots, const at::Tensor& key_slots, const at::Tensor& key_pos, const at::Tensor& q_pos,
-               at::Tensor& normed, at::Tensor& attended_bf16, at::Tensor& hidden_bf16) {
+               at::Tensor& normed, at::Tensor& attended_bf16) {
     const int64_t q_width = d.q_heads * d.head_dim, kv_width = d.kv_heads * d.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
     uint16_t* np = reinterpret_cast<uint16_t*>(normed.mutable_data_ptr());
@@ -178,13 +254,10 @@ void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, co
     for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += pp[i];
     rms_norm(d, x, layer.post_norm.const_data_ptr<float>(), np);
     const at::Tensor gate_up = layer.gate_up(normed);  // [rows, gate | up] float32
-    const float* gp = gate_up.const_data_ptr<float>();
-    uint16_t* hp = reinterpret_cast<uint16_t*>(hidden_bf16.mutable_data_ptr());
-    for (int64_t r = 0; r < d.rows; ++r)
-        for (int64_t i = 0; i < d.intermediate; ++i) {
-            const float g = gp[r * 2 * d.intermediate + i], u = gp[r * 2 * d.intermediate + d.intermediate + i];
-            hp[r * d.intermediate + i] = float_to_bf16(g / (1.0f + std::exp(-g)) * u);
-        }
+    // SiLU(gate) * up through ATen's vectorised kernels: the eager path's very ops, so its bits
+    const at::Tensor hidden_bf16 =
+        at::mul(at::silu(gate_up.narrow(1, 0, d.intermediate)), gate_up.narrow(1, d.intermediate, d.intermediate))
+            .to(at::kBFloat16);
     const at::Tensor down = layer.down(hidden_bf16);
     const float* dp = down.const_data_ptr<float>();
     for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += dp[i];
@@ -197,7 +270,7 @@ void check_linear(const Linear& lin, int64_t in, int64_t out, const char* name, 
     const bool bias_ok = lin.bias.numel() == 0 || (lin.bias.scalar_type() == at::kBFloat16 &&
                                                    lin.bias.is_contiguous() && lin.bias.numel() == out);
     TORCH_CHECK_VALUE((int4 || int8) && lin.weight.is_cpu() && bias_ok &&
-                          (int8 ? lin.weight.size(0) == out && lin.weight.size(1) == in
+                          (int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in && lin.scale.numel() == out
                                 : in % INT4_GROUP == 0 && lin.scale.dim() == 3 && lin.scale.size(0) == in / INT4_GROUP &&
                                       lin.scale.size(1) == out),
                       "decode layers: layer ", index, "'s ", name, " is not a packed ", in, " -> ", out,
@@ -275,70 +348,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     at::Tensor out = x.clone();
     at::Tensor normed = at::empty({rows, hidden}, x.options().dtype(at::kBFloat16));
     at::Tensor attended = at::empty({rows, d.q_heads * d.head_dim}, x.options().dtype(at::kBFloat16));
-    at::Tensor hidden_bf16 = at::empty({rows, d.intermediate}, x.options().dtype(at::kBFloat16));
     for (const Layer& layer : layers)
         run_layer(d, layer, out.mutable_data_ptr<float>(), cos.const_data_ptr<float>(),
-                  sin_signed.const_data_ptr<float>(), slots, key_slots, key_pos, q_pos, normed, attended,
-                  hidden_bf16);
+                  sin_signed.const_data_ptr<float>(), slots, key_slots, key_pos, q_pos, normed, attended);
     return out;
-}
-
-// One row's dot product with an int8 weight row, in float32: 64 weights a pass into four vector
-// accumulators, summed in a fixed order (the same for every row, whatever the batch), then the tail.
-inline float dot_int8(const float* x, const int8_t* w, int64_t n) {
-    int64_t k = 0;
-    float sum = 0.0f;
-#if defined(__AVX512F__)
-    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
-    for (; k + 64 <= n; k += 64)
-        for (int lane = 0; lane < 4; ++lane) {
-            const __m128i bytes = _mm_loadu_si128(reinterpret_cast<const __m128i*>(w + k + 16 * lane));
-            const __m512 weights = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(bytes));
-            acc[lane] = _mm512_fmadd_ps(weights, _mm512_loadu_ps(x + k + 16 * lane), acc[lane]);
-        }
-    sum = _mm512_reduce_add_ps(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
-#elif defined(__AVX2__)
-    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-    for (; k + 32 <= n; k += 32)
-        for (int lane = 0; lane < 4; ++lane) {
-            const __m128i bytes = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(w + k + 8 * lane));
-            const __m256 weights = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(bytes));
-            acc[lane] = _mm256_fmadd_ps(weights, _mm256_loadu_ps(x + k + 8 * lane), acc[lane]);
-        }
-    alignas(32) float lanes[8];
-    _mm256_store_ps(lanes, _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
-    for (float v : lanes) sum += v;
-#endif
-    for (; k < n; ++k) sum += static_cast<float>(w[k]) * x[k];
-    return sum;
-}
-
-// y = (x @ w.T) * scale: x [rows, in] bfloat16, w [out, in] int8, scale [out] bfloat16 -> [rows, out]
-// bfloat16, as aten::_weight_int8pack_mm. The weight is read once for all rows (each weight row
-// while it is in cache); each row's sums run in float32 in the same order whatever the batch.
-at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-    TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 2 && x.size(1) == w.size(1) && x.scalar_type() == at::kBFloat16 &&
-                          w.scalar_type() == at::kChar && scale.scalar_type() == at::kBFloat16 &&
-                          scale.numel() == w.size(0) && w.is_contiguous() && scale.is_contiguous() && x.is_cpu() &&
-                          w.is_cpu(),
-                      "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
-                      " ", w.scalar_type(), ", scale ", scale.sizes(), " ", scale.scalar_type());
-    const int64_t rows = x.size(0), in = x.size(1), out = w.size(0);
-    std::vector<float> xs(rows * in);  // the rows in float32, once
-    const at::Tensor xc = x.contiguous();
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
-    for (int64_t i = 0; i < rows * in; ++i) xs[i] = bf16_to_float(xp[i]);
-    at::Tensor y = at::empty({rows, out}, x.options());
-    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
-    const int8_t* wp = w.const_data_ptr<int8_t>();
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
-    const float* xf = xs.data();
-#pragma omp parallel for schedule(static)
-    for (int64_t o = 0; o < out; ++o) {
-        const float s = bf16_to_float(sp[o]);
-        for (int64_t r = 0; r < rows; ++r) yp[r * out + o] = float_to_bf16(dot_int8(xf + r * in, wp + o * in, in) * s);
-    }
-    return y;
 }
 
 }  // namespace
