@@ -108,6 +108,10 @@ def _register_fakes() -> None:
     def _int8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], scale.shape[0])  # w: [blocks, in, 64] (layers/quant.py int8_blocks)
 
+    @torch.library.register_fake("mlxcel::int4_linear", lib=_LIBRARY)
+    def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+        return x.new_empty(x.shape[0], packed.shape[0] * 16)  # packed: [blocks of 16 outputs, ...] (int4_blocks)
+
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout

@@ -52,12 +52,17 @@ class QuantLinear(nn.Module):
         self.register_buffer("weight", w.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.in_features, self.out_features = w.shape[1], w.shape[0]
-        int4 = pack_int4_if_lossless(w)
+        grid = int4_grid(w)
+        # 4-bit: our kernel (int8 activations, integer dot products; kernels/decode_layers.cpp) where
+        # the CPU kernels build and N is whole blocks of 16, else ATen's; chosen once here, so every
+        # row of every step takes the same one.
+        self.int4_kernel = grid is not None and w.shape[0] % INT4_BLOCK == 0 and paged_attention.available()
+        int4 = int4_blocks(*grid) if self.int4_kernel else pack_int4_if_lossless(w) if grid is not None else None
         self.bits = 4 if int4 is not None else 8
         self.int8_kernel = False
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
-            self.register_buffer("scale", int4[1])  # [K / 32, N, 2]: scale and zero per group
+            self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
         else:
             scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
             codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
@@ -81,7 +86,9 @@ class QuantLinear(nn.Module):
 
     def packed_rows(self, xb: torch.Tensor) -> torch.Tensor:
         """The decode kernel on bfloat16 rows [M, in_features]."""
-        if self.bits == 4:
+        if self.int4_kernel and xb.device.type == "cpu":
+            y = torch.ops.mlxcel.int4_linear(xb, self.qweight, self.scale)
+        elif self.bits == 4:
             y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, INT4_GROUP, self.scale)
         elif self.int8_kernel and xb.device.type == "cpu":
             y = torch.ops.mlxcel.int8_linear(xb, self.qweight, self.scale)
@@ -102,10 +109,11 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
 
 
-def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
-    """4-bit packing of `w` [N, K] when every group of 32 along K already lies on a 16-level grid."""
+def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+    """`w` [N, K] as levels q [N, K] (0..15), steps and lows [N, K / 32] (w = low + q * step) when every
+    group of 32 along K already lies on a 16-level grid (a 4-bit GGUF source); None otherwise."""
     n, k = w.shape
-    if k % INT4_GROUP or not can_pack_int4():
+    if k % INT4_GROUP:
         return None
     groups = w.float().view(n, k // INT4_GROUP, INT4_GROUP)
     low = groups.amin(-1)
@@ -113,10 +121,36 @@ def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] 
     if step is None:  # not a 4-bit source: int8 keeps more
         return None
     q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
+    return q.to(torch.uint8).view(n, k), step, low
+
+
+def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
+    """ATen's 4-bit CPU packing of `w` [N, K] (see `int4_grid`), with bfloat16 scales."""
+    grid = int4_grid(w) if can_pack_int4() else None
+    if grid is None:
+        return None
+    q, step, low = grid
     # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
     scales = torch.stack((step, low + 8 * step), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
-    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32).view(n, k), 2)
+    packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
     return packed, scales
+
+
+INT4_BLOCK = 16  # output rows a block of `int4_blocks`
+
+
+def int4_blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of our int4 kernel (kernels/decode_layers.cpp `int4_linear`) from `int4_grid`'s
+    levels [N, K], steps and lows [N, K / 32] (N a multiple of 16): packed uint8 [N / 16, K / 32, 4, 64],
+    byte 4 i + t of vector v holding output i's level at k = 4 v + t of the group (low nibble) and at
+    16 + 4 v + t (high nibble); scales float32 [N / 16, K / 32, 2, 16] (steps, lows)."""
+    n, k = q.shape
+    blocks, groups = n // INT4_BLOCK, k // INT4_GROUP
+    levels = q.view(blocks, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
+    levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
+    packed = (levels[..., 0] | (levels[..., 1] << 4)).contiguous().view(blocks, groups, 4, 64)
+    scales = torch.stack((step, low), dim=-1).view(blocks, INT4_BLOCK, groups, 2).permute(0, 2, 3, 1)
+    return packed, scales.contiguous().float()
 
 
 def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> torch.Tensor | None:
