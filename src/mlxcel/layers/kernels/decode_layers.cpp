@@ -4,8 +4,8 @@
 // (eager or torch.compile'd per layer) each layer pays ~100 us of Python, guards and small-op
 // dispatch around ~150 us of arithmetic; this file runs the whole stack of a Llama-layout model
 // (Llama, SmolLM2, Qwen2: RMSNorm, fused q/k/v with optional bias, RoPE, paged attention, SiLU
-// MLP) in C++. The weight-only matmuls are the Python path's decode kernels (ATen's
-// `_weight_int4pack_mm_for_cpu`, and `int8_linear` below: the same bits), attention is the op
+// MLP) in C++. The weight-only matmuls are the Python path's decode kernels (`int4_linear` and
+// `int8_linear` below, or ATen's 4-bit one: the same bits), attention is the op
 // `mlxcel::paged_decode_attention` (paged_attention.cpp), and the glue between them (norms,
 // bias, RoPE, the KV write, SiLU, residual adds) is plain loops over each row, in float32 as the
 // Python modules compute it. Every row is computed on its own, so its bits do not depend on the
