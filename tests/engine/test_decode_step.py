@@ -102,16 +102,21 @@ def test_a_row_gets_the_same_bits_alone_and_in_any_batch(model: llama.Model, mod
             assert torch.equal(alone[0], together[i]), f"row {i} differs alone and batched ({mode})"
 
 
+def assert_same_tokens(step: DecodeStep, eager: DecodeStep, tolerance: float) -> None:
+    """Batches of rows of many lengths: `step`'s logits within `tolerance` of the eager step's, same argmax."""
+    with torch.inference_mode():
+        for lengths in ([12], [5, 70, 33], [200, 1], [1, 2, 3, 4, 5, 6, 7, 250], [64]):
+            a, b = eager.run(rows(lengths, 64)), step.run(rows(lengths, 64))
+            torch.testing.assert_close(b, a, atol=tolerance, rtol=tolerance)
+            assert torch.equal(a.argmax(-1), b.argmax(-1))
+
+
 def test_compiled_step_matches_eager(model: llama.Model, tmp_path) -> None:
     eager = DecodeStep(model, kv_cache(), "cpu", mode="eager", max_rows=8, max_positions=512)
     compiled = DecodeStep(model, kv_cache(), "cpu", mode="compile", max_rows=8, max_positions=512,
                           cache_dir=tmp_path)
     compiled.warm()  # from here on the compiled calls skip the guards that cannot differ
-    with torch.inference_mode():
-        for lengths in ([12], [5, 70, 33], [200, 1], [1, 2, 3, 4, 5, 6, 7, 250], [64]):
-            a, b = eager.run(rows(lengths, 64)), compiled.run(rows(lengths, 64))
-            torch.testing.assert_close(b, a, atol=1e-4, rtol=1e-4)
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert_same_tokens(compiled, eager, tolerance=1e-4)
     # The KV each step wrote is the same too (the scratch slot aside: the compiled step's padding
     # row writes there, and nothing reads it).
     real = slice(0, compiled.kv_cache.scratch_slot)
@@ -125,11 +130,7 @@ def test_native_step_matches_eager(model: llama.Model, dtype: torch.dtype) -> No
     eager = DecodeStep(model, kv_cache(dtype), "cpu", mode="eager", max_rows=8, max_positions=512)
     native = DecodeStep(model, kv_cache(dtype), "cpu", mode="native", max_rows=8, max_positions=512)
     assert native.mode == "native"
-    with torch.inference_mode():
-        for lengths in ([12], [5, 70, 33], [200, 1], [1, 2, 3, 4, 5, 6, 7, 250], [64]):
-            a, b = eager.run(rows(lengths, 64)), native.run(rows(lengths, 64))
-            torch.testing.assert_close(b, a, atol=2e-2, rtol=1e-2)
-            assert torch.equal(a.argmax(-1), b.argmax(-1))
+    assert_same_tokens(native, eager, tolerance=2e-2)
     real = slice(0, native.kv_cache.scratch_slot)
     tolerance = 1e-5 if dtype == torch.float32 else 1e-2
     for layer in range(3):

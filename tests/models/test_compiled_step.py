@@ -114,12 +114,20 @@ def test_compiled_step_matches_the_eager_step(compiled: ServedModel, compile_dir
         eager, fast = steps["eager"].run(batch), steps[mode].run(batch)
         alone = [steps[mode].run([row])[0] for row in batch[:2]]
     # The int8 head's logits are bfloat16 (a step of 0.125-0.25 at these magnitudes); only its
-    # top candidates are recomputed in float32, so those must agree closely.
-    torch.testing.assert_close(fast, eager, atol=1.0, rtol=0.05)
+    # top candidates are recomputed in float32, so those must agree closely. The 4-bit kernel rounds
+    # activations to int8 per group of 32: a last-bit difference upstream (the norms' or RoPE's
+    # summation order) can move a code by one, so a few of the 49,152 logits move further (measured
+    # on the native step: 218 of 393,216 past 1.0, at most 2.0).
+    torch.testing.assert_close(fast, eager, atol=3.0, rtol=0.05)
+    assert (fast - eager).abs().gt(1.0).float().mean() < 0.01
     top = eager.topk(8, dim=-1).indices
     # Inductor keeps fused bfloat16 intermediates in float32 where eager rounds them: close, not equal.
     torch.testing.assert_close(fast.gather(1, top), eager.gather(1, top), atol=0.5, rtol=0.02)
-    assert torch.equal(fast.argmax(-1), eager.argmax(-1))
+    # The same greedy token, but at a near-tie (measured once on the native step: one random-token
+    # prompt's top two within 0.5, the order flipped by the int8 codes above).
+    for row, (ours, theirs) in enumerate(zip(fast.argmax(-1).tolist(), eager.argmax(-1).tolist())):
+        assert ours == theirs or eager[row, theirs] - eager[row, ours] < 0.5, (row, ours, theirs)
+    assert torch.equal(fast.argmax(-1)[:4], eager.argmax(-1)[:4])  # the four real prompts: no ties there
     assert all(torch.equal(one, fast[i]) for i, one in enumerate(alone))  # point 4: a row's bits alone = batched
 
 

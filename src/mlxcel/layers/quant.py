@@ -51,10 +51,10 @@ class Step(Protocol):
 class QuantLinear(nn.Module):
     """y = x @ W.T (+ b), W kept packed (4-bit when lossless, else int8) and as bfloat16."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None) -> None:
+    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, keep_dense: bool = False) -> None:
+        """`keep_dense`: keep the bfloat16 copy even on the 4-bit kernel (the output head reads rows of it)."""
         super().__init__()
         w = weight.detach().float()
-        self.register_buffer("weight", w.to(torch.bfloat16))
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
         self.in_features, self.out_features = w.shape[1], w.shape[0]
         grid = int4_grid(w)
@@ -65,6 +65,10 @@ class QuantLinear(nn.Module):
         int4 = int4_blocks(*grid) if self.int4_kernel else pack_int4_if_lossless(w) if grid is not None else None
         self.bits = 4 if int4 is not None else 8
         self.int8_kernel = False
+        # Issue 11 point 5: on our 4-bit kernel every row takes it, prefill too (as fast as oneDNN's
+        # bfloat16 matmul from 64 to 512 rows here: bench/RESULTS.md), so the weight is kept once,
+        # packed; elsewhere a bfloat16 copy serves prefill rows.
+        self.register_buffer("weight", None if self.int4_kernel and not keep_dense else w.to(torch.bfloat16))
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
@@ -80,7 +84,7 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
-        num_packed = _num_packed_rows(xb.shape[0], step)
+        num_packed = xb.shape[0] if self.weight is None else _num_packed_rows(xb.shape[0], step)
         if num_packed == xb.shape[0]:
             y = self.packed_rows(xb)
         elif num_packed == 0:
@@ -204,7 +208,7 @@ class QuantHead(nn.Module):
 
     def __init__(self, weight: torch.Tensor, num_refined: int = 16) -> None:
         super().__init__()
-        self.linear = QuantLinear(weight, None)
+        self.linear = QuantLinear(weight, None, keep_dense=True)
         self.num_refined = min(num_refined, weight.shape[0])
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -345,8 +349,10 @@ def quantize(model: nn.Module) -> QuantSummary:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, QuantLinear(child.weight, child.bias))
-    kinds = [m.bits for m in model.modules() if isinstance(m, QuantLinear)]
-    return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8))
+    linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
+    kinds = [m.bits for m in linears]
+    return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8),
+                        num_kept_once=sum(m.weight is None for m in linears))
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -359,7 +365,9 @@ def fuse_projections(model: nn.Module) -> int:
 class QuantSummary:
     num_int4: int
     num_int8: int
+    num_kept_once: int = 0  # 4-bit ones on our kernel: no bfloat16 copy, prefill rows take it too
 
     def __str__(self) -> str:
         return (f"{self.num_int4} 4-bit and {self.num_int8} int8 weight-only matmuls for decode rows "
-                f"(4-bit where the checkpoint's weights are 4-bit), bfloat16 for prefill rows")
+                f"(4-bit where the checkpoint's weights are 4-bit); prefill rows: the 4-bit kernel for "
+                f"{self.num_kept_once} of them (their weights kept once, packed), bfloat16 for the rest")
