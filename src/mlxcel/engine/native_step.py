@@ -4,13 +4,14 @@ A decode step on the CPU is a row or a few through 30-odd small layers: run as t
 or compiled one layer at a time, each layer paid ~100 us of Python, Dynamo guards and dispatch
 around ~150 us of arithmetic (bench/RESULTS.md); compiling the whole stack as one graph removed
 most of that but took 35-107 s at every start. `layers/kernels/decode_layers.cpp` runs the
-whole stack of a Llama-layout model in C++ instead: ATen's weight-only matmuls (the Python
-path's decode kernels), the paged-attention op, and the glue between them as loops. This module
-checks that a model has that layout, collects its tensors once, and calls the op.
+whole stack of a Llama-layout model in C++ instead: the weight-only matmuls (the Python path's
+decode kernels, layers/quant.py), the paged-attention op, and the glue between them as loops.
+This module checks that a model has that layout, collects its tensors once, and calls the op.
 
-Taken: Llama-family and Qwen2 decoder layers (RMSNorm, q/k/v and gate/up fused, RoPE, SiLU MLP)
-whose linears are packed weight-only (`--quantize auto`), over a dense KV cache, without LoRA.
-Anything else (`NativeLayers.reason` says what) keeps the torch.compile'd step.
+Taken: decoder layers whose family vouches for the Llama layout (`NATIVE_LAYOUT`: Llama, SmolLM2,
+Qwen2; RMSNorm, q/k/v and gate/up fused, RoPE, SiLU MLP) with packed weight-only linears
+(`--quantize auto`), over a dense KV cache, without LoRA. Anything else (`unsupported` says
+what, and the log repeats it) keeps the torch.compile'd step.
 """
 
 from __future__ import annotations

@@ -1,8 +1,9 @@
 """Weight-only quantized linears for CPU decode: a rewrite of a finished model (DESIGN rule 3).
 
 At one token a step a linear is bound by the bytes of its weights. `QuantLinear` keeps each
-weight twice: packed for the decode kernels, and as bfloat16 for prefill, where oneDNN's
-bfloat16 matmul wins from about 8 rows (PERF.md). The packed form is 4-bit (groups of 32) when
+weight packed for the decode kernels and, unless our 4-bit kernel serves it (below), as bfloat16
+for prefill, where oneDNN's bfloat16 matmul wins from about 8 rows (PERF.md) over ATen's packed
+kernels. The packed form is 4-bit (groups of 32) when
 that is lossless, i.e. when the weight came from a 4-bit GGUF type (Q4_0, Q4_1, Q4_K: every group
 of 32 lies on a 16-level grid), and per-channel int8 otherwise: no second rounding of
 already-quantized weights, and half the bytes where the checkpoint allows it.
@@ -10,10 +11,12 @@ already-quantized weights, and half the bytes where the checkpoint allows it.
 The decode kernels are ours (kernels/decode_layers.cpp) where the CPU kernels build: `int4_linear`
 quantizes each row's activations to int8 per group of 32, as llama.cpp does, and sums in int32
 with VNNI (1.5-2.8x ATen's 4-bit kernel on SmolLM2's shapes; ~0.5-0.8 % of the output's range
-from the activations' rounding); `int8_linear` streams transposed blocks of 64 outputs. Elsewhere
+from the activations' rounding), and as fast as oneDNN's bfloat16 matmul at prefill sizes, so it
+takes every row and such a weight is kept once (issue 11 point 5); `int8_linear` streams
+transposed blocks of 64 outputs. Elsewhere
 ATen's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`. Each linear picks once, when built.
 
-Inside an engine step the kernel is picked per row, not per step: the rows of single-token
+Otherwise, inside an engine step the kernel is picked per row, not per step: the rows of single-token
 sequences (decode) go through the packed kernel, the rows of prefill chunks through
 bfloat16. Both give each row the same bits whatever else is in the batch, so a request's
 greedy output does not depend on its batch neighbours. The step is an explicit argument: the
