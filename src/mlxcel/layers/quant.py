@@ -52,7 +52,8 @@ class Step(Protocol):
 
 
 class QuantLinear(nn.Module):
-    """y = x @ W.T (+ b), W kept packed (4-bit when lossless, else int8) and as bfloat16."""
+    """y = x @ W.T (+ b), W kept packed (4-bit when lossless, else int8) and, unless our 4-bit kernel
+    serves every row, as bfloat16 for prefill rows."""
 
     def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, keep_dense: bool = False) -> None:
         """`keep_dense`: keep the bfloat16 copy even on the 4-bit kernel (the output head reads rows of it)."""
@@ -65,7 +66,8 @@ class QuantLinear(nn.Module):
         # the CPU kernels build and N is whole blocks of 16, else ATen's; chosen once here, so every
         # row of every step takes the same one.
         self.int4_kernel = grid is not None and w.shape[0] % INT4_BLOCK == 0 and paged_attention.available()
-        int4 = int4_blocks(*grid) if self.int4_kernel else pack_int4_if_lossless(w) if grid is not None else None
+        int4 = (None if grid is None else int4_blocks(*grid) if self.int4_kernel
+                else aten_int4_pack(*grid) if can_pack_int4() else None)
         self.bits = 4 if int4 is not None else 8
         self.int8_kernel = False
         # Issue 11 point 5: on our 4-bit kernel every row takes it, prefill too (as fast as oneDNN's
@@ -139,9 +141,11 @@ def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
 def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ATen's 4-bit CPU packing of `w` [N, K] (see `int4_grid`), with bfloat16 scales."""
     grid = int4_grid(w) if can_pack_int4() else None
-    if grid is None:
-        return None
-    q, step, low = grid
+    return None if grid is None else aten_int4_pack(*grid)
+
+
+def aten_int4_pack(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`int4_grid`'s levels, steps and lows in ATen's 4-bit CPU layout (`_weight_int4pack_mm_for_cpu`)."""
     # The kernel computes (q - 8) * scale + zero, so zero = low + 8 * scale.
     scales = torch.stack((step, low + 8 * step), dim=-1).transpose(0, 1).contiguous().to(torch.bfloat16)
     packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(q.to(torch.int32), 2)
