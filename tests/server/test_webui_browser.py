@@ -27,6 +27,7 @@ if CHROMIUM is None or CHROMEDRIVER is None:
 
 from selenium import webdriver  # noqa: E402
 from selenium.webdriver.chrome.service import Service  # noqa: E402
+from selenium.common.exceptions import StaleElementReferenceException  # noqa: E402
 from selenium.webdriver.common.by import By  # noqa: E402
 from selenium.webdriver.support.ui import WebDriverWait  # noqa: E402
 
@@ -58,7 +59,10 @@ def shoot(driver: webdriver.Chrome, tmp_path: Path, name: str) -> None:
 
 def wait_for(driver: webdriver.Chrome, condition: Callable[[webdriver.Chrome], object], timeout: float,
              what: str) -> object:
-    return WebDriverWait(driver, timeout, poll_frequency=0.25).until(condition, message=what)
+    """Polls `condition`; the dashboard replaces its tiles on every event, so an element that went
+    stale between the find and the read is polled again, not a failure."""
+    return WebDriverWait(driver, timeout, poll_frequency=0.25,
+                         ignored_exceptions=(StaleElementReferenceException,)).until(condition, message=what)
 
 
 RECORD_ANSWER_TEXTS = """
