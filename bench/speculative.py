@@ -1,7 +1,7 @@
 """Speculative decoding (issue 12): decode speed with and without drafts, and the acceptance rate.
 
     PYTHONPATH=src python3 bench/speculative.py [--kind prompt-lookup] [--draft-model PATH] [--model PATH]
-        [--threads 2] [--decode-step compile] [--draft-max 8] [--max-tokens 200] [--repeats 1]
+        [--threads 2] [--decode-step auto] [--draft-max 8] [--max-tokens 200] [--repeats 1]
         [--llama-server PATH]
 
 In-process, one request at a time (batch 1), the model's chat template around input-grounded
@@ -36,6 +36,8 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 from run import free_port, wait_ready  # noqa: E402 - bench/run.py, beside this file
+
+from mlxcel.config import DECODE_STEPS  # noqa: E402
 
 CODE = '''import json
 
@@ -210,7 +212,7 @@ def main() -> None:
     parser.add_argument("--kind", default="prompt-lookup", choices=("prompt-lookup", "full-model"))
     parser.add_argument("--draft-model")
     parser.add_argument("--threads", type=int, default=2)
-    parser.add_argument("--decode-step", default="compile", choices=("compile", "eager", "cuda-graph"))
+    parser.add_argument("--decode-step", default="auto", choices=DECODE_STEPS)
     parser.add_argument("--draft-max", type=int, default=8)
     parser.add_argument("--ngram", type=int, default=3)
     parser.add_argument("--max-tokens", type=int, default=200)

@@ -227,12 +227,13 @@ def lora_adapters(values: dict[str, Any]) -> tuple[tuple[Path, float], ...]:
 
 
 def speculative_settings(values: dict[str, Any]) -> SpeculativeConfig:
-    """--draft-kind and its bounds (B1-B4); --draft-model alone means full-model drafting (llama-server's -md)."""
+    """--draft-kind and its bounds (B1-B4); --draft-model alone means full-model drafting (llama-server's -md),
+    with --draft-kind dflash it is the DFlash drafter's checkpoint directory."""
     kind, draft_model = values["draft_kind"], values["draft_model"]
     if draft_model and kind == "none":
         kind = "full-model"
-    if draft_model and kind != "full-model":
-        raise ValueError(f"--draft-model is for --draft-kind full-model, not {kind}")
+    if draft_model and kind not in ("full-model", "dflash"):
+        raise ValueError(f"--draft-model is for --draft-kind full-model or dflash, not {kind}")
     return SpeculativeConfig(draft_kind=kind, draft_max=values["draft_max"], draft_min=values["draft_min"],
                              max_batch=values["prompt_lookup_max_batch"], ngram_size=values["prompt_lookup_ngram"],
                              draft_model=draft_model, block_size=values["draft_block_size"])
@@ -240,10 +241,9 @@ def speculative_settings(values: dict[str, Any]) -> SpeculativeConfig:
 
 def draft_refusal(spec: SpeculativeConfig) -> str | None:
     """Why a speculative setting cannot start (B1, B3), or None."""
-    if spec.draft_kind == "dflash":
-        return ("--draft-kind dflash needs a trained DFlash block-diffusion drafter checkpoint for this model, "
-                "and none is available to load here (this build has no DFlash drafter); use --draft-kind "
-                "prompt-lookup, or full-model with --draft-model")
+    if spec.draft_kind == "dflash" and not spec.draft_model:
+        return ("--draft-kind dflash needs --draft-model DIR: a DFlash block-diffusion drafter checkpoint trained "
+                "for this model (config.json with dflash_config, and .safetensors weights)")
     if spec.draft_kind == "full-model" and not spec.draft_model:
         return "--draft-kind full-model needs --draft-model PATH (a small model with the target's tokenizer)"
     return None

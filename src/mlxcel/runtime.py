@@ -158,6 +158,8 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     engine_config = _fit_engine_config(loaded, engine_config)
     is_drafting = draft_checkpoint is not None and engine_config.speculative.draft_kind == "full-model"
     drafts = _draft_policy(draft_checkpoint, options, engine_config) if is_drafting else None
+    if engine_config.speculative.draft_kind == "dflash":
+        drafts = _dflash_policy(loaded, resolved.path, options, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype, drafts=drafts)
     if options.warmup:
@@ -185,6 +187,18 @@ def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: Engin
                            mode=config.decode_step_mode(options.device),
                            max_rows=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching)
     return DraftPolicy(config.speculative, drafter)
+
+
+def _dflash_policy(loaded: LoadedModel, path: Path, options: RuntimeOptions, config: EngineConfig) -> DraftPolicy:
+    """B3: the DFlash drafter at --draft-model, on the target's device and dtype, reading its layers."""
+    from mlxcel.engine.spec.dflash import DFlashDrafter, load_dflash
+
+    spec = config.speculative
+    model = load_dflash(Path(spec.draft_model), loaded.model, device=options.device, dtype=options.torch_dtype(),
+                        target_name=f"the model {path}")
+    log.info("DFlash drafter loaded: %s (%d layers, reads target layers %s, blocks of %d tokens)", spec.draft_model,
+             model.spec.num_layers, list(model.spec.target_layer_ids), spec.block_size)
+    return DraftPolicy(spec, DFlashDrafter(model, loaded.model, block_size=spec.block_size))
 
 
 def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:

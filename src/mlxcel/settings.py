@@ -311,7 +311,7 @@ SETTINGS: tuple[Setting, ...] = (
        "/lora-adapters or a request's lora field)", ("--lora-init-without-apply",),
        "LLAMA_ARG_LORA_INIT_WITHOUT_APPLY", group="model", action="on"),
     _s("draft_model", TEXT, None, "draft model for speculative decoding (B1): a small model with -m's tokenizer; implies --draft-kind "
-       "full-model",
+       "full-model; with --draft-kind dflash, the DFlash drafter's checkpoint directory (B3)",
        ("--model-draft", "-md", "--draft-model"), "LLAMA_ARG_MODEL_DRAFT", metavar="MODEL", group="model",
        serve_names=("--draft-model", "-md", "--model-draft")),
     _s("chat_template", TEXT, None, "chat template: Jinja source or a built-in name (default: the model's own)",
@@ -412,7 +412,7 @@ SETTINGS: tuple[Setting, ...] = (
        is_mutable=True),
     # speculative decoding (B1-B4)
     _s("draft_kind", choice(*DRAFT_KINDS), "none", "speculative decoding: none, prompt-lookup (n-grams of the "
-       "request's own context), full-model (--draft-model) or dflash (needs a DFlash drafter checkpoint)",
+       "request's own context), full-model (--draft-model) or dflash (a DFlash drafter checkpoint as --draft-model)",
        ("--draft-kind",), "MLXCEL_DRAFT_KIND", group="speculative"),
     _s("draft_max", integer(minimum=1), 16, "most draft tokens verified per round",
        ("--draft-max", "--draft", "--draft-n"), "LLAMA_ARG_DRAFT_MAX", metavar="N", group="speculative"),

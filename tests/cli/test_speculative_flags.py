@@ -27,7 +27,7 @@ def test_draft_flags_and_their_mirrors() -> None:
 def test_a_draft_model_means_full_model_drafting() -> None:
     s = settings(["-md", "small.gguf"]).engine.speculative
     assert (s.draft_kind, s.draft_model) == ("full-model", "small.gguf")
-    with pytest.raises(ValueError, match="--draft-model is for --draft-kind full-model, not prompt-lookup"):
+    with pytest.raises(ValueError, match="--draft-model is for --draft-kind full-model or dflash, not prompt-lookup"):
         settings(["-md", "small.gguf", "--draft-kind", "prompt-lookup"])
     with pytest.raises(ValueError, match="--draft-min must lie between 0 and --draft-max"):
         settings(["--draft-kind", "prompt-lookup", "--draft-max", "2", "--draft-min", "3"])
@@ -48,7 +48,7 @@ def test_unknown_draft_kind_and_dflash_are_refused_with_exit_2() -> None:
     dflash = serve("--draft-kind", "dflash", "--draft-block-size", "8")
     assert dflash.returncode == 2
     [line] = error_lines(dflash.stderr)
-    assert "--draft-kind dflash needs a trained DFlash block-diffusion drafter checkpoint" in line
+    assert "--draft-kind dflash needs --draft-model DIR: a DFlash block-diffusion drafter checkpoint" in line
     no_model = serve("--draft-kind", "full-model")
     assert no_model.returncode == 2 and "--draft-kind full-model needs --draft-model" in no_model.stderr
 
@@ -94,3 +94,52 @@ def test_serve_with_a_draft_model_drafts_and_logs_acceptance(smollm2_path: Path,
             process.kill()
     finished = [line for line in log_file.read_text().splitlines() if " finished (" in line]
     assert finished and re.search(r"draft tokens accepted \d+/\d+ \(\d+ %\)", finished[-1])
+
+
+@pytest.mark.slow
+def test_b3_serve_with_a_dflash_drafter_drafts_and_one_for_another_model_is_refused(smollm2_path: Path,
+                                                                                    tmp_path: Path) -> None:
+    """`--draft-kind dflash -md DIR` with a drafter in z-lab's layout built for SmolLM2 (random weights:
+    none trained can be had here): it loads, drafts, is counted and reported; one built for a model
+    of another width is refused with exit 2, naming both."""
+    from types import SimpleNamespace
+
+    import httpx
+
+    from tests.engine.dflash_drafter import write_dflash_drafter
+    from tests.server.test_process import read_address
+
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    narrow = write_dflash_drafter(tmp_path / "narrow", SimpleNamespace(hidden_size=64, num_attention_heads=4,
+                                                                       num_key_value_heads=2),
+                                  target_layer_ids=(1, 2), mask_token_id=7)
+    refused = serve("-m", str(smollm2_path), "--draft-kind", "dflash", "-md", str(narrow), "--no-warmup")
+    assert refused.returncode == 2, refused.stderr[-2000:]
+    [line] = error_lines(refused.stderr)
+    assert str(narrow) in line and str(smollm2_path) in line and "hidden size is 64, the target's 576" in line
+
+    drafter = write_dflash_drafter(tmp_path / "dflash", smollm2, target_layer_ids=(1, 15, 29), mask_token_id=7,
+                                   std=0.05)
+    log_file = tmp_path / "server.log"
+    command = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(smollm2_path), "--draft-kind", "dflash",
+               "-md", str(drafter), "--draft-block-size", "5", "--port", "0", "-c", "2048", "-np", "1",
+               "--no-warmup", "--props", "--log-file", str(log_file)]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        address = read_address(process, lines, timeout=240)
+        assert httpx.get(address + "/props").json()["speculative"]["draft_kind"] == "dflash"
+        body = {"model": "m", "messages": [{"role": "user", "content": "Count from one to twenty."}],
+                "max_tokens": 24, "temperature": 0}
+        assert httpx.post(address + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        health = httpx.get(address + "/health").json()["speculative"]
+        assert health["draft_kind"] == "dflash" and health["drafted_tokens"] > 0
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    log = log_file.read_text()
+    assert "DFlash drafter loaded" in log and "reads target layers [1, 15, 29]" in log
+    finished = [line for line in log.splitlines() if " finished (" in line]
+    assert finished and "draft tokens accepted" in finished[-1]

@@ -112,3 +112,40 @@ def test_seeded_sampling_stream_is_identical_too(pair) -> None:  # noqa: ANN001
     prompts = [plain.tokenizer.encode(t) for t in TEXTS[:2]]
     params = {"temperature": 0.7, "seed": 11, "top_k": 40}
     assert generate(spec, prompts, **params) == generate(plain, prompts, **params)
+
+
+def test_dflash_on_the_native_step_gives_the_same_stream(tmp_path) -> None:  # noqa: ANN001
+    """B3 on the default CPU path: the native decode step cut after each layer a DFlash drafter reads
+    (random weights in z-lab's layout, built for SmolLM2: none trained can be had here) gives the
+    stream of the uncut step, alone and batched, and the drafter's drafts are verified and counted."""
+    from types import SimpleNamespace
+
+    from mlxcel.loading import resolve_model
+
+    from tests.engine.dflash_drafter import write_dflash_drafter
+
+    smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
+    directory = write_dflash_drafter(tmp_path / "dflash", smollm2, target_layer_ids=(2, 14, 29), mask_token_id=7,
+                                     std=0.05)
+
+    def serve_native(speculative: SpeculativeConfig) -> ServedModel:
+        config = EngineConfig(max_num_seqs=4, ctx_size=4 * 1024, decode_step="native", speculative=speculative,
+                              enable_prefix_caching=False)
+        return start_served_model(resolve_model(None), RuntimeOptions(warmup=False), config)
+
+    plain = serve_native(SpeculativeConfig())
+    dflash = serve_native(SpeculativeConfig(draft_kind="dflash", draft_model=str(directory), block_size=5,
+                                            draft_max=4, max_batch=4))
+    try:
+        prompts = [plain.tokenizer.encode(t) for t in TEXTS[1:]]
+        expected = [generate(plain, [p])[0] for p in prompts]
+        assert [generate(dflash, [p])[0] for p in prompts] == expected
+        assert generate(dflash, prompts) == generate(plain, prompts)
+        step = dflash.engine.core.runner.decode_step
+        assert step.mode == "native" and [last for last, _ in step._native] == [2, 14, 29]
+        drafts = dflash.engine.core.stats().drafts
+        assert drafts.kind == "dflash" and drafts.num_drafted > NUM_TOKENS
+        assert dflash.engine.core.drafts.drafter.num_requests == 0
+    finally:
+        plain.close()
+        dflash.close()

@@ -104,7 +104,9 @@ class DecodeStep:
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, device: torch.device | str, *,
                  mode: str, max_rows: int, max_positions: int, max_keys: int | None = None,
-                 cache_dir: Path | None = None) -> None:
+                 cache_dir: Path | None = None, taps: tuple[int, ...] = ()) -> None:
+        """`taps`: decoder layers whose outputs each step keeps in `tapped` (a DFlash drafter's
+        target features, engine/spec/dflash.py), concatenated in this order."""
         if mode not in STEP_MODES:
             raise ValueError(f"decode step mode must be one of {', '.join(STEP_MODES)}; not {mode!r}")
         self.model = model
@@ -119,13 +121,19 @@ class DecodeStep:
             rotary.ensure_positions(max_positions)
         self._layer: Callable[..., torch.Tensor] = run_layer
         self._head: Callable[[torch.Tensor], torch.Tensor] = model.compute_logits
-        self._native: NativeLayers | None = None
+        self._native: list[tuple[int, NativeLayers]] | None = None  # (last layer, its call)
+        self.taps = tuple(taps)
+        self.tapped: torch.Tensor | None = None  # [rows, len(taps) x hidden] of the last run, when taps
         if mode == "native":
             reason = native_step.unsupported(model, kv_cache, has_lora=self.lora_rows is not None)
             if reason is not None or self.device.type != "cpu":
                 log.info("decode step: native layers do not take this model (%s); compiling it instead",
                          reason or f"they run on the CPU, not {self.device}")
                 self.mode = mode = "compile"
+        if mode == "cuda-graph" and self.taps:
+            log.info("decode step: eager, not CUDA graphs: the drafter reads hidden states of layers %s",
+                     list(self.taps))
+            self.mode = mode = "eager"
         if mode in ("compile", "cuda-graph"):
             self._layer = compile_layer(cache_dir)
         if mode == "compile":
@@ -138,17 +146,23 @@ class DecodeStep:
         its decoder layers one by one (`_layer`: compiled once, shared by every layer), final
         norm and output head (`_head`: on CPU compiled on its own with frozen weights)."""
         inner = self.model.model
+        outputs: dict[int, torch.Tensor] = {}  # tapped layer -> its output
         if self.mode == "native":
             if self._native is None:  # collected on first use: lazy weights are loaded by then
-                self._native = NativeLayers(self.model, self.kv_cache)
-            x = self._native(inner.embed(input_ids), positions, slot_mapping, key_slots, key_pos)
-            return self._head(inner.norm(x))
-        if self.lora_rows is not None:  # read by the (compiled) layers as an input, not a constant
-            self.lora_rows.set_rows(lora_scales)
-        x = inner.embed(input_ids)
-        for index, layer in enumerate(inner.layers):
-            ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
-            x = self._layer(layer, x, positions, ctx)
+                self._native = [(part[-1], NativeLayers(self.model, self.kv_cache, part))
+                                for part in _split_after(len(inner.layers), self.taps)]
+            x = inner.embed(input_ids)
+            for last, layers in self._native:  # the whole stack in one call, or cut after each tapped layer
+                x = outputs[last] = layers(x, positions, slot_mapping, key_slots, key_pos)
+        else:
+            if self.lora_rows is not None:  # read by the (compiled) layers as an input, not a constant
+                self.lora_rows.set_rows(lora_scales)
+            x = inner.embed(input_ids)
+            for index, layer in enumerate(inner.layers):
+                ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
+                x = outputs[index] = self._layer(layer, x, positions, ctx)
+        if self.taps:
+            self.tapped = torch.cat([outputs[i] for i in self.taps], dim=-1)
         return self._head(inner.norm(x))
 
     @torch.inference_mode()
@@ -194,6 +208,12 @@ class DecodeStep:
         num_positions = min(num_positions, self.max_positions)
         scratch_block = self.kv_cache.scratch_slot // self.kv_cache.block_size
         return DecodeRow(0, num_positions - 1, 0, (scratch_block,) * (num_positions // self.kv_cache.block_size + 1))
+
+
+def _split_after(num_layers: int, taps: tuple[int, ...]) -> list[range]:
+    """Layer ranges that end at each tapped layer and at the last: [0, t0], [t0 + 1, t1], ..."""
+    ends = sorted({*taps, num_layers - 1})
+    return [range(start, end + 1) for start, end in zip([0, *(e + 1 for e in ends)], ends)]
 
 
 def _rotaries(model: torch.nn.Module) -> list:

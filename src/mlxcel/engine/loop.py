@@ -93,10 +93,12 @@ class EngineCore:
             max_live_tokens=config.max_kv_size + 2 * config.block_size if config.max_kv_size else 0)
         mode = config.decode_step_mode(str(device))
         cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else None
+        taps = getattr(self.drafts.drafter, "feature_layers", ())  # a DFlash drafter reads target layers
         decode_step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=_max_decode_rows(config),
                                  max_positions=max(shape.context_length, self.slot_context),
-                                 max_keys=self.slot_context, cache_dir=cache_dir)
-        self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step)
+                                 max_keys=self.slot_context, cache_dir=cache_dir, taps=taps)
+        self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step,
+                             features=self.drafts.drafter.record if taps else None)
         # On a GPU a step's events go out once the next step is launched, so the HTTP side turns
         # them into bytes while the device computes (the loop waits GIL-free); on the CPU at once
         # (there the step computes as it is called, and a late event would only add latency).

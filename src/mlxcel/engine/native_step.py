@@ -60,16 +60,19 @@ def _packed(module: nn.Module | None) -> QuantLinear | None:
 class NativeLayers:
     """A supported model's decoder stack as the op's flat inputs, collected once (after lazy weights load)."""
 
-    def __init__(self, model: nn.Module, kv_cache: KVCache) -> None:
+    def __init__(self, model: nn.Module, kv_cache: KVCache, layers: range | None = None) -> None:
+        """`layers`: the decoder layers this call runs (all by default); a range of them lets the
+        decode step read the hidden states between two calls (DFlash's target features)."""
         inner = model.model
+        layers = layers if layers is not None else range(len(inner.layers))
         first = inner.layers[0]
         self.rotary: RotaryEmbedding = first.self_attn.rope[0]
         self.dims = [first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim]
         self.scale = first.self_attn.scale
         self.eps = first.input_layernorm.eps
-        self.windows = [getattr(layer.self_attn, "window", None) or 0 for layer in inner.layers]
+        self.windows = [getattr(inner.layers[i].self_attn, "window", None) or 0 for i in layers]
         self.weights: list[torch.Tensor] = []
-        for layer in inner.layers:
+        for layer in (inner.layers[i] for i in layers):
             attn, mlp = layer.self_attn, layer.mlp
             self.weights.append(_norm_weight(layer.input_layernorm))
             self.weights += _linear_tensors(attn.fused_q_k_v)
@@ -77,8 +80,8 @@ class NativeLayers:
             self.weights.append(_norm_weight(layer.post_attention_layernorm))
             self.weights += _linear_tensors(mlp.fused_gate_up)
             self.weights += _linear_tensors(mlp.down_proj)
-        self.k_caches = list(kv_cache.k[:len(inner.layers)])
-        self.v_caches = list(kv_cache.v[:len(inner.layers)])
+        self.k_caches = [kv_cache.k[i] for i in layers]
+        self.v_caches = [kv_cache.v[i] for i in layers]
 
     def __call__(self, x: torch.Tensor, positions: torch.Tensor, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
                  key_pos: torch.Tensor) -> torch.Tensor:

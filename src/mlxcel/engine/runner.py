@@ -10,10 +10,14 @@ A verify row (a decode row with k draft tokens, B4) becomes k + 1 single-token r
 decode step at positions p..p+k: each writes its key first and attends over the keys up to its
 own position, so the step is causal over the draft and every position's logits have the bits a
 plain decode step at that position would give.
+
+With a feature sink (a DFlash drafter, engine/spec/dflash.py), every computed position's outputs
+of the tapped decoder layers go to it: (request id, first position, features [n, taps x hidden]).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -36,12 +40,16 @@ class StepLogits:
     verify: dict[str, torch.Tensor]
 
 
+FeatureSink = Callable[[str, int, torch.Tensor], None]
+
+
 class Runner:
     """Owns the model and the KV tensors; called only from the engine loop's thread."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: PrefixCache,
-                 device: torch.device | str, decode_step: DecodeStep) -> None:
+                 device: torch.device | str, decode_step: DecodeStep, features: FeatureSink | None = None) -> None:
         self.model = model
+        self.features = features  # fed when the decode step has taps
         self.kv_cache = kv_cache
         self.kv = kv
         self.device = torch.device(device)
@@ -64,6 +72,8 @@ class Runner:
             if decode:
                 parts.append(logits[:len(decode)] if len(keep) == len(decode) else logits[keep])
             verified = self._split_verify(verify, logits[len(decode):])
+            if self.features is not None:
+                self._send_step_features(decode, verify)
         if prefill:
             prefill_ids, logits = self._prefill(prefill)
             ids += prefill_ids
@@ -110,11 +120,23 @@ class Runner:
             start += 1 + len(item.draft)
         return out
 
+    def _send_step_features(self, decode: list[ScheduledSeq], verify: list[ScheduledSeq]) -> None:
+        tapped = self.decode_step.tapped
+        for i, item in enumerate(decode):
+            self.features(item.seq.request_id, item.seq.num_computed_tokens, tapped[i:i + 1])
+        start = len(decode)
+        for item in verify:
+            self.features(item.seq.request_id, item.seq.num_computed_tokens, tapped[start:start + 1 + len(item.draft)])
+            start += 1 + len(item.draft)
+
     def _prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[str], torch.Tensor]:
         input_ids, positions, slices = self._prepare(scheduled)
         ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
         self._set_lora_rows(scheduled)
-        hidden = self.model(input_ids, positions, ctx)
+        if self.features is not None and self.decode_step.taps:
+            hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
         rows = [(s.seq.request_id, sl.q_start + sl.q_len - 1)
                 for s, sl in zip(scheduled, slices) if s.is_sampling]
         if not rows:
@@ -122,6 +144,21 @@ class Runner:
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [r[0] for r in rows], logits.float()
+
+    def _tapped_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                        scheduled: list[ScheduledSeq], slices: list[SequenceSlice]) -> torch.Tensor:
+        """The model's forward (embedding, layers, final norm: the same ops), sending the tapped layers' outputs."""
+        inner, taps = self.model.model, self.decode_step.taps
+        outputs: dict[int, torch.Tensor] = {}
+        x = inner.embed(input_ids)
+        for index, layer in enumerate(inner.layers):
+            x = layer(x, positions, ctx)
+            if index in taps:
+                outputs[index] = x
+        features = torch.cat([outputs[i] for i in taps], dim=-1)
+        for item, sl in zip(scheduled, slices):
+            self.features(item.seq.request_id, item.seq.num_computed_tokens, features[sl.q_start:sl.q_start + sl.q_len])
+        return inner.norm(x)
 
     def _set_lora_rows(self, scheduled: list[ScheduledSeq]) -> None:
         """F8: each prefill token gets its request's adapter scales (rows of one step may differ)."""

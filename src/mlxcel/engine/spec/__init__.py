@@ -28,6 +28,7 @@ class Sequence(Protocol):
 
     request_id: str
     token_ids: list[int]
+    num_computed_tokens: int  # positions whose KV the target holds (the next token sits at this one)
 
 
 class Drafter(Protocol):
