@@ -185,7 +185,8 @@ def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: Engin
     drafter = ModelDrafter(loaded.model, shape, num_blocks=num_blocks, block_size=config.block_size,
                            device=options.device, dtype=options.torch_dtype(), kv_types=(k_type, v_type),
                            mode=config.decode_step_mode(options.device),
-                           max_rows=config.max_num_seqs, enable_prefix_caching=config.enable_prefix_caching)
+                           max_rows=max(config.max_num_seqs, config.speculative.draft_max + 1),
+                           enable_prefix_caching=config.enable_prefix_caching)
     return DraftPolicy(config.speculative, drafter)
 
 

@@ -104,12 +104,20 @@ class Runner:
     def _verify_rows(self, item: ScheduledSeq) -> list[DecodeRow]:
         """The known token and each draft token as one single-token row at its own position."""
         seq = item.seq
-        first = seq.num_computed_tokens
+        return self._rows(seq, seq.num_computed_tokens, (seq.token_ids[seq.num_computed_tokens], *item.draft))
+
+    def _rows(self, seq: Sequence, first: int, tokens: tuple[int, ...] | list[int]) -> list[DecodeRow]:
         table = tuple(self.kv.block_table(seq.request_id))
-        tokens = (seq.token_ids[first], *item.draft)
         return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales,
                           self._writes_kv(seq, first + i))
                 for i, token in enumerate(tokens)]
+
+    @torch.inference_mode()
+    def extend(self, seq: Sequence, num_new: int) -> torch.Tensor:
+        """Compute `seq`'s next `num_new` positions as single-token rows of one decode step (as a verify
+        row does; a draft model catches up on accepted tokens so); the last position's logits [1, vocab]."""
+        first = seq.num_computed_tokens
+        return self.decode_step.run(self._rows(seq, first, seq.token_ids[first:first + num_new]))[-1:]
 
     @staticmethod
     def _split_verify(verify: list[ScheduledSeq], logits: torch.Tensor) -> dict[str, torch.Tensor]:

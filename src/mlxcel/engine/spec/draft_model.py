@@ -107,9 +107,14 @@ class ModelDrafter:
         if not self._allocate(state, known):
             return None
         num_new = shadow.num_tokens - shadow.num_computed_tokens
-        step = self.runner.execute(SchedulerOutput(scheduled=[ScheduledSeq(shadow, num_new)]))
+        if shadow.num_computed_tokens and num_new <= self.runner.decode_step.max_rows:
+            # Catching up on the accepted tokens: rows of one decode step (native, compiled or a
+            # CUDA graph), not a prefill chunk through the eager forward.
+            logits = self.runner.extend(shadow, num_new)
+        else:
+            logits = self.runner.execute(SchedulerOutput(scheduled=[ScheduledSeq(shadow, num_new)])).logits
         shadow.num_computed_tokens += num_new
-        return step.logits
+        return logits
 
     def _allocate(self, state: _DraftState, known: list[int]) -> bool:
         # Only the request's known tokens are hashed (donated): draft tokens may be rolled back.
