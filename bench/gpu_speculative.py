@@ -30,24 +30,26 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "src"))
 
 
-def engine(loaded, speculative, draft=None) -> object:  # noqa: ANN001
+def engine(loaded, speculative, draft=None, device: str = "cuda") -> object:  # noqa: ANN001
     from mlxcel.config import EngineConfig
     from mlxcel.engine.client import EngineClient
     from mlxcel.engine.loop import EngineCore, ModelShape
     from mlxcel.engine.spec import DraftPolicy
     from mlxcel.engine.spec.draft_model import ModelDrafter
 
-    config = EngineConfig(max_num_seqs=2, ctx_size=2 * 1024, decode_step="cuda-graph", speculative=speculative)
+    config = EngineConfig(max_num_seqs=2, ctx_size=2 * 1024, decode_step="auto", speculative=speculative)
+    dtype = torch.bfloat16 if device == "cuda" else torch.float32
     drafts = None
     if draft is not None:  # as runtime._draft_policy builds it
         shape = ModelShape.of(draft.model.args)
         drafter = ModelDrafter(draft.model, shape, num_blocks=2 * 1024 // config.block_size + 8,
-                               block_size=config.block_size, device="cuda", dtype=torch.bfloat16,
-                               mode="cuda-graph", max_rows=max(config.max_num_seqs, speculative.draft_max + 1))
+                               block_size=config.block_size, device=device, dtype=dtype,
+                               mode=config.decode_step_mode(device),
+                               max_rows=max(config.max_num_seqs, speculative.draft_max + 1))
         drafter.warm()
         drafts = DraftPolicy(speculative, drafter)
     core = EngineCore(loaded.model, ModelShape.of(loaded.model.args), config, eos_token_ids=frozenset(),
-                      device="cuda", dtype=torch.bfloat16, drafts=drafts)
+                      device=device, dtype=dtype, drafts=drafts)
     started = time.perf_counter()
     core.warm_decode_step()
     warm = time.perf_counter() - started
@@ -79,6 +81,7 @@ def main() -> None:
     parser.add_argument("--model", type=Path, help="target checkpoint (full-model drafting with --draft-model)")
     parser.add_argument("--draft-model", type=Path)
     parser.add_argument("--prompts", type=Path, help="JSON {name: token ids} for --model")
+    parser.add_argument("--device", default="cuda", help="cuda; cpu only to try this script out")
     args = parser.parse_args()
     if args.model is not None:
         full_model_drafting(args)
@@ -125,13 +128,15 @@ def full_model_drafting(args: argparse.Namespace) -> None:
     from mlxcel.loading import load_model
 
     started = time.perf_counter()
-    target = load_model(args.model, device="cuda", dtype=torch.bfloat16)
-    draft = load_model(args.draft_model, device="cuda", dtype=torch.bfloat16)
-    report: dict = {"device": torch.cuda.get_device_name(), "model": args.model.name, "draft": args.draft_model.name,
+    dtype = torch.bfloat16 if args.device == "cuda" else torch.float32
+    target = load_model(args.model, device=args.device, dtype=dtype)
+    draft = load_model(args.draft_model, device=args.device, dtype=dtype)
+    report: dict = {"device": torch.cuda.get_device_name() if args.device == "cuda" else args.device, "model": args.model.name, "draft": args.draft_model.name,
                     "draft_max": args.draft_max, "load_s": round(time.perf_counter() - started, 1)}
     prompts = json.loads(args.prompts.read_text())
     spec = SpeculativeConfig(draft_kind="full-model", draft_model=str(args.draft_model), draft_max=args.draft_max)
-    runs = {"plain": engine(target, SpeculativeConfig()), "drafted": engine(target, spec, draft)}
+    runs = {"plain": engine(target, SpeculativeConfig(), device=args.device),
+            "drafted": engine(target, spec, draft, device=args.device)}
     for label, (client, warm) in runs.items():
         report[f"{label}_warm_s"] = round(warm, 1)
         generate(client, next(iter(prompts.values())), 8)  # first-call costs
