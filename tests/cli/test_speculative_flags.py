@@ -42,6 +42,31 @@ def error_lines(stderr: str) -> list[str]:
     return [line for line in stderr.splitlines() if "ERROR" in line or "error:" in line]
 
 
+def serve_one_chat(model: Path, log_file: Path, content: str, *flags: str) -> tuple[dict, dict]:
+    """`mlxcel serve -m model *flags` on port 0: one greedy chat request; /props and /health after
+    it; SIGTERM must end the server with exit 0. Returns (props, health)."""
+    import httpx
+
+    from tests.server.test_process import read_address
+
+    command = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", "0", "-c", "2048", "-np", "1",
+               "--no-warmup", "--props", "--log-file", str(log_file), *flags]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        address = read_address(process, lines, timeout=240)
+        props = httpx.get(address + "/props").json()
+        body = {"model": "m", "messages": [{"role": "user", "content": content}], "max_tokens": 24, "temperature": 0}
+        assert httpx.post(address + "/v1/chat/completions", json=body, timeout=120).status_code == 200
+        health = httpx.get(address + "/health").json()
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    return props, health
+
+
 def test_unknown_draft_kind_and_dflash_are_refused_with_exit_2() -> None:
     unknown = serve("--draft-kind", "medusa")
     assert unknown.returncode == 2 and "'medusa' is not valid" in unknown.stderr and "--draft-kind" in unknown.stderr
@@ -67,31 +92,12 @@ def test_serve_with_a_draft_model_drafts_and_logs_acceptance(smollm2_path: Path,
     """`mlxcel serve -m X -md X`: the startup path loads the drafter; /props and /health report it;
     the finish log line carries the request's accepted/drafted count."""
     import re
-    import signal
-
-    import httpx
-
-    from tests.server.test_process import read_address
 
     log_file = tmp_path / "server.log"
-    command = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(smollm2_path), "-md", str(smollm2_path),
-               "--port", "0", "-c", "2048", "-np", "1", "--no-warmup", "--no-compile", "--props",
-               "--draft-max", "4", "--log-file", str(log_file)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
-    try:
-        address = read_address(process, lines, timeout=240)
-        assert httpx.get(address + "/props").json()["speculative"]["draft_kind"] == "full-model"
-        body = {"model": "m", "messages": [{"role": "user", "content": "Copy exactly: one two three four five six"}],
-                "max_tokens": 24, "temperature": 0}
-        assert httpx.post(address + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-        health = httpx.get(address + "/health").json()["speculative"]
-        assert health["draft_model"] == str(smollm2_path) and health["drafted_tokens"] > 0
-        process.send_signal(signal.SIGTERM)
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
+    props, health = serve_one_chat(smollm2_path, log_file, "Copy exactly: one two three four five six",
+                                   "-md", str(smollm2_path), "--no-compile", "--draft-max", "4")
+    assert props["speculative"]["draft_kind"] == "full-model"
+    assert health["speculative"]["draft_model"] == str(smollm2_path) and health["speculative"]["drafted_tokens"] > 0
     finished = [line for line in log_file.read_text().splitlines() if " finished (" in line]
     assert finished and re.search(r"draft tokens accepted \d+/\d+ \(\d+ %\)", finished[-1])
 
@@ -104,10 +110,7 @@ def test_b3_serve_with_a_dflash_drafter_drafts_and_one_for_another_model_is_refu
     of another width is refused with exit 2, naming both."""
     from types import SimpleNamespace
 
-    import httpx
-
     from tests.engine.dflash_drafter import write_dflash_drafter
-    from tests.server.test_process import read_address
 
     smollm2 = SimpleNamespace(hidden_size=576, num_attention_heads=9, num_key_value_heads=3)
     narrow = write_dflash_drafter(tmp_path / "narrow", SimpleNamespace(hidden_size=64, num_attention_heads=4,
@@ -121,24 +124,10 @@ def test_b3_serve_with_a_dflash_drafter_drafts_and_one_for_another_model_is_refu
     drafter = write_dflash_drafter(tmp_path / "dflash", smollm2, target_layer_ids=(1, 15, 29), mask_token_id=7,
                                    std=0.05)
     log_file = tmp_path / "server.log"
-    command = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(smollm2_path), "--draft-kind", "dflash",
-               "-md", str(drafter), "--draft-block-size", "5", "--port", "0", "-c", "2048", "-np", "1",
-               "--no-warmup", "--props", "--log-file", str(log_file)]
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
-    lines: list[str] = []
-    try:
-        address = read_address(process, lines, timeout=240)
-        assert httpx.get(address + "/props").json()["speculative"]["draft_kind"] == "dflash"
-        body = {"model": "m", "messages": [{"role": "user", "content": "Count from one to twenty."}],
-                "max_tokens": 24, "temperature": 0}
-        assert httpx.post(address + "/v1/chat/completions", json=body, timeout=120).status_code == 200
-        health = httpx.get(address + "/health").json()["speculative"]
-        assert health["draft_kind"] == "dflash" and health["drafted_tokens"] > 0
-        process.terminate()
-        assert process.wait(timeout=60) == 0
-    finally:
-        if process.poll() is None:
-            process.kill()
+    props, health = serve_one_chat(smollm2_path, log_file, "Count from one to twenty.", "--draft-kind", "dflash",
+                                   "-md", str(drafter), "--draft-block-size", "5")
+    assert props["speculative"]["draft_kind"] == "dflash"
+    assert health["speculative"]["draft_kind"] == "dflash" and health["speculative"]["drafted_tokens"] > 0
     log = log_file.read_text()
     assert "DFlash drafter loaded" in log and "reads target layers [1, 15, 29]" in log
     finished = [line for line in log.splitlines() if " finished (" in line]

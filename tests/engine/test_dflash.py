@@ -14,7 +14,7 @@ from mlxcel.config import EngineConfig, SpeculativeConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.engine.spec import DraftPolicy
-from mlxcel.engine.spec.dflash import DFlashCheckpointError, DFlashDrafter, load_dflash
+from mlxcel.engine.spec.dflash import MAX_PENDING, DFlashCheckpointError, DFlashDrafter, load_dflash
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.types import Request
 
@@ -98,6 +98,16 @@ def test_b3_context_taken_in_parts_drafts_as_taken_in_whole(tiny_model, drafter_
     assert len(draft) == 5 and parts.propose(Seq("p", tokens, 19), 5) == draft
     parts.free("p")
     assert parts.num_requests == 0
+    # A row that never speculates holds a bounded number of positions; its context is the same.
+    long_tokens = tokens * 8
+    features = torch.randn(len(long_tokens), len(TAPS) * 64)
+    bounded, whole = (DFlashDrafter(model, tiny_model, block_size=6) for _ in range(2))
+    whole.record("w", 0, features)
+    for position in range(len(long_tokens)):
+        bounded.record("b", position, features[position:position + 1])
+        assert len(bounded._states["b"].pending) <= MAX_PENDING
+    n = len(long_tokens) - 1
+    assert bounded.propose(Seq("b", long_tokens, n), 5) == whole.propose(Seq("w", long_tokens, n), 5)
 
 
 def test_b3_greedy_stream_equals_plain_decoding_and_the_context_is_the_targets(tiny_model, drafter_dir) -> None:  # noqa: ANN001

@@ -40,6 +40,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 CONFIG_FILE = "config.json"
+MAX_PENDING = 64  # positions of features a request may hold before they are taken into its context
 
 
 class DFlashCheckpointError(ValueError):
@@ -265,6 +266,8 @@ class DFlashDrafter:
             features = features.clone()
             features[:, at:at + hidden] = self.target.model.norm(features[:, at:at + hidden])
         state = self._states.setdefault(request_id, _Context())
+        if len(state.pending) >= MAX_PENDING:  # a row that does not speculate (a long prompt, a full batch)
+            self._take_in(state, first_position)  # the target computing `first_position` accepted all before it
         for i, row in enumerate(features.to(self._dtype)):
             state.pending[first_position + i] = row
 
