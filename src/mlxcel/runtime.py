@@ -105,7 +105,7 @@ def model_shape(loaded: LoadedModel) -> ModelShape:
 
 
 class DraftMismatchError(ValueError):
-    """The draft model cannot draft for the target (B1): startup is refused with exit 2."""
+    """The draft model cannot draft for the target (B1, B3): startup is refused with exit 2."""
 
 
 def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, draft: Tokenizer) -> None:
@@ -192,11 +192,14 @@ def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: Engin
 
 def _dflash_policy(loaded: LoadedModel, path: Path, options: RuntimeOptions, config: EngineConfig) -> DraftPolicy:
     """B3: the DFlash drafter at --draft-model, on the target's device and dtype, reading its layers."""
-    from mlxcel.engine.spec.dflash import DFlashDrafter, load_dflash
+    from mlxcel.engine.spec.dflash import DFlashCheckpointError, DFlashDrafter, load_dflash
 
     spec = config.speculative
-    model = load_dflash(Path(spec.draft_model), loaded.model, device=options.device, dtype=options.torch_dtype(),
-                        target_name=f"the model {path}")
+    try:
+        model = load_dflash(Path(spec.draft_model), loaded.model, device=options.device,
+                            dtype=options.torch_dtype(), target_name=f"the model {path}")
+    except DFlashCheckpointError as exc:
+        raise DraftMismatchError(str(exc)) from exc
     log.info("DFlash drafter loaded: %s (%d layers, reads target layers %s, blocks of %d tokens)", spec.draft_model,
              model.spec.num_layers, list(model.spec.target_layer_ids), spec.block_size)
     return DraftPolicy(spec, DFlashDrafter(model, loaded.model, block_size=spec.block_size))
