@@ -178,19 +178,35 @@ def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> to
     group may use only some levels: its step is then the smallest gap between its values, or a
     half or third of it when no two values lie on neighbouring levels.
     """
+    shape = low.shape
+    groups, low = groups.reshape(-1, groups.shape[-1]), low.reshape(-1)
     high = groups.amax(-1)
-    gaps = groups.sort(-1).values.diff(dim=-1)
-    smallest_gap = gaps.masked_fill(gaps <= tolerance, float("inf")).amin(-1)
     step = torch.full_like(low, float("nan"))
-    for candidate in ((high - low) / 15, smallest_gap, smallest_gap / 2, smallest_gap / 3):
-        candidate = candidate.clamp(min=1e-12)
-        levels = torch.round((groups - low[..., None]) / candidate[..., None])
-        error = (levels * candidate[..., None] + low[..., None] - groups).abs().amax(-1)
-        fits = (error <= tolerance) & (levels.amax(-1) <= 15) & step.isnan()
-        step = torch.where(fits, candidate, step)
+    # Most groups span all 16 levels: only the others pay for the sort (most of the load time of a Q4_K model).
+    first = ((high - low) / 15).clamp(min=1e-12)
+    fits = _fits_grid(groups, low, first, tolerance)
+    step[fits] = first[fits]
+    rest = (~fits).nonzero().squeeze(1)
+    if rest.numel():
+        sub, sub_low = groups[rest], low[rest]
+        gaps = sub.sort(-1).values.diff(dim=-1)
+        smallest_gap = gaps.masked_fill(gaps <= tolerance, float("inf")).amin(-1)
+        sub_step = torch.full_like(sub_low, float("nan"))
+        for candidate in (smallest_gap, smallest_gap / 2, smallest_gap / 3):
+            candidate = candidate.clamp(min=1e-12)
+            sub_step = torch.where(_fits_grid(sub, sub_low, candidate, tolerance) & sub_step.isnan(), candidate,
+                                   sub_step)
+        step[rest] = sub_step
     flat = high - low <= tolerance  # one value: any step (q = 0)
     step = torch.where(flat & step.isnan(), torch.ones_like(step), step)
-    return None if bool(step.isnan().any()) else step
+    return None if bool(step.isnan().any()) else step.view(shape)
+
+
+def _fits_grid(groups: torch.Tensor, low: torch.Tensor, step: torch.Tensor, tolerance: float) -> torch.Tensor:
+    """Which groups [G, 32] lie on low + q * step with integer q in 0..15 (within `tolerance`)."""
+    levels = torch.round((groups - low[:, None]) / step[:, None])
+    error = (levels * step[:, None] + low[:, None] - groups).abs().amax(-1)
+    return (error <= tolerance) & (levels.amax(-1) <= 15)
 
 
 def _num_packed_rows(num_rows: int, step: Step | None) -> int:
