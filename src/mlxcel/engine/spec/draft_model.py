@@ -3,8 +3,8 @@
 The drafter keeps its own paged KV (a block pool, block tables and prefix caching like the
 target's, so a shared prompt is computed once) and a shadow copy of each request's tokens.
 Each round it rolls its KV back to the longest prefix it shares with the request's tokens
-(rejected drafts drop out), catches up on the tokens accepted since (one prefill chunk or one
-decode row), then decodes `max_len` tokens greedily. Its state goes when the request does.
+(rejected drafts drop out), catches up on the tokens accepted since (rows of one decode step,
+`Runner.extend`; the first round prefills the prompt), then decodes `max_len` tokens greedily. Its state goes when the request does.
 It runs on the engine's thread, through the same Runner and decode step as the target.
 """
 
