@@ -141,7 +141,7 @@ class Runner:
         input_ids, positions, slices = self._prepare(scheduled)
         ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
         self._set_lora_rows(scheduled)
-        if self.features is not None and self.decode_step.taps:
+        if self.features is not None:  # set only when the decode step has taps
             hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices)
         else:
             hidden = self.model(input_ids, positions, ctx)
