@@ -116,6 +116,9 @@ def cluster_main(argv: Sequence[str], prog: str = "mlxcel cluster") -> int:
 def run_cluster(options: ClusterOptions, serve_argv: list[str], settings: ServeSettings,
                 environment: Environment) -> int:
     os.environ["RAY_USAGE_STATS_ENABLED"] = "0"  # before Ray is imported: no usage reports, ever
+    # Ray folds lines that differ only in words with digits into "[repeated Nx]": "replica 5mivvkcf
+    # ready" would hide the second replica's line. Every replica's line is an event; keep them all.
+    os.environ.setdefault("RAY_DEDUP_LOGS", "0")
     is_local = options.ray_address is None
     if is_local:  # Ray's single-machine mode: every node address is loopback (inherited by Ray's processes)
         os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
