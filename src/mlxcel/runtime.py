@@ -148,7 +148,7 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
                   draft_checkpoint: Checkpoint | None = None) -> ServedModel:
     dtype = options.torch_dtype()
     is_lazy = options.weight_materialization == "lazy"
-    loaded = load_weights(checkpoint, device=options.device, dtype=dtype, lazy=is_lazy)
+    loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
     log.info("Model loaded: %s (%s, %s on %s; weight materialization: %s)", resolved.name, loaded.model_type, dtype,
              options.device, "lazy, each tensor read on first use" if is_lazy else "eager")
     log.info("decode path: %s", _decode_path(loaded, options))
@@ -175,7 +175,7 @@ def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: Engin
     from mlxcel.engine.spec.draft_model import ModelDrafter
     from mlxcel.layers import kv_quant
 
-    loaded = load_weights(checkpoint, device=options.device, dtype=options.torch_dtype())
+    loaded = _load_for_decode(checkpoint, options)
     log.info("draft model loaded: %s (%s); decode path: %s", checkpoint.path, loaded.model_type,
              _decode_path(loaded, options))
     shape = model_shape(loaded)
@@ -229,11 +229,18 @@ def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
     return result[0]
 
 
+def _load_for_decode(checkpoint: Checkpoint, options: RuntimeOptions, *, lazy: bool = False) -> LoadedModel:
+    """The checkpoint mapped, not read, where the CPU decode rewrite follows (`_decode_path`): it
+    reads each linear as it packs it, so no float copy of the whole model is ever held."""
+    return load_weights(checkpoint, device=options.device, dtype=options.torch_dtype(),
+                        lazy=lazy or options.is_quantized())
+
+
 def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
     if options.is_quantized():
-        if materialize_all(loaded.model):
-            log.info("lazy weights: all read now, as the CPU decode rewrite needs them (--quantize off keeps them lazy)")
-        return f"{quantize(loaded.model)}; {options.torch_dtype()} activations and KV cache"
+        summary = quantize(loaded.model)  # reads each linear as it packs it
+        materialize_all(loaded.model)  # the rest (norms, embeddings): the decode step reads them outside a forward
+        return f"{summary}; {options.torch_dtype()} activations and KV cache"
     if options.device.startswith("cuda"):  # fewer, wider GEMMs in each captured decode step
         if materialize_all(loaded.model):
             log.info("lazy weights: all read now, as fusing the projections needs them")

@@ -26,7 +26,7 @@ def test_quant_linear_is_close_to_the_float_linear_on_both_paths() -> None:
 def test_fused_outputs_equal_their_own_slices_and_compute_once() -> None:
     torch.manual_seed(1)
     parts = [nn.Linear(32, n, bias=False) for n in (32, 8, 8)]
-    fused = FusedQuantLinear(parts)
+    fused = FusedQuantLinear.of(parts)
     outs = [FusedOutput(fused, i) for i in range(3)]
     x = torch.randn(2, 32)
     whole = fused.linear(x)

@@ -58,7 +58,7 @@ def test_rope_memo_answers_each_thread_for_its_own_positions(frequent_thread_swi
 
 def test_fused_projection_memo_answers_each_thread_for_its_own_input(frequent_thread_switches: None) -> None:
     torch.manual_seed(0)
-    fused = FusedQuantLinear([nn.Linear(32, 16, bias=False), nn.Linear(32, 8, bias=False)], quantized=False)
+    fused = FusedQuantLinear.of([nn.Linear(32, 16, bias=False), nn.Linear(32, 8, bias=False)], quantized=False)
     first, second = FusedOutput(fused, 0), FusedOutput(fused, 1)
 
     def work(rows: int) -> None:

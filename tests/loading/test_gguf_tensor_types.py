@@ -6,6 +6,7 @@ real Gemma 3 and SmolLM2 files against llama.cpp-style reference loops."""
 from __future__ import annotations
 
 from collections.abc import Callable
+from pathlib import Path
 
 import gguf
 import numpy as np
@@ -81,6 +82,35 @@ def test_a2_tensor_type_dequantizes_within_its_format_error(
         np.testing.assert_allclose(values, original, rtol=rtol, atol=atol)
     else:
         assert_within_block_grid(values, original, *BLOCK_GRIDS[type_name])
+
+
+@pytest.mark.parametrize("type_name", TYPES)
+def test_a2_4bit_types_give_their_stored_levels_and_others_none(
+        typed_file: tuple[GGUFFile, dict[str, np.ndarray]], type_name: str) -> None:
+    """Issue 11 point 7: a Q4_0 / Q4_1 / Q4_K weight is packed from its blocks as stored (levels,
+    steps, lows), which must be exactly the values `dequantize` gives; every other type has none."""
+    file, _ = typed_file
+    name = f"{type_name.lower()}.weight"
+    levels = file.int4_levels(name)
+    if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
+        assert levels is None
+        return
+    q, step, low = levels
+    assert q.dtype == np.uint8 and q.shape == (ROWS, COLS) and int(q.max()) <= 15
+    assert step.shape == low.shape == (ROWS, COLS // 32) and step.dtype == np.float32
+    rebuilt = (low[..., None] + q.reshape(ROWS, COLS // 32, 32) * step[..., None]).reshape(ROWS, COLS)
+    np.testing.assert_array_equal(rebuilt, file.dequantize(name))
+
+
+def test_a2_large_tensors_dequantize_in_slices_with_the_same_values(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    import mlxcel.loading.gguf as gguf_module
+
+    values = np.random.default_rng(3).standard_normal((64, 256)).astype(np.float32)
+    path = write_gguf(tmp_path / "q.gguf", "llama", {"w.weight": encode(values, "Q8_0")})
+    whole = GGUFFile(path).dequantize("w.weight")
+    monkeypatch.setattr(gguf_module, "DEQUANTIZE_CHUNK", 1000)  # 3 rows of 272 bytes a slice
+    np.testing.assert_array_equal(GGUFFile(path).dequantize("w.weight"), whole)
 
 
 def assert_within_block_grid(values: np.ndarray, original: np.ndarray, group: int, bits: int) -> None:

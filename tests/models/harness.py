@@ -150,14 +150,19 @@ def llama3_freq_factors(scaling: dict[str, Any], head_dim: int, theta: float) ->
     return np.array(factors, dtype=np.float32)
 
 
-def write_tiny_gguf(model: nn.Module, arch: str, path: Path) -> Path:
-    """The HF model as an F32 GGUF laid out as llama.cpp's converter writes `arch`."""
+def write_tiny_gguf(model: nn.Module, arch: str, path: Path, quant_type: str | None = None) -> Path:
+    """The HF model as a GGUF laid out as llama.cpp's converter writes `arch`: F32, or with its
+    matrices in `quant_type` (e.g. "Q4_0"; norms and vectors stay F32, as the converter keeps them)."""
     import gguf
 
     writer = gguf.GGUFWriter(str(path), arch)
     _write_gguf_metadata(writer, model.config, arch)
     for name, array in _gguf_tensors(model, arch):
-        writer.add_tensor(name, array)
+        if quant_type is not None and array.ndim == 2:
+            qtype = gguf.GGMLQuantizationType[quant_type]
+            writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
+        else:
+            writer.add_tensor(name, array)
     writer.write_header_to_file()
     writer.write_kv_data_to_file()
     writer.write_tensors_to_file()

@@ -45,3 +45,35 @@ def test_llama3_rope_freqs_tensor_equals_the_llama3_formula() -> None:
     factors = llama3_freq_factors(LLAMA3_ROPE, 16, 10000.0).tolist()
     torch.testing.assert_close(rope_inv_freq(16, 10000.0, {"rope_type": "freq_factors", "factors": factors}),
                                rope_inv_freq(16, 10000.0, LLAMA3_ROPE), atol=0, rtol=1e-6)
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])  # q/k rows permuted in the file; a tied head
+def test_issue11_a_4bit_gguf_is_packed_from_its_stored_levels_one_linear_at_a_time(arch: str, tmp_path: Path) -> None:
+    """Issue 11 points 5 and 7: the CPU decode rewrite packs a Q4_0 checkpoint's linears, head and
+    embedding from the levels as stored (Llama's q/k un-permutation applied to them), reading each
+    linear only as it packs it: nothing of a replaced linear is left to read, and the result is the
+    same bits whether the model was loaded lazily or eagerly, and near the float model's logits."""
+    from mlxcel.layers.quant import QuantEmbedding, QuantLinear, quantize
+    from mlxcel.loading.lazy import materialize_all
+
+    from .harness import batch_uncached_logits
+
+    reference = save_tiny_hf(GGUF_FAMILIES[arch](), tmp_path / "hf")
+    path = write_tiny_gguf(reference, arch, tmp_path / f"{arch}.gguf", quant_type="Q4_0")
+    dequantized = load_model(path).model  # the float values the file holds
+    lazy, eager = load_model(path, lazy=True).model, load_model(path).model
+    summary = quantize(lazy)
+    assert lazy.lazy_weights.num_pending == 2 * 2 + 1  # only the norms are left to read
+    materialize_all(lazy)
+    assert summary.num_int8 == 0 and summary.num_int4 == sum(isinstance(m, QuantLinear) for m in lazy.modules())
+    assert isinstance(lazy.model.embed_tokens, QuantEmbedding)
+    ids = torch.tensor(PROMPTS[2])
+    assert torch.equal(lazy.model.embed_tokens(ids), dequantized.model.embed_tokens(ids))  # the stored values
+    quantize(eager)
+    float_logits = batch_uncached_logits(dequantized, PROMPTS)
+    for packed in (lazy, eager):
+        got = batch_uncached_logits(packed, PROMPTS)
+        for g, f in zip(got, float_logits):
+            assert (g - f).abs().max() < 0.05 * f.abs().max()  # int8 activations: close, not equal
+    assert all(torch.equal(a, b) for a, b in zip(batch_uncached_logits(lazy, PROMPTS),
+                                                 batch_uncached_logits(eager, PROMPTS)))

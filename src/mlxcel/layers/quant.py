@@ -27,8 +27,9 @@ were given, which says how many leading rows are decode rows (`Step`).
 from __future__ import annotations
 
 import functools
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol, Union
 
 import torch
 import torch.nn.functional as F
@@ -40,6 +41,38 @@ PACKED_MAX_ROWS = 8  # outside an engine step, fewer rows than this use the pack
 
 
 INT4_GROUP = 32  # GGUF's 4-bit types scale blocks of 32 weights
+
+
+class Int4Levels(NamedTuple):
+    """A weight [N, K] on a 4-bit grid per group of 32 along K: w = low + q * step."""
+
+    q: torch.Tensor  # uint8 [N, K], 0..15
+    step: torch.Tensor  # float32 [N, K / 32]
+    low: torch.Tensor  # float32 [N, K / 32]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.q.shape
+        q = self.q.view(n, k // INT4_GROUP, INT4_GROUP).float()
+        return (self.low[..., None] + q * self.step[..., None]).view(n, k)
+
+    @staticmethod
+    def cat(parts: list[Int4Levels]) -> Int4Levels:
+        return Int4Levels(*(torch.cat(tensors) for tensors in zip(*parts)))
+
+
+# A linear's weight as `quantize` gets it: float [N, K], or the levels a 4-bit checkpoint stores
+# (`PackedWeights`), which need no search for their grid and are never rounded again.
+Weight = Union[torch.Tensor, Int4Levels]
+
+
+class PackedWeights(Protocol):
+    """What a checkpoint stores in a 4-bit type (loading/ sets one on the models it builds from
+    a GGUF as `model.packed_weights`; `quantize` reads it)."""
+
+    def int4_levels(self, name: str) -> Int4Levels | None:
+        """The levels of parameter `name` (HF naming) when the file stores it in a 4-bit type; None
+        when it stores it otherwise (then no grid is searched for: it goes int8)."""
+        ...
 
 
 class Step(Protocol):
@@ -55,17 +88,19 @@ class QuantLinear(nn.Module):
     """y = x @ W.T (+ b), W kept packed (4-bit when lossless, else int8) and, unless our 4-bit kernel
     serves every row, as bfloat16 for prefill rows."""
 
-    def __init__(self, weight: torch.Tensor, bias: torch.Tensor | None, *, keep_dense: bool = False) -> None:
-        """`keep_dense`: keep the bfloat16 copy even on the 4-bit kernel (the output head reads rows of it)."""
+    def __init__(self, weight: Weight, bias: torch.Tensor | None, *, keep_dense: bool = False,
+                 search: bool = True) -> None:
+        """`weight`: float, or a 4-bit checkpoint's levels. `keep_dense`: keep the bfloat16 copy even on the
+        4-bit kernel (the output head reads rows of it). `search`: look for a 4-bit grid in a float weight
+        (off when the checkpoint says it is stored otherwise: the search costs most of a load)."""
         super().__init__()
-        w = weight.detach().float()
+        grid = weight if isinstance(weight, Int4Levels) else int4_grid(weight.detach().float()) if search else None
         self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
-        self.in_features, self.out_features = w.shape[1], w.shape[0]
-        grid = int4_grid(w)
+        self.out_features, self.in_features = (grid.q if grid is not None else weight).shape
         # 4-bit: our kernel (int8 activations, integer dot products; kernels/decode_layers.cpp) where
         # the CPU kernels build and N is whole blocks of 16, else ATen's; chosen once here, so every
         # row of every step takes the same one.
-        self.int4_kernel = grid is not None and w.shape[0] % INT4_BLOCK == 0 and paged_attention.available()
+        self.int4_kernel = grid is not None and self.out_features % INT4_BLOCK == 0 and paged_attention.available()
         int4 = (None if grid is None else int4_blocks(*grid) if self.int4_kernel
                 else aten_int4_pack(*grid) if can_pack_int4() else None)
         self.bits = 4 if int4 is not None else 8
@@ -73,13 +108,14 @@ class QuantLinear(nn.Module):
         # Issue 11 point 5: on our 4-bit kernel every row takes it, prefill too (as fast as oneDNN's
         # bfloat16 matmul from 64 to 512 rows here: bench/RESULTS.md), so the weight is kept once,
         # packed; elsewhere a bfloat16 copy serves prefill rows.
-        self.register_buffer("weight", None if self.int4_kernel and not keep_dense else w.to(torch.bfloat16))
+        is_kept_once = self.int4_kernel and not keep_dense
+        w = None if is_kept_once else weight.dequantize() if isinstance(weight, Int4Levels) else weight.detach().float()
+        self.register_buffer("weight", None if w is None else w.to(torch.bfloat16))
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
         else:
-            scale = (w.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
-            codes = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+            scale, codes = int8_codes(w)
             # Our kernel (kernels/decode_layers.cpp, where the CPU kernels build) reads the weight in
             # transposed blocks of 64 outputs (`int8_blocks`); ATen's [out, in]. Chosen once here, so
             # every row of every step takes the same kernel (ours is 2-3x faster at a few rows).
@@ -112,6 +148,19 @@ class QuantLinear(nn.Module):
 
 
 INT8_BLOCK = 64  # output rows a block of `int8_blocks`
+CODES_ROWS = 4096  # rows rounded at a time: an output head's float temporaries stay a slice's size
+
+
+def int8_codes(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-output-channel symmetric int8: scales [N] (float32) and codes [N, K] (w ~ codes * scale)."""
+    scale = torch.empty(w.shape[0])
+    codes = torch.empty(w.shape, dtype=torch.int8)
+    for rows in range(0, w.shape[0], CODES_ROWS):
+        part = w[rows:rows + CODES_ROWS]
+        part_scale = (part.abs().amax(dim=1) / 127.0).clamp(min=1e-8)
+        codes[rows:rows + CODES_ROWS] = torch.round(part / part_scale[:, None]).clamp(-127, 127)
+        scale[rows:rows + CODES_ROWS] = part_scale
+    return scale, codes
 
 
 def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
@@ -123,9 +172,9 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
 
 
-def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+def int4_grid(w: torch.Tensor) -> Int4Levels | None:
     """`w` [N, K] as levels q [N, K] (0..15), steps and lows [N, K / 32] (w = low + q * step) when every
-    group of 32 along K already lies on a 16-level grid (a 4-bit GGUF source); None otherwise."""
+    group of 32 along K already lies on a 16-level grid (a 4-bit source read as floats); None otherwise."""
     n, k = w.shape
     if k % INT4_GROUP:
         return None
@@ -135,7 +184,7 @@ def int4_grid(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor
     if step is None:  # not a 4-bit source: int8 keeps more
         return None
     q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
-    return q.to(torch.uint8).view(n, k), step, low
+    return Int4Levels(q.to(torch.uint8).view(n, k), step, low)
 
 
 def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
@@ -229,10 +278,10 @@ class QuantHead(nn.Module):
     therefore recomputed with float32 accumulation, so ranking at the top is exact.
     """
 
-    def __init__(self, weight: torch.Tensor, num_refined: int = 16) -> None:
+    def __init__(self, weight: Weight, num_refined: int = 16, *, search: bool = True) -> None:
         super().__init__()
-        self.linear = QuantLinear(weight, None, keep_dense=True)
-        self.num_refined = min(num_refined, weight.shape[0])
+        self.linear = QuantLinear(weight, None, keep_dense=True, search=search)
+        self.num_refined = min(num_refined, self.linear.out_features)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Always the packed kernel: one row per sampled sequence, bits independent of the batch.
@@ -241,6 +290,25 @@ class QuantHead(nn.Module):
         rows = self.linear.weight[top].float()  # [N, k, hidden]
         exact = (rows * hidden.float().unsqueeze(1)).sum(-1)  # per row: the same bits in any batch
         return logits.scatter_(1, top, exact)
+
+
+class QuantEmbedding(nn.Module):
+    """An embedding table stored in a 4-bit type, kept as its levels (two a byte) and each group's
+    step and low: a looked-up row is the float32 row the file dequantizes to, at a sixth of the
+    memory of the float table (Qwen2.5-Coder-1.5B's 151,936 x 1,536 table: 0.17 GiB, not 0.87)."""
+
+    def __init__(self, levels: Int4Levels) -> None:
+        super().__init__()
+        q = levels.q
+        self.register_buffer("packed", (q[:, 0::2] | (q[:, 1::2] << 4)).contiguous())  # [V, K / 2]
+        self.register_buffer("step", levels.step.contiguous())
+        self.register_buffer("low", levels.low.contiguous())
+        self.num_embeddings, self.embedding_dim = q.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        packed = self.packed[input_ids]
+        q = torch.stack((packed & 0x0F, packed >> 4), dim=-1).view(*input_ids.shape, -1, INT4_GROUP).float()
+        return (self.low[input_ids][..., None] + q * self.step[input_ids][..., None]).flatten(-2)
 
 
 # Sibling linears that read the same input in every family here; each group becomes one matmul.
@@ -255,16 +323,18 @@ class FusedQuantLinear(nn.Module):
     for them and return their slice of the fused result, computed once per input tensor.
     """
 
-    def __init__(self, linears: list[nn.Linear], *, quantized: bool = True) -> None:
+    def __init__(self, linear: nn.Module, sizes: list[int]) -> None:
+        """`linear`: the linears' weights stacked along the outputs; `sizes`: each one's number of outputs."""
         super().__init__()
-        weight = torch.cat([lin.weight.detach() for lin in linears])
-        has_bias = all(lin.bias is not None for lin in linears)
-        bias = torch.cat([lin.bias.detach() for lin in linears]) if has_bias else None
-        self.linear = QuantLinear(weight, bias) if quantized else _plain_linear(weight, bias)
-        self.sizes = [lin.out_features for lin in linears]
+        self.linear = linear
+        self.sizes = sizes
         # [(input, its split outputs)]: a list, as nn.Module attribute writes cost ~7 us each; one
         # tuple, written and read whole, as two engines over one model may run it on two threads
         self._last: list[tuple[torch.Tensor | None, tuple[torch.Tensor, ...]]] = [(None, ())]
+
+    @classmethod
+    def of(cls, linears: list[nn.Linear], *, quantized: bool = True) -> FusedQuantLinear:
+        return cls(_stacked(linears, quantized=quantized), [lin.out_features for lin in linears])
 
     def outputs(self, x: torch.Tensor, step: Step | None) -> tuple[torch.Tensor, ...]:
         return linear(self.linear, x, step).split(self.sizes, dim=-1)
@@ -279,6 +349,26 @@ class FusedQuantLinear(nn.Module):
             outputs = self.outputs(x, step)
             self._last[0] = (x, outputs)
         return outputs[index]
+
+
+def _stacked(linears: list[nn.Linear], *, quantized: bool) -> nn.Module:
+    """One linear with the outputs of `linears` (of one input) stacked: quantized, or in their dtype."""
+    weight = torch.cat([lin.weight.detach() for lin in linears])
+    bias = _cat_biases([lin.bias for lin in linears])
+    return QuantLinear(weight, bias) if quantized else _plain_linear(weight, bias)
+
+
+def _cat_biases(biases: list[torch.Tensor | None]) -> torch.Tensor | None:
+    return torch.cat([b.detach() for b in biases]) if all(b is not None for b in biases) else None  # type: ignore[union-attr]
+
+
+def _cat_weights(weights: list[Weight]) -> Weight:
+    """Weights stacked along the outputs: levels stay levels when every part has them."""
+    if len(weights) == 1:
+        return weights[0]
+    if all(isinstance(w, Int4Levels) for w in weights):
+        return Int4Levels.cat(weights)  # type: ignore[arg-type]
+    return torch.cat([w.dequantize() if isinstance(w, Int4Levels) else w.detach().float() for w in weights])
 
 
 def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -323,13 +413,14 @@ class FusedOutput(nn.Module):
         return self._fused[0].output(x, self.index, step)
 
 
-def _fuse_groups(parent: nn.Module, *, quantized: bool = True) -> int:
+def _fuse_groups(parent: nn.Module, build: Callable[[list[nn.Linear], tuple[str, ...]], nn.Module]) -> int:
+    """Each group of sibling linears becomes one `build(linears, names)`, which the names then slice."""
     count = 0
     for names in FUSABLE_GROUPS:
         linears = [getattr(parent, n, None) for n in names]
         if not all(isinstance(lin, nn.Linear) for lin in linears):
             continue
-        fused = FusedQuantLinear(linears, quantized=quantized)  # type: ignore[arg-type]
+        fused = FusedQuantLinear(build(linears, names), [lin.out_features for lin in linears])  # type: ignore[misc, union-attr]
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedOutput(fused, index))
@@ -359,19 +450,29 @@ def can_pack_int4() -> bool:
 
 
 def quantize(model: nn.Module) -> QuantSummary:
-    """Replace every nn.Linear (and a tied output head) in place; says how many went 4-bit and 8-bit."""
+    """Replace every nn.Linear (and a tied output head) in place; says how many went 4-bit and 8-bit.
+
+    One linear at a time, each read from the checkpoint as it is packed where the model is still
+    lazy (`_Checkpoint`): the load never holds more than one float weight beyond the packed model."""
+    checkpoint = _Checkpoint(model)
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
+    embed_weight = checkpoint.weight("model.embed_tokens", embed) if isinstance(embed, nn.Embedding) else None
     if isinstance(head, nn.Linear):
-        model.lm_head = QuantHead(head.weight)
-    elif head is None and isinstance(embed, nn.Embedding):
+        model.lm_head = QuantHead(checkpoint.weight("lm_head", head), search=checkpoint.search)
+        checkpoint.replaced("lm_head")
+    elif head is None and embed_weight is not None:
         # Tied output head: the largest matmul of a decode step, quantized like the rest.
-        model.lm_head = QuantHead(embed.weight)
-    for parent in list(model.modules()):
-        _fuse_groups(parent)
+        model.lm_head = QuantHead(embed_weight, search=checkpoint.search)
+    if isinstance(embed_weight, Int4Levels):
+        model.model.embed_tokens = QuantEmbedding(embed_weight)
+        checkpoint.replaced("model.embed_tokens")
+    del embed_weight
+    for prefix, parent in list(model.named_modules()):
+        _fuse_groups(parent, lambda linears, names: checkpoint.linear([_join(prefix, n) for n in names], linears))
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
-                setattr(parent, name, QuantLinear(child.weight, child.bias))
+                setattr(parent, name, checkpoint.linear([_join(prefix, name)], [child]))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     kinds = [m.bits for m in linears]
     return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8),
@@ -381,7 +482,46 @@ def quantize(model: nn.Module) -> QuantSummary:
 def fuse_projections(model: nn.Module) -> int:
     """Unquantized models (the GPU path): q/k/v and gate/up become one matmul each, in the
     weights' own dtype; returns how many linears were fused. Each weight is still kept once."""
-    return sum(_fuse_groups(parent, quantized=False) for parent in list(model.modules()))
+    return sum(_fuse_groups(parent, lambda linears, names: _stacked(linears, quantized=False))
+               for parent in list(model.modules()))
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
+
+
+class _Checkpoint:
+    """How `quantize` reads the linears it replaces: the levels a 4-bit GGUF stores where it has
+    them (`model.packed_weights`), else the parameter, read from the checkpoint now if the model is
+    still lazy (`model.lazy_weights`, loading/lazy.py) and not kept."""
+
+    def __init__(self, model: nn.Module) -> None:
+        self.packed: PackedWeights | None = getattr(model, "packed_weights", None)
+        self.lazy = getattr(model, "lazy_weights", None)
+        self.search = self.packed is None  # a GGUF names each tensor's type: no grid to look for
+
+    def weight(self, prefix: str, module: nn.Module) -> Weight:
+        levels = self.packed.int4_levels(f"{prefix}.weight") if self.packed is not None else None
+        return levels if levels is not None else self.param(prefix, module, "weight")  # type: ignore[return-value]
+
+    def param(self, prefix: str, module: nn.Module, name: str) -> torch.Tensor | None:
+        value = getattr(module, name)
+        if value is not None and value.is_meta and self.lazy is not None:
+            return self.lazy.read(f"{prefix}.{name}")
+        return value
+
+    def linear(self, prefixes: list[str], linears: list[nn.Linear]) -> QuantLinear:
+        """The linears at `prefixes` as one QuantLinear (their outputs stacked); they are then forgotten."""
+        weight = _cat_weights([self.weight(p, lin) for p, lin in zip(prefixes, linears)])
+        bias = _cat_biases([self.param(p, lin, "bias") for p, lin in zip(prefixes, linears)])
+        quantized = QuantLinear(weight, bias, search=self.search)
+        for prefix in prefixes:
+            self.replaced(prefix)
+        return quantized
+
+    def replaced(self, prefix: str) -> None:
+        if self.lazy is not None:
+            self.lazy.forget(prefix)
 
 
 @dataclass(frozen=True, slots=True)

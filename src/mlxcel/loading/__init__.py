@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mlxcel.loading.checkpoint import (
-    build_model, family_module, gguf_config, gguf_readers, gguf_state_dict, hf_config, hf_state_dict,
+    GGUFPackedWeights, build_model, family_module, gguf_config, gguf_readers, gguf_state_dict, hf_config, hf_state_dict,
 )
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
@@ -83,6 +83,8 @@ def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
     with _naming(path):
         state = _lazy_readers(checkpoint) if lazy else _state_dict(checkpoint)
         model = build_model(config, state, device=device, dtype=dtype, lazy=lazy)
+        if checkpoint.gguf is not None:  # what the CPU decode rewrite packs as stored (layers/quant.py)
+            model.packed_weights = GGUFPackedWeights(checkpoint.gguf, family_module(checkpoint.model_type), config)
     loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
     log.info("%s %s weights (%s) from %s in %.1f s", "mapped (lazy)" if lazy else "loaded", loaded.model_type,
              dtype, path, time.monotonic() - started)

@@ -18,6 +18,7 @@ from typing import Any, Callable
 
 import torch
 
+from mlxcel.layers.quant import Int4Levels
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile
 
@@ -128,7 +129,6 @@ def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) 
 def gguf_readers(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> dict[str, Callable[[str], torch.Tensor]]:
     """HF name -> a reader that dequantizes that tensor from the mapped file (lazy weights, A6),
     with the family's GGUF layout fix applied to it alone."""
-    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
     fix = getattr(module, "fix_gguf_weights", None)
 
     def reader(gguf_name: str) -> Callable[[str], torch.Tensor]:
@@ -138,12 +138,32 @@ def gguf_readers(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> 
             return fix({hf_name: tensor}, config)[hf_name] if fix else tensor
         return read
 
-    readers = {}
-    for name in gguf.tensors:
-        hf_name = _hf_name(name, layer_names)
-        if hf_name is not None:
-            readers[hf_name] = reader(name)
-    return readers
+    return {hf_name: reader(name) for hf_name, name in _hf_names(gguf, module).items()}
+
+
+class GGUFPackedWeights:
+    """`layers.quant.PackedWeights` of a GGUF file (set on the model as `model.packed_weights`): a
+    4-bit tensor's levels, steps and lows as stored, with the family's layout fix applied to each
+    of the three (a family's `fix_gguf_weights` must therefore only move rows of a linear's weight,
+    as Llama's q/k un-permutation does)."""
+
+    def __init__(self, gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> None:
+        self.gguf, self.config = gguf, config
+        self.names = _hf_names(gguf, module)
+        self.fix = getattr(module, "fix_gguf_weights", None)
+
+    def int4_levels(self, name: str) -> Int4Levels | None:
+        stored = self.gguf.int4_levels(self.names[name]) if name in self.names else None
+        if stored is None:
+            return None
+        parts = [torch.from_numpy(array) for array in stored]
+        return Int4Levels(*(self.fix({name: p}, self.config)[name] if self.fix else p for p in parts))
+
+
+def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:
+    """HF parameter name -> the GGUF tensor that holds it (tensors with no HF counterpart left out)."""
+    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
+    return {hf_name: name for name in gguf.tensors if (hf_name := _hf_name(name, layer_names)) is not None}
 
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:

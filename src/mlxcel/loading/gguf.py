@@ -6,6 +6,8 @@ a small, typed view and turns its failures into one clear `ModelLoadError` line.
 
 from __future__ import annotations
 
+import contextlib
+import mmap
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -24,6 +26,7 @@ SUPPORTED_TENSOR_TYPES = frozenset(
 
 
 KNOWN_GGUF_VERSIONS = frozenset({1, 2, 3})  # the header versions the format has had
+DEQUANTIZE_CHUNK = 1 << 24  # raw bytes dequantized at a time
 
 
 @dataclass(frozen=True, slots=True)
@@ -47,7 +50,15 @@ class GGUFFile:
             raise ModelLoadError(_unreadable_message(self.path, exc)) from exc
         self.metadata = {key: _field_value(field) for key, field in reader.fields.items()}
         self.tensors = {t.name: _tensor(t) for t in reader.tensors}
+        self._map = getattr(reader.data, "_mmap", None)  # the file's mapping (numpy's memmap keeps it there)
         self._check_tensor_types()
+
+    def release_pages(self) -> None:
+        """Drop the file's pages from this process's resident memory (they stay in the page cache, and
+        a later read maps them again): each tensor read is a copy, and a loaded model would otherwise
+        count the whole file a second time in its RSS."""
+        with contextlib.suppress(AttributeError, OSError, ValueError):  # no madvise on this platform
+            self._map.madvise(mmap.MADV_DONTNEED)
 
     @property
     def architecture(self) -> str:
@@ -58,16 +69,44 @@ class GGUFFile:
         return self.metadata.get(f"{self.architecture}.{key}", default)
 
     def dequantize(self, name: str) -> np.ndarray:
-        """The tensor as float32 in PyTorch shape order."""
+        """The tensor as float32 in PyTorch shape order (a new array: the file's pages are let go)."""
+        try:
+            return self._dequantize(self.tensors[name])
+        finally:
+            self.release_pages()
+
+    def _dequantize(self, tensor: GGUFTensor) -> np.ndarray:
         import gguf
 
-        tensor = self.tensors[name]
         if tensor.type_name in ("F32", "F16"):
-            array = np.asarray(tensor.raw, dtype=np.float32)
-        else:
-            qtype = gguf.GGMLQuantizationType[tensor.type_name]
-            array = gguf.quants.dequantize(tensor.raw, qtype).astype(np.float32, copy=False)
-        return array.reshape(tensor.shape)
+            return np.array(tensor.raw, dtype=np.float32).reshape(tensor.shape)
+        qtype = gguf.GGMLQuantizationType[tensor.type_name]
+        raw = np.asarray(tensor.raw)
+        if raw.ndim < 2 or raw.size < DEQUANTIZE_CHUNK:
+            return gguf.quants.dequantize(raw, qtype).astype(np.float32, copy=False).reshape(tensor.shape)
+        # In slices of rows into one array: the package's own temporaries stay a slice's size (an
+        # output head dequantized whole held three float32 copies of itself at once).
+        rows = raw.reshape(-1, raw.shape[-1])
+        out = np.empty((rows.shape[0], int(np.prod(tensor.shape)) // rows.shape[0]), dtype=np.float32)
+        step = max(1, DEQUANTIZE_CHUNK // rows.shape[1])
+        for start in range(0, rows.shape[0], step):
+            out[start:start + step] = gguf.quants.dequantize(rows[start:start + step], qtype)
+        return out.reshape(tensor.shape)
+
+    def int4_levels(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+        """A tensor stored in a 4-bit type (Q4_0, Q4_1, Q4_K) as its stored levels q (uint8 [N, K]),
+        steps and lows (float32 [N, K / 32]): w = low + q * step, the values `dequantize` gives, read
+        straight from the blocks (nothing rounded twice, no search for the grid); None for other types."""
+        tensor = self.tensors[name]
+        decode = _INT4_DECODERS.get(tensor.type_name)
+        if decode is None or len(tensor.shape) != 2:
+            return None
+        rows, cols = tensor.shape
+        try:
+            q, step, low = decode(np.asarray(tensor.raw).view(np.uint8).reshape(-1, _INT4_BLOCK_BYTES[tensor.type_name]))
+        finally:
+            self.release_pages()
+        return q.reshape(rows, cols), step.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
 
     def _check_tensor_types(self) -> None:
         for tensor in self.tensors.values():
@@ -76,6 +115,37 @@ class GGUFFile:
                     f"{self.path}: tensor {tensor.name} has type {tensor.type_name}, which is not "
                     f"supported (supported: {', '.join(sorted(SUPPORTED_TENSOR_TYPES))})"
                 )
+
+
+def _halves(qs: np.ndarray) -> np.ndarray:
+    """Packed bytes [..., 16 or 32] -> levels [..., 2 x that]: the low nibbles, then the high ones (ggml's order)."""
+    return np.concatenate((qs & 0x0F, qs >> 4), axis=-1)
+
+
+def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
+    return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
+
+
+def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    d = _f16(blocks, 0)  # w = d * (q - 8)
+    return _halves(blocks[:, 2:]), d, -8 * d
+
+
+def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    return _halves(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2)  # w = d * q + m
+
+
+def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """256 weights a block in 8 sub-blocks of 32: w = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j)."""
+    import gguf
+
+    scales, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    levels = _halves(blocks[:, 16:].reshape(-1, 4, 32))  # [blocks, 4, 64]: sub-blocks 2i and 2i + 1
+    return levels, _f16(blocks, 0) * scales.astype(np.float32), -(_f16(blocks, 2) * mins.astype(np.float32))
+
+
+_INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+_INT4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 
 
 def _tensor(t: Any) -> GGUFTensor:

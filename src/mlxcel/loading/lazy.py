@@ -32,7 +32,7 @@ class LazyWeights:
         for prefix, module in model.named_modules():
             if any(True for _ in module.parameters(recurse=False)):
                 self._handles[prefix] = module.register_forward_pre_hook(self._hook(prefix))
-        self._modules = dict(model.named_modules())
+        self._modules = {prefix: module for prefix, module in model.named_modules() if prefix in self._handles}
 
     @property
     def num_pending(self) -> int:
@@ -49,13 +49,29 @@ class LazyWeights:
         if handle is None:
             return
         handle.remove()
-        module = self._modules[prefix]
+        module = self._modules.pop(prefix)
         for name, param in list(module.named_parameters(recurse=False)):
             full = f"{prefix}.{name}" if prefix else name
-            value = self.readers[full](full)
-            if tuple(value.shape) != tuple(param.shape):
-                raise ModelLoadError(f"{full}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
-            module._parameters[name] = nn.Parameter(value.to(self.device, self.dtype), requires_grad=False)
+            module._parameters[name] = nn.Parameter(self._read(full, param), requires_grad=False)
+
+    def read(self, name: str) -> torch.Tensor:
+        """Parameter `name` of a pending module, read and converted but not installed: for code that
+        replaces the module (the CPU decode rewrite packs each linear as it reads it)."""
+        prefix, _, attr = name.rpartition(".")
+        return self._read(name, getattr(self._modules[prefix], attr))
+
+    def forget(self, prefix: str) -> None:
+        """The module at `prefix` was replaced: never read it."""
+        handle = self._handles.pop(prefix, None)
+        if handle is not None:
+            handle.remove()
+            del self._modules[prefix]
+
+    def _read(self, name: str, param: torch.Tensor) -> torch.Tensor:
+        value = self.readers[name](name)
+        if tuple(value.shape) != tuple(param.shape):
+            raise ModelLoadError(f"{name}: checkpoint shape {tuple(value.shape)} != model {tuple(param.shape)}")
+        return value.to(self.device, self.dtype)
 
     def materialize_all(self) -> None:
         for prefix in list(self._handles):
