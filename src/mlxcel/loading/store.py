@@ -122,12 +122,9 @@ def _facts(path_text: str, mtime: float) -> dict[str, Any]:
 def _gguf_facts(path: Path) -> dict[str, Any]:
     import gguf
 
-    reader = gguf.GGUFReader(str(path))
+    from mlxcel.loading.gguf import read_header
 
-    def value(key: str) -> Any:
-        field = reader.fields.get(key)
-        return field.contents() if field is not None else None
-
+    value = read_header(path)[0].get
     arch = value("general.architecture")
     file_type = value("general.file_type")
     try:
