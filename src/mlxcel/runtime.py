@@ -150,7 +150,7 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     is_lazy = options.weight_materialization == "lazy"
     loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
     log.info("Model loaded: %s (%s, %s on %s; weight materialization: %s)", resolved.name, loaded.model_type, dtype,
-             options.device, "lazy, each tensor read on first use" if is_lazy else "eager")
+             options.device, _materialization(options, is_lazy))
     log.info("decode path: %s", _decode_path(loaded, options))
     lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
@@ -227,6 +227,14 @@ def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
     if isinstance(result[0], BaseException):
         raise result[0]
     return result[0]
+
+
+def _materialization(options: RuntimeOptions, is_lazy: bool) -> str:
+    if not options.is_quantized():
+        return "lazy, each tensor read on first use" if is_lazy else "eager"
+    if is_lazy:
+        return "lazy asked for, but the CPU decode rewrite reads every tensor now (--quantize off keeps them lazy)"
+    return "eager, each linear read from the file as the CPU decode rewrite packs it"
 
 
 def _load_for_decode(checkpoint: Checkpoint, options: RuntimeOptions, *, lazy: bool = False) -> LoadedModel:
