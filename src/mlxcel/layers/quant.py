@@ -457,17 +457,19 @@ def quantize(model: nn.Module) -> QuantSummary:
     checkpoint = _Checkpoint(model)
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
-    embed_weight = checkpoint.weight("model.embed_tokens", embed) if isinstance(embed, nn.Embedding) else None
+    embed_levels = checkpoint.levels("model.embed_tokens") if isinstance(embed, nn.Embedding) else None
     if isinstance(head, nn.Linear):
         model.lm_head = QuantHead(checkpoint.weight("lm_head", head), search=checkpoint.search)
         checkpoint.replaced("lm_head")
-    elif head is None and embed_weight is not None:
-        # Tied output head: the largest matmul of a decode step, quantized like the rest.
-        model.lm_head = QuantHead(embed_weight, search=checkpoint.search)
-    if isinstance(embed_weight, Int4Levels):
-        model.model.embed_tokens = QuantEmbedding(embed_weight)
+    elif head is None and isinstance(embed, nn.Embedding):
+        # Tied output head: the largest matmul of a decode step, quantized like the rest. A float
+        # table stays the embedding: read in place, once.
+        weight = embed_levels if embed_levels is not None else checkpoint.kept("model.embed_tokens", embed).weight
+        model.lm_head = QuantHead(weight, search=checkpoint.search)
+    if embed_levels is not None:
+        model.model.embed_tokens = QuantEmbedding(embed_levels)
         checkpoint.replaced("model.embed_tokens")
-    del embed_weight
+    del embed_levels
     for prefix, parent in list(model.named_modules()):
         _fuse_groups(parent, lambda linears, names: checkpoint.linear([_join(prefix, n) for n in names], linears))
         for name, child in list(parent.named_children()):
@@ -500,9 +502,18 @@ class _Checkpoint:
         self.lazy = getattr(model, "lazy_weights", None)
         self.search = self.packed is None  # a GGUF names each tensor's type: no grid to look for
 
+    def levels(self, prefix: str) -> Int4Levels | None:
+        return self.packed.int4_levels(f"{prefix}.weight") if self.packed is not None else None
+
     def weight(self, prefix: str, module: nn.Module) -> Weight:
-        levels = self.packed.int4_levels(f"{prefix}.weight") if self.packed is not None else None
+        levels = self.levels(prefix)
         return levels if levels is not None else self.param(prefix, module, "weight")  # type: ignore[return-value]
+
+    def kept(self, prefix: str, module: nn.Module) -> nn.Module:
+        """`module`, which stays in the model, with its parameters read in place."""
+        if self.lazy is not None:
+            self.lazy.materialize(prefix)
+        return module
 
     def param(self, prefix: str, module: nn.Module, name: str) -> torch.Tensor | None:
         value = getattr(module, name)
