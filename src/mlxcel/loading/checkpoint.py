@@ -113,15 +113,10 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
 
 def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> dict[str, torch.Tensor]:
     """Dequantized tensors keyed by HF names, with GGUF-specific layouts undone."""
-    layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
-    state: dict[str, torch.Tensor] = {}
-    for name in gguf.tensors:
-        hf_name = _hf_name(name, layer_names)
-        if hf_name is None:
-            log.debug("skipping GGUF tensor %s (no HF counterpart)", name)
-            continue
-        array = gguf.dequantize(name)
-        state[hf_name] = torch.from_numpy(array if array.flags.writeable else array.copy())
+    names = _hf_names(gguf, module)
+    for name in sorted(set(gguf.tensors) - set(names.values())):
+        log.debug("skipping GGUF tensor %s (no HF counterpart)", name)
+    state = {hf_name: torch.from_numpy(gguf.dequantize(name)) for hf_name, name in names.items()}
     fix = getattr(module, "fix_gguf_weights", None)
     return fix(state, config) if fix else state
 
@@ -133,8 +128,7 @@ def gguf_readers(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> 
 
     def reader(gguf_name: str) -> Callable[[str], torch.Tensor]:
         def read(hf_name: str) -> torch.Tensor:
-            array = gguf.dequantize(gguf_name)
-            tensor = torch.from_numpy(array if array.flags.writeable else array.copy())
+            tensor = torch.from_numpy(gguf.dequantize(gguf_name))  # a new array: writeable
             return fix({hf_name: tensor}, config)[hf_name] if fix else tensor
         return read
 

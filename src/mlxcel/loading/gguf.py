@@ -191,14 +191,14 @@ class _Cursor:
 
     def take(self, fmt: str) -> Any:
         size = struct.calcsize(fmt)
-        self._need(size)
+        self.need(size)
         (value,) = struct.unpack_from(fmt, self.data, self.pos)
         self.pos += size
         return value
 
     def string(self) -> str:
         size = self.take("<Q")
-        self._need(size)
+        self.need(size)
         value = self.data[self.pos:self.pos + size]
         self.pos += size
         return value.decode("utf-8")
@@ -213,14 +213,14 @@ class _Cursor:
         item, count = self.take("<I"), self.take("<Q")
         if item in _ARRAY_DTYPES:
             dtype = np.dtype(_ARRAY_DTYPES[item])
-            self._need(count * dtype.itemsize)
+            self.need(count * dtype.itemsize)
             values = np.frombuffer(self.data, dtype, count, self.pos).tolist()
             self.pos += count * dtype.itemsize
             return values
-        self._need(count * 8)  # a string or an array is at least its 8-byte length
+        self.need(count * 8)  # a string or an array is at least its 8-byte length
         return [self.value(item) for _ in range(count)]
 
-    def _need(self, size: int) -> None:
+    def need(self, size: int) -> None:
         if size > len(self.data) - self.pos:
             raise ValueError(f"a value of {size} bytes at byte {self.pos} runs past the end of the file")
 
@@ -242,10 +242,10 @@ def _read_header(path: Path) -> Header | None:
         except UnicodeDecodeError:  # an odd field must not stop the load (its bytes were skipped)
             metadata[key] = None
     infos = []
-    cursor._need(num_tensors * 24)  # name length, dimension count, type, offset
+    cursor.need(num_tensors * 24)  # name length, dimension count, type, offset
     for _ in range(num_tensors):
         name, num_dims = cursor.string(), cursor.take("<I")
-        cursor._need(num_dims * 8)
+        cursor.need(num_dims * 8)
         dims = [cursor.take("<Q") for _ in range(num_dims)]
         infos.append((name, dims, gguf.GGMLQuantizationType(cursor.take("<I")), cursor.take("<Q")))
     alignment = metadata.get("general.alignment", 32)
