@@ -1,15 +1,15 @@
-"""Sampling processors (engine/sampler.py): each parameter does what llama.cpp/vLLM users expect."""
+"""Sampling (engine/sampler.py, issue 25): the batched chain equals a straightforward per-row
+reference, draws follow the distribution, and a seeded row is the same alone and in any batch."""
 
 from __future__ import annotations
 
 import math
+from collections import Counter
 
+import pytest
 import torch
 
-from mlxcel.engine.sampler import (
-    SamplingRow, apply_logit_bias, apply_penalties, make_generator, min_p_filter, sample, top_k_filter,
-    top_p_filter,
-)
+from mlxcel.engine.sampler import CANDIDATES, SamplingRow, make_generator, sample
 from mlxcel.types import SamplingParams
 
 EOS = 7
@@ -20,34 +20,121 @@ def row(history: list[int] = (), generated: int = 0, **params: object) -> Sampli
     return SamplingRow(p, list(history), generated, frozenset({EOS}), make_generator(p.seed))
 
 
+# ---- a straightforward per-row reference of the chain (llama.cpp's order, vLLM's temperature first) ----
+
+def reference_final(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
+    """One row's logits after the whole chain; removed tokens are -inf."""
+    p, x = r.params, logits.clone().float()
+    for token_id, value in p.logit_bias:
+        if 0 <= token_id < x.shape[-1]:
+            x[token_id] += value
+    window = r.history if p.repeat_last_n < 0 else r.history[-p.repeat_last_n:] if p.repeat_last_n else []
+    for token_id, count in Counter(window).items():
+        v = x[token_id]
+        v = v / p.repetition_penalty if v > 0 else v * p.repetition_penalty
+        x[token_id] = v - count * p.frequency_penalty - p.presence_penalty
+    if p.ignore_eos or r.num_generated < p.min_tokens:
+        for t in r.eos_token_ids | set(p.stop_token_ids):
+            x[t] = float("-inf")
+    if p.is_greedy:
+        return x
+    x = x / p.temperature
+    if 0 < p.top_k < x.shape[-1]:
+        x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.top_p < 1.0:
+        ordered, order = torch.sort(x, descending=True)
+        probs = torch.softmax(ordered, -1)
+        remove = probs.cumsum(-1) - probs >= p.top_p
+        x = x.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+    if p.min_p > 0.0:
+        probs = torch.softmax(x, -1)
+        x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    return x
+
+
+def post_sampling_distribution(logits: torch.Tensor, rows: list[SamplingRow]) -> list[dict[int, float]]:
+    """The distribution each row's token was drawn from, read through the public API
+    (llama-server's post-sampling probabilities with every token asked for)."""
+    vocab = logits.shape[-1]
+    asked = [SamplingRow(SamplingParams(**{**_fields(r.params), "logprobs": vocab, "is_post_sampling_probs": True}),
+                         r.history, r.num_generated, r.eos_token_ids, r.generator, r.processors) for r in rows]
+    _, logprobs = sample(logits, asked)
+    return [dict(lp.top) for lp in logprobs]
+
+
+def _fields(p: SamplingParams) -> dict:
+    return {name: getattr(p, name) for name in SamplingParams.__dataclass_fields__}
+
+
+CHAINS = [
+    dict(temperature=0.8, top_p=0.95),
+    dict(temperature=1.0),
+    dict(temperature=0.7, top_k=40),
+    dict(temperature=1.3, top_k=20, top_p=0.5),
+    dict(temperature=0.9, min_p=0.05),
+    dict(temperature=1.0, top_p=0.9, min_p=0.1),
+    dict(temperature=0.6, top_k=CANDIDATES + 50),  # past the candidate set: a full sort
+    dict(temperature=5.0, top_p=0.99),  # a flat nucleus wider than the candidates
+    dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
+    dict(temperature=0.8, logit_bias=((3, 4.0), (5, -2.0), (10**6, 1.0)), min_tokens=5),
+    dict(temperature=1.0, ignore_eos=True, top_p=0.8),
+]
+
+
+def test_issue25_the_batched_chain_equals_a_per_row_reference_on_random_logits() -> None:
+    generator = torch.Generator().manual_seed(1)
+    logits = torch.randn(len(CHAINS), 2000, generator=generator) * 3
+    history = torch.randint(0, 2000, (100,), generator=generator).tolist()
+    rows = [row(history, generated=2, **chain) for chain in CHAINS]
+    for r, got, logits_row in zip(rows, post_sampling_distribution(logits, rows), logits):
+        expected = torch.log_softmax(reference_final(logits_row, r), -1)
+        kept = torch.isfinite(expected).nonzero().flatten().tolist()
+        assert sorted(got) == kept, r.params
+        assert torch.allclose(torch.tensor([got[t] for t in kept]), expected[kept], atol=1e-4), r.params
+
+
+def test_issue25_greedy_rows_with_processors_take_the_argmax_after_the_chain() -> None:
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
+    history = list(range(50))
+    rows = [row(history, temperature=0.0, repetition_penalty=1.5), row(temperature=0.0, logit_bias=((9, 50.0),)),
+            row(temperature=0.0, logprobs=3), row(temperature=0.0, ignore_eos=True)]
+    tokens, _ = sample(logits, rows)
+    assert tokens == [int(reference_final(x, r).argmax()) for x, r in zip(logits, rows)]
+    assert tokens[1] == 9
+
+
 def test_greedy_takes_the_argmax() -> None:
     logits = torch.tensor([[0.1, 3.0, 2.9, -1.0]])
     assert sample(logits, [row(temperature=0.0)])[0] == [1]
 
 
 def test_logit_bias_moves_a_token_and_ignores_ids_outside_the_vocabulary() -> None:
-    logits = torch.zeros(5)
-    apply_logit_bias(logits, ((2, 5.0), (99, 1.0), (3, -100.0)))
-    assert logits.tolist() == [0.0, 0.0, 5.0, -100.0, 0.0]
-    assert sample(torch.zeros(1, 5), [row(temperature=0.0, logit_bias=((4, 1.0),))])[0] == [4]
+    assert sample(torch.zeros(1, 5), [row(temperature=0.0, logit_bias=((4, 1.0), (99, 5.0)))])[0] == [4]
+    assert sample(torch.zeros(1, 5), [row(temperature=0.0, logit_bias=((4, 1.0), (4, 1.0), (2, 1.5)))])[0] == [4]
 
 
 def test_penalties_use_the_repeat_window_and_counts() -> None:
-    logits = torch.tensor([2.0, -2.0, 1.0, 1.0])
-    apply_penalties(logits, row(history=[0, 1, 2, 2], repetition_penalty=2.0, repeat_last_n=3))
+    logits = torch.tensor([[2.0, -2.0, 1.0, 1.0]])
+    r = row(history=[0, 1, 2, 2], temperature=1.0, repetition_penalty=2.0, repeat_last_n=3)
     # token 0 is outside the 3-token window; 1 (negative) is multiplied, 2 (positive) divided
-    assert logits.tolist() == [2.0, -4.0, 0.5, 1.0]
-    logits = torch.tensor([1.0, 1.0, 1.0])
-    apply_penalties(logits, row(history=[0, 1, 1], frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=-1))
-    assert logits.tolist() == [1.0 - 0.5 - 0.25, 1.0 - 1.0 - 0.25, 1.0]
+    got = post_sampling_distribution(logits, [r])[0]
+    expected = torch.log_softmax(torch.tensor([2.0, -4.0, 0.5, 1.0]), -1).tolist()
+    assert [round(got[t], 5) for t in range(4)] == [round(v, 5) for v in expected]
+    r = row(history=[0, 1, 1], temperature=1.0, frequency_penalty=0.5, presence_penalty=0.25, repeat_last_n=-1)
+    got = post_sampling_distribution(torch.ones(1, 3), [r])[0]
+    expected = torch.log_softmax(torch.tensor([1.0 - 0.5 - 0.25, 1.0 - 1.0 - 0.25, 1.0]), -1).tolist()
+    assert [round(got[t], 5) for t in range(3)] == [round(v, 5) for v in expected]
 
 
 def test_truncations_keep_the_expected_tokens() -> None:
-    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    assert torch.isfinite(top_k_filter(logits, 2)).tolist() == [True, True, False, False]
-    assert torch.isfinite(top_p_filter(logits, 0.75)).tolist() == [True, True, False, False]
-    assert torch.isfinite(top_p_filter(logits, 0.5)).tolist() == [True, False, False, False]
-    assert torch.isfinite(min_p_filter(logits, 0.2)).tolist() == [True, True, True, False]  # 0.2 * 0.5 = 0.1
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
+
+    def kept(**params: object) -> list[int]:
+        return sorted(post_sampling_distribution(logits, [row(temperature=1.0, **params)])[0])
+    assert kept(top_k=2) == [0, 1]
+    assert kept(top_p=0.75) == [0, 1]
+    assert kept(top_p=0.45) == [0]  # (at exactly 0.5 the cut falls on a float rounding)
+    assert kept(min_p=0.2) == [0, 1, 2]  # 0.2 * 0.5 = 0.1
 
 
 def test_min_tokens_and_ignore_eos_suppress_the_end_tokens() -> None:
@@ -56,18 +143,45 @@ def test_min_tokens_and_ignore_eos_suppress_the_end_tokens() -> None:
     assert sample(logits, [row(temperature=0.0, min_tokens=3)])[0] != [EOS]
     assert sample(logits, [row(generated=3, temperature=0.0, min_tokens=3)])[0] == [EOS]
     assert sample(logits, [row(temperature=0.0, ignore_eos=True)])[0] != [EOS]
+    assert EOS not in {sample(logits, [row(temperature=1.0, ignore_eos=True)])[0][0] for _ in range(20)}
     logits[0, 4] = 20.0  # a stop token id is suppressed by min_tokens too
     assert sample(logits, [row(temperature=0.0, min_tokens=1, stop_token_ids=(4,))])[0] not in ([4], [EOS])
 
 
-def test_a_seed_gives_the_same_draws_whatever_else_is_sampled() -> None:
-    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
-    alone, beside = row(temperature=1.0, seed=42), row(temperature=1.0, seed=42)
-    draws_alone = [sample(logits[:1], [alone])[0][0] for _ in range(20)]
-    # the same seed, sampled beside two unseeded rows each step
-    draws_beside = [sample(logits, [beside, row(temperature=1.0), row(temperature=1.0)])[0][0] for _ in range(20)]
+@pytest.mark.parametrize("chain", CHAINS[:8], ids=str)
+def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain: dict) -> None:
+    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2
+    neighbours = [row(temperature=1.0), row(temperature=0.0), row(temperature=0.9, top_p=0.9, seed=7),
+                  row(temperature=1.2, top_k=CANDIDATES + 1)]
+    alone, beside = row(seed=42, **chain), row(seed=42, **chain)
+    draws_alone = [sample(logits[2:3], [alone])[0][0] for _ in range(30)]
+    draws_beside = [sample(logits, [neighbours[0], neighbours[1], beside, *neighbours[2:]])[0][2] for _ in range(30)]
     assert draws_alone == draws_beside
     assert len(set(draws_alone)) > 1  # it really samples
+
+
+def test_issue25_draws_follow_the_truncated_softmax() -> None:
+    """20,000 draws of one logit vector: each token's count is within 5 standard deviations of
+    its probability after temperature and top-p, and removed tokens never come."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
+    num = 20_000
+    r = row(temperature=0.8, top_p=0.9)
+    tokens, _ = sample(logits.expand(num, -1).contiguous(), [r] * num)
+    expected = torch.softmax(reference_final(logits, r), -1)
+    counts = Counter(tokens)
+    for token, p in enumerate(expected.tolist()):
+        if p == 0.0:
+            assert counts[token] == 0
+        else:
+            assert abs(counts[token] - num * p) < 5 * math.sqrt(num * p * (1 - p)) + 1, (token, counts[token], num * p)
+
+
+def test_issue25_a_row_with_no_token_left_is_an_error_for_that_call() -> None:
+    logits = torch.full((2, 6), float("-inf"))
+    logits[0, 2] = 1.0
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        sample(logits, [row(temperature=1.0), row(temperature=1.0)])
+    assert sample(logits[:1], [row(temperature=1.0)])[0] == [2]
 
 
 def test_logprobs_carry_the_chosen_token_and_top_alternatives() -> None:
@@ -78,3 +192,19 @@ def test_logprobs_carry_the_chosen_token_and_top_alternatives() -> None:
     assert tokens == [0] and lp.token_id == 0 and math.isclose(lp.logprob, float(expected[0]), rel_tol=1e-6)
     assert [t for t, _ in lp.top] == [0, 1] and math.isclose(lp.top[1][1], float(expected[1]), rel_tol=1e-6)
     assert sample(logits, [row(temperature=0.0, logprobs=0)])[1][0].top == ()
+
+
+def test_issue25_sampled_logprobs_are_the_models_own_and_post_sampling_ones_the_drawn_distribution() -> None:
+    logits = torch.randn(3, 500, generator=torch.Generator().manual_seed(3))
+    rows = [row(temperature=0.7, top_p=0.9, logprobs=5, seed=1), row(temperature=0.0),
+            row(temperature=0.7, top_p=0.9, logprobs=5, is_post_sampling_probs=True, seed=1)]
+    tokens, logprobs = sample(logits, rows)
+    model = torch.log_softmax(logits[0], -1)
+    assert math.isclose(logprobs[0].logprob, float(model[tokens[0]]), abs_tol=1e-5)
+    assert [t for t, _ in logprobs[0].top] == torch.topk(model, 5).indices.tolist()
+    assert logprobs[1] is None
+    drawn = torch.log_softmax(reference_final(logits[2], rows[2]), -1)
+    assert math.isclose(logprobs[2].logprob, float(drawn[tokens[2]]), abs_tol=1e-5)
+    assert all(math.isfinite(v) for _, v in logprobs[2].top)
+    greedy = sample(logits[:1], [row(temperature=0.0, logprobs=2, is_post_sampling_probs=True)])[1][0]
+    assert greedy.logprob == 0.0 and greedy.top == ((greedy.token_id, 0.0),)

@@ -86,13 +86,13 @@ def chi2_critical(df: int, z: float = 3.09) -> float:
 
 
 def target_probs(model, ids: list[int], temperature: float, top_k: int) -> torch.Tensor:  # noqa: ANN001
-    from mlxcel.engine.sampler import top_k_filter
     from mlxcel.layers.attention import AttentionContext, SequenceSlice
 
     with torch.inference_mode():
         hidden = model(torch.tensor(ids), torch.arange(len(ids)), AttentionContext([SequenceSlice(0, len(ids), len(ids))]))
         logits = model.compute_logits(hidden[-1]).float()
-    return torch.softmax(top_k_filter(logits / temperature, top_k), dim=-1)
+    scaled = logits / temperature
+    return torch.softmax(scaled.masked_fill(scaled < torch.topk(scaled, top_k).values[-1], float("-inf")), dim=-1)
 
 
 def test_rejection_sampling_keeps_the_target_distribution(tiny_model) -> None:

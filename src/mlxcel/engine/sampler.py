@@ -1,18 +1,30 @@
-"""Next-token selection for a batch of rows, each with its own SamplingParams.
+"""Next-token selection for a batch of rows, each with its own SamplingParams (issue 25).
 
-Logits processors are small functions applied in llama.cpp's order: bias, penalties,
-min_tokens, then temperature and the truncations (top_k, top_p, min_p). A row with a
-seed draws from its own generator, so its tokens do not depend on the rest of the batch.
+The whole batch is sampled where its logits are, in a few tensor ops: logit bias, penalties,
+per-request processors (grammar, reasoning budget, loop guard), end-token suppression, then
+temperature and the truncations (top-k, top-p, min-p) in that order, and one draw per row.
+Only the chosen ids (and the logprobs a request asked for) cross to the host.
+
+Truncation never sorts the vocabulary when it need not: the top CANDIDATES logits of a row are
+taken first (a partial selection, as llama.cpp does), and a row falls back to a full sort only
+when its surviving set may reach past them. Each row is computed from its own values alone, and
+a seeded row draws its one uniform per step from its own generator (inverse-CDF sampling), so
+its tokens are the same alone and in any batch.
 """
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
 
 from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
+
+# Width of the sorted candidate set. top_p 0.95 of a language model's distribution sits well
+# inside it at usual temperatures; a row whose nucleus reaches past it is sorted in full.
+CANDIDATES = 256
 
 
 @dataclass(slots=True)
@@ -27,73 +39,102 @@ class SamplingRow:
     processors: tuple[TokenProcessor, ...] = ()
 
 
-def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
-    """logits: [num_rows, vocab] float32 on any device -> one token id per row (+ logprobs where asked).
+@dataclass(slots=True)
+class _Drawn:
+    """One group of drawn rows: the distribution each token was drawn from, over `ids` (None: the
+    vocabulary in order), and the chosen position in it."""
 
-    Plain greedy rows take their argmax where the logits are (on a GPU only the ids cross to the
-    host); every other chain runs on the host, where the rows' seeded generators live."""
+    rows: list[int]  # indices into the batch
+    final: torch.Tensor  # [len(rows), width] logits after the chain; removed tokens are -inf
+    ids: torch.Tensor | None  # [len(rows), width] token ids of `final`'s columns
+    positions: torch.Tensor  # [len(rows)]
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        if self.ids is None:
+            return self.positions
+        return self.ids.gather(1, self.positions[:, None]).squeeze(1)
+
+
+def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
+    """logits: [num_rows, vocab] on any device -> one token id per row (+ logprobs where asked).
+
+    Raises ValueError when a drawn row has no token left (every logit -inf or NaN): the caller
+    samples the rows apart to fail that request alone."""
     if all(_is_plain_greedy(r) for r in rows):
         return logits.argmax(dim=-1).tolist(), [None] * len(rows)
-    logits = logits.cpu()
-    tokens: list[int] = []
-    logprobs: list[TokenLogprob | None] = []
-    for i, row in enumerate(rows):
-        token, final = _sample_row(logits[i], row)
-        tokens.append(token)
-        if row.params.is_post_sampling_probs:
-            logprobs.append(_post_sampling_logprob(final, token, row.params.logprobs))
-        else:
-            logprobs.append(_logprob(logits[i], token, row.params.logprobs))
-    return tokens, logprobs
+    raw = logits.float()
+    work = raw.clone() if any(_changes_logits(r) for r in rows) else raw  # raw stays the model's own
+    _apply_logit_biases(work, rows)
+    _apply_penalties(work, rows)
+    _apply_processors(work, rows)
+    _suppress_end_tokens(work, rows)
+    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
+    tokens = torch.zeros(len(rows), dtype=torch.long, device=work.device)
+    if greedy:
+        tokens[greedy] = _take(work, greedy).argmax(dim=-1)
+    groups = _draw(work, rows)
+    for group in groups:
+        tokens[group.rows] = torch.where(_has_mass(group.final), group.tokens, -1)
+    token_list = tokens.tolist()
+    if -1 in token_list:
+        bad = [i for i, t in enumerate(token_list) if t == -1]
+        raise ValueError(f"rows {bad}: every token was removed or the logits are not finite")
+    return token_list, _logprobs(raw, rows, token_list, groups)
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
     p = row.params
     return (p.is_greedy and p.logprobs is None and not row.processors and not p.logit_bias and p.min_tokens <= row.num_generated
-            and p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0
-            and (p.ignore_eos is False or not row.eos_token_ids))
+            and not _has_penalty(p) and (p.ignore_eos is False or not row.eos_token_ids))
 
 
-def _sample_row(logits: torch.Tensor, row: SamplingRow) -> tuple[int, torch.Tensor | None]:
-    """The chosen token, and the logits it was drawn from after the whole chain (None: greedy)."""
+def _changes_logits(row: SamplingRow) -> bool:
     p = row.params
-    logits = logits.clone()
-    apply_logit_bias(logits, p.logit_bias)
-    apply_penalties(logits, row)
-    output_ids = row.history[len(row.history) - row.num_generated:]
-    for processor in row.processors:
-        processor.process(logits, output_ids)
-    if p.ignore_eos or row.num_generated < p.min_tokens:
-        suppress(logits, row.eos_token_ids | set(p.stop_token_ids))
-    if p.is_greedy:
-        return int(logits.argmax()), None
-    logits = logits / p.temperature
-    logits = top_k_filter(logits, p.top_k)
-    logits = top_p_filter(logits, p.top_p)
-    logits = min_p_filter(logits, p.min_p)
-    probs = torch.softmax(logits, dim=-1)
-    return int(torch.multinomial(probs, 1, generator=row.generator)), logits
+    return bool(row.processors or p.logit_bias or _has_penalty(p) or p.ignore_eos or row.num_generated < p.min_tokens)
 
 
-def apply_logit_bias(logits: torch.Tensor, bias: tuple[tuple[int, float], ...]) -> None:
-    for token_id, value in bias:
-        if 0 <= token_id < logits.shape[-1]:
-            logits[token_id] += value
+def _has_penalty(p: SamplingParams) -> bool:
+    return p.repetition_penalty != 1.0 or p.presence_penalty != 0.0 or p.frequency_penalty != 0.0
 
 
-def apply_penalties(logits: torch.Tensor, row: SamplingRow) -> None:
-    p = row.params
-    if p.repetition_penalty == 1.0 and p.presence_penalty == 0.0 and p.frequency_penalty == 0.0:
+def _has_mass(final: torch.Tensor) -> torch.Tensor:
+    return torch.isfinite(final.max(dim=-1).values)  # NaN and all -inf rows are False
+
+
+# ---- the processors, each over the whole batch ----
+
+def _apply_logit_biases(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    vocab = work.shape[-1]
+    entries = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias if 0 <= t < vocab]
+    if entries:
+        row_ids, token_ids, values = zip(*entries)
+        index = (torch.tensor(row_ids, device=work.device), torch.tensor(token_ids, device=work.device))
+        work.index_put_(index, torch.tensor(values, dtype=work.dtype, device=work.device), accumulate=True)
+
+
+def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Repetition (CTRL-style), frequency and presence penalties over each row's repeat window.
+
+    The window's counts are scattered afresh each step: at the default 64 tokens that is cheaper
+    than keeping a [rows, vocab] count tensor in step with preemption and slot reuse."""
+    picked = [i for i, r in enumerate(rows) if _has_penalty(r.params)]
+    windows = [list(_penalty_window(rows[i].history, rows[i].params.repeat_last_n)) for i in picked]
+    width = max((len(w) for w in windows), default=0)
+    if not width:
         return
-    window = _penalty_window(row.history, p.repeat_last_n)
-    if not window:
-        return
-    ids, counts = torch.tensor(window).unique(return_counts=True)
-    chosen = logits[ids]
-    if p.repetition_penalty != 1.0:  # CTRL-style: shrink positive scores, grow negative ones
-        chosen = torch.where(chosen > 0, chosen / p.repetition_penalty, chosen * p.repetition_penalty)
-    chosen = chosen - counts.to(chosen.dtype) * p.frequency_penalty - p.presence_penalty
-    logits[ids] = chosen
+    vocab, device = work.shape[-1], work.device
+    ids = torch.tensor([w + [vocab] * (width - len(w)) for w in windows], device=device).clamp_(0, vocab)
+    counts = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
+    counts = counts[:, :vocab]  # [picked, vocab]; the last column took the padding
+    params = [rows[i].params for i in picked]
+    repetition = _column([p.repetition_penalty for p in params], device)
+    frequency = _column([p.frequency_penalty for p in params], device)
+    presence = _column([p.presence_penalty for p in params], device)
+    chosen = work[picked]
+    seen = counts > 0
+    shrunk = torch.where(chosen > 0, chosen / repetition, chosen * repetition)
+    work[picked] = torch.where(seen, shrunk, chosen) - counts * frequency - seen * presence
 
 
 def _penalty_window(history: Sequence[int], repeat_last_n: int) -> Sequence[int]:
@@ -102,61 +143,175 @@ def _penalty_window(history: Sequence[int], repeat_last_n: int) -> Sequence[int]
     return history if repeat_last_n < 0 else history[-repeat_last_n:]
 
 
-def suppress(logits: torch.Tensor, token_ids: set[int] | frozenset[int]) -> None:
-    valid = [t for t in token_ids if 0 <= t < logits.shape[-1]]
-    if valid:
-        logits[valid] = float("-inf")
+def _apply_processors(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """Per-request plug-ins change their own row in place (a view of the batch)."""
+    for i, row in enumerate(rows):
+        if row.processors:
+            output_ids = row.history[len(row.history) - row.num_generated:]
+            for processor in row.processors:
+                processor.process(work[i], output_ids)
 
 
-def top_k_filter(logits: torch.Tensor, k: int) -> torch.Tensor:
-    if k <= 0 or k >= logits.shape[-1]:
-        return logits
-    threshold = torch.topk(logits, k).values[-1]
-    return logits.masked_fill(logits < threshold, float("-inf"))
+def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
+    """ignore_eos, and min_tokens not reached yet: no end-of-sequence or stop token."""
+    vocab = work.shape[-1]
+    entries = [(i, t) for i, r in enumerate(rows) if r.params.ignore_eos or r.num_generated < r.params.min_tokens
+               for t in r.eos_token_ids | set(r.params.stop_token_ids) if 0 <= t < vocab]
+    if entries:
+        row_ids, token_ids = zip(*entries)
+        work[torch.tensor(row_ids, device=work.device), torch.tensor(token_ids, device=work.device)] = float("-inf")
 
 
-def top_p_filter(logits: torch.Tensor, top_p: float) -> torch.Tensor:
-    if top_p >= 1.0:
-        return logits
-    sorted_logits, order = torch.sort(logits, descending=True)
-    cumulative = torch.softmax(sorted_logits, dim=-1).cumsum(dim=-1)
-    # Keep the smallest set whose mass reaches top_p (the first token always stays).
-    remove = cumulative - torch.softmax(sorted_logits, dim=-1) >= top_p
-    return logits.masked_fill(torch.zeros_like(remove).scatter(0, order, remove), float("-inf"))
+# ---- temperature, truncation and the draw ----
+
+def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
+    """Every non-greedy row drawn: rows that truncate by rank take the candidate path (then a full
+    sort where the candidates may not hold every survivor); the rest draw in vocabulary order."""
+    drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    if not drawn:
+        return []
+    params = [rows[i].params for i in drawn]
+    scaled = _take(work, drawn) / _column([p.temperature for p in params], work.device)  # [drawn, vocab]
+    uniforms = _uniforms([rows[i] for i in drawn], work.device)
+    vocab = work.shape[-1]
+    ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
+    shallow = [j for j in ranked if params[j].top_k <= CANDIDATES < vocab]
+    group, spilled = _draw_ranked(scaled, uniforms, params, shallow, CANDIDATES)
+    deep = sorted(spilled + [j for j in ranked if j not in shallow])
+    groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked]),
+              group, _draw_ranked(scaled, uniforms, params, deep, vocab)[0]]
+    for g in groups:
+        g.rows = [drawn[j] for j in g.rows]
+    return [g for g in groups if g.rows]
 
 
-def min_p_filter(logits: torch.Tensor, min_p: float) -> torch.Tensor:
-    if min_p <= 0.0:
-        return logits
-    probs = torch.softmax(logits, dim=-1)
-    return logits.masked_fill(probs < min_p * probs.max(), float("-inf"))
+def _draw_in_order(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams],
+                   picked: list[int]) -> _Drawn:
+    """Rows with at most min-p: it keeps a logit within log(min_p) of the row's best, no sort needed."""
+    if not picked:
+        return _Drawn([], scaled[:0], None, uniforms[:0].long())
+    final = _take(scaled, picked)
+    floor = _column([_log_min_p(params[j].min_p) for j in picked], final.device)
+    final = final.masked_fill(final < final.max(dim=-1, keepdim=True).values + floor, float("-inf"))
+    return _Drawn(picked, final, None, _inverse_cdf(final, _take(uniforms, picked)))
 
 
-def _post_sampling_logprob(final: torch.Tensor | None, token: int, num_top: int | None) -> TokenLogprob | None:
-    """Log-probabilities of the distribution the token was drawn from (after top-k/p, min-p and
-    temperature); tokens the chain removed are left out. Greedy: the chosen token, probability 1."""
-    if num_top is None:
-        return None
-    if final is None:
-        return TokenLogprob(token_id=token, logprob=0.0, top=((token, 0.0),) if num_top > 0 else ())
-    logprobs = torch.log_softmax(final.float(), dim=-1)
-    num_kept = int(torch.isfinite(logprobs).sum())
-    top: tuple[tuple[int, float], ...] = ()
-    if num_top > 0 and num_kept:
-        values, ids = torch.topk(logprobs, min(num_top, num_kept))
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
+def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
+                 width: int) -> tuple[_Drawn, list[int]]:
+    """Top-k, then top-p over what top-k kept, then min-p, on each row's `width` best logits, sorted.
+
+    Returns the rows whose survivors all lie within those candidates, drawn, and the others."""
+    if not picked:
+        return _Drawn([], scaled[:0], None, uniforms[:0].long()), []
+    rows_scaled = _take(scaled, picked)  # [n, vocab]
+    vocab, device = rows_scaled.shape[-1], rows_scaled.device
+    chosen = [params[j] for j in picked]
+    values, ids = torch.topk(rows_scaled, width, dim=-1) if width < vocab else torch.sort(rows_scaled, -1, descending=True)
+    top_k = torch.tensor([min(p.top_k, width) if p.top_k > 0 else width for p in chosen], device=device)
+    keep = values >= values.gather(1, (top_k - 1)[:, None])  # ties with the k-th logit stay
+    # top-p's probabilities are over what top-k kept: the candidates, or the whole row without top-k
+    probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+    has_top_k = [0 < p.top_k <= width for p in chosen]
+    whole = [j for j, is_k in enumerate(has_top_k) if not is_k]
+    if whole and width < vocab:
+        probs[whole] = torch.softmax(_take(rows_scaled, whole), dim=-1).gather(1, _take(ids, whole))
+    mass = probs.cumsum(dim=-1)
+    top_p = _column([p.top_p for p in chosen], device)
+    keep &= (mass - probs < top_p) | (top_p >= 1.0)  # the smallest prefix reaching top_p; the first always stays
+    floor = values[:, :1] + _column([_log_min_p(p.min_p) for p in chosen], device)
+    keep &= values >= floor
+    # every survivor is a candidate: top-k fits, or top-p's or min-p's cut falls inside them
+    fits = (torch.tensor(has_top_k, device=device) | (mass[:, -1] >= top_p.squeeze(1))
+            | (values[:, -1] < floor.squeeze(1)))
+    fits_list = [True] * len(picked) if width == vocab else fits.tolist()
+    inside = [j for j, ok in enumerate(fits_list) if ok]
+    final = _take(values, inside).masked_fill(~_take(keep, inside), float("-inf"))
+    positions = _inverse_cdf(final, _take(uniforms, [picked[j] for j in inside]))
+    group = _Drawn([picked[j] for j in inside], final, _take(ids, inside), positions)
+    return group, [picked[j] for j, ok in enumerate(fits_list) if not ok]
 
 
-def _logprob(logits: torch.Tensor, token: int, num_top: int | None) -> TokenLogprob | None:
-    if num_top is None:
-        return None
-    logprobs = torch.log_softmax(logits.float(), dim=-1)
-    top: tuple[tuple[int, float], ...] = ()
-    if num_top > 0:
-        values, ids = torch.topk(logprobs, num_top)
-        top = tuple(zip(ids.tolist(), values.tolist()))
-    return TokenLogprob(token_id=token, logprob=float(logprobs[token]), top=top)
+def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
+    """tensor[index] along the first dimension, without a copy when the index takes every row in order."""
+    if index == list(range(tensor.shape[0])):
+        return tensor
+    return tensor[index]
+
+
+def _log_min_p(min_p: float) -> float:
+    return math.log(min_p) if min_p > 0.0 else float("-inf")
+
+
+def _inverse_cdf(final: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
+    """[n, width] logits, [n] uniforms in [0, 1) -> [n] positions: the first whose cumulative
+    probability passes u (never a removed token: its step in the CDF is empty)."""
+    if not final.shape[0]:
+        return torch.empty(0, dtype=torch.long, device=final.device)
+    cdf = torch.softmax(final, dim=-1).cumsum(dim=-1)
+    target = (uniforms * cdf[:, -1])[:, None]
+    positions = torch.searchsorted(cdf, target, right=True).squeeze(1).clamp_(max=final.shape[-1] - 1)
+    is_removed = torch.isneginf(final.gather(1, positions[:, None]).squeeze(1))
+    return torch.where(is_removed, final.argmax(dim=-1), positions)  # u rounding onto the last step
+
+
+def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+    """One uniform per row: a seeded row's from its own generator, the rest from the device's."""
+    uniforms = torch.rand(len(rows), device=device)
+    seeded = [(j, r.generator) for j, r in enumerate(rows) if r.generator is not None]
+    if seeded:
+        values = torch.cat([torch.rand(1, generator=g) for _, g in seeded])
+        uniforms[[j for j, _ in seeded]] = values.to(device)
+    return uniforms
+
+
+def _column(values: list[float], device: torch.device) -> torch.Tensor:
+    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+
+
+# ---- logprobs ----
+
+def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
+              groups: list[_Drawn]) -> list[TokenLogprob | None]:
+    """Raw model logprobs for the rows that asked; llama-server's post-sampling ones from the
+    distribution each token was drawn from (greedy: the chosen token, probability 1)."""
+    out: list[TokenLogprob | None] = [None] * len(rows)
+    asked = [i for i, r in enumerate(rows) if r.params.logprobs is not None]
+    post = {i for i in asked if rows[i].params.is_post_sampling_probs}
+    plain = [i for i in asked if i not in post]
+    if plain:
+        for i, lp in zip(plain, _top_logprobs(torch.log_softmax(raw[plain], dim=-1), None, rows, plain, tokens)):
+            out[i] = lp
+    for group in groups:
+        inside = [j for j, i in enumerate(group.rows) if i in post]
+        if inside:
+            final = torch.log_softmax(group.final[inside], dim=-1)
+            ids = group.ids[inside] if group.ids is not None else None
+            picked = [group.rows[j] for j in inside]
+            for i, lp in zip(picked, _top_logprobs(final, ids, rows, picked, tokens, positions=group.positions[inside])):
+                out[i] = lp
+    for i in post:
+        if out[i] is None:  # greedy
+            out[i] = TokenLogprob(tokens[i], 0.0, ((tokens[i], 0.0),) if rows[i].params.logprobs else ())
+    return out
+
+
+def _top_logprobs(logprobs: torch.Tensor, ids: torch.Tensor | None, rows: list[SamplingRow], picked: list[int],
+                  tokens: list[int], positions: torch.Tensor | None = None) -> list[TokenLogprob]:
+    """[n, width] log-probabilities (columns are token ids unless `ids` maps them) -> each row's
+    chosen token and its best alternatives; removed tokens (-inf) are never alternatives."""
+    device = logprobs.device
+    if positions is None:
+        positions = torch.tensor([tokens[i] for i in picked], device=device)
+    chosen = logprobs.gather(1, positions[:, None]).squeeze(1).tolist()
+    num_top = max(rows[i].params.logprobs or 0 for i in picked)
+    top_values, top_cols = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
+    top_ids = ids.gather(1, top_cols) if ids is not None else top_cols
+    results = []
+    for j, (i, values, token_ids) in enumerate(zip(picked, top_values.tolist(), top_ids.tolist())):
+        n = rows[i].params.logprobs or 0
+        top = tuple((t, v) for t, v in zip(token_ids[:n], values[:n]) if v != float("-inf"))
+        results.append(TokenLogprob(token_id=tokens[i], logprob=chosen[j], top=top))
+    return results
 
 
 def make_generator(seed: int | None) -> torch.Generator | None:
