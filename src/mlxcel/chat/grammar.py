@@ -236,6 +236,19 @@ def tool_name_and_parameters(tool: Mapping[str, Any]) -> tuple[str, Mapping[str,
     return name, parameters
 
 
+def declared_tool_names(tools: Sequence[Any] | None) -> frozenset[str]:
+    """The names a reply's tool calls may use: every named tool of the request, in any shape."""
+    names = set()
+    for tool in tools or ():
+        if not isinstance(tool, Mapping):
+            continue
+        function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        name = function.get("name")
+        if isinstance(name, str) and name:
+            names.add(name)
+    return frozenset(names)
+
+
 def _chosen_tools(tools: Sequence[Mapping[str, Any]], choice: ToolChoice) -> list[tuple[str, Mapping[str, Any]]] | None:
     """The tools a call must use, or None when tool_choice forces nothing."""
     if not choice.is_forced:

@@ -36,7 +36,7 @@ from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.output import ChatOutputParser, ParsedReply
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.chat.completion_output import CompletionOutputParser
-from mlxcel.chat.grammar import Grammar, GrammarCompiler, GrammarError
+from mlxcel.chat.grammar import Grammar, GrammarCompiler, GrammarError, declared_tool_names
 from mlxcel.chat.loop_guard import (
     LoopGuardError, LoopPolicy, family_policy, make_loop_guard, parse_operator_override, resolve_loop_policy,
 )  # fmt: skip
@@ -222,7 +222,9 @@ class ChatPlan:
         """A fresh parser for one choice's text deltas; `stops` end the answer (not the reasoning)."""
         features = self.features
         reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
-        tools = make_tool_parser(self.tool_format) if self.tool_format else None
+        # Only the request's own tools can be called: another name stays text (issue 26).
+        declared = declared_tool_names(self.tools)
+        tools = make_tool_parser(self.tool_format, declared=declared) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
                                 starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops,
                                 max_tool_calls=None if self.options.parallel_tool_calls else 1)

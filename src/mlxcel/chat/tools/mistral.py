@@ -43,7 +43,7 @@ class MistralToolParser(ToolParser):
         if not head:
             return None
         if head[0] in "[{":
-            return JsonCallsReader(self._next_index, self.new_id), 0
+            return JsonCallsReader(self._next_index, self.new_id, self.accepts), 0
         return self._named_call(buffer, out)
 
     def _named_call(self, buffer: str, out: list[OutputEvent]) -> tuple[CallsReader, int] | None:
@@ -54,6 +54,8 @@ class MistralToolParser(ToolParser):
             return None
         name = buffer[:end].split(CALL_ID)[0].strip()
         used = end + len(ARGS) if at >= 0 else end
+        if not self.accepts(name):
+            return NamedArgumentsCall(None, "", name, out), used
         return NamedArgumentsCall(self._next_index(), self.new_id(), name, out), used
 
 
