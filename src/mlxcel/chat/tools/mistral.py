@@ -7,7 +7,9 @@ ids of exactly 9 letters and digits, so this parser makes those.
 
 from __future__ import annotations
 
+import re
 import secrets
+from collections.abc import Callable
 
 from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, ToolParser, partial_suffix_len
@@ -17,6 +19,7 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 ARGUMENTS_KEY = "arguments"
+TRIGGER = re.compile(re.escape(TOOL_CALLS))  # where a call's grammar starts under tool_choice auto
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -63,3 +66,9 @@ def lark_calls(call: str, *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     items = f'{call} (", " {call})*' if parallel else call
     return f'"{TOOL_CALLS}" "[" {items} "]"'
+
+
+def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for what follows TRIGGER when calls are optional: the array of calls."""
+    items = f'{call} (", " {call})*' if parallel else call
+    return f'" "? "[" {items} "]"'
