@@ -126,3 +126,41 @@ def test_issue26_v_an_uncompilable_schema_leaves_the_undeclared_call_as_text(sdk
     choice = completion.choices[0]
     assert choice.finish_reason == "stop" and not choice.message.tool_calls
     assert '"name": "get_sunny_city"' in choice.message.content
+
+
+# ---- the real default model (SmolLM2, generic JSON tool format) ----
+
+AGENT_TOOLS = [
+    {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+    {"type": "function", "function": {"name": "get_time", "description": "The local time in a city",
+                                      "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                     "required": ["city"]}}},
+]
+# The OpenAI Agents SDK's second request: the tool's result is in, tool_choice auto.
+AGENT_TURNS = [
+    {"role": "system", "content": "You are a helpful agent. Use the tools when needed."},
+    {"role": "user", "content": "What's the weather in the sunniest city you know, and what time is it there?"},
+    {"role": "assistant", "content": None, "tool_calls": [
+        {"id": "call_1", "type": "function", "function": {"name": "get_weather", "arguments": '{"city": "Tokyo"}'}}]},
+    {"role": "tool", "tool_call_id": "call_1", "content": "Sunny, 24 C"},
+]  # fmt: skip
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_issue26_v_default_model_never_calls_an_undeclared_tool(server: ServerThread, stream: bool) -> None:
+    declared = {t["function"]["name"] for t in AGENT_TOOLS}
+    with openai.OpenAI(base_url=server.address + "/v1", api_key="unused", max_retries=0, timeout=120) as sdk:
+        for seed in range(8 if not stream else 4):
+            fields: dict[str, Any] = {"model": "m", "messages": AGENT_TURNS, "tools": AGENT_TOOLS,
+                                      "tool_choice": "auto", "temperature": 1.0, "seed": seed, "max_tokens": 40}
+            if stream:
+                deltas = [c for chunk in sdk.chat.completions.create(**fields, stream=True) if chunk.choices
+                          for c in chunk.choices[0].delta.tool_calls or ()]
+                names = [c.function.name for c in deltas if c.function and c.function.name]
+            else:
+                message = sdk.chat.completions.create(**fields).choices[0].message
+                names = [call.function.name for call in message.tool_calls or ()]
+                assert all(isinstance(json.loads(c.function.arguments), dict) for c in message.tool_calls or ())
+            assert set(names) <= declared, (seed, names)
