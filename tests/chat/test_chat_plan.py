@@ -65,7 +65,9 @@ def test_s_startup_defaults(features: ChatFeatures) -> None:
 def test_v_q_tool_call_reply_after_primed_reasoning(features: ChatFeatures, byte_level_tokenizer: Tokenizer) -> None:
     plan = features.plan_chat(chat_options({}, tools=TOOLS, tool_choice="auto", max_tokens=100), QUESTION)
     assert render(plan, TOOLS).endswith("<think>\n") and plan.starts_in_reasoning
-    assert plan.processors() == ()  # no budget, no forced call, no loop guard on this family
+    # No budget, no forced call, no loop guard on this family: only the call grammar that waits
+    # for `<tool_call>` (issue 26).
+    assert [type(p).__name__ for p in plan.processors()] == ["LazyGrammarProcessor"]
     events = stream(plan, byte_level_tokenizer,
                     'The user wants weather.\n</think>\n\n<tool_call>\n{"name": "get_weather", '
                     '"arguments": {"city": "Paris"}}\n</tool_call><|im_end|>')

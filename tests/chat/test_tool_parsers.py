@@ -161,3 +161,54 @@ def test_v_select_tool_parser_from_the_chat_template(source: str | None, expecte
 def test_v_unknown_format_is_a_clear_error() -> None:
     with pytest.raises(ValueError, match="unknown tool-call format 'xml'"):
         make_tool_parser("xml")
+
+
+# ---- issue 26 (V): a call naming an undeclared tool is text, never a call ----
+
+DECLARED = ("get_weather", "noop")
+UNDECLARED_CASES: list[tuple[str, str, str, list[Call]]] = [
+    ("hermes", 'Sure.\n<tool_call>\n{"name": "get_sunny_city", "arguments": {"x": 1}}\n</tool_call>',
+     'Sure.\n<tool_call>\n{"name": "get_sunny_city", "arguments": {"x": 1}}\n</tool_call>', []),
+    ("hermes", '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Rome"}}\n</tool_call>\n<tool_call>\n'
+     '{"name": "get_location", "arguments": {}}\n</tool_call>',
+     '<tool_call>\n{"name": "get_location", "arguments": {}}\n</tool_call>', [("get_weather", {"city": "Rome"})]),
+    ("hermes", '<tool_call>\n{"arguments": {"a": [1]}, "name": "improve_names"',
+     '<tool_call>\n{"arguments": {"a": [1]}, "name": "improve_names"', []),  # cut off
+    ("llama3", '{"name": "get_location", "parameters": {"q": 1}}', '{"name": "get_location", "parameters": {"q": 1}}',
+     []),
+    ("llama3", '<|python_tag|>{"name": "get_location", "parameters": {}}',
+     '<|python_tag|>{"name": "get_location", "parameters": {}}', []),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_location", "arguments": {}}]',
+     '[TOOL_CALLS] [{"name": "get_location", "arguments": {}}]', []),
+    ("mistral", '[TOOL_CALLS]get_location[ARGS]{"a": 1}', '[TOOL_CALLS]get_location[ARGS]{"a": 1}', []),
+    ("mistral", '[TOOL_CALLS]noop[ARGS]{}[TOOL_CALLS]get_location[ARGS]{"a": 1}',
+     '[TOOL_CALLS]get_location[ARGS]{"a": 1}', [("noop", {})]),
+    ("mistral", '[TOOL_CALLS] [{"name": "get_weather", "arguments": {}}, {"name": "get_location", "arguments": {}}]',
+     "", [("get_weather", {})]),  # a block with a declared call stays calls; the other is dropped
+    ("generic", '```json\n{"tool_calls": [{"name": "get_sunny_city", "arguments": {}, "id": "call_1"}]}\n```',
+     '```json\n{"tool_calls": [{"name": "get_sunny_city", "arguments": {}, "id": "call_1"}]}\n```', []),
+    ("generic", '{"name": "Python", "arguments": {"command": "python3 hello.py"}}',
+     '{"name": "Python", "arguments": {"command": "python3 hello.py"}}', []),
+]  # fmt: skip
+
+
+def run_declared(fmt: str, pieces: list[str]) -> list[OutputEvent]:
+    counter = iter(range(1000))
+    parser = make_tool_parser(fmt, new_id=lambda: f"id{next(counter)}", declared=DECLARED)
+    events: list[OutputEvent] = []
+    for piece in pieces:
+        events += parser.feed(piece)
+    return events + parser.finish()
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), UNDECLARED_CASES)
+def test_issue26_v_undeclared_tool_name_stays_text_in_every_format(
+    fmt: str, reply: str, content: str, calls: list[Call]
+) -> None:
+    for pieces in splits(reply):
+        assert summarize(run_declared(fmt, pieces)) == (content, calls), pieces
+
+
+def test_issue26_v_without_declared_names_any_name_is_a_call() -> None:
+    reply = '<tool_call>\n{"name": "get_sunny_city", "arguments": {}}\n</tool_call>'
+    assert summarize(run("hermes", [reply])) == ("", [("get_sunny_city", {})])

@@ -13,12 +13,14 @@ next one. A prompt ending in a newline (the generation prompt `...assistant\\n` 
     Let me think.| Paris weather.\\n|</think>|\\n\\n|<tool_call>|{"name": "get_weather", "arguments": |
     {"city": |"Paris"|}}|</tool_call>|<|im_end|>
 
-one piece per token. Any other token is followed by `<|im_end|>`.
+one piece per token. Any other token is followed by `<|im_end|>`. `write_scripted_model(folder,
+call=...)` scripts other call pieces (issue 26: a call to a tool nobody declared).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from pathlib import Path
 
 import torch
@@ -27,7 +29,13 @@ SPECIAL = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<tool_call>", "</tool
 PLAIN = ["<think>", "</think>", "\n\n"]
 REASONING = ["Let me think.", " Paris weather.\n"]
 CALL = ['{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"', "}}"]
-SCRIPT = ["\n", *REASONING, "</think>", "\n\n", "<tool_call>", *CALL, "</tool_call>", "<|im_end|>"]
+
+
+def script(call: Sequence[str] = CALL) -> list[str]:
+    return ["\n", *REASONING, "</think>", "\n\n", "<tool_call>", *call, "</tool_call>", "<|im_end|>"]
+
+
+SCRIPT = script()
 REASONING_TEXT = "Let me think. Paris weather."
 ARGUMENTS = {"city": "Paris"}
 
@@ -47,15 +55,15 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def write_scripted_model(folder: Path) -> Path:
+def write_scripted_model(folder: Path, *, call: Sequence[str] = CALL) -> Path:
     """Write the checkpoint (config.json, model.safetensors, tokenizer files) into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = _write_tokenizer(folder)
-    _write_weights(folder, vocab)
+    vocab = _write_tokenizer(folder, call)
+    _write_weights(folder, vocab, script(call))
     return folder
 
 
-def _write_tokenizer(folder: Path) -> dict[str, int]:
+def _write_tokenizer(folder: Path, call: Sequence[str]) -> dict[str, int]:
     from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
 
     alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
@@ -63,7 +71,7 @@ def _write_tokenizer(folder: Path) -> dict[str, int]:
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
     tokenizer.decoder = decoders.ByteLevel()
     tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in SPECIAL])
-    pieces = [*PLAIN, *REASONING, *CALL]
+    pieces = [*PLAIN, *REASONING, *call]
     tokenizer.add_tokens([AddedToken(t, special=False, normalized=False) for t in pieces])
     tokenizer.save(str(folder / "tokenizer.json"))
     config = {"eos_token": "<|im_end|>", "bos_token": None, "pad_token": "<|endoftext|>",
@@ -72,7 +80,7 @@ def _write_tokenizer(folder: Path) -> dict[str, int]:
     return tokenizer.get_vocab(with_added_tokens=True)
 
 
-def _write_weights(folder: Path, vocab: dict[str, int]) -> None:
+def _write_weights(folder: Path, vocab: dict[str, int], pieces: Sequence[str]) -> None:
     from safetensors.torch import save_file
 
     num_vocab = max(vocab.values()) + 1
@@ -87,15 +95,15 @@ def _write_weights(folder: Path, vocab: dict[str, int]) -> None:
     tensors = {
         "model.embed_tokens.weight": torch.eye(num_vocab, hidden),
         "model.norm.weight": torch.ones(hidden),
-        "lm_head.weight": _bigram_head(vocab, num_vocab, hidden),
+        "lm_head.weight": _bigram_head(vocab, num_vocab, hidden, pieces),
         **_silent_layer(hidden, heads * head_dim, ffn),
     }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
 
 
-def _bigram_head(vocab: dict[str, int], num_vocab: int, hidden: int) -> torch.Tensor:
+def _bigram_head(vocab: dict[str, int], num_vocab: int, hidden: int, pieces: Sequence[str]) -> torch.Tensor:
     """[vocab, hidden]: row `next` has weight 1 at the column of each token it follows."""
-    ids = [vocab["Ċ" if piece == "\n" else piece] for piece in SCRIPT]  # byte-level "\n" is "Ċ"
+    ids = [vocab["Ċ" if piece == "\n" else piece] for piece in pieces]  # byte-level "\n" is "Ċ"
     follows = {current: nxt for current, nxt in zip(ids, ids[1:], strict=False)}
     head = torch.zeros(num_vocab, hidden)
     for token in range(num_vocab):

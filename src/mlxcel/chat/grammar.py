@@ -1,5 +1,7 @@
 """Constrained decoding (spec V) on llguidance: JSON schema, JSON object, GBNF, Lark, regex, and
-the tool-call grammar that makes `tool_choice: required` / a named tool always well-formed.
+the tool-call grammar that makes `tool_choice: required` / a named tool always well-formed; under
+`tool_choice: auto` the same call grammar applies lazily, from the format's opener on (issue 26,
+chat/lazy_grammar.py).
 
 llguidance (not a hand-written engine, DESIGN.md) compiles the grammar against the vocabulary;
 `GrammarProcessor` is a per-request TokenProcessor: each step it masks the logits row to the
@@ -18,6 +20,7 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 import threading
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -53,6 +56,16 @@ class Grammar:
 
     text: str  # llguidance's grammar JSON
     source: str  # e.g. "response_format.json_schema.schema"
+
+
+@dataclass(frozen=True, slots=True)
+class LazyGrammar:
+    """A grammar that applies from `trigger` on: the reply is free until the pattern matches its
+    text, then the grammar constrains what follows the match until it is complete."""
+
+    grammar: Grammar
+    trigger: re.Pattern[str]
+    is_repeatable: bool  # the reply goes on freely after a constrained part (else it ends there)
 
 
 class GrammarCompiler:
@@ -166,6 +179,39 @@ class GrammarCompiler:
         lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
         return self._validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
+    def triggered_tool_calls(
+        self, fmt: str, tools: Sequence[Mapping[str, Any]] | None, tool_choice: ToolChoice, *, parallel: bool = True
+    ) -> LazyGrammar | None:
+        """For `tool_choice` auto: the forced call grammar, applied from the format's call opener
+        on, so a call names a declared tool with arguments that fit its schema. None where the
+        format has no opener, and where llguidance cannot compile the tools' schemas (logged:
+        the reply then stays free, and the parser still refuses undeclared names)."""
+        module = format_module(fmt)
+        trigger: re.Pattern[str] | None = getattr(module, "TRIGGER", None)
+        if tool_choice.mode != "auto" or not tools or trigger is None:
+            return None
+        available = [tool_name_and_parameters(t) for t in tools if t.get("type", "function") in FUNCTION_TOOL_TYPES]
+        if not available:
+            return None
+        schema = _calls_schema(available, module.ARGUMENTS_KEY)
+        rest = module.lark_after_trigger("call", self._lark_literal, parallel=parallel)
+        try:
+            lark = llguidance.LLMatcher.grammar_from_lark(f"start: {rest}\ncall: %json {json.dumps(schema)}\n")
+            grammar = self._validated(lark, "tools")
+        except (GrammarError, ValueError) as exc:
+            log.warning("tool calls are not constrained for this request: %s", _first_line(str(exc)))
+            return None
+        return LazyGrammar(grammar, trigger, is_repeatable=parallel)
+
+    def _lark_literal(self, text: str) -> str:
+        """Lark for `text`, or its special token where the vocabulary has one: llguidance matches
+        a special token by its id only, never by its text."""
+        literal = json.dumps(text)
+        token_id = self.tokenizer.token_to_id(text)
+        if token_id is not None and token_id in self.tokenizer.special_token_ids:
+            return f"({literal} | <[{token_id}]>)"
+        return literal
+
     def check_tools(self, tools: Sequence[Any] | None) -> None:
         """GrammarError (a 400) for a function tool without a name or whose parameters are not a
         valid JSON Schema (checked against the 2020-12 meta-schema): refused before generating."""
@@ -234,6 +280,19 @@ def tool_name_and_parameters(tool: Mapping[str, Any]) -> tuple[str, Mapping[str,
     if not isinstance(parameters, Mapping):
         raise GrammarError(f"tool {name!r}: parameters must be a JSON Schema object")
     return name, parameters
+
+
+def declared_tool_names(tools: Sequence[Any] | None) -> frozenset[str]:
+    """The names a reply's tool calls may use: every named tool of the request, in any shape."""
+    names = set()
+    for tool in tools or ():
+        if not isinstance(tool, Mapping):
+            continue
+        function = tool.get("function") if isinstance(tool.get("function"), Mapping) else tool
+        name = function.get("name")
+        if isinstance(name, str) and name:
+            names.add(name)
+    return frozenset(names)
 
 
 def _chosen_tools(tools: Sequence[Mapping[str, Any]], choice: ToolChoice) -> list[tuple[str, Mapping[str, Any]]] | None:

@@ -36,7 +36,8 @@ from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.output import ChatOutputParser, ParsedReply
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.chat.completion_output import CompletionOutputParser
-from mlxcel.chat.grammar import Grammar, GrammarCompiler, GrammarError
+from mlxcel.chat.grammar import Grammar, GrammarCompiler, GrammarError, LazyGrammar, declared_tool_names
+from mlxcel.chat.lazy_grammar import make_lazy_processor
 from mlxcel.chat.loop_guard import (
     LoopGuardError, LoopPolicy, family_policy, make_loop_guard, parse_operator_override, resolve_loop_policy,
 )  # fmt: skip
@@ -138,10 +139,11 @@ class ChatFeatures:
         if not preserves_thinking(kwargs):
             rendered = strip_stale_thinking(rendered, self.think)
         uses_tools = bool(tools) and options.tool_choice.mode != "none" and not self.skip_chat_parsing
+        grammar = self._chat_grammar(options)
         return ChatPlan(
             features=self, options=options, messages=rendered, template_kwargs=kwargs, client_messages=list(messages),
             budget=resolve_thinking_budget(options.reasoning_budget, self.reasoning_budget),
-            grammar=self._chat_grammar(options),
+            grammar=grammar, tool_grammar=self._lazy_tool_grammar(options) if uses_tools and grammar is None else None,
             loop_policy=resolve_loop_policy(self.loop_family, self.loop_operator, options.loop_overrides),
             tool_format=self.tool_parser_name if uses_tools else None,
             signature=signature, is_echo_on=is_echo_on,
@@ -171,6 +173,12 @@ class ChatFeatures:
             raise GrammarError("a required tool call cannot be combined with an output format; drop one")
         return calls or output
 
+    def _lazy_tool_grammar(self, options: ChatOptions) -> LazyGrammar | None:
+        """tool_choice auto: calls are free to come, but once one opens it names a declared tool
+        with fitting arguments (issue 26)."""
+        return self.grammar.triggered_tool_calls(self.tool_parser_name, options.tools, options.tool_choice,
+                                                 parallel=options.parallel_tool_calls)
+
     def _is_echo_on(self, cache_prompt: bool, route_on: bool) -> bool:
         applies = echo_applies(cache_prompt=cache_prompt, reasoning_format=self.reasoning_format,
                                skip_chat_parsing=self.skip_chat_parsing)
@@ -188,6 +196,7 @@ class ChatPlan:
     client_messages: list[Mapping[str, Any]]
     budget: int
     grammar: Grammar | None
+    tool_grammar: LazyGrammar | None  # the call grammar from the opener on, under tool_choice auto
     loop_policy: LoopPolicy
     tool_format: str | None  # None: no tool parsing
     signature: str
@@ -216,13 +225,15 @@ class ChatPlan:
     def processors(self) -> tuple[TokenProcessor, ...]:
         """Fresh TokenProcessors for one choice's engine Request."""
         return _processors(self.features, self.budget, self.grammar, self.loop_policy, self.starts_in_reasoning,
-                           is_controlled=self.options.reasoning_control)
+                           is_controlled=self.options.reasoning_control, tool_grammar=self.tool_grammar)
 
     def output_parser(self, stops: Sequence[str] = ()) -> ChatOutputParser:
         """A fresh parser for one choice's text deltas; `stops` end the answer (not the reasoning)."""
         features = self.features
         reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
-        tools = make_tool_parser(self.tool_format) if self.tool_format else None
+        # Only the request's own tools can be called: another name stays text (issue 26).
+        declared = declared_tool_names(self.tools)
+        tools = make_tool_parser(self.tool_format, declared=declared) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
                                 starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops,
                                 max_tool_calls=None if self.options.parallel_tool_calls else 1)
@@ -238,13 +249,16 @@ class ChatPlan:
 
 def _processors(
     features: ChatFeatures, budget: int, grammar: Grammar | None, policy: LoopPolicy, primed: bool, *,
-    is_controlled: bool = False,
+    is_controlled: bool = False, tool_grammar: LazyGrammar | None = None,
 ) -> tuple[TokenProcessor, ...]:
-    # Order matters only for `process`: the budget may force `</think>`; the grammar is idle
+    # Order matters only for `process`: the budget may force `</think>`; the grammars are idle
     # while reasoning; the loop guard only watches.
+    compiler = features.grammar
     found: list[TokenProcessor | None] = [
         make_budget_processor(features.think, budget, starts_in_reasoning=primed, is_controlled=is_controlled),
-        features.grammar.processor(grammar, think=features.think, starts_in_reasoning=primed) if grammar else None,
+        compiler.processor(grammar, think=features.think, starts_in_reasoning=primed) if grammar else None,
+        make_lazy_processor(compiler, tool_grammar, think=features.think, starts_in_reasoning=primed)
+        if tool_grammar else None,
         make_loop_guard(policy),
     ]
     return tuple(p for p in found if p is not None)

@@ -8,7 +8,7 @@
 from __future__ import annotations
 
 import importlib
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from types import ModuleType
 
 from mlxcel.chat.tools.base import ToolParser
@@ -46,10 +46,13 @@ def format_module(name: str) -> ModuleType:
     return importlib.import_module(FORMATS[name][0])
 
 
-def make_tool_parser(name: str, *, new_id: Callable[[], str] | None = None) -> ToolParser:
-    """A fresh streaming parser for format `name` (one per generated choice)."""
+def make_tool_parser(
+    name: str, *, new_id: Callable[[], str] | None = None, declared: Collection[str] | None = None
+) -> ToolParser:
+    """A fresh streaming parser for format `name` (one per generated choice). With `declared`
+    (the request's tool names), a call naming another tool stays text (issue 26)."""
     parser_class: type[ToolParser] = getattr(format_module(name), FORMATS[name][1])
-    return parser_class(new_id=new_id)
+    return parser_class(new_id=new_id, declared=declared)
 
 
 __all__ = ["FORMATS", "ToolParser", "format_module", "make_tool_parser", "select_tool_parser"]

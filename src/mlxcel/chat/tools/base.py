@@ -5,20 +5,26 @@ outside calls and start/arguments/end events for calls (chat/events.py). Text th
 turn out to be the start of call markup is held back, so no partial markup reaches content.
 Formats differ only in how a call block starts (`_scan_start`), how its JSON is read
 (`_new_reader`) and what may follow it (`_scan_after`).
+
+Given the request's declared tool names, a call naming any other tool is no call (issue 26): it
+emits nothing, and a block whose calls were all refused is content, markup included.
 """
 
 from __future__ import annotations
 
 import abc
 import enum
+import logging
 import secrets
 import string
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 from typing import ClassVar, Protocol
 
 from mlxcel.chat.events import ContentDelta, OutputEvent, ToolCall, ToolCallArguments, ToolCallEnd, ToolCallStart
 from mlxcel.chat.tools.json_stream import JsonCallsReader
+
+log = logging.getLogger(__name__)
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _WHITESPACE = " \t\n\r"
@@ -69,16 +75,27 @@ class ToolParser(abc.ABC):
     name: ClassVar[str] = ""
     start_markers: ClassVar[tuple[str, ...]] = ()
 
-    def __init__(self, *, new_id: Callable[[], str] | None = None) -> None:
+    def __init__(self, *, new_id: Callable[[], str] | None = None, declared: Collection[str] | None = None) -> None:
         self.new_id = new_id or self.default_id
         self.num_calls = 0
+        self._declared = frozenset(declared) if declared is not None else None  # None: any name is a call
         self._mode = Mode.CONTENT
         self._buffer = ""
         self._held_space = ""  # trailing whitespace of content, dropped when a call follows it
         self._is_content_seen = False  # non-space content since the start or the last call
         self._reader: CallsReader | None = None
-        self._bare_text: list[str] | None = None  # the text of a bare JSON block, until it proves a call
+        self._block: list[str] = []  # the current block's text, markup included, until it proves a call
+        self._is_bare = False
         self._num_calls_before = 0
+        self._num_refused = 0  # calls of the current block naming an undeclared tool
+
+    def accepts(self, name: str) -> bool:
+        """Whether a call may name `name` (readers ask once per call, before it gets an index)."""
+        if self._declared is None or name in self._declared:
+            return True
+        self._num_refused += 1
+        log.info("a tool call names %r, which the request did not declare; it stays text", name[:100])
+        return False
 
     @staticmethod
     def default_id() -> str:
@@ -99,6 +116,9 @@ class ToolParser(abc.ABC):
         out: list[OutputEvent] = []
         if self._mode is Mode.CALLS and self._reader is not None:
             self._reader.close(out)  # a bare block cut off before naming a function is dropped
+        if self._mode in (Mode.CALLS, Mode.AFTER) and self._is_refused_block():
+            self._block.append(self._buffer)
+            self._emit_content("".join(self._block), out)
         elif self._mode is Mode.CONTENT:
             self._emit_content(self._final_content(self._buffer), out)
             if self._held_space and not self.num_calls:
@@ -114,14 +134,14 @@ class ToolParser(abc.ABC):
             return self._open_reader(out)
         if self._mode is Mode.CALLS:
             return self._advance_calls(out)
-        return self._advance_after()
+        return self._advance_after(out)
 
     def _advance_content(self, out: list[OutputEvent]) -> bool:
         found = self._scan_start(self._buffer)
         if isinstance(found, CallStart):
             self._emit_content(self._buffer[: found.at], out)
-            self._bare_text = [self._held_space + self._buffer[found.at : found.body]] if found.is_bare else None
-            self._held_space, self._num_calls_before = "", self.num_calls
+            self._block, self._is_bare = [self._held_space + self._buffer[found.at : found.body]], found.is_bare
+            self._held_space, self._num_calls_before, self._num_refused = "", self.num_calls, 0
             self._buffer = self._buffer[found.body :]
             self._mode = Mode.OPENING
             return True
@@ -135,34 +155,38 @@ class ToolParser(abc.ABC):
         if opened is None:
             return False
         self._reader, used = opened
+        self._block.append(self._buffer[:used])
         self._buffer, self._mode = self._buffer[used:], Mode.CALLS
         return True
 
     def _advance_calls(self, out: list[OutputEvent]) -> bool:
         assert self._reader is not None
         used = self._reader.feed(self._buffer, out)
-        if self._bare_text is not None:
-            self._bare_text.append(self._buffer[:used])
+        self._block.append(self._buffer[:used])
         self._buffer = self._buffer[used:]
         if not (self._reader.is_done or self._reader.is_error):
             return False
         self._reader.close(out)
         self._mode, self._reader, self._is_content_seen = Mode.AFTER, None, False
-        if self._is_bare_text_content():
+        if self._is_bare and self.num_calls == self._num_calls_before:
+            # A bare JSON block that named no (declared) function was the model's text, not a call.
             self._mode = Mode.CONTENT
-            self._emit_content("".join(self._bare_text or ()), out)
+            self._emit_content("".join(self._block), out)
         return True
 
-    def _is_bare_text_content(self) -> bool:
-        """A bare JSON block that named no function was the model's text, not a call."""
-        return self._bare_text is not None and self.num_calls == self._num_calls_before
+    def _is_refused_block(self) -> bool:
+        """The block named only undeclared tools: its text is content (a block naming none is dropped)."""
+        return self._num_refused > 0 and self.num_calls == self._num_calls_before
 
-    def _advance_after(self) -> bool:
+    def _advance_after(self, out: list[OutputEvent]) -> bool:
         result = self._scan_after(self._buffer)
         if result is None:
             return False
         used, mode = result
+        self._block.append(self._buffer[:used])
         self._buffer, self._mode = self._buffer[used:], mode
+        if mode is Mode.CONTENT and self._is_refused_block():
+            self._emit_content("".join(self._block), out)
         return True
 
     def _emit_content(self, text: str, out: list[OutputEvent]) -> None:
@@ -190,7 +214,7 @@ class ToolParser(abc.ABC):
     def _new_reader(self, buffer: str, out: list[OutputEvent]) -> tuple[CallsReader, int] | None:
         """The reader for the block starting at `buffer` and how many characters the opening
         took (None: wait for more text)."""
-        return JsonCallsReader(self._next_index, self.new_id), 0
+        return JsonCallsReader(self._next_index, self.new_id, self.accepts), 0
 
     def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
         """After a block: how much markup to drop and the next mode (None: wait for more text)."""

@@ -7,11 +7,18 @@ The reply is a JSON value at its very start (optionally in a ```json fence): a c
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from mlxcel.chat.tools.base import CallStart, Mode, Prefix, ToolParser, is_cut_json_call, json_call_prefix
 
 FIRST_KEYS = ("tool_calls", "tool_call", "name", "type", "function")
 FENCES = ("```json", "```")
 ARGUMENTS_KEY = "arguments"
+# Under tool_choice auto, the grammar starts where a reply opens the wrapper the prompt shows
+# (template_polyfill.EXAMPLE_CALL), fenced or not; other shapes have no reliable opener, so only
+# the parser's check of the name applies to them.
+TRIGGER = re.compile(r'\A\s*(?:```(?:json)?\s*)?\{\s*"tool_calls"\s*:\s*\[')
 _SPACE = " \t\n\r"
 
 
@@ -62,3 +69,9 @@ def lark_calls(call: str, *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     items = f'{call} (", " {call})*' if parallel else call
     return f'"{{\\"tool_calls\\": [" {items} "]}}"'
+
+
+def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for what follows TRIGGER when calls are optional: the calls and the wrapper's end."""
+    items = f'{call} (", " {call})*' if parallel else call
+    return f'{items} "]}}"'

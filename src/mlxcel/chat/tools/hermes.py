@@ -6,10 +6,14 @@ row are parallel calls. Text between or around blocks is content.
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from mlxcel.chat.tools.base import CallStart, Mode, ToolParser, find_marker, partial_suffix_len
 
 START = "<tool_call>"
 END = "</tool_call>"
+TRIGGER = re.compile(re.escape(START))  # where a call's grammar starts under tool_choice auto
 
 
 class HermesToolParser(ToolParser):
@@ -40,3 +44,9 @@ def lark_calls(call: str, *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     block = f'"{START}\\n" {call} "\\n{END}"'
     return f'{block} ("\\n" {block})*' if parallel else block
+
+
+def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for what follows TRIGGER when calls are optional: one call and its closing tag
+    (`literal` spells a marker, as text or as its special token)."""
+    return f'"\\n"? {call} "\\n"? {literal(END)}'

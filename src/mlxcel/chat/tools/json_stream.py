@@ -440,6 +440,11 @@ class _StringDecoder:
 
 
 IdFactory = Callable[[], str]
+NamePolicy = Callable[[str], bool]  # whether a call may name this tool (ToolParser.accepts)
+
+
+def any_name(name: str) -> bool:
+    return True
 
 
 class ValueReader:
@@ -473,13 +478,15 @@ class CallObjectStream(ValueReader):
     """One call object, from its `{` to its `}`; emits start/arguments/end events.
 
     The name is emitted once, as soon as it is known; argument text read before the name is
-    held and emitted right after the start. A call that never names a function emits nothing.
+    held and emitted right after the start. A call that never names a function, or names one
+    `accepts` refuses, emits nothing.
     """
 
-    def __init__(self, next_index: Callable[[], int], new_id: IdFactory) -> None:
+    def __init__(self, next_index: Callable[[], int], new_id: IdFactory, accepts: NamePolicy = any_name) -> None:
         super().__init__()
         self._next_index = next_index
         self._new_id = new_id
+        self._accepts = accepts
         self._members = {1}  # depths whose keys are call members (2 inside "function": {...})
         self._capture: str | None = None  # the member whose value is being read
         self._capture_depth = -1
@@ -521,8 +528,10 @@ class CallObjectStream(ValueReader):
     def _finish_member(self, out: list[OutputEvent]) -> None:
         if self._capture == "name" and self.name is None:
             name = _decode_string("".join(self._name_raw))
-            if name:
+            if name and self._accepts(name):
                 self._start(name, out)
+            elif name:
+                self.name = name  # refused: no index, so nothing of this call is emitted
         self._capture, self._capture_depth = None, -1
 
     def _arguments(self) -> ArgumentsStream:
@@ -541,14 +550,15 @@ class CallObjectStream(ValueReader):
         if not fragment:
             return
         if self.index is None:
-            self._held_args.append(fragment)
+            if self.name is None:
+                self._held_args.append(fragment)
         else:
             out.append(ToolCallArguments(self.index, fragment))
 
     def close(self, out: list[OutputEvent]) -> bool:
         """End the call (complete or cut off); False when it never got a name (nothing emitted)."""
         if self.index is None or self.name is None:
-            if not self.is_done:
+            if not self.is_done and self.name is None:
                 log.debug("dropping a tool call without a function name")
             return False
         args = self._arguments()
@@ -565,10 +575,11 @@ class JsonCallsReader(ValueReader):
     another shape is read to its end and yields no call.
     """
 
-    def __init__(self, next_index: Callable[[], int], new_id: IdFactory) -> None:
+    def __init__(self, next_index: Callable[[], int], new_id: IdFactory, accepts: NamePolicy = any_name) -> None:
         super().__init__()
         self._next_index = next_index
         self._new_id = new_id
+        self._accepts = accepts
         self._shape: str | None = None  # "call", "array", "wrapper" or "other"
         self._pending: list[str] = []  # the top object's text until its first key decides the shape
         self._wrapper_key = ""  # the current key of the top object (wrapper shape)
@@ -590,7 +601,7 @@ class JsonCallsReader(ValueReader):
             if event.kind is Event.KEY and event.depth == 1:
                 self._wrapper_key = self.scanner.key
         if self._call is None and self._is_call_start(ch, events):
-            self._call = CallObjectStream(self._next_index, self._new_id)
+            self._call = CallObjectStream(self._next_index, self._new_id, self._accepts)
         if self._call is not None:
             self._call.feed(ch, out)
             if self._call.is_done or self._call.is_error:
@@ -609,7 +620,7 @@ class JsonCallsReader(ValueReader):
             self._wrapper_key = self.scanner.key
             self._shape = "wrapper" if self._wrapper_key in ("tool_calls", "tool_call") else "call"
             if self._shape == "call":
-                self._call = CallObjectStream(self._next_index, self._new_id)
+                self._call = CallObjectStream(self._next_index, self._new_id, self._accepts)
                 self._call.feed("".join(self._pending), out)
             self._pending = []
         elif self.scanner.is_done:
@@ -639,14 +650,15 @@ class JsonCallsReader(ValueReader):
 
 class NamedArgumentsCall(ValueReader):
     """A call whose name came outside the JSON (Mistral's `[TOOL_CALLS]name[ARGS]{...}`):
-    only the arguments object is read."""
+    only the arguments object is read. Index None: a refused call, read and never emitted."""
 
-    def __init__(self, index: int, call_id: str, name: str, out: list[OutputEvent]) -> None:
+    def __init__(self, index: int | None, call_id: str, name: str, out: list[OutputEvent]) -> None:
         super().__init__()
         self.index, self.id, self.name = index, call_id, name
         self._args = ArgumentsStream()
         self._is_started = False  # the arguments value began (whitespace before it is skipped)
-        out.append(ToolCallStart(index, call_id, name))
+        if index is not None:
+            out.append(ToolCallStart(index, call_id, name))
 
     def _step(self, ch: str, out: list[OutputEvent]) -> bool:
         events = self.scanner.step(ch)
@@ -658,9 +670,10 @@ class NamedArgumentsCall(ValueReader):
         return True
 
     def _emit(self, fragment: str, out: list[OutputEvent]) -> None:
-        if fragment:
+        if fragment and self.index is not None:
             out.append(ToolCallArguments(self.index, fragment))
 
     def close(self, out: list[OutputEvent]) -> None:
         self._emit(self._args.end(), out)
-        out.append(ToolCallEnd(self.index, self.id, self.name, self._args.text))
+        if self.index is not None:
+            out.append(ToolCallEnd(self.index, self.id, self.name, self._args.text))

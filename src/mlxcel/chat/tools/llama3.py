@@ -7,6 +7,9 @@ accepted in place of `"parameters"`, and the OpenAI shape `{"type": "function", 
 
 from __future__ import annotations
 
+import re
+from collections.abc import Callable
+
 from mlxcel.chat.tools.base import (
     CallStart, Mode, Prefix, ToolParser, is_cut_json_call, json_call_prefix, partial_suffix_len,
 )
@@ -14,6 +17,9 @@ from mlxcel.chat.tools.base import (
 PYTHON_TAG = "<|python_tag|>"
 FIRST_KEYS = ("name", "type", "function")
 ARGUMENTS_KEY = "parameters"
+# Where a call's grammar starts under tool_choice auto; a bare JSON call has no reliable opener,
+# so only its parser's check of the name applies.
+TRIGGER = re.compile(re.escape(PYTHON_TAG))
 
 
 class Llama3ToolParser(ToolParser):
@@ -48,3 +54,8 @@ class Llama3ToolParser(ToolParser):
 def lark_calls(call: str, *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     return f'{call} ("; " {call})*' if parallel else call
+
+
+def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for what follows TRIGGER when calls are optional."""
+    return lark_calls(call, parallel=parallel)

@@ -7,7 +7,9 @@ ids of exactly 9 letters and digits, so this parser makes those.
 
 from __future__ import annotations
 
+import re
 import secrets
+from collections.abc import Callable
 
 from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, ToolParser, partial_suffix_len
@@ -17,6 +19,7 @@ TOOL_CALLS = "[TOOL_CALLS]"
 ARGS = "[ARGS]"
 CALL_ID = "[CALL_ID]"
 ARGUMENTS_KEY = "arguments"
+TRIGGER = re.compile(re.escape(TOOL_CALLS))  # where a call's grammar starts under tool_choice auto
 _ID_ALPHABET = "abcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ0123456789"
 
 
@@ -43,7 +46,7 @@ class MistralToolParser(ToolParser):
         if not head:
             return None
         if head[0] in "[{":
-            return JsonCallsReader(self._next_index, self.new_id), 0
+            return JsonCallsReader(self._next_index, self.new_id, self.accepts), 0
         return self._named_call(buffer, out)
 
     def _named_call(self, buffer: str, out: list[OutputEvent]) -> tuple[CallsReader, int] | None:
@@ -54,6 +57,8 @@ class MistralToolParser(ToolParser):
             return None
         name = buffer[:end].split(CALL_ID)[0].strip()
         used = end + len(ARGS) if at >= 0 else end
+        if not self.accepts(name):
+            return NamedArgumentsCall(None, "", name, out), used
         return NamedArgumentsCall(self._next_index(), self.new_id(), name, out), used
 
 
@@ -61,3 +66,9 @@ def lark_calls(call: str, *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     items = f'{call} (", " {call})*' if parallel else call
     return f'"{TOOL_CALLS}" "[" {items} "]"'
+
+
+def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for what follows TRIGGER when calls are optional: the array of calls."""
+    items = f'{call} (", " {call})*' if parallel else call
+    return f'" "? "[" {items} "]"'
