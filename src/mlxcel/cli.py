@@ -1,4 +1,5 @@
-"""Command line: `mlxcel serve`, `mlxcel-server` (one startup path, A1) and `mlxcel generate` (A10).
+"""Command line: `mlxcel serve`, `mlxcel-server` (one startup path, A1), `mlxcel generate` (A10) and
+`mlxcel perplexity` (issue 27).
 
 The commands only: their options are read by `command_line.py` (the settings table's flags and
 mirrors into frozen configs); `serve` hands them to `startup.run`, `cluster` to
@@ -14,11 +15,12 @@ import logging
 import sys
 import time
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TextIO
 
 from mlxcel.command_line import (
-    GENERATE_OPTIONS, LOG_FORMAT, OPTIONS, ServeSettings, generate_parser, generate_settings, resolve_device,
-    resolve_values, serve_parser, serve_settings,
+    GENERATE_OPTIONS, LOG_FORMAT, OPTIONS, PERPLEXITY_OPTIONS, ServeSettings, generate_parser, generate_settings,
+    perplexity_parser, perplexity_settings, resolve_device, resolve_values, serve_parser, serve_settings,
 )
 from mlxcel.config import EngineConfig
 from mlxcel.env import Environment
@@ -108,6 +110,36 @@ def run_generate(values: dict[str, Any], environment: Environment) -> int:
     return 0
 
 
+# ---- perplexity ----
+
+def run_perplexity(values: dict[str, Any]) -> int:
+    """`mlxcel perplexity` (issue 27): the model on the server's decode path, then llama-perplexity's numbers."""
+    logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
+    from mlxcel.loading import ModelLoadError, resolve_model
+    from mlxcel.perplexity import PerplexityError, PerplexityRun, engine_chunk_logits, perplexity_main, run_context
+    from mlxcel.runtime import start_served_model
+
+    run = PerplexityRun(n_ctx=values["ppl_ctx"], num_chunks=values["chunks"], base_file=values["kl_divergence_base"],
+                        is_kl_divergence=values["kl_divergence"])
+    try:
+        n_ctx = run_context(run)
+        text = None if run.is_kl_divergence or values["text_file"] is None else (
+            Path(values["text_file"]).read_text(encoding="utf-8", errors="replace"))
+        resolved = resolve_model(values["model"], models_dir=values["models_dir"], default_org=values["default_org"])
+        served = start_served_model(resolved, *perplexity_settings(values, n_ctx))
+    except (PerplexityError, ModelLoadError, ValueError, OSError) as exc:
+        log.error("perplexity: %s", exc)
+        return 1
+    try:
+        perplexity_main(run, served.tokenizer, text, engine_chunk_logits(served.engine.core))
+    except (PerplexityError, OSError) as exc:
+        log.error("perplexity: %s", exc)
+        return 1
+    finally:
+        served.close()
+    return 0
+
+
 # ---- entry points ----
 
 def _serve_main(prog: str, style: str, argv: Sequence[str]) -> int:
@@ -131,7 +163,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     """`mlxcel serve ...` or `mlxcel generate ...`."""
     args = list(sys.argv[1:] if argv is None else argv)
     commands = {"serve": "start the HTTP server", "generate": "generate text once from the command line",
-                "cluster": "serve from N replicas on Ray Serve behind one endpoint (needs mlxcel[cluster])"}
+                "cluster": "serve from N replicas on Ray Serve behind one endpoint (needs mlxcel[cluster])",
+                "perplexity": "perplexity and KL divergence of a text, as llama-perplexity computes them"}
     if not args or args[0] in ("-h", "--help") or args[0] not in commands:
         usage = "\n".join(f"  {name:<10} {text}" for name, text in commands.items())
         stream = sys.stdout if args and args[0] in ("-h", "--help") else sys.stderr
@@ -144,6 +177,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         from mlxcel.cluster.command import cluster_main
 
         return cluster_main(args[1:])
+    if args[0] == "perplexity":
+        namespace = perplexity_parser("mlxcel perplexity").parse_args(args[1:])
+        try:
+            values = resolve_values(namespace, PERPLEXITY_OPTIONS + tuple(OPTIONS), Environment.read())
+        except ValueError as exc:
+            return startup_error("mlxcel perplexity", exc)
+        return run_perplexity(values)
     parser = generate_parser("mlxcel generate")
     namespace = parser.parse_args(args[1:])
     try:

@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 from mlxcel.config import EngineConfig, SpeculativeConfig
 from mlxcel.env import Environment
-from mlxcel.settings import GENERATE_SETTINGS, SETTINGS, Flag, Setting, plain
+from mlxcel.settings import GENERATE_SETTINGS, PERPLEXITY_SETTINGS, SETTINGS, Flag, Setting, plain
 from mlxcel.server.config import ServerConfig, default_responses_db
 
 if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
@@ -39,7 +39,11 @@ GENERATE_OPTIONS: tuple[Setting, ...] = GENERATE_SETTINGS
 _GENERATE_SHARED = ("model", "models_dir", "lora", "lora_init_without_apply", "chat_template", "chat_template_file",
                     "device", "dtype", "ctx_size", "verbose", "realtime_stt", "realtime_tts", "audio_beam_size",
                     "threads", "default_org", "quantize")
-GROUP_TITLES = {"model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
+PERPLEXITY_OPTIONS: tuple[Setting, ...] = PERPLEXITY_SETTINGS
+_PERPLEXITY_SHARED = ("model", "models_dir", "device", "dtype", "threads", "default_org", "quantize", "verbose",
+                      "cache_type_k", "cache_type_v", "kv_cache_mode", "kv_quant_scheme", "batch_size", "ubatch_size",
+                      "decode_step", "no_compile")
+GROUP_TITLES = {"perplexity": "perplexity (llama-perplexity's flags)", "model": "model", "chat": "chat: reasoning, tools, templates", "engine": "engine",
                 "sampling": "sampling defaults (unset: each protocol's own; a request's own field wins)",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
@@ -220,6 +224,23 @@ def generate_settings(values: dict[str, Any]) -> tuple[RuntimeOptions, EngineCon
     return runtime, engine
 
 
+def perplexity_settings(values: dict[str, Any], n_ctx: int) -> tuple[RuntimeOptions, EngineConfig]:
+    """What `perplexity` loads and runs with: serve's model, weights rewrite, KV types and step budget, one
+    slot of `n_ctx` tokens and no prefix cache (each chunk stands alone), no warmup."""
+    from mlxcel.runtime import RuntimeOptions
+
+    runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
+                             threads=values["threads"], quantize=values["quantize"],
+                             weight_materialization=values["weight_materialization"])
+    engine = EngineConfig(max_num_seqs=1, ctx_size=n_ctx + 1, enable_prefix_caching=False,
+                          max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
+                          cache_type_k=values["cache_type_k"], cache_type_v=values["cache_type_v"],
+                          kv_cache_mode=values["kv_cache_mode"], kv_quant_scheme=values["kv_quant_scheme"],
+                          decode_step=_decode_step(values),
+                          compile_cache_dir=str(compile_cache_dir(values["models_dir"])))
+    return runtime, engine
+
+
 def lora_adapters(values: dict[str, Any]) -> tuple[tuple[Path, float], ...]:
     """--lora / --adapter / --lora-scaled in the order given: (path, scale); ids follow this order (F8)."""
     adapters = values.get("lora") or ()
@@ -370,6 +391,16 @@ def environment_help(settings: Sequence[Setting]) -> str:
              for s in settings if s.env and not s.flags]
     return "environment only:\n" + "\n".join(lines) + "\n\nPATCH /v1/settings changes: " + ", ".join(
         s.name for s in settings if s.is_mutable)
+
+
+def perplexity_parser(prog: str) -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog=prog, formatter_class=HelpFormatter, allow_abbrev=False,
+                                     description="Perplexity of a text, and KL divergence against a base's logits, "
+                                                 "as llama-perplexity computes them; results on stdout, progress "
+                                                 "on stderr.")
+    shared = [s for s in OPTIONS if s.name in _PERPLEXITY_SHARED]
+    add_options(parser, PERPLEXITY_OPTIONS + tuple(shared), "serve")
+    return parser
 
 
 def generate_parser(prog: str) -> argparse.ArgumentParser:

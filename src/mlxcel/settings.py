@@ -546,7 +546,22 @@ GENERATE_SETTINGS: tuple[Setting, ...] = (
        "spoken answer", ("--output-audio",), metavar="WAV", group="generate"),
 )
 
-BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS + GENERATE_SETTINGS}
+# `mlxcel perplexity` (issue 27): llama-perplexity's flags; the model, device, dtype, threads, quantize and KV
+# records are serve's, so the run takes the server's decode path.
+PERPLEXITY_SETTINGS: tuple[Setting, ...] = (
+    _s("text_file", PATH, None, "the text to score (required unless --kl-divergence reads a base's own tokens)",
+       ("-f", "--file"), metavar="FILE", group="perplexity"),
+    _s("ppl_ctx", integer(minimum=4), 512, "tokens per chunk; the second half of each is scored (llama-perplexity's -c)",
+       ("-c", "--ctx-size"), metavar="N", group="perplexity"),
+    _s("chunks", INT, -1, "most chunks to score (-1 = every whole chunk of the text)", ("--chunks",), metavar="N",
+       group="perplexity"),
+    _s("kl_divergence_base", PATH, None, "llama.cpp's logits file: written by this run, or read with "
+       "--kl-divergence", ("--kl-divergence-base", "--save-all-logits"), metavar="FILE", group="perplexity"),
+    _s("kl_divergence", BOOL, False, "compare with the --kl-divergence-base file (its tokens and -c): KLD, same top "
+       "token, RMS Δp, PPL ratio", ("--kl-divergence",), group="perplexity", action="on"),
+)
+
+BY_NAME: dict[str, Setting] = {s.name: s for s in SETTINGS + GENERATE_SETTINGS + PERPLEXITY_SETTINGS}
 BY_ENV: dict[str, Setting] = {env: s for s in SETTINGS for env in s.env}
 
 

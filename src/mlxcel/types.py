@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import enum
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Protocol
 
@@ -61,6 +61,7 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # None = no logprobs; N = chosen token plus N alternatives
     is_post_sampling_probs: bool = False  # logprobs of the distribution after the sampler chain (llama-server)
+    prompt_logprobs: int | None = None  # None = off; N = each prompt token's logprob plus the top N (vLLM)
 
     @property
     def is_greedy(self) -> bool:
@@ -93,6 +94,14 @@ class Request:
     processors: tuple[TokenProcessor, ...] = ()
     lora_scales: tuple[float, ...] = ()  # F8: one scale per loaded adapter; () = the base model
     report_progress: bool = False  # llama-server return_progress: a PromptProgress event per prefill chunk
+    # In-process tools (`mlxcel perplexity`): called with (first position, logits [n, vocab] float32) for
+    # every prompt position that predicts a prompt token, in order, each position once.
+    prompt_logits: Callable[[int, torch.Tensor], None] | None = None
+
+    @property
+    def wants_prompt_logits(self) -> bool:
+        """Every prompt position's logits are needed: no prefix-cache read may skip computing them."""
+        return self.sampling.prompt_logprobs is not None or self.prompt_logits is not None
 
     @property
     def cache_extra(self) -> tuple[str, tuple[float, ...]] | None:
@@ -111,6 +120,7 @@ class TokenLogprob:
     token_id: int
     logprob: float
     top: tuple[tuple[int, float], ...] = ()  # (token_id, logprob), best first
+    rank: int | None = None  # the token's rank in the distribution (1 = most likely); set for prompt tokens
 
 
 @dataclass(frozen=True, slots=True)
@@ -144,6 +154,9 @@ class TokenEvent:
     progress: PromptProgress | None = None
     num_drafted: int = 0  # the request's draft tokens verified so far (B1-B4; llama-server timings.draft_n)
     num_draft_accepted: int = 0  # of those, the ones the target accepted
+    # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
+    # context), carried once, by the request's first event with a token or its finish.
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)

@@ -134,10 +134,13 @@ def test_f1_completions_echo_and_logprobs(sdk: openai.OpenAI) -> None:
                                    echo=True, logprobs=2)
     choice = reply.choices[0]
     assert choice.text.startswith("The capital of France is Paris")
-    lp = choice.logprobs
-    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == 3
-    assert lp.text_offset[0] == len("The capital of France is")
-    assert all(len(top) == 2 for top in lp.top_logprobs)
+    lp = choice.logprobs  # issue 27: the echoed prompt's tokens come first, the first one's logprob null
+    num_prompt = reply.usage.prompt_tokens
+    assert len(lp.tokens) == len(lp.token_logprobs) == len(lp.top_logprobs) == num_prompt + 3
+    assert lp.text_offset[0] == 0 and lp.text_offset[num_prompt] == len("The capital of France is")
+    assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None
+    assert all(len(top) == 2 for top in lp.top_logprobs[num_prompt:])
+    assert all(2 <= len(top) <= 3 for top in lp.top_logprobs[1:num_prompt])  # the 2 best and the token itself
 
 
 def test_f1_completions_streaming_with_usage(sdk: openai.OpenAI) -> None:

@@ -89,6 +89,19 @@ class LogprobText:
 
 
 @dataclass(frozen=True, slots=True)
+class PromptLogprobText:
+    """A prompt token's text, and its logprob (`entry.top`: the N best alternatives) with its rank
+    (1 = most likely); the first token has no context, so no `entry`."""
+
+    token: LogprobText
+    entry: LogprobText | None
+    rank: int | None
+
+
+PromptLogprobs = tuple[PromptLogprobText, ...]  # one per prompt token
+
+
+@dataclass(frozen=True, slots=True)
 class ChoiceDelta:
     """What one engine step added to one choice; `finish_reason` is set on its last delta."""
 
@@ -100,6 +113,7 @@ class ChoiceDelta:
     token_ids: tuple[int, ...] = ()  # tokens generated since the previous delta (llama-server `tokens`)
     events: tuple[OutputEvent, ...] = ()  # the output parser's events (with GenerationParams.output_parser)
     progress: PromptProgress | None = None  # a prompt-progress delta (no text), with report_progress
+    prompt_logprobs: PromptLogprobs | None = None  # on the choice's first delta, when asked (sampling.prompt_logprobs)
 
 
 @dataclass(frozen=True, slots=True)
@@ -133,6 +147,7 @@ class ChoiceResult:
     num_generated: int | None = None  # a snapshot's token count (it carries no token_ids)
     num_drafted: int = 0  # speculative draft tokens verified (B1-B4), and the accepted ones
     num_draft_accepted: int = 0
+    prompt_logprobs: PromptLogprobs | None = None  # with sampling.prompt_logprobs
 
     @property
     def num_completion_tokens(self) -> int:
@@ -149,12 +164,16 @@ class _Choice:
         self.prompt_index = prompt_index
         self.stream = stream
         self.logprobs_n = params.sampling.logprobs
+        self.prompt_logprobs: PromptLogprobs | None = None
         self.parser = params.output_parser(prompt, params.stop) if params.output_parser is not None else None
         stops = params.stop if self.parser is None else ()  # a parser matches stops on the answer itself
         self.assembler = TextAssembler(ctx.tokenizer, stops=stops, skip_special_tokens=params.skip_special_tokens,
                                        context_token_ids=prompt.token_ids)
-        self.hidden = ctx.tokenizer.eos_token_ids
+        # End tokens are not text, so their logprobs are left out; but a prompt-logprobs client (lm-eval's
+        # local-completions) counts the entries after the prompt's, so there every generated token stays.
+        self.hidden = ctx.tokenizer.eos_token_ids if params.sampling.prompt_logprobs is None else frozenset()
         self.num_prompt_tokens = len(prompt.token_ids)
+        self.prompt_token_ids = prompt.token_ids
         self.num_cached_tokens = 0
         self.num_drafted = self.num_draft_accepted = 0
         self.text: list[str] = []
@@ -186,7 +205,8 @@ class _Choice:
         for i, token in enumerate(event.token_ids):
             is_last = i == len(event.token_ids) - 1
             part = replace(event, token_ids=(token,), logprobs=event.logprobs[i:i + 1] if event.logprobs else None,
-                           finish_reason=event.finish_reason if is_last else None)
+                           finish_reason=event.finish_reason if is_last else None,
+                           prompt_logprobs=event.prompt_logprobs if i == 0 else None)
             if (delta := self._apply_one(part)) is not None:
                 deltas.append(delta)
             if self.finish_reason is not None:
@@ -199,6 +219,7 @@ class _Choice:
         self.num_cached_tokens = event.num_cached_tokens or self.num_cached_tokens
         step = self.assembler.push(event.token_ids)
         logprobs = self._logprob_texts(event)
+        prompt = self._take_prompt_logprobs(event)
         text, stop, events = step.text, step.stop, ()
         if self.parser is not None:
             events, stop = self._parse(text, event.finish_reason)
@@ -210,10 +231,21 @@ class _Choice:
             self.finish_reason = event.finish_reason.value  # "stop", "length", "abort" or "loop"
         self.text.append(text)
         self.logprobs.extend(logprobs)
-        if not text and not events and not logprobs and self.finish_reason is None:
+        if not text and not events and not logprobs and prompt is None and self.finish_reason is None:
             return None
         token_ids, self.unsent_ids = tuple(self.unsent_ids), []
-        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, stop, token_ids, events)
+        return ChoiceDelta(self.index, text, logprobs, self.finish_reason, stop, token_ids, events,
+                           prompt_logprobs=prompt)
+
+    def _take_prompt_logprobs(self, event: TokenEvent) -> PromptLogprobs | None:
+        if event.prompt_logprobs is None:
+            return None
+        tokenizer = self.ctx.tokenizer
+        self.prompt_logprobs = tuple(
+            PromptLogprobText(_entry(tokenizer, token_id, 0.0), None if lp is None else logprob_text(tokenizer, lp),
+                              None if lp is None else lp.rank)
+            for token_id, lp in zip(self.prompt_token_ids, event.prompt_logprobs))
+        return self.prompt_logprobs
 
     def _parse(self, text: str, engine_reason: FinishReason | None) -> tuple[tuple[OutputEvent, ...], str | None]:
         """The parser's events for this step's text; ends the choice on its stop string or the engine's."""
@@ -270,7 +302,8 @@ class _Choice:
         return ChoiceResult(self.index, self.prompt_index, "".join(self.text), tuple(self.token_ids),
                             tuple(self.logprobs), self.finish_reason or "abort", stop,
                             self.num_prompt_tokens, self.num_cached_tokens, timings, reply,
-                            num_drafted=self.num_drafted, num_draft_accepted=self.num_draft_accepted)
+                            num_drafted=self.num_drafted, num_draft_accepted=self.num_draft_accepted,
+                            prompt_logprobs=self.prompt_logprobs)
 
 
 def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:
@@ -280,7 +313,7 @@ def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:
     return replace(deltas[-1], text="".join(d.text for d in deltas),
                    logprobs=tuple(lp for d in deltas for lp in d.logprobs),
                    token_ids=tuple(t for d in deltas for t in d.token_ids),
-                   events=tuple(e for d in deltas for e in d.events))
+                   events=tuple(e for d in deltas for e in d.events), prompt_logprobs=deltas[0].prompt_logprobs)
 
 
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:

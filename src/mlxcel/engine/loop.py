@@ -98,7 +98,8 @@ class EngineCore:
                                  max_positions=max(shape.context_length, self.slot_context),
                                  max_keys=self.slot_context, cache_dir=cache_dir, taps=taps)
         self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step,
-                             features=self.drafts.drafter.record if taps else None)
+                             features=self.drafts.drafter.record if taps else None,
+                             prompt_logits=self.scheduler.record_prompt_logits)
         # On a GPU a step's events go out once the next step is launched, so the HTTP side turns
         # them into bytes while the device computes (the loop waits GIL-free); on the CPU at once
         # (there the step computes as it is called, and a late event would only add latency).
@@ -448,7 +449,8 @@ class EngineCore:
                                                       num_prompt_tokens=seq.num_prompt_tokens,
                                                       num_cached_tokens=seq.num_cached_tokens,
                                                       num_drafted=seq.num_drafted,
-                                                      num_draft_accepted=seq.num_draft_accepted)))
+                                                      num_draft_accepted=seq.num_draft_accepted,
+                                                      prompt_logprobs=r.prompt_logprobs)))
 
     def _hand_over(self) -> None:
         """Events just made go out now on the CPU; on a GPU they wait for the next step's launch."""

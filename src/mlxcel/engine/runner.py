@@ -11,6 +11,10 @@ decode step at positions p..p+k: each writes its key first and attends over the 
 own position, so the step is causal over the draft and every position's logits have the bits a
 plain decode step at that position would give.
 
+A request that wants its prompt's logits (`Request.wants_prompt_logits`: prompt logprobs, `mlxcel
+perplexity`) gets every prompt position's logits from its prefill chunks, in blocks, through the
+prompt-logits sink (the scheduler's `record_prompt_logits`); such a request reads no cached prefix.
+
 With a feature sink (a DFlash drafter, engine/spec/dflash.py), every computed position's outputs
 of the tapped decoder layers go to it: (request id, first position, features [n, taps x hidden]).
 """
@@ -25,6 +29,7 @@ import torch
 from mlxcel.engine.decode_step import DecodeRow, DecodeStep
 from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.engine.prompt_logprobs import PROMPT_LOGITS_BLOCK
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput, Sequence
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import model_lora_rows, token_scales
@@ -41,15 +46,18 @@ class StepLogits:
 
 
 FeatureSink = Callable[[str, int, torch.Tensor], None]
+PromptLogitsSink = Callable[[Sequence, int, torch.Tensor], None]  # (sequence, first position, logits [n, vocab])
 
 
 class Runner:
     """Owns the model and the KV tensors; called only from the engine loop's thread."""
 
     def __init__(self, model: torch.nn.Module, kv_cache: KVCache, kv: PrefixCache,
-                 device: torch.device | str, decode_step: DecodeStep, features: FeatureSink | None = None) -> None:
+                 device: torch.device | str, decode_step: DecodeStep, features: FeatureSink | None = None,
+                 prompt_logits: PromptLogitsSink | None = None) -> None:
         self.model = model
         self.features = features  # fed when the decode step has taps
+        self.prompt_logits = prompt_logits
         self.kv_cache = kv_cache
         self.kv = kv
         self.device = torch.device(device)
@@ -145,6 +153,7 @@ class Runner:
             hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices)
         else:
             hidden = self.model(input_ids, positions, ctx)
+        self._send_prompt_logits(scheduled, slices, hidden)  # the final norm's output, as the head takes it
         rows = [(s.seq.request_id, sl.q_start + sl.q_len - 1)
                 for s, sl in zip(scheduled, slices) if s.is_sampling]
         if not rows:
@@ -152,6 +161,22 @@ class Runner:
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [r[0] for r in rows], logits.float()
+
+    def _send_prompt_logits(self, scheduled: list[ScheduledSeq], slices: list[SequenceSlice],
+                            hidden: torch.Tensor) -> None:
+        """Logits of the chunk's prompt positions that predict a prompt token, for requests that want them
+        (positions sent before a preemption are not sent again)."""
+        for item, sl in zip(scheduled, slices):
+            seq = item.seq
+            if self.prompt_logits is None or not seq.request.wants_prompt_logits:
+                continue
+            start = seq.num_computed_tokens
+            first = max(start, seq.num_prompt_scored)
+            stop = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            for block in range(first, stop, PROMPT_LOGITS_BLOCK):
+                end = min(block + PROMPT_LOGITS_BLOCK, stop)
+                rows = hidden[sl.q_start + block - start:sl.q_start + end - start]
+                self.prompt_logits(seq, block, self.model.compute_logits(rows).float())
 
     def _tapped_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                         scheduled: list[ScheduledSeq], slices: list[SequenceSlice]) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.kv import PrefixCache
+from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
 from mlxcel.types import FinishReason, Request, TokenLogprob
@@ -52,6 +53,9 @@ class Sequence:
     prefill_start_time: float | None = None  # time.monotonic() of its first admission to a slot
     num_drafted: int = 0  # draft tokens verified for this request (B1-B4)
     num_draft_accepted: int = 0
+    num_prompt_scored: int = 0  # prompt positions whose logits went out (a recomputation skips them)
+    prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per scored position, if asked
+    is_prompt_logprobs_sent: bool = False
 
     @property
     def request_id(self) -> str:
@@ -114,6 +118,7 @@ class StepResult:
     token_ids: tuple[int, ...]
     logprobs: tuple[TokenLogprob, ...] | None
     finish_reason: FinishReason | None
+    prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None  # once, on the sequence's first result
 
 
 @dataclass(frozen=True, slots=True)
@@ -157,7 +162,8 @@ class Scheduler:
     def add_request(self, request: Request) -> Sequence:
         seq = Sequence(request=request, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids),
-                       generator=make_generator(request.sampling.seed))
+                       generator=make_generator(request.sampling.seed),
+                       prompt_logprobs=[None] if request.sampling.prompt_logprobs is not None else None)
         self.sequences[request.request_id] = seq
         self._push_waiting(seq)
         return seq
@@ -279,7 +285,9 @@ class Scheduler:
             slot = self._free_slot(seq.request.slot_id)
             if slot is None:
                 return
-            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=seq.request.cache_prompt,
+            # NOTE: a request that wants every prompt position's logits reads no cached prefix (it may donate)
+            is_reading = seq.request.cache_prompt and not seq.request.wants_prompt_logits
+            cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=is_reading,
                                                             extra=seq.request.cache_extra, include_last_block=True)
             num_new = min(seq.num_tokens - num_cached, budget)
             new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
@@ -322,11 +330,36 @@ class Scheduler:
             self.max_sequence_len = max(self.max_sequence_len, seq.num_computed_tokens)
             if seq.request_id not in sampled:
                 continue
+            if seq.request.sampling.max_tokens == 0:  # the prompt alone was asked for (echo, prompt logprobs)
+                results.append(StepResult(seq, (), None, FinishReason.LENGTH, self._take_prompt_logprobs(seq)))
+                self._finish(seq, FinishReason.LENGTH)
+                continue
             token, logprob = sampled[seq.request_id]
             reason = self._append_token(seq, token)
-            results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason))
+            results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason,
+                                      self._take_prompt_logprobs(seq)))
             self._after_tokens(seq, reason)
         return results
+
+    def record_prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
+        """The runner's logits [n, vocab] of prompt positions first..first+n-1 (each predicting the next
+        prompt token): to the request's own sink, and as prompt logprobs when asked."""
+        request = seq.request
+        if request.prompt_logits is not None:
+            request.prompt_logits(first, logits)
+        num_top = request.sampling.prompt_logprobs
+        if num_top is not None and seq.prompt_logprobs is not None:
+            targets = seq.token_ids[first + 1:first + 1 + logits.shape[0]]
+            seq.prompt_logprobs.extend(prompt_token_logprobs(logits, targets, num_top))
+        seq.num_prompt_scored = first + logits.shape[0]
+
+    @staticmethod
+    def _take_prompt_logprobs(seq: Sequence) -> tuple[TokenLogprob | None, ...] | None:
+        """The prompt's logprobs, once: with the first result after the whole prompt was computed."""
+        if seq.prompt_logprobs is None or seq.is_prompt_logprobs_sent:
+            return None
+        seq.is_prompt_logprobs_sent = True
+        return tuple(seq.prompt_logprobs)
 
     def update_verified(self, item: ScheduledSeq, choose: ChooseToken) -> StepResult | None:
         """Accept a verify row's tokens one at a time (B4): token i is the target's choice at its
