@@ -13,6 +13,8 @@ from mlxcel.engine.sampler import CANDIDATES, SamplingRow, make_generator, sampl
 from mlxcel.types import SamplingParams
 
 EOS = 7
+CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
+DEVICES = ["cpu", CUDA]
 
 
 def row(history: list[int] = (), generated: int = 0, **params: object) -> SamplingRow:
@@ -81,12 +83,13 @@ CHAINS = [
 ]
 
 
-def test_issue25_the_batched_chain_equals_a_per_row_reference_on_random_logits() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue25_the_batched_chain_equals_a_per_row_reference_on_random_logits(device: str) -> None:
     generator = torch.Generator().manual_seed(1)
     logits = torch.randn(len(CHAINS), 2000, generator=generator) * 3
     history = torch.randint(0, 2000, (100,), generator=generator).tolist()
     rows = [row(history, generated=2, **chain) for chain in CHAINS]
-    for r, got, logits_row in zip(rows, post_sampling_distribution(logits, rows), logits):
+    for r, got, logits_row in zip(rows, post_sampling_distribution(logits.to(device), rows), logits):
         expected = torch.log_softmax(reference_final(logits_row, r), -1)
         kept = torch.isfinite(expected).nonzero().flatten().tolist()
         assert sorted(got) == kept, r.params
@@ -148,9 +151,10 @@ def test_min_tokens_and_ignore_eos_suppress_the_end_tokens() -> None:
     assert sample(logits, [row(temperature=0.0, min_tokens=1, stop_token_ids=(4,))])[0] not in ([4], [EOS])
 
 
+@pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("chain", CHAINS[:8], ids=str)
-def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain: dict) -> None:
-    logits = torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2
+def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain: dict, device: str) -> None:
+    logits = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2).to(device)
     neighbours = [row(temperature=1.0), row(temperature=0.0), row(temperature=0.9, top_p=0.9, seed=7),
                   row(temperature=1.2, top_k=CANDIDATES + 1)]
     alone, beside = row(seed=42, **chain), row(seed=42, **chain)
@@ -160,13 +164,14 @@ def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain
     assert len(set(draws_alone)) > 1  # it really samples
 
 
-def test_issue25_draws_follow_the_truncated_softmax() -> None:
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue25_draws_follow_the_truncated_softmax(device: str) -> None:
     """20,000 draws of one logit vector: each token's count is within 5 standard deviations of
     its probability after temperature and top-p, and removed tokens never come."""
     logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0])
     num = 20_000
     r = row(temperature=0.8, top_p=0.9)
-    tokens, _ = sample(logits.expand(num, -1).contiguous(), [r] * num)
+    tokens, _ = sample(logits.expand(num, -1).contiguous().to(device), [r] * num)
     expected = torch.softmax(reference_final(logits, r), -1)
     counts = Counter(tokens)
     for token, p in enumerate(expected.tolist()):
