@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.config import EngineConfig
+from mlxcel.engine.admission import MemoryBudget
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.chat.plan import ChatFeatures, FeatureSettings
@@ -108,6 +109,20 @@ class DraftMismatchError(ValueError):
     """The draft model cannot draft for the target (B1, B3): startup is refused with exit 2."""
 
 
+class MemoryBudgetError(ValueError):
+    """MLXCEL_REQUEST_MEMORY_BUDGET holds no KV block of the model, so no request could ever run:
+    startup is refused with exit 2."""
+
+
+def check_memory_budget(budget: MemoryBudget) -> None:
+    """Spec O: refuse a budget below one KV block, naming the minimum (smaller ones are served, the
+    warmup fitting itself to them)."""
+    if budget.budget_bytes < budget.block_bytes:
+        raise MemoryBudgetError(
+            f"MLXCEL_REQUEST_MEMORY_BUDGET: {budget.budget_bytes} bytes cannot hold one KV block of this model "
+            f"({budget.block_size} tokens); the minimum is {budget.block_bytes} bytes")
+
+
 def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, draft: Tokenizer) -> None:
     """B1: the draft model must have the target's vocabulary (the same token for every id)."""
     if target.backend.get_vocab(with_added_tokens=True) != draft.backend.get_vocab(with_added_tokens=True):
@@ -162,6 +177,7 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
         drafts = _dflash_policy(loaded, resolved.path, options, engine_config)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype, drafts=drafts)
+    check_memory_budget(core.memory_budget)
     if options.warmup:
         core.warm_decode_step()
         if drafts is not None:
@@ -293,13 +309,23 @@ def warmup(served: ServedModel) -> None:
     """Prefill a short prompt and decode a few tokens, so the first real request does not pay
     one-time costs (A6): kernel selection, allocator growth, the decode step's first calls."""
     started = time.monotonic()
-    ids = served.tokenizer.encode(WARMUP_TEXT, add_special_tokens=True) or [0]
+    ids, num_output = _warmup_shape(served.tokenizer.encode(WARMUP_TEXT, add_special_tokens=True) or [0],
+                                    served.engine.core.memory_budget.max_request_tokens)
     request = Request(f"warmup-{uuid.uuid4().hex[:8]}", ids,
-                      SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True), cache_prompt=False)
+                      SamplingParams(temperature=0.0, max_tokens=num_output, ignore_eos=True), cache_prompt=False)
     done = served.engine.core.call(lambda: None)  # make sure the loop thread runs
     done.result(timeout=60)
     _run_blocking(served, request)
     log.info("warmup done in %.2f s", time.monotonic() - started)
+
+
+def _warmup_shape(ids: list[int], max_tokens: int, num_output: int = 8) -> tuple[list[int], int]:
+    """The warmup's prompt and output length, cut to fit a small request memory budget (spec O)."""
+    if len(ids) + num_output <= max_tokens:
+        return ids, num_output
+    num_output = max(1, min(num_output, max_tokens // 4))
+    log.info("warmup cut to %d tokens to fit MLXCEL_REQUEST_MEMORY_BUDGET", max_tokens)
+    return ids[:max(1, max_tokens - num_output)], num_output
 
 
 def _run_blocking(served: ServedModel, request: Request) -> list[int]:

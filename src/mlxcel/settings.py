@@ -368,7 +368,8 @@ SETTINGS: tuple[Setting, ...] = (
        "MLXCEL_KV_CACHE_MEMORY", metavar="SIZE", group="engine"),
     _s("request_memory_budget", size(is_positive=True), None, "lower the request memory budget (O): a request "
        "whose KV blocks (prompt + max output) exceed it gets 503 request_memory_budget_exceeded; default and "
-       "ceiling: what the KV pool holds", (), "MLXCEL_REQUEST_MEMORY_BUDGET", group="engine"),
+       "ceiling: what the KV pool holds; "
+       "less than one KV block refuses startup (exit 2)", (), "MLXCEL_REQUEST_MEMORY_BUDGET", group="engine"),
     _s("cache_type_k", choice(*CACHE_TYPES), "bf16", "KV cache element type for keys: f32, bf16, f16 or q8_0 "
        "(int8 codes, a float16 scale per 32)", ("-ctk", "--cache-type-k"), "LLAMA_ARG_CACHE_TYPE_K", group="engine",
        serve_names=("--cache-type-k", "-ctk")),

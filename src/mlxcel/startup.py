@@ -45,7 +45,7 @@ def run(settings: ServeSettings) -> int:
     configure_logging(settings.verbose, settings.log_file)
     log.info("API key authentication: %s", f"on ({settings.api_key_source})" if settings.server.api_keys else "off")
     from mlxcel.command_line import draft_refusal
-    from mlxcel.runtime import DraftMismatchError
+    from mlxcel.runtime import DraftMismatchError, MemoryBudgetError
 
     if (refusal := draft_refusal(settings.engine.speculative)) is not None:
         log.error("cannot start: %s", refusal)
@@ -57,7 +57,7 @@ def run(settings: ServeSettings) -> int:
     except AdapterError as exc:  # F8: an adapter that does not fit the model is a usage error
         log.error("cannot start: LoRA adapter %s", exc)
         return 2
-    except DraftMismatchError as exc:  # B1, B3: a drafter that cannot draft for the model
+    except (DraftMismatchError, MemoryBudgetError) as exc:  # B1, B3: a drafter that cannot draft; O: no block fits
         log.error("cannot start: %s", exc)
         return 2
     except (ModelLoadError, ValueError, OSError) as exc:

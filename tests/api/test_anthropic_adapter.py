@@ -205,9 +205,9 @@ def test_e1_stream_golden(tokenizer: Tokenizer, metadata: dict[str, Any]) -> Non
             "stop_reason": None, "stop_sequence": None,
             "usage": {"input_tokens": num_prompt, "output_tokens": 0, "cache_creation_input_tokens": 0,
                       "cache_read_input_tokens": 0}}}),
+        ("ping", {"type": "ping"}),
         ("content_block_start", {"type": "content_block_start", "index": 0,
                                  "content_block": {"type": "text", "text": ""}}),
-        ("ping", {"type": "ping"}),
         ("content_block_delta", {"type": "content_block_delta", "index": 0,
                                  "delta": {"type": "text_delta", "text": paris}}),
         ("content_block_delta", {"type": "content_block_delta", "index": 0,
@@ -227,10 +227,10 @@ def test_e1_count_tokens_golden(tokenizer: Tokenizer, metadata: dict[str, Any]) 
     reply = asyncio.run(count_message_tokens(ctx, req, AnthropicOptions()))
     rendered = ctx.chat_template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert reply.body == {"input_tokens": len(tokenizer.encode(rendered, add_special_tokens=False))}
-    with pytest.raises(ApiError) as raised:
-        asyncio.run(count_message_tokens(ctx, parse_count_tokens_request({**req.model_dump(), "model": "gpt-4"}),
-                                         AnthropicOptions()))
-    assert raised.value.status == 404 and raised.value.type == "not_found_error"
+    # any model name is the served model, as on the OpenAI routes (issue 26)
+    other = asyncio.run(count_message_tokens(ctx, parse_count_tokens_request({**req.model_dump(), "model": "gpt-4"}),
+                                             AnthropicOptions()))
+    assert other.body == reply.body
 
 
 # ---- content blocks for reasoning and tool calls (the output parser's events) ----
@@ -238,8 +238,8 @@ def test_e1_count_tokens_golden(tokenizer: Tokenizer, metadata: dict[str, Any]) 
 def test_e1_content_blocks_for_thinking_text_and_tool_use() -> None:
     blocks = ContentBlocks()
     events = [ReasoningDelta("Let me "), ReasoningDelta("think."), ContentDelta("Calling."), ContentDelta(""),
-              ToolCallStart(0, "toolu_9", "weather"), ToolCallArguments(0, '{"city": '),
-              ToolCallArguments(0, '"Paris"}'), ToolCallEnd(0, "toolu_9", "weather", '{"city": "Paris"}')]
+              ToolCallStart(0, "call_9", "weather"), ToolCallArguments(0, '{"city": '),
+              ToolCallArguments(0, '"Paris"}'), ToolCallEnd(0, "call_9", "weather", '{"city": "Paris"}')]
     payloads = [p for event in events for p in blocks.feed(event)] + blocks.close()
     assert payloads == [
         {"type": "content_block_start", "index": 0,
@@ -262,6 +262,18 @@ def test_e1_content_blocks_for_thinking_text_and_tool_use() -> None:
         {"type": "tool_use", "id": "toolu_9", "name": "weather", "input": {"city": "Paris"}},
     ]
     assert blocks.has_tool_use
+
+
+def test_e1_blocks_open_with_their_first_output() -> None:
+    """A call first is the first block (no empty text block before it); no output is one empty text block."""
+    blocks = ContentBlocks()
+    payloads = [p for event in (ContentDelta(""), ToolCallStart(0, "call_x", "f"), ToolCallEnd(0, "call_x", "f", "{}"))
+                for p in blocks.feed(event)] + blocks.finish()
+    assert [p["type"] for p in payloads] == ["content_block_start", "content_block_stop"]
+    assert blocks.content() == [{"type": "tool_use", "id": "toolu_x", "name": "f", "input": {}}]
+    empty = ContentBlocks()
+    assert [p["type"] for p in empty.finish()] == ["content_block_start", "content_block_stop"]
+    assert empty.content() == [{"type": "text", "text": ""}]
 
 
 def result(finish: str, stop: str | None = None) -> ChoiceResult:
@@ -301,14 +313,12 @@ def test_e1_pings_while_silent_and_error_event() -> None:
 
     async def collect() -> list[str]:
         start = {"type": "message_start", "message": {}}
-        return [frame async for frame in message_events(start, ContentBlocks(), slow_then_fail(), 0.1)]
+        return [frame async for frame in message_events(start, slow_then_fail(), 0.1)]
 
     frames = asyncio.run(collect())
-    assert frames[:3] == ['event: message_start\ndata: {"type":"message_start","message":{}}\n\n',
-                          'event: content_block_start\ndata: {"type":"content_block_start","index":0,'
-                          '"content_block":{"type":"text","text":""}}\n\n', PING_FRAME]
+    assert frames[:2] == ['event: message_start\ndata: {"type":"message_start","message":{}}\n\n', PING_FRAME]
     late = frames.index('event: content_block_delta\ndata: {"type":"content_block_delta","index":0,'
                         '"delta":{"type":"text_delta","text":"late"}}\n\n')
-    assert late >= 5 and set(frames[3:late]) == {PING_FRAME}  # at least two pings while silent
+    assert late >= 4 and set(frames[1:late]) == {PING_FRAME}  # at least two pings while silent
     assert frames[late + 1:] == ['event: error\ndata: {"type":"error","error":{"type":"timeout_error",'
                                  '"message":"no token for 600 s"}}\n\n']

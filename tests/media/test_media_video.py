@@ -90,3 +90,35 @@ def test_c5_spread_indices() -> None:
     assert spread_indices(3, 5) == [0, 1, 2]
     assert spread_indices(10, 1) == [0]
     assert spread_indices(11, 3) == [0, 5, 10]
+
+
+# ---- issue 26 point 8: PyAV only where a video is decoded ----
+
+BLOCK_AV = "import sys; sys.modules['av'] = None; from mlxcel.cli import main; sys.exit(main())"  # import av fails
+
+
+@pytest.mark.slow
+def test_c5_a_text_chat_server_never_imports_pyav() -> None:
+    """`mlxcel serve` where `import av` raises (a slim container without PyAV): startup and a text chat
+    request work; a video part is the one thing that needs it."""
+    import subprocess
+    import sys
+
+    import httpx
+
+    from tests.server.test_process import read_address
+
+    command = [sys.executable, "-c", BLOCK_AV, "serve", "--port", "0", "-c", "512", "-np", "1", "--no-warmup"]
+    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    lines: list[str] = []
+    try:
+        address = read_address(process, lines, timeout=240)
+        body = {"model": "m", "messages": [{"role": "user", "content": "Hi"}], "max_tokens": 2, "temperature": 0}
+        reply = httpx.post(address + "/v1/chat/completions", json=body, timeout=120)
+        assert reply.status_code == 200, reply.text
+        process.terminate()
+        assert process.wait(timeout=60) == 0
+    finally:
+        if process.poll() is None:
+            process.kill()
+    assert "Traceback" not in "".join(lines)

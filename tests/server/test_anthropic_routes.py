@@ -1,5 +1,5 @@
 """Anthropic Messages (E1, E2, D1, C1) on the real default model, driven by the official `anthropic` SDK
-and httpx: create, stream, count_tokens, claude-* names, system blocks, stop sequences, content
+and httpx: create, stream, count_tokens, any model name, system blocks, stop sequences, content
 blocks, the billing-stamp pin and its prefix-cache hit, auth headers and every error envelope.
 
 All at temperature 0 with a handful of tokens, so outputs are deterministic and cheap.
@@ -65,7 +65,7 @@ def test_e1_create_matches_chat_and_reports_usage(claude: anthropic.Anthropic, c
     message = claude.messages.create(model=MODEL, max_tokens=6, extra_body=T0, messages=HI)
     chat = client.post("/v1/chat/completions", json=chat_body(max_tokens=6)).json()
     assert message.type == "message" and message.role == "assistant" and message.id.startswith("msg_")
-    assert message.model == MODEL  # any claude-* name maps to the served model and is echoed
+    assert message.model == MODEL  # any model name maps to the served model and is echoed
     assert [block.type for block in message.content] == ["text"]
     assert message.content[0].text == chat["choices"][0]["message"]["content"]
     assert message.stop_reason == "max_tokens" and message.stop_sequence is None
@@ -88,12 +88,12 @@ def test_e1_stream_assembles_the_same_message(claude: anthropic.Anthropic) -> No
 def test_e1_stream_event_sequence(client: httpx.Client) -> None:
     events = sse_events(client, message_body())
     names = [name for name, _ in events]
-    assert names[:3] == ["message_start", "content_block_start", "ping"]
+    assert names[:3] == ["message_start", "ping", "content_block_start"]
     assert names[-3:] == ["content_block_stop", "message_delta", "message_stop"]
     assert set(names[3:-3]) == {"content_block_delta"}
     start = events[0][1]["message"]
     assert start["content"] == [] and start["stop_reason"] is None and start["usage"]["output_tokens"] == 0
-    assert events[1][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
+    assert events[2][1] == {"type": "content_block_start", "index": 0, "content_block": {"type": "text", "text": ""}}
     assert all(data["delta"]["type"] == "text_delta" for _, data in events[3:-3])
     delta = events[-2][1]
     assert delta["delta"] == {"stop_reason": "max_tokens", "stop_sequence": None}
@@ -163,9 +163,44 @@ def test_e1_headers_beta_query_and_model_names(client: httpx.Client, claude: ant
                                        betas=["interleaved-thinking-2025-05-14"])
     assert beta.usage.output_tokens == 1
     assert client.post("/messages", json=message_body(model="SmolLM2-135M-Instruct", max_tokens=1)).status_code == 200
-    missing = client.post("/v1/messages", json=message_body(model="gpt-4o"))
-    assert missing.status_code == 404
-    assert missing.json()["error"]["type"] == "not_found_error" and missing.json()["type"] == "error"
+
+
+def test_e1_any_model_name_is_the_served_model(claude: anthropic.Anthropic, client: httpx.Client) -> None:
+    """As on the OpenAI routes (issue 26): LiteLLM's `anthropic/<name>` sends a local model's name."""
+    reference = claude.messages.create(model=MODEL, max_tokens=4, extra_body=T0, messages=HI)
+    for name in ("gpt-4o", "qwen2.5-coder-1.5b-instruct", "x"):
+        message = claude.messages.create(model=name, max_tokens=4, extra_body=T0, messages=HI)
+        assert message.model == name and message.content[0].text == reference.content[0].text
+        assert claude.messages.count_tokens(model=name, messages=HI).input_tokens == (
+            reference.usage.input_tokens + reference.usage.cache_read_input_tokens)
+
+
+WEATHER = {"name": "get_weather", "description": "Weather of a city",
+           "input_schema": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}
+FORCED = {"type": "tool", "name": "get_weather"}
+PARIS = [{"role": "user", "content": "Weather in Paris?"}]
+
+
+def test_e1_forced_tool_use_is_the_first_block_with_a_toolu_id(claude: anthropic.Anthropic) -> None:
+    """No empty text block before a tool_use (Anthropic never sends one), ids `toolu_` (issue 26)."""
+    message = claude.messages.create(model=MODEL, max_tokens=40, extra_body=T0, messages=PARIS, tools=[WEATHER],
+                                     tool_choice=FORCED)
+    assert [block.type for block in message.content] == ["tool_use"]
+    [call] = message.content
+    assert call.name == "get_weather" and call.id.startswith("toolu_") and len(call.id) == 30
+    assert isinstance(call.input, dict) and isinstance(call.input["city"], str)
+    assert message.stop_reason == "tool_use"
+    with claude.messages.stream(model=MODEL, max_tokens=40, extra_body=T0, messages=PARIS, tools=[WEATHER],
+                                tool_choice=FORCED) as stream:
+        started = [event.content_block for event in stream if event.type == "content_block_start"]
+        final = stream.get_final_message()
+    assert [block.type for block in started] == ["tool_use"] and started[0].id.startswith("toolu_")
+    assert [block.type for block in final.content] == ["tool_use"] and final.content[0].input == call.input
+    # the id the client sends back is taken as it is
+    follow = claude.messages.create(model=MODEL, max_tokens=2, extra_body=T0, tools=[WEATHER], messages=[
+        *PARIS, {"role": "assistant", "content": [call.model_dump()]},
+        {"role": "user", "content": [{"type": "tool_result", "tool_use_id": call.id, "content": "18C"}]}])
+    assert follow.usage.output_tokens >= 1
 
 
 def test_e1_image_blocks_validated_then_refused(client: httpx.Client) -> None:

@@ -171,7 +171,7 @@ def test_f4_tokenize_with_pieces_round_trips_through_detokenize(client: httpx.Cl
     assert any(isinstance(p["piece"], list) for p in pieces)  # a lone byte of a multi-byte character
     raw = b"".join(p["piece"].encode() if isinstance(p["piece"], str) else bytes(p["piece"]) for p in pieces)
     assert raw.decode() == content
-    assert client.post("/detokenize", json={"tokens": ids}).json() == {"content": content}
+    assert client.post("/detokenize", json={"tokens": ids}).json() == {"content": content, "prompt": content}
     assert len(tokenize(client, "<|im_start|>", parse_special=False)) > 1
     assert tokenize(client, "<|im_start|>") == [1]
 
@@ -185,6 +185,46 @@ def test_f4_apply_template_is_the_chat_prompt(client: httpx.Client) -> None:
     chat = client.post("/v1/chat/completions", json={**chat_body(), "messages": messages}).json()
     raw = complete(client, prompt, n_predict=6)
     assert raw["content"] == chat["choices"][0]["message"]["content"]
+
+
+# ---- vLLM's tokenizer routes, as lm-evaluation-harness calls them (issue 26 point 5) ----
+
+def test_tokenizer_info_is_vllms_shape(client: httpx.Client) -> None:
+    info = client.get("/tokenizer_info").json()
+    assert (info["bos_token"], info["eos_token"]) == ("<|im_start|>", "<|im_end|>")  # SmolLM2's GGUF ids 1, 2
+    assert "pad_token" in info and info["model_max_length"] == 1024  # the test engine's context per slot
+    assert info["tokenizer_class"] == "PreTrainedTokenizerFast" and info["vocab_size"] == 49152
+    assert info["chat_template"].startswith("{%") and "<|im_start|>" in info["chat_template"]
+    assert info["added_tokens_decoder"]["2"] == {"content": "<|im_end|>", "lstrip": False, "normalized": False,
+                                                 "rstrip": False, "single_word": False, "special": True}
+
+
+def test_lm_eval_remote_tokenizer_calls(client: httpx.Client) -> None:
+    """The calls of lm_eval/utils.py (`check_remote_tokenizer_support`, `RemoteTokenizer`) that
+    `local-completions` with `tokenizer_backend=auto` makes, with its bodies and the keys it reads."""
+    info = client.get("/tokenizer_info").json()
+    assert isinstance(info, dict) and "eos_token" in info  # what auto-detection checks first
+    probe = client.post("/tokenize", json={"prompt": "test", "add_special_tokens": False}).json()
+    assert isinstance(probe["tokens"], list) and probe["tokens"] == tokenize(client, "test")
+    assert client.post("/tokenize", json={"prompt": info["eos_token"], "add_special_tokens": False}).json()[
+        "tokens"] == [2]  # eos_token_id = encode(eos_token)[0]
+    ids = client.post("/tokenize", json={"prompt": PROMPT, "add_special_tokens": False}).json()["tokens"]
+    assert client.post("/detokenize", json={"tokens": ids}).json()["prompt"] == PROMPT
+
+
+def test_tokenize_takes_vllms_prompt_and_messages(client: httpx.Client) -> None:
+    body = client.post("/tokenize", json={"model": "m", "prompt": PROMPT, "return_token_strs": True}).json()
+    assert body["tokens"] == tokenize(client, PROMPT, add_special=True)  # vLLM's prompt default: special tokens on
+    assert body["count"] == len(body["tokens"]) and body["max_model_len"] == 1024
+    assert body["token_strs"][1] == "Ġcapital"
+    messages = [{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Name a colour."}]
+    prompt = client.post("/apply-template", json={"messages": messages}).json()["prompt"]
+    chat = client.post("/tokenize", json={"messages": messages}).json()
+    assert chat["tokens"] == tokenize(client, prompt)
+    counted = client.post("/v1/chat/completions/input_tokens", json={"model": "m", "messages": messages}).json()
+    assert chat["count"] == counted["input_tokens"]
+    both = client.post("/tokenize", json={"prompt": "a", "content": "b"})
+    assert both.status_code == 400 and "content and prompt" in both.json()["error"]["message"]
 
 
 # ---- /infill ----

@@ -144,3 +144,40 @@ def test_v_anthropic_output_format_json_schema(client: httpx.Client, field: str)
             field: fmt if field == "output_format" else {"format": fmt}}
     message = client.post("/v1/messages", json=body).json()
     jsonschema.validate(json.loads(message["content"][0]["text"]), PERSON)
+
+
+# ---- issue 26 point 3: a forced tool call with an output format (instructor's RESPONSES_TOOLS) ----
+
+def test_v_forced_tool_with_response_format_is_the_call(sdk: openai.OpenAI) -> None:
+    """The forced call is the output; the format would apply to text (OpenAI accepts both)."""
+    completion = sdk.chat.completions.create(
+        model="m", messages=[{"role": "user", "content": "What is the weather in Paris?"}], temperature=0,
+        max_tokens=60, tools=[WEATHER_TOOL], tool_choice={"type": "function", "function": {"name": "get_weather"}},
+        response_format=schema_format(), parallel_tool_calls=False)
+    choice = completion.choices[0]
+    assert choice.finish_reason == "tool_calls"
+    (call,) = choice.message.tool_calls
+    assert call.function.name == "get_weather"
+    jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+    free = sdk.chat.completions.create(  # tool_choice auto with the same format: the format still applies
+        model="m", messages=[{"role": "user", "content": ASK}], temperature=0, max_tokens=40,
+        tools=[WEATHER_TOOL], tool_choice="none", response_format=schema_format())
+    jsonschema.validate(json.loads(free.choices[0].message.content), PERSON)
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_v_responses_forced_tool_with_text_format_is_the_call(sdk: openai.OpenAI, stream: bool) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"],
+            "strict": True}
+    fields: dict[str, Any] = dict(
+        model="m", input="What is the weather in Paris?", temperature=0, max_output_tokens=60, store=False,
+        tools=[tool], tool_choice={"type": "function", "name": "get_weather"}, parallel_tool_calls=False,
+        text={"format": {"type": "json_schema", "name": "person", "schema": PERSON, "strict": True}})
+    if stream:
+        with sdk.responses.stream(**fields) as events:
+            response = events.get_final_response()
+    else:
+        response = sdk.responses.create(**fields)
+    (call,) = [item for item in response.output if item.type == "function_call"]
+    assert call.name == "get_weather"
+    jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])

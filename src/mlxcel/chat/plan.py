@@ -169,9 +169,9 @@ class ChatFeatures:
         output = self.grammar.from_constraints(options.output)
         calls = self.grammar.tool_calls(self.tool_parser_name, options.tools, options.tool_choice,
                                         parallel=options.parallel_tool_calls)
-        if output is not None and calls is not None:
-            raise GrammarError("a required tool call cannot be combined with an output format; drop one")
-        return calls or output
+        # A forced call is the whole output, so its grammar wins; the format is for text (as OpenAI:
+        # instructor sends a forced tool with `text.format`).
+        return calls if calls is not None else output
 
     def _lazy_tool_grammar(self, options: ChatOptions) -> LazyGrammar | None:
         """tool_choice auto: calls are free to come, but once one opens it names a declared tool

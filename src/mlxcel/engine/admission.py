@@ -39,6 +39,16 @@ class MemoryBudget:
             num_tokens = min(num_tokens, self.max_live_tokens)
         return -(-num_tokens // self.block_size)
 
+    @property
+    def block_bytes(self) -> int:
+        """One KV block's bytes: the least any request needs, so the smallest budget that serves anything."""
+        return self.block_size * (self.bytes_per_token + self.draft_bytes_per_token)
+
+    @property
+    def max_request_tokens(self) -> int:
+        """The most tokens (prompt plus output) whose KV fits the budget: whole blocks only."""
+        return self.budget_bytes // self.block_bytes * self.block_size
+
     def estimate_bytes(self, num_prompt_tokens: int, num_output_tokens: int) -> int:
         tokens = self.num_blocks(num_prompt_tokens, num_output_tokens) * self.block_size
         return tokens * (self.bytes_per_token + self.draft_bytes_per_token)

@@ -6,6 +6,7 @@ With a known duration the sample times are computed first; without one the candi
 thinned as they come (every other one dropped, the step doubled, whenever there are twice the
 limit). Either way at most 2 x max frames are ever held in memory.
 Each frame passes the image decoder caps, and the frames count toward `--max-images`.
+PyAV is imported where a video is decoded, so a text-only server never loads it (issue 26).
 """
 
 from __future__ import annotations
@@ -13,19 +14,24 @@ from __future__ import annotations
 import io
 import math
 from collections.abc import Iterable
+from typing import TYPE_CHECKING
 
-import av
 from PIL import Image
 
 from mlxcel.media.errors import MediaError, Reason
 from mlxcel.media.images import check_image_dimensions
 from mlxcel.media.limits import MediaPolicy
 
+if TYPE_CHECKING:
+    import av
+
 _TIME_EPSILON_S = 1e-6
 
 
 def decode_video_frames(data: bytes, fps: float, max_frames: int, policy: MediaPolicy) -> list[Image.Image]:
     """The sampled frames of `data` as RGB images, in order; raises MediaError for a bad video."""
+    import av  # PyAV (FFmpeg, tens of MB): only when a video is decoded
+
     try:
         with av.open(io.BytesIO(data), mode="r") as container:
             if not container.streams.video:
@@ -55,7 +61,9 @@ def _duration_s(container: av.container.InputContainer, stream: av.VideoStream) 
     if stream.duration and stream.time_base:
         return float(stream.duration * stream.time_base)
     if container.duration:
-        return container.duration / av.time_base
+        from av import time_base
+
+        return container.duration / time_base
     return None
 
 

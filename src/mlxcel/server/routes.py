@@ -166,7 +166,11 @@ async def infill(request: Request, state: ServerState) -> Reply:
 
 async def tokenize(request: Request, state: ServerState) -> Reply:
     req = llama_server.parse_tokenize_request(await read_json(request))
-    return llama_server.tokenize_content(state.require_api().tokenizer, req)
+    return llama_server.tokenize(state.require_api(), req)
+
+
+async def tokenizer_info(request: Request, state: ServerState) -> Reply:
+    return llama_server.tokenizer_info(state.require_api())
 
 
 async def detokenize(request: Request, state: ServerState) -> Reply:
@@ -308,6 +312,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("/completion", "/completions"), ("POST",), native_completion),
     Route(("/infill",), ("POST",), infill),
     Route(("/tokenize",), ("POST",), tokenize),
+    Route(("/tokenizer_info",), ("GET",), tokenizer_info),  # vLLM's, for evaluation clients (issue 26)
     Route(("/detokenize",), ("POST",), detokenize),
     Route(("/apply-template",), ("POST",), apply_template),
     Route(("/lora-adapters",), ("GET",), lora_adapters),

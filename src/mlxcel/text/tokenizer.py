@@ -83,10 +83,14 @@ class Tokenizer:
         eos_token_id: int | None,
         end_token_ids: Iterable[int] = (),
         fim_token_ids: Mapping[str, int] | None = None,
+        pad_token_id: int | None = None,
+        unk_token_id: int | None = None,
     ) -> None:
         self.backend = backend
         self.bos_token_id = bos_token_id
         self.eos_token_id = eos_token_id
+        self.pad_token_id = pad_token_id
+        self.unk_token_id = unk_token_id
         self._end_token_ids = frozenset(int(i) for i in end_token_ids)
         self._declared_fim = dict(fim_token_ids or {})
 
@@ -108,6 +112,8 @@ class Tokenizer:
             eos_token_id=metadata.get("tokenizer.ggml.eos_token_id"),
             end_token_ids=[int(i) for i in ends if i is not None],
             fim_token_ids=fim,
+            pad_token_id=metadata.get("tokenizer.ggml.padding_token_id"),
+            unk_token_id=metadata.get("tokenizer.ggml.unknown_token_id"),
         )
 
     @classmethod
@@ -135,7 +141,9 @@ class Tokenizer:
         if eos_id is None and generation_eos:
             eos_id = generation_eos[0]
         _apply_bos_eos_flags(backend, config, bos_id, eos_id)
-        return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id, end_token_ids=generation_eos)
+        return cls(backend, bos_token_id=bos_id, eos_token_id=eos_id, end_token_ids=generation_eos,
+                   pad_token_id=_token_id(backend, config.get("pad_token")),
+                   unk_token_id=_token_id(backend, config.get("unk_token")))
 
     # --- text <-> ids ---------------------------------------------------------------------
 
@@ -186,6 +194,20 @@ class Tokenizer:
     @property
     def eos_token(self) -> str | None:
         return self._token_text(self.eos_token_id)
+
+    @property
+    def pad_token(self) -> str | None:
+        return self._token_text(self.pad_token_id)
+
+    @property
+    def unk_token(self) -> str | None:
+        return self._token_text(self.unk_token_id)
+
+    @cached_property
+    def adds_bos_token(self) -> bool:
+        """Whether encoding with special tokens puts BOS first (the post-processor's template)."""
+        ids = self.backend.encode("a", add_special_tokens=True).ids
+        return self.bos_token_id is not None and bool(ids) and ids[0] == self.bos_token_id
 
     @cached_property
     def eos_token_ids(self) -> frozenset[int]:

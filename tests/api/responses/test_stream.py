@@ -163,3 +163,32 @@ def test_f2_sse_frame_is_named_by_type() -> None:
     event = {"type": "response.output_text.delta", "sequence_number": 4, "delta": "é"}
     assert event_frame(event) == ('event: response.output_text.delta\n'
                                   'data: {"type":"response.output_text.delta","sequence_number":4,"delta":"é"}\n\n')
+
+
+# ---- issue 26: custom and namespaced calls, sealed reasoning ----
+
+def test_issue26_custom_and_namespaced_calls_come_back_as_declared() -> None:
+    from mlxcel.api.responses.items import unseal_reasoning
+    from mlxcel.api.responses.tools import parse_tools
+
+    tools = parse_tools([{"type": "custom", "name": "apply_patch"},
+                         {"type": "namespace", "name": "multi_agent_v1", "tools": [
+                             {"type": "function", "name": "spawn_agent", "parameters": {"type": "object"}}]}])
+    numbers = itertools.count(1)
+    draft = ResponseDraft("resp_1", "m", request_echo(ResponseCreateRequest(input="Hi")), created_at=100)
+    events = ResponseEvents(draft, lambda prefix: f"{prefix}_{next(numbers)}", tools=tools, seals_reasoning=True)
+    out = events.start() + events.feed(ReasoningDelta("Plan."))
+    out += events.feed(ToolCallStart(0, "call_a", "apply_patch")) + events.feed(ToolCallArguments(0, '{"input": '))
+    out += events.feed(ToolCallEnd(0, "call_a", "apply_patch", '{"input": "*** Begin Patch"}'))
+    out += events.feed(ToolCallStart(1, "call_b", "multi_agent_v1__spawn_agent"))
+    out += events.feed(ToolCallEnd(1, "call_b", "multi_agent_v1__spawn_agent", '{"task": "x"}'))
+    out += events.finish("completed", usage=USAGE, completed_at=101)
+    sdk_checked(out)
+    reasoning, custom, call = draft.output
+    assert unseal_reasoning(reasoning["encrypted_content"]) == "Plan."
+    assert custom == {"id": "ctc_2", "type": "custom_tool_call", "status": "completed", "call_id": "call_a",
+                      "name": "apply_patch", "input": "*** Begin Patch"}
+    assert call == {"id": "fc_3", "type": "function_call", "status": "completed", "call_id": "call_b",
+                    "name": "spawn_agent", "namespace": "multi_agent_v1", "arguments": '{"task": "x"}'}
+    types = [e["type"] for e in out]
+    assert "response.custom_tool_call_input.done" in types and "response.function_call_arguments.delta" not in types

@@ -14,10 +14,12 @@ from mlxcel.api.errors import ApiError
 from mlxcel.api.responses.create import generation_params, parse_create_request
 from mlxcel.api.responses.prompt import chat_options
 from mlxcel.api.responses.items import (
-    COMPACTION_HEADING, conversation_turns, media_refs, stored_items, template_tools, to_chat_messages,
+    COMPACTION_HEADING, conversation_turns, media_refs, seal_reasoning, stored_items, to_chat_messages,
+    unseal_reasoning,
 )  # fmt: skip
 from mlxcel.api.responses.prompt import drop_first_turn
 from mlxcel.api.responses.schemas import parse_input_items
+from mlxcel.api.responses.tools import CallTarget, parse_tools, template_tool_choice
 from mlxcel.media import MediaKind, MediaRef
 from mlxcel.types import Priority, SamplingParams
 
@@ -108,9 +110,97 @@ def test_f2_function_tools_in_template_shape() -> None:
     req = parse_create_request({"input": "x", "tools": [
         {"type": "function", "name": "weather", "description": "Get weather", "strict": True,
          "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}]})
-    assert template_tools(req.tools) == [{"type": "function", "function": {
+    assert parse_tools(req.tools).template == [{"type": "function", "function": {
         "name": "weather", "description": "Get weather",
         "parameters": {"type": "object", "properties": {"city": {"type": "string"}}}}}]
+
+
+# ---- issue 26: every Responses tool type (the shapes codex-rs/tools serializes) ----
+
+CODEX_TOOLS = [
+    {"type": "function", "name": "exec_command", "description": "Run a command", "strict": False,
+     "parameters": {"type": "object", "properties": {"cmd": {"type": "string"}}, "required": ["cmd"]}},
+    {"type": "custom", "name": "apply_patch", "description": "Edit files",
+     "format": {"type": "grammar", "syntax": "lark", "definition": 'start: "*** Begin Patch" /(.|\\n)*/'}},
+    {"type": "custom", "name": "pick", "description": "Pick one", "format": {"type": "grammar", "syntax": "regex",
+                                                                            "definition": "(red|blue)"}},
+    {"type": "namespace", "name": "multi_agent_v1", "description": "Agents", "tools": [
+        {"type": "function", "name": "spawn_agent", "description": "Spawn", "strict": False,
+         "parameters": {"type": "object", "properties": {"task": {"type": "string"}}}}]},
+    {"type": "namespace", "name": "mcp__demo__", "description": "Demo", "tools": [
+        {"type": "function", "name": "lookup", "strict": False, "parameters": {"type": "object", "properties": {}}}]},
+    {"type": "web_search", "external_web_access": True},
+    {"type": "image_generation", "output_format": "png"},
+    {"type": "tool_search", "execution": "sync", "description": "Search tools", "parameters": {"type": "object"}},
+    {"type": "local_shell"},
+]
+
+
+def test_issue26_every_tool_type_is_read() -> None:
+    tools = parse_tools(parse_create_request({"input": "x", "tools": CODEX_TOOLS}).tools)
+    assert [t["function"]["name"] for t in tools.template] == [
+        "exec_command", "apply_patch", "pick", "multi_agent_v1__spawn_agent", "mcp__demo__lookup"]
+    assert tools.hosted == ("web_search", "image_generation", "tool_search", "local_shell")
+    assert tools.target("apply_patch") == CallTarget("custom", "apply_patch")
+    assert tools.target("multi_agent_v1__spawn_agent") == CallTarget("function", "spawn_agent", "multi_agent_v1")
+    assert tools.target("mcp__demo__lookup") == CallTarget("function", "lookup", "mcp__demo__")
+    pick = tools.template[2]["function"]["parameters"]
+    assert pick["properties"]["input"]["pattern"] == "^(?:(red|blue))$" and pick["required"] == ["input"]
+    assert "*** Begin Patch" in tools.template[1]["function"]["description"]  # a Lark grammar: described
+
+
+@pytest.mark.parametrize(("tool", "needle"), [
+    ({"type": "teleport"}, "tools.0.type: 'teleport' is not a tool type"),
+    ({"type": "custom"}, "tools.0.name"),
+    ({"type": "namespace", "name": "n", "tools": [{"type": "function"}]}, "tools.0.tools.0"),
+])
+def test_issue26_bad_tools_are_400_naming_them(tool: dict, needle: str) -> None:  # type: ignore[type-arg]
+    with pytest.raises(ApiError) as raised:
+        parse_create_request({"input": "x", "tools": [tool]})
+    assert raised.value.status == 400 and needle in raised.value.message
+
+
+def test_issue26_forcing_a_hosted_tool_is_400_and_custom_choices_name_their_function() -> None:
+    tools = parse_tools(CODEX_TOOLS)
+    with pytest.raises(ApiError) as raised:
+        template_tool_choice({"type": "web_search_preview"}, tools)
+    assert raised.value.status == 400 and "'web_search_preview' is a hosted tool" in raised.value.message
+    assert template_tool_choice({"type": "custom", "name": "apply_patch"}, tools) == {"type": "function",
+                                                                                     "name": "apply_patch"}
+    assert template_tool_choice("auto", tools) == "auto"
+
+
+def test_issue26_custom_and_namespaced_calls_fold_back_into_the_template_names() -> None:
+    items = stored_items(parse_input_items([
+        {"role": "user", "content": "go"},
+        {"type": "custom_tool_call", "call_id": "c1", "name": "apply_patch", "input": "*** Begin Patch"},
+        {"type": "function_call", "call_id": "c2", "name": "spawn_agent", "namespace": "multi_agent_v1",
+         "arguments": "{}"},
+        {"type": "custom_tool_call_output", "call_id": "c1", "output": "done"},
+        {"type": "function_call_output", "call_id": "c2", "output": "spawned"}]))
+    messages = to_chat_messages(None, items)
+    calls = messages[1]["tool_calls"]
+    assert [c["function"]["name"] for c in calls] == ["apply_patch", "multi_agent_v1__spawn_agent"]
+    assert calls[0]["function"]["arguments"] == '{"input": "*** Begin Patch"}'
+    assert messages[2:] == [{"role": "tool", "tool_call_id": "c1", "content": "done", "name": "apply_patch"},
+                            {"role": "tool", "tool_call_id": "c2", "content": "spawned",
+                             "name": "multi_agent_v1__spawn_agent"}]
+
+
+def test_issue26_sealed_reasoning_round_trips_and_foreign_values_are_skipped() -> None:
+    sealed = seal_reasoning("Let me think. 🦙")
+    assert unseal_reasoning(sealed) == "Let me think. 🦙"
+    assert unseal_reasoning(sealed[:-1] + ("0" if sealed[-1] != "0" else "1")) is None  # damaged: tag differs
+    assert unseal_reasoning("gAAAAABo-openai-encrypted") is None
+    items = stored_items(parse_input_items([
+        {"role": "user", "content": "q"},
+        {"type": "reasoning", "summary": [], "encrypted_content": sealed},
+        {"role": "assistant", "content": "a"},
+        {"type": "reasoning", "summary": [], "encrypted_content": "gAAAAABo-openai-encrypted"},
+        {"role": "assistant", "content": "b"}]))
+    messages = to_chat_messages(None, items)
+    assert messages[1] == {"role": "assistant", "content": "a", "reasoning_content": "Let me think. 🦙"}
+    assert messages[2] == {"role": "assistant", "content": "b"}  # nothing readable: no reasoning
 
 
 def test_f2_media_parts_become_refs() -> None:
@@ -151,7 +241,7 @@ def test_f2_image_without_url_and_files_are_refused() -> None:
     ({"input": []}, "input: at least one input item"),
     ({"input": "x", "max_output_tokens": "5"}, "max_output_tokens"),
     ({"input": "x", "temperature": 3}, "temperature"),
-    ({"input": "x", "tools": [{"type": "web_search"}]}, "tools.0"),
+    ({"input": "x", "tools": [{"type": "teleport"}]}, "tools.0.type"),  # hosted types are accepted (issue 26)
     ({"input": "x", "background": True, "store": False}, "background"),
     ({"input": "x", "conversation": "conv_1"}, "conversation"),
     ({"input": "x", "text": {"format": {"type": "json_schema"}}}, "json_schema needs a name and a schema"),

@@ -8,7 +8,6 @@ from __future__ import annotations
 from typing import Any
 
 from mlxcel.api.anthropic.conversation import AnthropicOptions, render_prompt
-from mlxcel.api.anthropic.messages import check_model
 from mlxcel.api.anthropic.schemas import CountTokensRequest
 from mlxcel.api.context import ApiContext
 from mlxcel.api.replies import JsonReply
@@ -22,6 +21,5 @@ def parse_count_tokens_request(body: Any) -> CountTokensRequest:
 
 async def count_message_tokens(ctx: ApiContext, req: CountTokensRequest, options: AnthropicOptions) -> JsonReply:
     """`{"input_tokens": N}` for the rendered prompt."""
-    check_model(ctx, req.model)
     prompt = await render_prompt(ctx, req, options)
     return JsonReply({"input_tokens": len(prompt.token_ids)})

@@ -1,7 +1,7 @@
 """POST /v1/messages (E1): Anthropic Messages <-> Generation, streamed or whole.
 
-Any `claude-*` model name (and the served model's own names: its --alias list) maps to the served model; the
-reply echoes the name the client sent. stop_reason: end_turn (end of sequence), max_tokens,
+Any model name maps to the served model, as on the OpenAI routes (clients such as LiteLLM send a
+local model's own name, Claude Code a `claude-*` one); the reply echoes the name the client sent. stop_reason: end_turn (end of sequence), max_tokens,
 stop_sequence (with `stop_sequence` set), tool_use (a tool call was made). usage reports
 Anthropic's split: input_tokens are the prompt tokens not read from the prefix cache,
 cache_read_input_tokens the ones that were.
@@ -23,7 +23,6 @@ from mlxcel.api.anthropic.conversation import AnthropicOptions, prepare_prompt
 from mlxcel.api.anthropic.schemas import MessagesRequest
 from mlxcel.api.anthropic.stream import ContentBlocks, Payload, message_events
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError
 from mlxcel.api.generation import ChoiceResult, Generation, GenerationParams
 from mlxcel.api.headers import request_priority
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
@@ -35,27 +34,14 @@ from mlxcel.chat.events import (
 )  # fmt: skip
 from mlxcel.types import Usage
 
-CLAUDE_PREFIX = "claude-"
-
-
 def parse_messages_request(body: Any) -> MessagesRequest:
     """Validate a Messages body; raises ApiError(400) naming the bad field (D1)."""
     return validate_body(MessagesRequest, flatten_extra_body(body))
 
 
-def check_model(ctx: ApiContext, model: str) -> None:
-    """Any claude-* name, or one of the served model's names (its id and every --alias, as /v1/models
-    lists them); anything else is a 404."""
-    if model == ctx.model_name or model in ctx.aliases or model.startswith(CLAUDE_PREFIX):
-        return
-    raise ApiError(404, f"model: {model!r} is not served here; use {ctx.model_name!r} or any claude-* name",
-                   "not_found_error", code=404)
-
-
 async def create_message(ctx: ApiContext, req: MessagesRequest, headers: Mapping[str, str],
                          options: AnthropicOptions) -> Reply:
     """Run one Messages call; raises ApiError (in Anthropic's envelope at the route) before streaming."""
-    check_model(ctx, req.model)
     plan, prompt = await prepare_prompt(ctx, req, options)
     params = GenerationParams(stop=tuple(req.stop_sequences or ()), priority=request_priority(headers))
     params = chat_features.with_chat_features(params, plan)
@@ -66,8 +52,7 @@ async def create_message(ctx: ApiContext, req: MessagesRequest, headers: Mapping
         blocks = ContentBlocks()
         start = message_start(message_id, req.model, len(prompt.token_ids))
         body = _stream_body(ctx, generation, blocks, shows_thinking, plan)
-        # With thinking shown the thinking block comes first; otherwise an empty text block opens.
-        frames = message_events(start, blocks, body, ctx.sse_keepalive_s, opens_with_text=not shows_thinking)
+        frames = message_events(start, body, ctx.sse_keepalive_s)
         return StreamReply(frames, on_close=generation.aclose)
     result = (await generation.collect())[0]
     chat_features.remember_replies(plan, [result])
@@ -99,12 +84,9 @@ def reply_events(reply: ParsedReply) -> list[OutputEvent]:
 def collected_blocks(reply: ParsedReply, shows_thinking: bool) -> ContentBlocks:
     """The blocks of a non-streaming reply, built as the stream builds them."""
     blocks = ContentBlocks()
-    events = visible_events(reply_events(reply), shows_thinking)
-    if not events or not isinstance(events[0], ReasoningDelta):
-        blocks.open_text()
-    for event in events:
+    for event in visible_events(reply_events(reply), shows_thinking):
         blocks.feed(event)
-    blocks.close()
+    blocks.finish()
     return blocks
 
 
@@ -114,7 +96,7 @@ async def _stream_body(ctx: ApiContext, generation: Generation, blocks: ContentB
         for event in visible_events(delta.events, shows_thinking):
             for payload in blocks.feed(event):
                 yield payload
-    for payload in blocks.close():
+    for payload in blocks.finish():
         yield payload
     chat_features.remember_replies(plan, generation.results())
     result = generation.results()[0]

@@ -5,7 +5,7 @@ reasoning, tool calls) into Anthropic blocks: `text` (text_delta), `thinking` (t
 and `tool_use` (input_json_delta). Streaming sends the block events as they happen; a
 non-streaming reply reads `content()` from the same object, so both always agree.
 
-A stream is, in order: message_start, content_block_start, ping, content_block_delta...,
+A stream is, in order: message_start, ping, content_block_start, content_block_delta...
 content_block_stop, message_delta (stop_reason, usage), message_stop; a `ping` event also
 goes out whenever the stream is silent for the keepalive interval (A9).
 """
@@ -45,10 +45,6 @@ class ContentBlocks:
     def has_tool_use(self) -> bool:
         return bool(self._tool_blocks)
 
-    def open_text(self) -> list[Payload]:
-        """Start with an empty text block (what Anthropic streams first for a plain answer)."""
-        return self._start({"type": "text", "text": ""})
-
     def feed(self, event: OutputEvent) -> list[Payload]:
         """The stream events for one output event (none for an empty delta)."""
         if isinstance(event, ContentDelta):
@@ -57,7 +53,7 @@ class ContentBlocks:
             return self._append("thinking", event.text, {"type": "thinking", "thinking": "", "signature": ""},
                                 "thinking_delta")
         if isinstance(event, ToolCallStart):
-            events = self._start({"type": "tool_use", "id": event.id, "name": event.name, "input": {}})
+            events = self._start({"type": "tool_use", "id": tool_use_id(event.id), "name": event.name, "input": {}})
             self._tool_blocks[event.index] = len(self.blocks) - 1
             return events
         if isinstance(event, ToolCallArguments):
@@ -73,6 +69,12 @@ class ContentBlocks:
             return []
         index, self._open = self._open, None
         return [{"type": "content_block_stop", "index": index}]
+
+    def finish(self) -> list[Payload]:
+        """Close the open block; a reply without any block gets one empty text block."""
+        if self.blocks:
+            return self.close()
+        return self._start({"type": "text", "text": ""}) + self.close()
 
     def content(self) -> list[Payload]:
         """The blocks as a non-streaming reply lists them."""
@@ -96,18 +98,20 @@ class ContentBlocks:
         return events + [{"type": "content_block_start", "index": self._open, "content_block": dict(block)}]
 
 
+def tool_use_id(call_id: str) -> str:
+    """The parser's `call_...` id in Anthropic's `toolu_...` form (the random part kept)."""
+    return "toolu_" + call_id.removeprefix("call_")
+
+
 def _delta(index: int, delta: Payload) -> Payload:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-async def message_events(message_start: Payload, blocks: ContentBlocks, body: AsyncIterator[Payload],
-                         keepalive_s: float, *, opens_with_text: bool = True) -> AsyncIterator[str]:
-    """The whole SSE stream: the opening events, then `body` (block events, message_delta,
-    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event.
-    `opens_with_text`: start with an empty text block (not when a thinking block comes first)."""
+async def message_events(message_start: Payload, body: AsyncIterator[Payload],
+                         keepalive_s: float) -> AsyncIterator[str]:
+    """The whole SSE stream: message_start and a ping, then `body` (block events, message_delta,
+    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event."""
     yield event_frame(message_start)
-    for payload in blocks.open_text() if opens_with_text else ():
-        yield event_frame(payload)
     yield PING_FRAME
     frames = _frames(body)
     async for frame in with_keepalive(frames, keepalive_s, keepalive_frame=PING_FRAME):

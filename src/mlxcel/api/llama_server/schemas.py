@@ -92,13 +92,6 @@ class InfillRequest(CompletionFields):
     prompt: str = ""
 
 
-class TokenizeRequest(WireModel):
-    content: str
-    add_special: bool = False
-    parse_special: bool = True
-    with_pieces: bool = False
-
-
 class DetokenizeRequest(WireModel):
     tokens: list[int] = Field(default_factory=list)
 
@@ -119,6 +112,42 @@ class TemplateMessage(WireModel):
     tool_calls: list[dict[str, Any]] | None = None
     tool_call_id: str | None = None
     reasoning_content: str | None = None
+
+
+class TokenizeRequest(WireModel):
+    """llama-server's `content`, or vLLM's `prompt` (text) or `messages` (rendered by the chat template
+    first); exactly one. BOS is added by `add_special` / vLLM's `add_special_tokens`; by default only
+    for a vLLM `prompt`, as vLLM does."""
+
+    content: str | None = None
+    prompt: str | None = None
+    messages: list[TemplateMessage] | None = Field(None, min_length=1)
+    add_special: bool | None = None
+    add_special_tokens: bool | None = None
+    parse_special: bool = True
+    with_pieces: bool = False
+    return_token_strs: bool = False  # vLLM: the tokens' vocabulary spellings beside the ids
+    tools: list[dict[str, Any]] | None = None  # with messages, as /apply-template reads them
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+
+    @model_validator(mode="after")
+    def _check_input(self) -> TokenizeRequest:
+        given = [name for name in ("content", "prompt", "messages") if getattr(self, name) is not None]
+        if len(given) != 1:
+            raise ValueError("content: send one of `content` (llama-server), `prompt` or `messages` (vLLM); "
+                             f"got {' and '.join(given) or 'none'}")
+        if self.continue_final_message and self.add_generation_prompt and self.messages is not None:
+            raise ValueError("continue_final_message: set add_generation_prompt to false with it")
+        return self
+
+    @property
+    def adds_special_tokens(self) -> bool:
+        for value in (self.add_special_tokens, self.add_special):
+            if value is not None:
+                return value
+        return self.prompt is not None
 
 
 class ApplyTemplateRequest(ChatFeatureFields):

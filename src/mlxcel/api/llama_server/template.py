@@ -25,10 +25,15 @@ def parse_apply_template_request(body: Any) -> ApplyTemplateRequest:
 
 def apply_template(ctx: ApiContext, req: ApplyTemplateRequest) -> JsonReply:
     """`{"prompt": text}` rendered by the served model's chat template; a template failure is a 400."""
+    return JsonReply({"prompt": render_template(ctx, req)})
+
+
+def render_template(ctx: ApiContext, req: ApplyTemplateRequest) -> str:
+    """The prompt text chat would generate from (also what vLLM's `/tokenize` with `messages` counts)."""
     messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
     options = build_chat_options(req, tools=req.tools, output=[("response_format", req.response_format)])
     plan = chat_features.plan_chat(ctx, options, messages)
     text = chat_prompt.render_chat_text(
         ctx, plan.messages, tools=plan.tools, add_generation_prompt=req.add_generation_prompt,
         continue_final_message=req.continue_final_message, template_kwargs=plan.template_kwargs)
-    return JsonReply({"prompt": text})
+    return text

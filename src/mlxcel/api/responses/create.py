@@ -18,26 +18,30 @@ from mlxcel.api.responses.prompt import plan_prompt
 from mlxcel.api.responses.run import ResponseRun
 from mlxcel.api.responses.schemas import InputTokensRequest, ResponseCreateRequest, parse_input_items
 from mlxcel.api.responses.service import ResponsesService, not_found
-from mlxcel.api.responses.stream import Event, event_frame
+from mlxcel.api.responses.stream import Event, ResponseEvents, event_frame
+from mlxcel.api.responses.tools import log_hosted, parse_tools
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import with_keepalive
 from mlxcel.types import Priority
 
 PRIORITY_HEADER = "x-priority"
+SEALED_REASONING = "reasoning.encrypted_content"  # include: reasoning items carry it (items.seal_reasoning)
 MAX_INPUT_ITEMS_PAGE = 100
 
 
 def parse_create_request(body: Any) -> ResponseCreateRequest:
     """Validate a POST /v1/responses body (extra_body fields lifted) and its items; raises ApiError(400)."""
     req = validate_body(ResponseCreateRequest, flatten_extra_body(body))
-    parse_input_items(req.input)  # D1: a bad item is a body error, answered before availability
+    parse_input_items(req.input)  # D1: a bad item or tool is a body error, answered before availability
+    parse_tools(req.tools)
     return req
 
 
 def parse_input_tokens_request(body: Any) -> InputTokensRequest:
     req = validate_body(InputTokensRequest, flatten_extra_body(body))
     parse_input_items(req.input)
+    parse_tools(req.tools)
     return req
 
 
@@ -49,12 +53,15 @@ async def create_response(ctx: ApiContext, service: ResponsesService, req: Respo
     before a stream or a background task starts.
     """
     plan = await plan_prompt(ctx, service, req)
+    tools = parse_tools(req.tools)
+    log_hosted(tools)
     response_id = new_id("resp")
     params = chat_features.with_chat_features(generation_params(ctx, req, headers), plan.chat)
     generation = Generation.start(ctx, [plan.prompt], params, request_id=response_id)
     draft = ResponseDraft(response_id, ctx.model_name, request_echo(req), background=req.background,
                           status="queued" if req.background else "in_progress")
-    run = ResponseRun(ctx, service.store, draft, plan.conversation, generation, should_store=req.store,
+    events = ResponseEvents(draft, tools=tools, seals_reasoning=SEALED_REASONING in (req.include or ()))
+    run = ResponseRun(ctx, service.store, events, plan.conversation, generation, should_store=req.store,
                       plan=plan.chat, timings_per_token=req.timings_per_token)
     if req.background:
         reply = draft.to_json()

@@ -7,12 +7,21 @@ by `previous_response_id`. `to_chat_messages` turns a conversation into template
     instructions + compaction summaries   -> one leading system message
     message (user/system/developer)        -> {"role": ..., "content": text}  (developer -> system)
     message (assistant) + reasoning        -> {"role": "assistant", "content", "reasoning_content"}
-    function_call                          -> tool_calls on the assistant message of that turn
-    function_call_output                   -> {"role": "tool", "tool_call_id", "name", "content"}
+    function_call, custom_tool_call        -> tool_calls on the assistant message of that turn
+                                              (names as the template saw them: responses/tools.py)
+    function_call_output, custom_..._output -> {"role": "tool", "tool_call_id", "name", "content"}
+
+A reasoning item may come back with only its `encrypted_content` (`include:
+["reasoning.encrypted_content"]` with `store: false`, as Codex sends every turn): here that is
+the reasoning text in base64 with an integrity tag, not encryption; an opaque value this server
+did not write (another provider's) is skipped.
 """
 
 from __future__ import annotations
 
+import base64
+import binascii
+import hashlib
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -20,16 +29,18 @@ from typing import Any
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.media import audio_data_url
 from mlxcel.api.responses.schemas import (
-    AudioPart, FunctionCallItem, FunctionCallOutputItem, FunctionTool, ImagePart, InputItem, MessageItem,
+    AudioPart, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, ImagePart, InputItem, MessageItem,
     ReasoningItem,
 )  # fmt: skip
+from mlxcel.api.responses.tools import call_arguments
 from mlxcel.media import MediaKind, MediaRef
 
 Item = dict[str, Any]
 IdFactory = Callable[[str], str]
 COMPACTION_HEADING = "Summary of the earlier conversation:"
 ID_PREFIXES = {"message": "msg", "function_call": "fc", "function_call_output": "fco", "reasoning": "rs",
-               "compaction": "cmp"}
+               "compaction": "cmp", "custom_tool_call": "ctc", "custom_tool_call_output": "ctco"}
+SEAL_PREFIX = "mlxcel-reasoning-v1:"  # sealed reasoning: prefix, base64 of the UTF-8 text, ".", tag
 
 
 def new_id(prefix: str) -> str:
@@ -50,7 +61,7 @@ def _stored(item: InputItem, make_id: IdFactory) -> Item:
     if isinstance(item, MessageItem):
         data["content"] = _message_parts(item)
         data["status"] = item.status or "completed"
-    elif isinstance(item, FunctionCallItem | FunctionCallOutputItem):
+    elif isinstance(item, FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem):
         data["status"] = item.status or "completed"
     elif isinstance(item, ReasoningItem):
         data.setdefault("summary", [])
@@ -116,12 +127,12 @@ class _ChatBuilder:
         kind = item["type"]
         if kind == "message":
             self._message(index, item)
-        elif kind == "function_call":
+        elif kind in ("function_call", "custom_tool_call"):
             self._function_call(item)
-        elif kind == "function_call_output":
+        elif kind in ("function_call_output", "custom_tool_call_output"):
             self._function_output(index, item)
-        elif kind == "reasoning":
-            self.pending_reasoning.append(reasoning_text(item))
+        elif kind == "reasoning" and (text := reasoning_text(item)):
+            self.pending_reasoning.append(text)
         elif kind == "compaction":
             self.summaries.append(f"{COMPACTION_HEADING}\n{item['encrypted_content']}")
 
@@ -147,10 +158,10 @@ class _ChatBuilder:
 
     def _function_call(self, item: Item) -> None:
         message = self._assistant(for_calls=True)
-        call = {"id": item["call_id"], "type": "function",
-                "function": {"name": item["name"], "arguments": item["arguments"]}}
+        name, arguments = call_arguments(item)
+        call = {"id": item["call_id"], "type": "function", "function": {"name": name, "arguments": arguments}}
         message.setdefault("tool_calls", []).append(call)
-        self.call_names[item["call_id"]] = item["name"]
+        self.call_names[item["call_id"]] = name
 
     def _function_output(self, index: int, item: Item) -> None:
         output = item["output"]
@@ -179,17 +190,34 @@ def parts_text(where: str, parts: Sequence[dict[str, Any]]) -> str:
 
 
 def reasoning_text(item: Item) -> str:
-    """A reasoning item's text: its reasoning_text content when present, else its summary."""
+    """A reasoning item's text: its reasoning_text content when present, else its summary, else
+    what its encrypted_content carries (when this server wrote it)."""
     content = item.get("content") or item.get("summary") or []
+    if not content and isinstance(item.get("encrypted_content"), str):
+        return unseal_reasoning(item["encrypted_content"]) or ""
     return "\n".join(part["text"] for part in content)
 
 
-def template_tools(tools: Sequence[FunctionTool] | None) -> list[dict[str, Any]] | None:
-    """Responses function tools in the chat-template shape {"type": "function", "function": {...}}."""
-    if not tools:
+def seal_reasoning(text: str) -> str:
+    """The opaque `encrypted_content` of a reasoning item: the text in base64 and a SHA-256 tag that
+    catches a damaged value (an integrity check, not secrecy: the client may read it)."""
+    payload = base64.b64encode(text.encode()).decode()
+    return f"{SEAL_PREFIX}{payload}.{_tag(payload)}"
+
+
+def unseal_reasoning(value: str) -> str | None:
+    """The text of a value seal_reasoning made; None for anything else (another server's, damaged)."""
+    payload, _, tag = value.removeprefix(SEAL_PREFIX).rpartition(".")
+    if not value.startswith(SEAL_PREFIX) or tag != _tag(payload):
         return None
-    return [{"type": "function", "function": tool.model_dump(exclude={"type", "strict"}, exclude_none=True)}
-            for tool in tools]
+    try:
+        return base64.b64decode(payload, validate=True).decode()
+    except (binascii.Error, UnicodeDecodeError):
+        return None
+
+
+def _tag(payload: str) -> str:
+    return hashlib.sha256(payload.encode()).hexdigest()[:16]
 
 
 def conversation_turns(conversation: Sequence[Item]) -> tuple[list[Item], list[Item]]:

@@ -35,7 +35,7 @@ def request_echo(req: ResponseCreateRequest) -> dict[str, Any]:
         "temperature": 1.0 if req.temperature is None else req.temperature,
         "text": text_echo(req),
         "tool_choice": req.tool_choice or "auto",
-        "tools": [tool.model_dump(exclude_none=True) for tool in req.tools or ()],
+        "tools": list(req.tools or ()),
         "top_logprobs": req.top_logprobs or 0,
         "top_p": 1.0 if req.top_p is None else req.top_p,
         "truncation": req.truncation,

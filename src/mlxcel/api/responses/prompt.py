@@ -22,9 +22,10 @@ from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media
-from mlxcel.api.responses.items import Item, media_refs, stored_items, template_tools, to_chat_messages
+from mlxcel.api.responses.items import Item, media_refs, stored_items, to_chat_messages
 from mlxcel.api.responses.schemas import ConversationFields, ResponseCreateRequest, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
+from mlxcel.api.responses.tools import parse_tools, template_tool_choice
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.types import SamplingParams
@@ -90,9 +91,11 @@ def chat_options(req: ConversationFields, defaults: SamplingDefaults = SamplingD
     constraint) and, for a create, its sampling (an input-token count has none); raises ApiError(400)."""
     text_format = req.text.format if req.text else None
     output = [("text.format", text_format.model_dump(exclude_none=True, by_alias=True) if text_format else None)]
+    tools = parse_tools(req.tools)
     return build_chat_options(
         req, sampling=sampling_params(req, defaults) if isinstance(req, ResponseCreateRequest) else None, output=output,
-        tools=template_tools(req.tools), tool_choice=req.tool_choice, parallel_tool_calls=req.parallel_tool_calls)
+        tools=tools.template or None, tool_choice=template_tool_choice(req.tool_choice, tools),
+        parallel_tool_calls=req.parallel_tool_calls)
 
 
 def sampling_params(req: ResponseCreateRequest, defaults: SamplingDefaults = SamplingDefaults()) -> SamplingParams:

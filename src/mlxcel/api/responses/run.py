@@ -44,12 +44,13 @@ FINISH_STATUS = {"stop": ("completed", None), "length": ("incomplete", "max_outp
 class ResponseRun:
     """One response's generation, events and storage."""
 
-    def __init__(self, ctx: ApiContext, store: AsyncResponseStore, draft: ResponseDraft, conversation: list[Item],
+    def __init__(self, ctx: ApiContext, store: AsyncResponseStore, events: ResponseEvents, conversation: list[Item],
                  generation: Generation, *, should_store: bool, plan: ChatPlan | None = None,
                  timings_per_token: bool = False) -> None:
         self.ctx = ctx
         self.store = store
-        self.events = ResponseEvents(draft)
+        self.events = events
+        draft = events.draft
         self.conversation = conversation
         self.generation = generation
         self.should_store = should_store

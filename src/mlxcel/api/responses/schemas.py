@@ -82,8 +82,26 @@ class FunctionCallItem(WireModel):
     id: str | None = None
     call_id: str
     name: str
+    namespace: str | None = None  # a member of a namespace tool (Codex)
     arguments: str
     status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class CustomToolCallItem(WireModel):
+    type: Literal["custom_tool_call"]
+    id: str | None = None
+    call_id: str
+    name: str
+    namespace: str | None = None
+    input: str
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
+class CustomToolCallOutputItem(WireModel):
+    type: Literal["custom_tool_call_output"]
+    id: str | None = None
+    call_id: str
+    output: str | list[ContentPart]
 
 
 class FunctionCallOutputItem(WireModel):
@@ -109,11 +127,14 @@ class CompactionItem(WireModel):
     encrypted_content: str
 
 
-InputItem = MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem | CompactionItem
+InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem | CustomToolCallOutputItem
+             | ReasoningItem | CompactionItem)
 ITEM_MODELS: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
     "function_call_output": FunctionCallOutputItem,
+    "custom_tool_call": CustomToolCallItem,
+    "custom_tool_call_output": CustomToolCallOutputItem,
     "reasoning": ReasoningItem,
     "compaction": CompactionItem,
 }
@@ -178,15 +199,7 @@ class TextConfig(WireModel):
 
 class ReasoningConfig(WireModel):
     effort: Literal["none", "minimal", "low", "medium", "high", "xhigh"] | None = None
-    summary: Literal["auto", "concise", "detailed"] | None = None
-
-
-class FunctionTool(WireModel):
-    type: Literal["function"]
-    name: str = Field(min_length=1)
-    description: str | None = None
-    parameters: dict[str, Any] | None = None
-    strict: bool | None = None
+    summary: Literal["auto", "concise", "detailed", "none"] | None = None
 
 
 class ConversationFields(ChatFeatureFields):
@@ -198,7 +211,7 @@ class ConversationFields(ChatFeatureFields):
     instructions: str | None = None
     previous_response_id: str | None = None
     conversation: str | dict[str, Any] | None = None
-    tools: list[FunctionTool] | None = None
+    tools: list[Any] | None = None  # each checked by its type in tools.parse_tools (function, custom, namespace, hosted)
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool = True
     text: TextConfig | None = None

@@ -5,6 +5,7 @@
         response.output_text.delta ... response.output_text.done        (message)
         response.reasoning_text.delta ... response.reasoning_text.done  (reasoning)
         response.function_call_arguments.delta ... .done                 (function_call)
+        response.custom_tool_call_input.done                             (custom_tool_call)
     response.content_part.done, response.output_item.done,
     response.completed | response.incomplete | response.failed
 
@@ -21,8 +22,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from mlxcel.api.generation import LogprobText
-from mlxcel.api.responses.items import IdFactory, new_id
+from mlxcel.api.responses.items import IdFactory, new_id, seal_reasoning
 from mlxcel.api.responses.objects import ResponseDraft
+from mlxcel.api.responses.tools import ToolSet, custom_input
 from mlxcel.api.sse import sse_frame
 from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart,
@@ -37,9 +39,12 @@ TERMINAL_EVENTS = {"completed": "response.completed", "incomplete": "response.in
 class ResponseEvents:
     """Builds one response's events; `draft` is updated as they are made."""
 
-    def __init__(self, draft: ResponseDraft, make_id: IdFactory = new_id) -> None:
+    def __init__(self, draft: ResponseDraft, make_id: IdFactory = new_id, *, tools: ToolSet | None = None,
+                 seals_reasoning: bool = False) -> None:
         self.draft = draft
         self.make_id = make_id
+        self.tools = tools or ToolSet()  # a call's template name -> the client's tool (custom, namespace)
+        self.seals_reasoning = seals_reasoning  # include: reasoning.encrypted_content
         self.sequence_number = 0
         self._open: dict[str, Any] | None = None  # the output item receiving deltas
         self._calls: dict[int, dict[str, Any]] = {}  # tool-call index -> its function_call item
@@ -138,6 +143,8 @@ class ResponseEvents:
                                logprobs=[delta_logprob(e) for e in part["logprobs"]])
         else:
             done = self._event("response.reasoning_text.done", **fields, text=part["text"])
+            if self.seals_reasoning:
+                item["encrypted_content"] = seal_reasoning(part["text"])
         item["status"] = item_status
         return [done, self._event("response.content_part.done", **fields, part=copy.deepcopy(part)),
                 self._event("response.output_item.done", output_index=fields["output_index"],
@@ -147,8 +154,15 @@ class ResponseEvents:
 
     def _call_start(self, event: ToolCallStart) -> list[Event]:
         events = self._close()
-        item = {"id": self.make_id("fc"), "type": "function_call", "status": "in_progress", "call_id": event.id,
-                "name": event.name, "arguments": ""}
+        target = self.tools.target(event.name)
+        if target.kind == "custom":
+            item = {"id": self.make_id("ctc"), "type": "custom_tool_call", "status": "in_progress",
+                    "call_id": event.id, "name": target.name, "input": ""}
+        else:
+            item = {"id": self.make_id("fc"), "type": "function_call", "status": "in_progress", "call_id": event.id,
+                    "name": target.name, "arguments": ""}
+        if target.namespace is not None:
+            item["namespace"] = target.namespace
         self.draft.output.append(item)
         self._calls[event.index] = item
         return events + [self._event("response.output_item.added", output_index=len(self.draft.output) - 1,
@@ -156,18 +170,25 @@ class ResponseEvents:
 
     def _call_arguments(self, event: ToolCallArguments) -> list[Event]:
         item = self._calls[event.index]
+        if item["type"] == "custom_tool_call":
+            return []  # its free-form input is read from the whole arguments at the end
         item["arguments"] += event.text
         return [self._event("response.function_call_arguments.delta", item_id=item["id"],
                             output_index=self.draft.output.index(item), delta=event.text)]
 
     def _call_end(self, event: ToolCallEnd) -> list[Event]:
         item = self._calls[event.index]
-        item["arguments"] = event.arguments
         item["status"] = "completed"
         index = self.draft.output.index(item)
-        return [self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
-                            arguments=event.arguments),
-                self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
+        if item["type"] == "custom_tool_call":
+            item["input"] = custom_input(event.arguments)
+            done = self._event("response.custom_tool_call_input.done", item_id=item["id"], output_index=index,
+                               input=item["input"])
+        else:
+            item["arguments"] = event.arguments
+            done = self._event("response.function_call_arguments.done", item_id=item["id"], output_index=index,
+                               arguments=event.arguments)
+        return [done, self._event("response.output_item.done", output_index=index, item=copy.deepcopy(item))]
 
 
     def _close_unfinished_calls(self) -> list[Event]:
