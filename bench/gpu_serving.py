@@ -72,8 +72,9 @@ def checkpoint(shape: str, tokenizer: Path) -> Path:
     return folder
 
 
-def prompts(width: int, vocab: int) -> list[list[int]]:
-    g = torch.Generator().manual_seed(width)
+def prompts(width: int, vocab: int, mode: str) -> list[list[int]]:
+    """Fresh prompts for each run: no run finds another's prefix in the cache."""
+    g = torch.Generator().manual_seed(width * 100 + list(MODES).index(mode))
     return [torch.randint(100, min(vocab, 40000), (PROMPT_LEN,), generator=g).tolist() for _ in range(width)]
 
 
@@ -102,7 +103,7 @@ def engine_figures(path: Path, widths: list[int]) -> dict:
     try:
         for mode, fields in MODES.items():
             for width in widths:
-                out[f"{mode}@{width}"] = asyncio.run(engine_run(client, prompts(width, loaded.model.args.vocab_size), fields))
+                out[f"{mode}@{width}"] = asyncio.run(engine_run(client, prompts(width, loaded.model.args.vocab_size, mode), fields))
                 print(f"engine {mode}@{width}: {out[f'{mode}@{width}']} tok/s", flush=True)
     finally:
         core.stop()
@@ -115,16 +116,16 @@ def engine_figures(path: Path, widths: list[int]) -> dict:
 async def engine_run(client, batch: list[list[int]], fields: dict) -> float:  # noqa: ANN001
     from mlxcel.types import Request, SamplingParams
 
-    params = SamplingParams(max_tokens=GEN, **fields)
-
-    async def one(i: int, p: list[int]) -> int:
+    async def one(i: int, p: list[int], max_tokens: int) -> int:
         n = 0
+        params = SamplingParams(max_tokens=max_tokens, **fields)
         async for event in client.generate(Request(f"e{i}-{time.monotonic_ns()}", p, params)):
             n += len(event.token_ids)
         return n
-    await asyncio.gather(*(one(i, p[:16]) for i, p in enumerate(batch[:4])))  # warm
+    # warm: the same batch, short (first-use kernels and prefill shapes are not measured)
+    await asyncio.gather(*(one(i, p[::-1], 8) for i, p in enumerate(batch)))
     start = time.perf_counter()
-    counts = await asyncio.gather(*(one(i, p) for i, p in enumerate(batch)))
+    counts = await asyncio.gather(*(one(i, p, GEN) for i, p in enumerate(batch)))
     return round(sum(counts) / (time.perf_counter() - start), 1)
 
 
@@ -157,13 +158,14 @@ def start_server(path: Path, slots: int, log: Path) -> tuple[subprocess.Popen, s
     raise RuntimeError("server did not become ready")
 
 
-def client_share(args: tuple[str, list[list[int]], dict, float]) -> tuple[int, float, float]:
+def client_share(args: tuple[str, list[list[int]], dict, float, int]) -> tuple[int, float, float]:
     """One client process: stream its prompts at once, from `start_at`; (tokens, first start, last end)."""
-    base, batch, fields, start_at = args
+    base, batch, fields, start_at, max_tokens = args
     import httpx
 
     async def one(client: httpx.AsyncClient, p: list[int]) -> int:
-        body = {"prompt": p, "max_tokens": GEN, "stream": True, "stream_options": {"include_usage": True}, **fields}
+        body = {"prompt": p, "max_tokens": max_tokens, "stream": True, "stream_options": {"include_usage": True},
+                **fields}
         n = 0
         async with client.stream("POST", "/v1/completions", json=body, timeout=600) as response:
             response.raise_for_status()
@@ -186,9 +188,9 @@ def client_share(args: tuple[str, list[list[int]], dict, float]) -> tuple[int, f
 
 def server_run(pool, base: str, batch: list[list[int]], fields: dict) -> float:  # noqa: ANN001
     shares = [batch[i::CLIENT_PROCESSES] for i in range(CLIENT_PROCESSES)]
-    pool.map(client_share, [(base, [p[:16] for p in s[:1]], fields, 0.0) for s in shares if s])  # warm
+    pool.map(client_share, [(base, [p[::-1] for p in s], fields, 0.0, 8) for s in shares if s])  # warm, as above
     start_at = time.time() + 1.0
-    results = pool.map(client_share, [(base, s, fields, start_at) for s in shares if s])
+    results = pool.map(client_share, [(base, s, fields, start_at, GEN) for s in shares if s])
     tokens = sum(r[0] for r in results)
     return round(tokens / (max(r[2] for r in results) - start_at), 1)
 
@@ -200,13 +202,13 @@ def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int
         with multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES) as pool:
             for mode, fields in MODES.items():
                 for width in widths:
-                    out[f"{mode}@{width}"] = server_run(pool, base, prompts(width, vocab), fields)
+                    out[f"{mode}@{width}"] = server_run(pool, base, prompts(width, vocab, mode), fields)
                     print(f"server {mode}@{width}: {out[f'{mode}@{width}']} tok/s", flush=True)
             if profile_width and profile_out and shutil.which("py-spy"):
                 spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", "8", "--rate", "200",
                                         "--format", "raw", "--output", str(profile_out), "--threads", "--nonblocking"])
                 for mode in ("sampled", "greedy"):
-                    server_run(pool, base, prompts(profile_width, vocab), MODES[mode])
+                    server_run(pool, base, prompts(profile_width, vocab, mode), MODES[mode])
                 spy.wait(60)
     finally:
         proc.terminate()

@@ -109,6 +109,12 @@ def test_r_p_v_processors_per_request(byte_level_tokenizer: Tokenizer) -> None:
     assert unlimited.processors() == ()
 
 
+def test_issue26_a_forced_call_with_an_output_format_is_planned_as_the_call(features: ChatFeatures) -> None:
+    body = {"response_format": {"type": "json_object"}}
+    plan = features.plan_chat(chat_options(body, tools=TOOLS, tool_choice="required", max_tokens=100), QUESTION)
+    assert plan.grammar is not None and plan.grammar.source == "tools"
+
+
 def test_v_required_tool_choice_adds_the_call_grammar(features: ChatFeatures) -> None:
     plan = features.plan_chat(chat_options({}, tools=TOOLS, tool_choice="required", max_tokens=100), QUESTION)
     assert plan.grammar is not None and plan.grammar.source == "tools"
@@ -121,7 +127,6 @@ def test_v_required_tool_choice_adds_the_call_grammar(features: ChatFeatures) ->
     ({"chat_template_kwargs": "x"}, {}),
     ({"response_format": {"type": "json_schema", "json_schema": {"schema": {"type": "nope"}}}}, {}),
     ({"min_count": 1}, {}),
-    ({"response_format": {"type": "json_object"}}, {"tools": TOOLS, "tool_choice": "required"}),
     ({}, {"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "missing"}}}),
 ])  # fmt: skip
 def test_bad_requests_fail_before_rendering(
