@@ -6,8 +6,11 @@ ratios (these machines are shared and noisy; only same-run ratios mean anything)
   (a') the first request after startup against the tenth (same prompt length, no cache hit)
   (b) time to first token, 1,000-token prompt
   (c) aggregate output tok/s with 8 and 16 concurrent requests
-  (d) time to first token with a 2,000-token prefix cached vs cold
+  (d) time to first token with a 2,000-token prefix cached vs cold, and with 2, 16 and 128 new
+      tokens after that cached prefix (the next turn of a chat)
   (e) peak resident memory
+Requests are sampled as clients send them (temperature 0.8, top_p 0.95, ignore_eos); decode and
+16 concurrent are measured greedy too, in the same run (`--greedy` makes every figure greedy).
 
     .venv/bin/python bench/run.py                      # mlxcel and llama-server
     .venv/bin/python bench/run.py --peers mlxcel,llamaserver,llamacpp,transformers
@@ -62,6 +65,9 @@ class Figures:
     aggregate_tps: dict[int, float] = field(default_factory=dict)
     cold_2000_s: float | None = None
     cached_2000_s: float | None = None
+    partial_2000_s: dict[int, float] = field(default_factory=dict)  # new tokens after the cached prefix -> TTFT
+    greedy_decode_tps: float | None = None
+    greedy_aggregate_16_tps: float | None = None
     peak_rss_mib: float | None = None
     note: str = ""
 
@@ -86,9 +92,13 @@ def prompt_text(tokenizer: Tokenizer, num_tokens: int, salt: int = 0) -> str:
 
 # ---- HTTP peers (OpenAI /v1/completions, streaming) ----
 
+SAMPLED = {"temperature": 0.8, "top_p": 0.95}  # what chat clients send
+GREEDY = {"temperature": 0.0}
+
+
 async def stream_completion(client: httpx.AsyncClient, prompt: str, max_tokens: int, extra: dict) -> tuple[float, float, int]:
     """Returns (time to first token, time to last token, tokens received)."""
-    body = {"prompt": prompt, "max_tokens": max_tokens, "temperature": 0.0, "stream": True, **extra}
+    body = {"prompt": prompt, "max_tokens": max_tokens, **GREEDY, "stream": True, **extra}
     start = time.perf_counter()
     first = last = None
     count = 0
@@ -129,6 +139,13 @@ async def measure_server(base_url: str, tokenizer: Tokenizer, extra: dict, quick
         long_prompt = prompt_text(tokenizer, 2000, 3)
         fig.cold_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
         fig.cached_2000_s, _, _ = await stream_completion(client, long_prompt, 1, extra)
+        for num_new in (2, 16, 128):  # the next turn: the cached prefix plus a few new tokens
+            suffix = " " + prompt_text(tokenizer, num_new, 700 + num_new).split(":", 1)[-1]
+            fig.partial_2000_s[num_new], _, _ = await stream_completion(client, long_prompt + suffix, 1, extra)
+        if extra.get("temperature", 0.0) > 0.0:
+            greedy = {**extra, **GREEDY, "top_p": 1.0}
+            fig.greedy_decode_tps = await decode_speed(client, prompt_text(tokenizer, 128, 5), gen, greedy)
+            fig.greedy_aggregate_16_tps = await aggregate(client, tokenizer, 16, 32 if quick else 128, greedy, salt=300)
     return fig
 
 
@@ -137,8 +154,9 @@ async def decode_speed(client: httpx.AsyncClient, prompt: str, gen: int, extra: 
     return (n - 1) / (tlast - ttft) if n > 1 else None
 
 
-async def aggregate(client: httpx.AsyncClient, tokenizer: Tokenizer, width: int, gen: int, extra: dict) -> float:
-    prompts = [prompt_text(tokenizer, 64, 100 + i) for i in range(width)]
+async def aggregate(client: httpx.AsyncClient, tokenizer: Tokenizer, width: int, gen: int, extra: dict,
+                    salt: int = 100) -> float:
+    prompts = [prompt_text(tokenizer, 64, salt + i) for i in range(width)]
     start = time.perf_counter()
     results = await asyncio.gather(*(stream_completion(client, p, gen, extra) for p in prompts))
     return sum(r[2] for r in results) / (time.perf_counter() - start)
@@ -226,13 +244,16 @@ def ratio(a: float | None, b: float | None) -> str:
 
 def report(results: dict[str, Figures]) -> str:
     rows = ["| stack | decode tok/s | decode after 4000 | 1st / 10th request tok/s | TTFT 1000 (s) | 8 conc tok/s "
-            "| 16 conc tok/s | 2000 cold (s) | 2000 cached (s) | peak RSS MiB |",
-            "|---|---|---|---|---|---|---|---|---|---|"]
+            "| 16 conc tok/s | 2000 cold (s) | 2000 cached (s) | cached + 2 / 16 / 128 new (s) "
+            "| greedy decode / 16 conc tok/s | peak RSS MiB |",
+            "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     fmt = lambda v, p=1: "-" if v is None else f"{v:.{p}f}"  # noqa: E731
     for name, f in results.items():
+        partial = " / ".join(fmt(f.partial_2000_s.get(n), 3) for n in (2, 16, 128))
         rows.append(f"| {name} | {fmt(f.decode_tps)} | {fmt(f.decode_4000_tps)} | "
                     f"{fmt(f.first_request_tps)} / {fmt(f.tenth_request_tps)} | {fmt(f.ttft_1000_s, 2)} | {fmt(f.aggregate_tps.get(8))} | "
-                    f"{fmt(f.aggregate_tps.get(16))} | {fmt(f.cold_2000_s, 2)} | {fmt(f.cached_2000_s, 3)} | {fmt(f.peak_rss_mib, 0)} |")
+                    f"{fmt(f.aggregate_tps.get(16))} | {fmt(f.cold_2000_s, 2)} | {fmt(f.cached_2000_s, 3)} | {partial} | "
+                    f"{fmt(f.greedy_decode_tps)} / {fmt(f.greedy_aggregate_16_tps)} | {fmt(f.peak_rss_mib, 0)} |")
     ours = results.get("mlxcel")
     if ours:
         for peer, f in results.items():
@@ -244,8 +265,15 @@ def report(results: dict[str, Figures]) -> str:
                         f"8-concurrent {ratio(ours.aggregate_tps.get(8), f.aggregate_tps.get(8))}, "
                         f"16-concurrent {ratio(ours.aggregate_tps.get(16), f.aggregate_tps.get(16))}, "
                         f"cached-2000 TTFT {ratio(ours.cached_2000_s, f.cached_2000_s)} (lower is better), "
-                        f"peak RSS {ratio(ours.peak_rss_mib, f.peak_rss_mib)} (lower is better)")
+                        f"peak RSS {ratio(ours.peak_rss_mib, f.peak_rss_mib)} (lower is better), "
+                        "cached + 2 / 16 / 128 new TTFT " + " / ".join(
+                            ratio(ours.partial_2000_s.get(n), f.partial_2000_s.get(n)) for n in (2, 16, 128))
+                        + " (lower is better), greedy decode "
+                        f"{ratio(ours.greedy_decode_tps, f.greedy_decode_tps)}, greedy 16-concurrent "
+                        f"{ratio(ours.greedy_aggregate_16_tps, f.greedy_aggregate_16_tps)}")
         rows.append(f"mlxcel cached-prefix speedup: {ratio(ours.cold_2000_s, ours.cached_2000_s)}")
+        rows.append(f"mlxcel sampled / greedy: decode {ratio(ours.decode_tps, ours.greedy_decode_tps)}, "
+                    f"16-concurrent {ratio(ours.aggregate_tps.get(16), ours.greedy_aggregate_16_tps)}")
     return "\n".join(rows)
 
 
@@ -273,22 +301,25 @@ def main() -> None:
     parser.add_argument("--llama-server-args", default="", help="extra llama-server arguments, e.g. -nr (no weight "
                         "repacking: its AMX kernels stop with SIGILL on these VMs, whose CPUs list AMX)")
     parser.add_argument("--quick", action="store_true", help="shorter runs (smoke test of the bench)")
+    parser.add_argument("--greedy", action="store_true", help="greedy requests throughout (default: sampled, "
+                        "temperature 0.8 / top_p 0.95, with greedy decode and 16-concurrent beside)")
     parser.add_argument("--decode-only", action="store_true",
                         help="only single-stream decode and 8 concurrent (for the larger models)")
     args = parser.parse_args()
     model = model_path(args.model)
     tokenizer = Tokenizer.from_gguf(GGUFFile(model).metadata)
     results: dict[str, Figures] = {}
+    shape = {"ignore_eos": True, **(GREEDY if args.greedy else SAMPLED)}
     for peer in args.peers.split(","):
         port = free_port()
         print(f"== {peer}", file=sys.stderr, flush=True)
         if peer == "mlxcel":
             results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
-                                            {"ignore_eos": True}, args.quick, args.decode_only)
+                                            shape, args.quick, args.decode_only)
         elif peer == "llamaserver":
             binary = args.llama_server or LLAMA_SERVER
             cmd = llama_server_cmd(binary, model, port, args.threads, args.llama_server_args)
-            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, {"ignore_eos": True}, args.quick,
+            results[peer] = (run_server_peer(peer, cmd, port, tokenizer, shape, args.quick,
                                              args.decode_only) if cmd
                              else Figures(note=f"skipped: no llama-server at {binary}"))
         elif peer == "llamacpp":

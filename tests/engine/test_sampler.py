@@ -75,7 +75,7 @@ CHAINS = [
     dict(temperature=1.3, top_k=20, top_p=0.5),
     dict(temperature=0.9, min_p=0.05),
     dict(temperature=1.0, top_p=0.9, min_p=0.1),
-    dict(temperature=0.6, top_k=CANDIDATES + 50),  # past the candidate set: a full sort
+    dict(temperature=0.6, top_k=CANDIDATES[-1] + 50),  # past the candidate set: a full sort
     dict(temperature=5.0, top_p=0.99),  # a flat nucleus wider than the candidates
     dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
     dict(temperature=0.8, logit_bias=((3, 4.0), (5, -2.0), (10**6, 1.0)), min_tokens=5),
@@ -156,7 +156,7 @@ def test_min_tokens_and_ignore_eos_suppress_the_end_tokens() -> None:
 def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain: dict, device: str) -> None:
     logits = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2).to(device)
     neighbours = [row(temperature=1.0), row(temperature=0.0), row(temperature=0.9, top_p=0.9, seed=7),
-                  row(temperature=1.2, top_k=CANDIDATES + 1)]
+                  row(temperature=1.2, top_k=CANDIDATES[0] + 1)]
     alone, beside = row(seed=42, **chain), row(seed=42, **chain)
     draws_alone = [sample(logits[2:3], [alone])[0][0] for _ in range(30)]
     draws_beside = [sample(logits, [neighbours[0], neighbours[1], beside, *neighbours[2:]])[0][2] for _ in range(30)]

@@ -22,9 +22,10 @@ import torch
 
 from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
 
-# Width of the sorted candidate set. top_p 0.95 of a language model's distribution sits well
-# inside it at usual temperatures; a row whose nucleus reaches past it is sorted in full.
-CANDIDATES = 256
+# Widths of the sorted candidate sets, tried in turn: top_p 0.95 of a language model's
+# distribution mostly sits inside the first; a row whose survivors reach past the last is sorted
+# in full (on 2 CPU cores: topk 256 of 49,152 logits 0.1 ms, 4,096 0.5 ms, a full sort 3.4 ms).
+CANDIDATES = (256, 4096)
 
 
 @dataclass(slots=True)
@@ -175,11 +176,12 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
     uniforms = _uniforms([rows[i] for i in drawn], work.device)
     vocab = work.shape[-1]
     ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
-    shallow = [j for j in ranked if params[j].top_k <= CANDIDATES < vocab]
-    group, spilled = _draw_ranked(scaled, uniforms, params, shallow, CANDIDATES)
-    deep = sorted(spilled + [j for j in ranked if j not in shallow])
-    groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked]),
-              group, _draw_ranked(scaled, uniforms, params, deep, vocab)[0]]
+    groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked])]
+    for width in [w for w in CANDIDATES if w < vocab] + [vocab]:  # each row tries the narrowest width that holds its top-k
+        tried = [j for j in ranked if params[j].top_k <= width or width == vocab]
+        group, spilled = _draw_ranked(scaled, uniforms, params, tried, width)
+        groups.append(group)
+        ranked = sorted(spilled + [j for j in ranked if j not in tried])
     for g in groups:
         g.rows = [drawn[j] for j in g.rows]
     return [g for g in groups if g.rows]
