@@ -213,3 +213,17 @@ def test_issue25_sampled_logprobs_are_the_models_own_and_post_sampling_ones_the_
     assert all(math.isfinite(v) for _, v in logprobs[2].top)
     greedy = sample(logits[:1], [row(temperature=0.0, logprobs=2, is_post_sampling_probs=True)])[1][0]
     assert greedy.logprob == 0.0 and greedy.top == ((greedy.token_id, 0.0),)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue25_top_p_without_a_sort_draws_what_the_sorted_candidates_draw(device: str) -> None:
+    """Rows asking post-sampling logprobs go the sorted-candidate way; the rest of top-p / min-p rows
+    take the flat nucleus: with the same seed both must draw the same tokens."""
+    logits = (torch.randn(4, 5000, generator=torch.Generator().manual_seed(5)) * 2.5).to(device)
+    chains = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.5, top_p=0.9, min_p=0.02),
+              dict(temperature=0.7, min_p=0.1, top_p=0.99), dict(temperature=3.0, top_p=0.97)]
+    flat = [row(seed=11 + i, **c) for i, c in enumerate(chains)]
+    sorted_ = [row(seed=11 + i, logprobs=0, is_post_sampling_probs=True, **c) for i, c in enumerate(chains)]
+    draws = [(sample(logits, flat)[0], sample(logits, sorted_)[0]) for _ in range(50)]
+    assert all(a == b for a, b in draws)
+    assert all(len({d[0][i] for d in draws}) > 1 for i in range(len(chains)))

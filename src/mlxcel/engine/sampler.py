@@ -26,6 +26,10 @@ from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
 # distribution mostly sits inside the first; a row whose survivors reach past the last is sorted
 # in full (on 2 CPU cores: topk 256 of 49,152 logits 0.1 ms, 4,096 0.5 ms, a full sort 3.4 ms).
 CANDIDATES = (256, 4096)
+# Top-p without top-k looks only at tokens whose probability is at least this share of the row's
+# best: the rest weigh at most vocab x NUCLEUS_FLOOR in all (0.05 for 49,152 tokens), so top_p
+# up to 0.95 always ends among them; a row whose nucleus does not goes the candidate-set way.
+NUCLEUS_FLOOR = 1e-6
 
 
 @dataclass(slots=True)
@@ -177,6 +181,10 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
     vocab = work.shape[-1]
     ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked])]
+    by_probability = [j for j in ranked if params[j].top_k == 0 and not params[j].is_post_sampling_probs]
+    group, spilled = _draw_nucleus(scaled, uniforms, params, by_probability)
+    groups.append(group)
+    ranked = sorted(spilled + [j for j in ranked if j not in by_probability])
     for width in [w for w in CANDIDATES if w < vocab] + [vocab]:  # each row tries the narrowest width that holds its top-k
         tried = [j for j in ranked if params[j].top_k <= width or width == vocab]
         group, spilled = _draw_ranked(scaled, uniforms, params, tried, width)
@@ -196,6 +204,45 @@ def _draw_in_order(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sa
     floor = _column([_log_min_p(params[j].min_p) for j in picked], final.device)
     final = final.masked_fill(final < final.max(dim=-1, keepdim=True).values + floor, float("-inf"))
     return _Drawn(picked, final, None, _inverse_cdf(final, _take(uniforms, picked)))
+
+
+def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams],
+                  picked: list[int]) -> tuple[_Drawn, list[int]]:
+    """Top-p then min-p without a sort of the vocabulary: the candidates are the tokens within
+    NUCLEUS_FLOOR of each row's best probability (what is left out weighs at most vocab x the floor),
+    sorted together in one flat array. Returns the rows whose nucleus lies within them, drawn, and the others."""
+    if not picked:
+        return _Drawn([], scaled[:0], None, uniforms[:0].long()), []
+    n, device = len(picked), scaled.device
+    chosen = [params[j] for j in picked]
+    probs = torch.softmax(_take(scaled, picked), dim=-1)  # [n, vocab]
+    floor = _column([max(p.min_p, NUCLEUS_FLOOR) for p in chosen], device)
+    row, col = (probs >= probs.max(dim=-1, keepdim=True).values * floor).nonzero(as_tuple=True)
+    p = probs[row, col]
+    order = torch.argsort(p, descending=True, stable=True)  # best first, then grouped by row (stable)
+    order = order[torch.argsort(row[order], stable=True)]
+    row, col, p = row[order], col[order], p[order]
+    mass = p.cumsum(dim=0)  # [candidates]; a row's own cumulative mass is `mass - before[row]`
+    counts = torch.bincount(row, minlength=n)
+    starts = counts.cumsum(0) - counts
+    before = torch.where(starts > 0, mass[(starts - 1).clamp(min=0)], 0.0)
+    row_mass = mass - before[row]
+    top_p = _column([p.top_p for p in chosen], device).squeeze(1)
+    keep = (row_mass - p < top_p[row]) | (top_p[row] >= 1.0)  # the smallest prefix reaching top_p
+    kept_mass = torch.zeros(n, device=device).index_add_(0, row, p * keep)
+    last_kept = starts + torch.bincount(row, weights=keep.float(), minlength=n).long() - 1
+    total = torch.zeros(n, device=device).index_add_(0, row, p)
+    min_p = torch.tensor([p.min_p >= NUCLEUS_FLOOR for p in chosen], device=device)
+    fits = ((total >= top_p) | min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
+    target = before + _take(uniforms, picked) * kept_mass
+    index = torch.minimum(torch.searchsorted(mass, target[:, None], right=True).squeeze(1), last_kept.clamp(min=0))
+    tokens = col[index.clamp(max=max(col.numel() - 1, 0))] if col.numel() else torch.zeros(n, dtype=torch.long, device=device)
+    fits_list = fits.tolist()
+    inside = [j for j, ok in enumerate(fits_list) if ok]
+    # the drawn token as a one-column distribution: what `sample` reads of a group (no post-sampling logprobs here)
+    group = _Drawn([picked[j] for j in inside], torch.zeros(len(inside), 1, device=device),
+                   _take(tokens, inside)[:, None], torch.zeros(len(inside), dtype=torch.long, device=device))
+    return group, [picked[j] for j, ok in enumerate(fits_list) if not ok]
 
 
 def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
