@@ -30,6 +30,7 @@ CANDIDATES = (256, 4096)
 # best: the rest weigh at most vocab x NUCLEUS_FLOOR in all (0.05 for 49,152 tokens), so top_p
 # up to 0.95 always ends among them; a row whose nucleus does not goes the candidate-set way.
 NUCLEUS_FLOOR = 1e-6
+NUCLEUS_MAX = 4096  # a row with more candidates than this (a flat distribution) takes the candidate sets
 
 
 @dataclass(slots=True)
@@ -181,11 +182,15 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
     vocab = work.shape[-1]
     ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked])]
-    by_probability = [j for j in ranked if params[j].top_k == 0 and not params[j].is_post_sampling_probs]
+    # NOTE: on a GPU topk and sort are cheap and every extra kernel or sync is not: there the
+    # candidate rows take one topk width and then a sort (issue 25, measured on an H200).
+    on_cpu = work.device.type == "cpu"
+    by_probability = [j for j in ranked if on_cpu and params[j].top_k == 0 and not params[j].is_post_sampling_probs]
     group, spilled = _draw_nucleus(scaled, uniforms, params, by_probability)
     groups.append(group)
     ranked = sorted(spilled + [j for j in ranked if j not in by_probability])
-    for width in [w for w in CANDIDATES if w < vocab] + [vocab]:  # each row tries the narrowest width that holds its top-k
+    widths = CANDIDATES if on_cpu else CANDIDATES[:1]
+    for width in [w for w in widths if w < vocab] + [vocab]:  # each row tries the narrowest width that holds its top-k
         tried = [j for j in ranked if params[j].top_k <= width or width == vocab]
         group, spilled = _draw_ranked(scaled, uniforms, params, tried, width)
         groups.append(group)
@@ -217,7 +222,9 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     chosen = [params[j] for j in picked]
     probs = torch.softmax(_take(scaled, picked), dim=-1)  # [n, vocab]
     floor = _column([max(p.min_p, NUCLEUS_FLOOR) for p in chosen], device)
-    row, col = (probs >= probs.max(dim=-1, keepdim=True).values * floor).nonzero(as_tuple=True)
+    candidates = probs >= probs.max(dim=-1, keepdim=True).values * floor
+    is_narrow = candidates.sum(dim=-1) <= NUCLEUS_MAX  # a flat row is sorted more cheaply by the candidate sets
+    row, col = (candidates & is_narrow[:, None]).nonzero(as_tuple=True)
     p = probs[row, col]
     order = torch.argsort(p, descending=True, stable=True)  # best first, then grouped by row (stable)
     order = order[torch.argsort(row[order], stable=True)]
@@ -234,6 +241,7 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     total = torch.zeros(n, device=device).index_add_(0, row, p)
     min_p = torch.tensor([p.min_p >= NUCLEUS_FLOOR for p in chosen], device=device)
     fits = ((total >= top_p) | min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
+    fits &= is_narrow
     target = before + _take(uniforms, picked) * kept_mass
     index = torch.minimum(torch.searchsorted(mass, target[:, None], right=True).squeeze(1), last_kept.clamp(min=0))
     tokens = col[index.clamp(max=max(col.numel() - 1, 0))] if col.numel() else torch.zeros(n, dtype=torch.long, device=device)
