@@ -77,6 +77,7 @@ CHAINS = [
     dict(temperature=1.0, top_p=0.9, min_p=0.1),
     dict(temperature=0.6, top_k=CANDIDATES[-1] + 50),  # past the candidate set: a full sort
     dict(temperature=5.0, top_p=0.99),  # a flat nucleus wider than the candidates
+    dict(temperature=50.0, top_p=0.9),  # flatter still: more than NUCLEUS_MAX candidates
     dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
     dict(temperature=0.8, logit_bias=((3, 4.0), (5, -2.0), (10**6, 1.0)), min_tokens=5),
     dict(temperature=1.0, ignore_eos=True, top_p=0.8),
@@ -86,8 +87,8 @@ CHAINS = [
 @pytest.mark.parametrize("device", DEVICES)
 def test_issue25_the_batched_chain_equals_a_per_row_reference_on_random_logits(device: str) -> None:
     generator = torch.Generator().manual_seed(1)
-    logits = torch.randn(len(CHAINS), 2000, generator=generator) * 3
-    history = torch.randint(0, 2000, (100,), generator=generator).tolist()
+    logits = torch.randn(len(CHAINS), 6000, generator=generator) * 3
+    history = torch.randint(0, 6000, (100,), generator=generator).tolist()
     rows = [row(history, generated=2, **chain) for chain in CHAINS]
     for r, got, logits_row in zip(rows, post_sampling_distribution(logits.to(device), rows), logits):
         expected = torch.log_softmax(reference_final(logits_row, r), -1)
@@ -152,9 +153,9 @@ def test_min_tokens_and_ignore_eos_suppress_the_end_tokens() -> None:
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("chain", CHAINS[:8], ids=str)
+@pytest.mark.parametrize("chain", CHAINS[:9], ids=str)
 def test_issue25_a_seeded_row_draws_the_same_tokens_alone_and_in_any_batch(chain: dict, device: str) -> None:
-    logits = (torch.randn(5, 3000, generator=torch.Generator().manual_seed(0)) * 2).to(device)
+    logits = (torch.randn(5, 6000, generator=torch.Generator().manual_seed(0)) * 2).to(device)
     neighbours = [row(temperature=1.0), row(temperature=0.0), row(temperature=0.9, top_p=0.9, seed=7),
                   row(temperature=1.2, top_k=CANDIDATES[0] + 1)]
     alone, beside = row(seed=42, **chain), row(seed=42, **chain)
@@ -219,9 +220,10 @@ def test_issue25_sampled_logprobs_are_the_models_own_and_post_sampling_ones_the_
 def test_issue25_top_p_without_a_sort_draws_what_the_sorted_candidates_draw(device: str) -> None:
     """Rows asking post-sampling logprobs go the sorted-candidate way; the rest of top-p / min-p rows
     take the flat nucleus: with the same seed both must draw the same tokens."""
-    logits = (torch.randn(4, 5000, generator=torch.Generator().manual_seed(5)) * 2.5).to(device)
+    logits = (torch.randn(5, 5000, generator=torch.Generator().manual_seed(5)) * 2.5).to(device)
     chains = [dict(temperature=0.8, top_p=0.95), dict(temperature=1.5, top_p=0.9, min_p=0.02),
-              dict(temperature=0.7, min_p=0.1, top_p=0.99), dict(temperature=3.0, top_p=0.97)]
+              dict(temperature=0.7, min_p=0.1, top_p=0.99), dict(temperature=3.0, top_p=0.97),
+              dict(temperature=40.0, top_p=0.9)]  # flat: more than NUCLEUS_MAX candidates
     flat = [row(seed=11 + i, **c) for i, c in enumerate(chains)]
     sorted_ = [row(seed=11 + i, logprobs=0, is_post_sampling_probs=True, **c) for i, c in enumerate(chains)]
     draws = [(sample(logits, flat)[0], sample(logits, sorted_)[0]) for _ in range(50)]

@@ -225,6 +225,8 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     candidates = probs >= probs.max(dim=-1, keepdim=True).values * floor
     is_narrow = candidates.sum(dim=-1) <= NUCLEUS_MAX  # a flat row is sorted more cheaply by the candidate sets
     row, col = (candidates & is_narrow[:, None]).nonzero(as_tuple=True)
+    if not row.numel():  # every row is flat (or not finite): the candidate sets decide
+        return _Drawn([], scaled[:0], None, uniforms[:0].long()), picked
     p = probs[row, col]
     order = torch.argsort(p, descending=True, stable=True)  # best first, then grouped by row (stable)
     order = order[torch.argsort(row[order], stable=True)]
@@ -244,7 +246,7 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     fits &= is_narrow
     target = before + _take(uniforms, picked) * kept_mass
     index = torch.minimum(torch.searchsorted(mass, target[:, None], right=True).squeeze(1), last_kept.clamp(min=0))
-    tokens = col[index.clamp(max=max(col.numel() - 1, 0))] if col.numel() else torch.zeros(n, dtype=torch.long, device=device)
+    tokens = col[index.clamp(max=col.numel() - 1)]
     fits_list = fits.tolist()
     inside = [j for j, ok in enumerate(fits_list) if ok]
     # the drawn token as a one-column distribution: what `sample` reads of a group (no post-sampling logprobs here)
