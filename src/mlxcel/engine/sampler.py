@@ -5,8 +5,9 @@ per-request processors (grammar, reasoning budget, loop guard), end-token suppre
 temperature and the truncations (top-k, top-p, min-p) in that order, and one draw per row.
 Only the chosen ids (and the logprobs a request asked for) cross to the host.
 
-Truncation never sorts the vocabulary when it need not: the top CANDIDATES logits of a row are
-taken first (a partial selection, as llama.cpp does), and a row falls back to a full sort only
+Truncation never sorts the vocabulary when it need not: a row's best CANDIDATES logits are taken
+first (a partial selection, as llama.cpp does), on the CPU a top-p row without top-k looks only at
+the tokens near its best probability (the flat nucleus), and a row falls back to a full sort only
 when its surviving set may reach past them. Each row is computed from its own values alone, and
 a seeded row draws its one uniform per step from its own generator (inverse-CDF sampling), so
 its tokens are the same alone and in any batch.
@@ -171,8 +172,9 @@ def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 # ---- temperature, truncation and the draw ----
 
 def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
-    """Every non-greedy row drawn: rows that truncate by rank take the candidate path (then a full
-    sort where the candidates may not hold every survivor); the rest draw in vocabulary order."""
+    """Every non-greedy row drawn: rows with no top-k or top-p in vocabulary order; on the CPU top-p
+    rows without top-k from the flat nucleus; the rest (and the nucleus's spills) from their best
+    logits, sorted, in widening candidate sets up to a full sort."""
     drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
     if not drawn:
         return []
@@ -227,22 +229,22 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     row, col = (candidates & is_narrow[:, None]).nonzero(as_tuple=True)
     if not row.numel():  # every row is flat (or not finite): the candidate sets decide
         return _Drawn([], scaled[:0], None, uniforms[:0].long()), picked
-    p = probs[row, col]
-    order = torch.argsort(p, descending=True, stable=True)  # best first, then grouped by row (stable)
+    prob = probs[row, col]
+    order = torch.argsort(prob, descending=True, stable=True)  # best first, then grouped by row (stable)
     order = order[torch.argsort(row[order], stable=True)]
-    row, col, p = row[order], col[order], p[order]
-    mass = p.cumsum(dim=0)  # [candidates]; a row's own cumulative mass is `mass - before[row]`
+    row, col, prob = row[order], col[order], prob[order]
+    mass = prob.cumsum(dim=0)  # [candidates]; a row's own cumulative mass is `mass - before[row]`
     counts = torch.bincount(row, minlength=n)
     starts = counts.cumsum(0) - counts
     before = torch.where(starts > 0, mass[(starts - 1).clamp(min=0)], 0.0)
     row_mass = mass - before[row]
     top_p = _column([p.top_p for p in chosen], device).squeeze(1)
-    keep = (row_mass - p < top_p[row]) | (top_p[row] >= 1.0)  # the smallest prefix reaching top_p
-    kept_mass = torch.zeros(n, device=device).index_add_(0, row, p * keep)
+    keep = (row_mass - prob < top_p[row]) | (top_p[row] >= 1.0)  # the smallest prefix reaching top_p
+    kept_mass = torch.zeros(n, device=device).index_add_(0, row, prob * keep)
     last_kept = starts + torch.bincount(row, weights=keep.float(), minlength=n).long() - 1
-    total = torch.zeros(n, device=device).index_add_(0, row, p)
-    min_p = torch.tensor([p.min_p >= NUCLEUS_FLOOR for p in chosen], device=device)
-    fits = ((total >= top_p) | min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
+    total = torch.zeros(n, device=device).index_add_(0, row, prob)
+    cut_by_min_p = torch.tensor([p.min_p >= NUCLEUS_FLOOR for p in chosen], device=device)
+    fits = ((total >= top_p) | cut_by_min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
     fits &= is_narrow
     target = before + _take(uniforms, picked) * kept_mass
     index = torch.minimum(torch.searchsorted(mass, target[:, None], right=True).squeeze(1), last_kept.clamp(min=0))
