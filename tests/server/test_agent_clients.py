@@ -186,7 +186,8 @@ def test_issue26_agents_sdk_default_model_never_calls_an_undeclared_tool(server:
         assert {name for name, _ in calls} <= DECLARED, (seed, calls)
         if isinstance(result, agents.RunResult):
             assert isinstance(result.final_output, str), (seed, result.final_output)
-        outcomes.append((seed, type(result).__name__, [name for name, _ in calls], str(getattr(result, "final_output", ""))[:80]))
+        reply = str(getattr(result, "final_output", ""))[:80]
+        outcomes.append((seed, type(result).__name__, [name for name, _ in calls], reply))
     print(kind, outcomes)  # shown with -s: which seeds called tools
 
 
@@ -246,8 +247,7 @@ def test_issue26_litellm_anthropic_tool_call_has_a_toolu_id(scripted_server: Ser
     """A tool call through litellm's Anthropic provider: the declared tool, toolu_ id, arguments as JSON."""
     litellm = litellm_module()
     tool = {"type": "function", "function": {"name": "get_weather", "description": "Current weather",
-                                             "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
-                                                            "required": ["city"]}}}
+                                             "parameters": CITY}}
     response = litellm.completion(model="anthropic/claude-anything", api_base=scripted_server.address,
                                   api_key="unused", messages=[{"role": "user", "content": "Weather in Paris?"}],
                                   tools=[tool], tool_choice="auto", max_tokens=60, temperature=0, num_retries=0)
