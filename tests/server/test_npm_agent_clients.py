@@ -35,7 +35,7 @@ pytestmark = pytest.mark.slow
 CODEX = ("@openai/codex", "0.171.0", "codex")
 CLAUDE_CODE = ("@anthropic-ai/claude-code", "2.1.332", "claude")
 NPM_CACHE = Path(os.environ.get("MLXCEL_TEST_NPM_CACHE", Path.home() / ".cache" / "mlxcel-test-npm"))
-# Codex's prompt is ~9.7k tokens, Claude Code's ~13k: a 2-core CPU prefills them in 1.5-3 minutes.
+# Codex's prompt is ~9.7k tokens, Claude Code's ~13k: a 2-core CPU prefills them in 1-3 minutes.
 CLIENT_TIMEOUT_S = 480
 PROMPT = "Reply with one word: hello."
 
@@ -178,7 +178,8 @@ class Recorder:
 
 @pytest.fixture(scope="module")
 def server() -> Iterator[ServerProcess]:
-    """One slot with room for Claude Code's ~13k-token prompt; -n bounds replies (Codex sends no output limit; SmolLM2 ends a greeting well before 256 tokens)."""
+    """One slot with room for Claude Code's ~13k-token prompt; -n bounds replies (Codex sends no output limit;
+    on its prompt SmolLM2 ended within 256 tokens in every run)."""
     with ServerProcess("-c", "32768", "--parallel", "1", "-n", "256") as process:
         yield process
 
@@ -263,7 +264,8 @@ tool_suggest = false
 
 def test_claude_code_print_mode_completes_a_turn_over_messages(claude_bin: Path, recorder: Recorder,
                                                                tmp_path: Path) -> None:
-    """Claude Code's own system prompt and tools (~13k tokens), a local model name, replies kept short."""
+    """Claude Code's own system prompt and tools (~13k tokens, a `system` message inside `messages`), a local
+    model name, replies kept short."""
     home, work = tmp_path / "home", tmp_path / "work"
     home.mkdir()
     work.mkdir()
@@ -273,7 +275,14 @@ def test_claude_code_print_mode_completes_a_turn_over_messages(claude_bin: Path,
     command = [str(claude_bin), "-p", PROMPT, "--model", "smollm2", "--output-format", "json"]
     done, seconds = run_client(command, env, work)
     print(f"claude -p: {seconds:.1f} s")
-    assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads(done.stdout)
-    assert result["type"] == "result" and result["is_error"] is False, result
     check_exchanges(recorder, "/v1/messages", b"message_stop")
+    assert result["type"] == "result" and result["api_error_status"] is None, result  # no HTTP error reached it
+    if done.returncode != 0:
+        # SmolLM2 often never ends a reply on this prompt (greedy or sampled, 16 or 256 tokens): Claude Code then
+        # asks it to resume three times over our replies and gives up with its own max_output_tokens error.
+        # That is the model's limit, not the protocol's: anything else fails.
+        assert result["api_error"] == "max_output_tokens" and result["num_turns"] >= 2, result
+        assert len(recorder.exchanges) >= 2 and b'"stop_reason":"max_tokens"' in recorder.exchanges[-1].response
+    else:
+        assert result["is_error"] is False, result
