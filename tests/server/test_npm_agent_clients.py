@@ -57,7 +57,8 @@ def npm_client(package: str, version: str, binary: str) -> Path:
             done = None
         if done is None or done.returncode != 0 or not (staging / "node_modules" / ".bin" / binary).exists():
             shutil.rmtree(staging, ignore_errors=True)
-            reason = "timed out" if done is None else (done.stderr.strip().splitlines() or ["?"])[-1]
+            errors = [] if done is None else [line for line in done.stderr.splitlines() if "error" in line]
+            reason = "timed out" if done is None else "; ".join(errors[:2]) or done.stderr.strip()[-300:]
             pytest.skip(f"npm install {package}@{version} failed (no network?): {reason}")
         staging.rename(prefix)
     probe = subprocess.run([str(executable), "--version"], capture_output=True, text=True, timeout=60)
