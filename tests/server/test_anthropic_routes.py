@@ -252,6 +252,24 @@ def test_e2_pin_disabled_keeps_the_stamp(served: ServedModel, start_server: Call
 
 # ---- C1 and D1 ----
 
+def test_e1_system_message_in_messages_renders_where_it_stands(claude: anthropic.Anthropic,
+                                                               client: httpx.Client) -> None:
+    """Issue 26: Claude Code 2.1.3xx sends `{"role": "system"}` in `messages` (its environment block)."""
+    turns = [{"role": "user", "content": "Hi"}, {"role": "system", "content": [{"type": "text", "text": "Be terse."}]},
+             {"role": "user", "content": "Again"}]
+    plain = [{"role": "user", "content": "Hi"}, {"role": "user", "content": "Again"}]
+    with_system = claude.messages.count_tokens(model=MODEL, messages=turns).input_tokens
+    assert with_system > claude.messages.count_tokens(model=MODEL, messages=plain).input_tokens
+    as_string = [turns[0], {"role": "system", "content": "Be terse."}, turns[2]]
+    assert claude.messages.count_tokens(model=MODEL, messages=as_string).input_tokens == with_system
+    reply = client.post("/v1/messages", json=message_body(messages=turns))
+    assert reply.status_code == 200 and reply.json()["content"][0]["type"] == "text", reply.text
+    image = {"type": "image", "source": {"type": "url", "url": "http://127.0.0.1:9/x.png"}}
+    refused = client.post("/v1/messages", json=message_body(messages=[turns[0], {"role": "system",
+                                                                                  "content": [image]}]))
+    assert refused.status_code == 400 and "system message holds text blocks only" in refused.text, refused.text
+
+
 @pytest.fixture(scope="module")
 def bare_server(start_server: Callable[..., ServerThread]) -> ServerThread:
     """No model: every body check must answer before the availability check (D1)."""

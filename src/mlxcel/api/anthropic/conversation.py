@@ -1,7 +1,8 @@
 """Anthropic messages in the chat template's form (E1, E2), rendered by the shared chat renderer.
 
 - `system` (a string or text blocks, joined by newlines) becomes a leading system message; a
-  billing stamp there is pinned first (E2) unless the server turned that off.
+  billing stamp there is pinned first (E2) unless the server turned that off. A `system` message
+  in `messages` (text only; Claude Code sends one) stays a system message where it stood.
 - user text blocks join into one user message; each `tool_result` becomes a `tool` message
   (`tool_call_id` = its `tool_use_id`), placed where it stood.
 - assistant text joins into `content`, `thinking` blocks into `reasoning_content`, and
@@ -116,11 +117,15 @@ def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> li
     if system is not None:
         messages.append({"role": "system", "content": system})
     for message in req.messages:
-        messages.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
+        if message.role == "system":
+            messages.append({"role": "system", "content": system_text(message.content, pin_billing_stamp=False)})
+        else:
+            messages.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
     return messages
 
 
-def system_text(system: str | list[TextBlock] | None, *, pin_billing_stamp: bool) -> str | None:
+def system_text(system: str | Sequence[Any] | None, *, pin_billing_stamp: bool) -> str | None:
+    """The text of the `system` field or of a system message (text blocks only, checked by the schema)."""
     if system is None:
         return None
     texts = [system] if isinstance(system, str) else [block.text for block in system]

@@ -76,8 +76,17 @@ ContentBlock = Annotated[
 
 
 class Message(WireModel):
-    role: Literal["user", "assistant"]
+    # "system" in the list: Claude Code 2.1.3xx sends its environment that way (and retries without on a 400)
+    role: Literal["user", "assistant", "system"]
     content: str | list[ContentBlock]
+
+    @model_validator(mode="after")
+    def _system_is_text(self) -> Message:
+        if self.role == "system" and not isinstance(self.content, str):
+            for i, block in enumerate(self.content):
+                if not isinstance(block, TextBlock):
+                    raise ValueError(f"content.{i}.type: a system message holds text blocks only, not {block.type!r}")
+        return self
 
 
 class Tool(WireModel):
