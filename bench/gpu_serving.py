@@ -62,13 +62,20 @@ def export_tokenizer(out: Path) -> None:
     (out / "tokenizer_config.json").write_text(json.dumps(config))
 
 
-def checkpoint(shape: str, tokenizer: Path) -> Path:
+def checkpoint(shape: str, tokenizer: Path, logit_scale: float) -> Path:
     import gpu_check
+    from safetensors.torch import load_file, save_file
 
     family, name = SHAPES[shape]
     folder = gpu_check.random_checkpoint(Path(f"/tmp/{shape}-random"), getattr(gpu_check, name), family=family)
     for file in tokenizer.iterdir():
         shutil.copy(file, folder / file.name)
+    # Random weights give near-uniform next-token distributions (top_p 0.95 keeps most of the
+    # vocabulary), which no trained model does: the final norm's gain spreads the logits instead
+    # (x10 on the SmolLM2 shape: the best token holds 0.57 on average, top_p 0.95 keeps about 12).
+    weights = load_file(folder / "model.safetensors")
+    weights["model.norm.weight"] = weights["model.norm.weight"] * logit_scale
+    save_file(weights, folder / "model.safetensors", metadata={"format": "pt"})
     return folder
 
 
@@ -224,6 +231,8 @@ def main() -> None:
     parser.add_argument("--widths", default="1,16,64,256")
     parser.add_argument("--modes", default=",".join(MODES))
     parser.add_argument("--no-server", action="store_true")
+    parser.add_argument("--logit-scale", type=float, default=10.0,
+                        help="gain on the random model's final norm, so its logits spread like a trained model's (1: flat)")
     parser.add_argument("--profile-width", type=int, default=0)
     parser.add_argument("--profile-out", type=Path)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
@@ -237,9 +246,10 @@ def main() -> None:
     for name in set(MODES) - set(args.modes.split(",")):
         MODES.pop(name)
     widths = [int(w) for w in args.widths.split(",")]
-    report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "prompt": PROMPT_LEN, "gen": GEN}
+    report: dict = {"device": torch.cuda.get_device_name() if DEVICE == "cuda" else "cpu", "prompt": PROMPT_LEN, "gen": GEN,
+                    "logit_scale": args.logit_scale}
     for shape in args.shapes.split(","):
-        path = checkpoint(shape, args.tokenizer)
+        path = checkpoint(shape, args.tokenizer, args.logit_scale)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         report[shape] = {"engine": engine_figures(path, widths)}
         if not args.no_server:

@@ -9,12 +9,22 @@ from collections import Counter
 import pytest
 import torch
 
+from mlxcel.engine import sampler
 from mlxcel.engine.sampler import CANDIDATES, SamplingRow, make_generator, sample
 from mlxcel.types import SamplingParams
 
 EOS = 7
 CUDA = pytest.param("cuda", marks=[pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")])
-DEVICES = ["cpu", CUDA]
+# the GPU's way of drawing (one candidate width, its check read with the tokens, spills drawn
+# again) on CPU tensors, so CI covers it without a GPU
+GPU_STRATEGY_ON_CPU = pytest.param("cpu", id="cpu-gpu-strategy", marks=pytest.mark.gpu_strategy)
+DEVICES = ["cpu", GPU_STRATEGY_ON_CPU, CUDA]
+
+
+@pytest.fixture(autouse=True)
+def _gpu_strategy(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> None:
+    if request.node.get_closest_marker("gpu_strategy"):
+        monkeypatch.setattr(sampler, "_gpu_strategy", lambda device: True)
 
 
 def row(history: list[int] = (), generated: int = 0, **params: object) -> SamplingRow:

@@ -55,12 +55,43 @@ class _Drawn:
     final: torch.Tensor  # [len(rows), width] logits after the chain; removed tokens are -inf
     ids: torch.Tensor | None  # [len(rows), width] token ids of `final`'s columns
     positions: torch.Tensor  # [len(rows)]
+    # on a GPU, whether each row's survivors all lay within its candidates (None: known to): read
+    # with the tokens, so the check costs no sync of its own; a row that did not is drawn again
+    fits: torch.Tensor | None = None
 
     @property
     def tokens(self) -> torch.Tensor:
         if self.ids is None:
             return self.positions
         return self.ids.gather(1, self.positions[:, None]).squeeze(1)
+
+    def without(self, rows: set[int]) -> _Drawn:
+        kept = [j for j, i in enumerate(self.rows) if i not in rows]
+        ids = None if self.ids is None else _take(self.ids, kept)
+        return _Drawn([self.rows[j] for j in kept], _take(self.final, kept), ids, _take(self.positions, kept))
+
+
+@dataclass(slots=True)
+class _Draws:
+    """Every drawn row's group, and what drawing a row again needs (the GPU's deferred spills)."""
+
+    groups: list[_Drawn]
+    drawn: list[int]  # batch index of each drawn row
+    params: list[SamplingParams]
+    scaled: torch.Tensor | None = None  # [drawn, vocab] tempered logits
+    uniforms: torch.Tensor | None = None  # [drawn]
+
+    def settle(self, rows: list[int]) -> _Drawn:
+        """Draw `rows` (batch indices) again from their fully sorted logits, with the same uniforms."""
+        assert self.scaled is not None and self.uniforms is not None
+        picked = [self.drawn.index(i) for i in rows]
+        group, _ = _draw_ranked(self.scaled, self.uniforms, self.params, picked, self.scaled.shape[-1])
+        group.rows = [self.drawn[j] for j in group.rows]
+        self.groups = [g.without(set(rows)) for g in self.groups] + [group]
+        return group
+
+
+_SPILLED = -2  # a GPU row whose survivors reached past its candidates: drawn again after the read
 
 
 def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], list[TokenLogprob | None]]:
@@ -76,18 +107,33 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     _apply_penalties(work, rows)
     _apply_processors(work, rows)
     _suppress_end_tokens(work, rows)
-    greedy = [i for i, r in enumerate(rows) if r.params.is_greedy]
-    tokens = torch.zeros(len(rows), dtype=torch.long, device=work.device)
-    if greedy:
-        tokens[greedy] = _take(work, greedy).argmax(dim=-1)
-    groups = _draw(work, rows)
-    for group in groups:
-        tokens[group.rows] = torch.where(_has_mass(group.final), group.tokens, -1)
-    token_list = tokens.tolist()
+    if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs for r in rows):
+        tokens, draws = _draw_fused(work, rows)
+    else:
+        tokens, draws = _draw_grouped(work, rows)
+    token_list = tokens.tolist()  # the step's one wait for the device
+    spilled = [i for i, t in enumerate(token_list) if t == _SPILLED]
+    if spilled:
+        group = draws.settle(spilled)
+        for i, t in zip(group.rows, torch.where(_has_mass(group.final), group.tokens, -1).tolist()):
+            token_list[i] = t
     if -1 in token_list:
         bad = [i for i, t in enumerate(token_list) if t == -1]
         raise ValueError(f"rows {bad}: every token was removed or the logits are not finite")
-    return token_list, _logprobs(raw, rows, token_list, groups)
+    return token_list, _logprobs(raw, rows, token_list, draws.groups)
+
+
+def _draw_grouped(work: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, _Draws]:
+    """Each row drawn with its own group's ops (what post-sampling logprobs read), on the device."""
+    any_greedy = any(r.params.is_greedy for r in rows)
+    tokens = work.argmax(dim=-1) if any_greedy else torch.zeros(len(rows), dtype=torch.long, device=work.device)
+    draws = _draw(work, rows)
+    for group in draws.groups:
+        chosen = torch.where(_has_mass(group.final), group.tokens, -1)
+        if group.fits is not None:
+            chosen = torch.where(group.fits, chosen, _SPILLED)
+        tokens = tokens.index_copy(0, _on(group.rows, torch.long, tokens.device), chosen)
+    return tokens, draws
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -116,8 +162,8 @@ def _apply_logit_biases(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     entries = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias if 0 <= t < vocab]
     if entries:
         row_ids, token_ids, values = zip(*entries)
-        index = (torch.tensor(row_ids, device=work.device), torch.tensor(token_ids, device=work.device))
-        work.index_put_(index, torch.tensor(values, dtype=work.dtype, device=work.device), accumulate=True)
+        index = (_on(row_ids, torch.long, work.device), _on(token_ids, torch.long, work.device))
+        work.index_put_(index, _on(values, work.dtype, work.device), accumulate=True)
 
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -131,17 +177,17 @@ def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not width:
         return
     vocab, device = work.shape[-1], work.device
-    ids = torch.tensor([w + [vocab] * (width - len(w)) for w in windows], device=device).clamp_(0, vocab)
+    ids = _on([w + [vocab] * (width - len(w)) for w in windows], torch.long, device).clamp_(0, vocab)
     counts = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     counts = counts[:, :vocab]  # [picked, vocab]; the last column took the padding
     params = [rows[i].params for i in picked]
     repetition = _column([p.repetition_penalty for p in params], device)
     frequency = _column([p.frequency_penalty for p in params], device)
     presence = _column([p.presence_penalty for p in params], device)
-    chosen = work[picked]
+    chosen = _take(work, picked)
     seen = counts > 0
     shrunk = torch.where(chosen > 0, chosen / repetition, chosen * repetition)
-    work[picked] = torch.where(seen, shrunk, chosen) - counts * frequency - seen * presence
+    work.index_copy_(0, _on(picked, torch.long, device), torch.where(seen, shrunk, chosen) - counts * frequency - seen * presence)
 
 
 def _penalty_window(history: Sequence[int], repeat_last_n: int) -> Sequence[int]:
@@ -166,27 +212,29 @@ def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
                for t in r.eos_token_ids | set(r.params.stop_token_ids) if 0 <= t < vocab]
     if entries:
         row_ids, token_ids = zip(*entries)
-        work[torch.tensor(row_ids, device=work.device), torch.tensor(token_ids, device=work.device)] = float("-inf")
+        work.index_put_((_on(row_ids, torch.long, work.device), _on(token_ids, torch.long, work.device)),
+                        work.new_full((), float("-inf")))
 
 
 # ---- temperature, truncation and the draw ----
 
-def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
+def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> _Draws:
     """Every non-greedy row drawn: rows with no top-k or top-p in vocabulary order; on the CPU top-p
     rows without top-k from the flat nucleus; the rest (and the nucleus's spills) from their best
-    logits, sorted, in widening candidate sets up to a full sort."""
+    logits, sorted, in widening candidate sets up to a full sort. On a GPU the candidate set's
+    check is read with the tokens (`_Drawn.fits`), and only the rows that spill are sorted."""
     drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
-    if not drawn:
-        return []
     params = [rows[i].params for i in drawn]
+    if not drawn:
+        return _Draws([], drawn, params)
     scaled = _take(work, drawn) / _column([p.temperature for p in params], work.device)  # [drawn, vocab]
-    uniforms = _uniforms([rows[i] for i in drawn], work.device)
+    uniforms = _uniforms([rows[i].generator for i in drawn], work.device)
     vocab = work.shape[-1]
     ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
     groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked])]
     # NOTE: on a GPU topk and sort are cheap and every extra kernel or sync is not: there the
     # candidate rows take one topk width and then a sort (issue 25, measured on an H200).
-    on_cpu = work.device.type == "cpu"
+    on_cpu = not _gpu_strategy(work.device)
     by_probability = [j for j in ranked if on_cpu and params[j].top_k == 0 and not params[j].is_post_sampling_probs]
     group, spilled = _draw_nucleus(scaled, uniforms, params, by_probability)
     groups.append(group)
@@ -194,12 +242,12 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> list[_Drawn]:
     widths = CANDIDATES if on_cpu else CANDIDATES[:1]
     for width in [w for w in widths if w < vocab] + [vocab]:  # each row tries the narrowest width that holds its top-k
         tried = [j for j in ranked if params[j].top_k <= width or width == vocab]
-        group, spilled = _draw_ranked(scaled, uniforms, params, tried, width)
+        group, spilled = _draw_ranked(scaled, uniforms, params, tried, width, defer=not on_cpu and width < vocab)
         groups.append(group)
         ranked = sorted(spilled + [j for j in ranked if j not in tried])
     for g in groups:
         g.rows = [drawn[j] for j in g.rows]
-    return [g for g in groups if g.rows]
+    return _Draws([g for g in groups if g.rows], drawn, params, scaled, uniforms)
 
 
 def _draw_in_order(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams],
@@ -243,7 +291,7 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     kept_mass = torch.zeros(n, device=device).index_add_(0, row, prob * keep)
     last_kept = starts + torch.bincount(row, weights=keep.float(), minlength=n).long() - 1
     total = torch.zeros(n, device=device).index_add_(0, row, prob)
-    cut_by_min_p = torch.tensor([p.min_p >= NUCLEUS_FLOOR for p in chosen], device=device)
+    cut_by_min_p = _on([p.min_p >= NUCLEUS_FLOOR for p in chosen], torch.bool, device)
     fits = ((total >= top_p) | cut_by_min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
     fits &= is_narrow
     target = before + _take(uniforms, picked) * kept_mass
@@ -258,45 +306,108 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
 
 
 def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
-                 width: int) -> tuple[_Drawn, list[int]]:
+                 width: int, defer: bool = False) -> tuple[_Drawn, list[int]]:
     """Top-k, then top-p over what top-k kept, then min-p, on each row's `width` best logits, sorted.
 
-    Returns the rows whose survivors all lie within those candidates, drawn, and the others."""
+    Returns the rows whose survivors all lie within those candidates, drawn, and the others; with
+    `defer`, every row drawn and the check left on the device in `fits` (no sync here)."""
     if not picked:
         return _Drawn([], scaled[:0], None, uniforms[:0].long()), []
     rows_scaled = _take(scaled, picked)  # [n, vocab]
     vocab, device = rows_scaled.shape[-1], rows_scaled.device
     chosen = [params[j] for j in picked]
     values, ids = torch.topk(rows_scaled, width, dim=-1) if width < vocab else torch.sort(rows_scaled, -1, descending=True)
-    top_k = torch.tensor([min(p.top_k, width) if p.top_k > 0 else width for p in chosen], device=device)
-    keep = values >= values.gather(1, (top_k - 1)[:, None])  # ties with the k-th logit stay
-    # top-p's probabilities are over what top-k kept: the candidates, or the whole row without top-k
+    final, fits = _truncate_ranked(rows_scaled, values, ids, _Truncation.of(chosen, width, device))
+    fits_list = [True] * len(picked) if width == vocab or defer else fits.tolist()
+    inside = [j for j, ok in enumerate(fits_list) if ok]
+    final = _take(final, inside)
+    positions = _inverse_cdf(final, _take(uniforms, [picked[j] for j in inside]))
+    group = _Drawn([picked[j] for j in inside], final, _take(ids, inside), positions, fits if defer else None)
+    return group, [picked[j] for j, ok in enumerate(fits_list) if not ok]
+
+
+@dataclass(slots=True)
+class _Truncation:
+    """The ranked chain's per-row parameters, as columns on the logits' device."""
+
+    top_k: torch.Tensor  # [n] long: how many candidates top-k keeps (the width when it keeps more, or none is set)
+    has_top_k: torch.Tensor  # [n] bool: a top-k within the width (top-p's probabilities are then over it)
+    top_p: torch.Tensor  # [n, 1]
+    log_min_p: torch.Tensor  # [n, 1]
+    any_whole: bool  # some row's top-p is over the whole vocabulary (needs the row's logsumexp)
+
+    @classmethod
+    def of(cls, params: list[SamplingParams], width: int, device: torch.device) -> _Truncation:
+        has_top_k = [0 < p.top_k <= width for p in params]
+        return cls(_on([p.top_k if k else width for p, k in zip(params, has_top_k)], torch.long, device),
+                   _on(has_top_k, torch.bool, device), _column([p.top_p for p in params], device),
+                   _column([_log_min_p(p.min_p) for p in params], device), not all(has_top_k))
+
+
+def _truncate_ranked(rows_scaled: torch.Tensor, values: torch.Tensor, ids: torch.Tensor,
+                     t: _Truncation) -> tuple[torch.Tensor, torch.Tensor]:
+    """[n, vocab] tempered logits and their best `width` in order (ids: their columns) -> the candidates' logits after
+    top-k, top-p and min-p (removed: -inf), and whether each row's survivors all lie among them."""
+    keep = values >= values.gather(1, (t.top_k - 1)[:, None])  # ties with the k-th logit stay
+    # top-p's probabilities are over what top-k kept, or over the whole row without a top-k
     probs = torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
-    has_top_k = [0 < p.top_k <= width for p in chosen]
-    whole = [j for j, is_k in enumerate(has_top_k) if not is_k]
-    if whole and width < vocab:
-        probs[whole] = torch.softmax(_take(rows_scaled, whole), dim=-1).gather(1, _take(ids, whole))
+    if t.any_whole:
+        whole = torch.softmax(rows_scaled, dim=-1).gather(1, ids)
+        probs = torch.where(t.has_top_k[:, None], probs, whole)
     mass = probs.cumsum(dim=-1)
-    top_p = _column([p.top_p for p in chosen], device)
-    keep &= (mass - probs < top_p) | (top_p >= 1.0)  # the smallest prefix reaching top_p; the first always stays
-    floor = values[:, :1] + _column([_log_min_p(p.min_p) for p in chosen], device)
+    keep &= (mass - probs < t.top_p) | (t.top_p >= 1.0)  # the smallest prefix reaching top_p; the first always stays
+    floor = values[:, :1] + t.log_min_p
     keep &= values >= floor
     # every survivor is a candidate: top-k fits, or top-p's or min-p's cut falls inside them
-    fits = (torch.tensor(has_top_k, device=device) | (mass[:, -1] >= top_p.squeeze(1))
-            | (values[:, -1] < floor.squeeze(1)))
-    fits_list = [True] * len(picked) if width == vocab else fits.tolist()
-    inside = [j for j, ok in enumerate(fits_list) if ok]
-    final = _take(values, inside).masked_fill(~_take(keep, inside), float("-inf"))
-    positions = _inverse_cdf(final, _take(uniforms, [picked[j] for j in inside]))
-    group = _Drawn([picked[j] for j in inside], final, _take(ids, inside), positions)
-    return group, [picked[j] for j, ok in enumerate(fits_list) if not ok]
+    fits = t.has_top_k | (mass[:, -1] >= t.top_p.squeeze(1)) | (values[:, -1] < floor.squeeze(1))
+    return values.masked_fill(~keep, float("-inf")), fits
+
+
+def _draw_fused(work: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, _Draws]:
+    """The GPU's draw of a whole batch in one pass of batch-wide ops, no sync (issue 25): greedy
+    rows' argmax, min-p-only rows over the vocabulary, the rest over their best CANDIDATES[0]
+    logits, each row's token picked by `torch.where`. A row whose survivors reach past its
+    candidates comes back as _SPILLED, for `_Draws.settle`. Draws the tokens `_draw` would."""
+    params = [r.params for r in rows]
+    device, vocab = work.device, work.shape[-1]
+    width = min(CANDIDATES[0], vocab)
+    greedy = [p.is_greedy for p in params]
+    in_order = [not g and p.top_k <= 0 and p.top_p >= 1.0 for g, p in zip(greedy, params)]
+    ranked = [not g and not o for g, o in zip(greedy, in_order)]
+    scaled = work / _column([1.0 if g else p.temperature for g, p in zip(greedy, params)], device)
+    uniforms = _uniforms([None if g else r.generator for r, g in zip(rows, greedy)], device)
+    tokens = work.argmax(dim=-1)
+    if any(in_order):
+        final = scaled.masked_fill(scaled < scaled.max(dim=-1, keepdim=True).values
+                                   + _column([_log_min_p(p.min_p) for p in params], device), float("-inf"))
+        drawn = torch.where(_has_mass(final), _inverse_cdf(final, uniforms), -1)
+        tokens = torch.where(_on(in_order, torch.bool, device), drawn, tokens)
+    if any(ranked):
+        values, ids = torch.topk(scaled, width, dim=-1)
+        final, fits = _truncate_ranked(scaled, values, ids, _Truncation.of(params, width, device))
+        drawn = torch.where(_has_mass(final), ids.gather(1, _inverse_cdf(final, uniforms)[:, None]).squeeze(1), -1)
+        is_wide = _on([p.top_k > width for p in params], torch.bool, device)  # a top-k past the candidates
+        drawn = torch.where(fits & ~is_wide, drawn, _SPILLED)
+        tokens = torch.where(_on(ranked, torch.bool, device), drawn, tokens)
+    return tokens, _Draws([], list(range(len(rows))), params, scaled, uniforms)
+
+
+def _gpu_strategy(device: torch.device) -> bool:
+    """One candidate width with its check deferred, no flat nucleus: fewer kernels and syncs."""
+    return device.type != "cpu"
 
 
 def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
     """tensor[index] along the first dimension, without a copy when the index takes every row in order."""
     if index == list(range(tensor.shape[0])):
         return tensor
-    return tensor[index]
+    return tensor.index_select(0, _on(index, torch.long, tensor.device))
+
+
+def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on `device`, copied without waiting for the device's queue
+    (a plain `torch.tensor(..., device=cuda)` waits for every kernel launched before it)."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 def _log_min_p(min_p: float) -> float:
@@ -315,18 +426,18 @@ def _inverse_cdf(final: torch.Tensor, uniforms: torch.Tensor) -> torch.Tensor:
     return torch.where(is_removed, final.argmax(dim=-1), positions)  # u rounding onto the last step
 
 
-def _uniforms(rows: list[SamplingRow], device: torch.device) -> torch.Tensor:
+def _uniforms(generators: list[torch.Generator | None], device: torch.device) -> torch.Tensor:
     """One uniform per row: a seeded row's from its own generator, the rest from the device's."""
-    uniforms = torch.rand(len(rows), device=device)
-    seeded = [(j, r.generator) for j, r in enumerate(rows) if r.generator is not None]
-    if seeded:
-        values = torch.cat([torch.rand(1, generator=g) for _, g in seeded])
-        uniforms[[j for j, _ in seeded]] = values.to(device)
+    uniforms = torch.rand(len(generators), device=device)
+    if any(g is not None for g in generators):
+        seeded = _on([torch.rand(1, generator=g).item() if g is not None else math.nan for g in generators],
+                     torch.float32, device)
+        uniforms = torch.where(seeded.isnan(), uniforms, seeded)
     return uniforms
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+    return _on(values, torch.float32, device)[:, None]
 
 
 # ---- logprobs ----
@@ -340,15 +451,15 @@ def _logprobs(raw: torch.Tensor, rows: list[SamplingRow], tokens: list[int],
     post = {i for i in asked if rows[i].params.is_post_sampling_probs}
     plain = [i for i in asked if i not in post]
     if plain:
-        for i, lp in zip(plain, _top_logprobs(torch.log_softmax(raw[plain], dim=-1), None, rows, plain, tokens)):
+        for i, lp in zip(plain, _top_logprobs(torch.log_softmax(_take(raw, plain), dim=-1), None, rows, plain, tokens)):
             out[i] = lp
     for group in groups:
         inside = [j for j, i in enumerate(group.rows) if i in post]
         if inside:
-            final = torch.log_softmax(group.final[inside], dim=-1)
-            ids = group.ids[inside] if group.ids is not None else None
+            final = torch.log_softmax(_take(group.final, inside), dim=-1)
+            ids = _take(group.ids, inside) if group.ids is not None else None
             picked = [group.rows[j] for j in inside]
-            for i, lp in zip(picked, _top_logprobs(final, ids, rows, picked, tokens, positions=group.positions[inside])):
+            for i, lp in zip(picked, _top_logprobs(final, ids, rows, picked, tokens, positions=_take(group.positions, inside))):
                 out[i] = lp
     for i in post:
         if out[i] is None:  # greedy
@@ -362,7 +473,7 @@ def _top_logprobs(logprobs: torch.Tensor, ids: torch.Tensor | None, rows: list[S
     chosen token and its best alternatives; removed tokens (-inf) are never alternatives."""
     device = logprobs.device
     if positions is None:
-        positions = torch.tensor([tokens[i] for i in picked], device=device)
+        positions = _on([tokens[i] for i in picked], torch.long, device)
     chosen = logprobs.gather(1, positions[:, None]).squeeze(1).tolist()
     num_top = max(rows[i].params.logprobs or 0 for i in picked)
     top_values, top_cols = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
