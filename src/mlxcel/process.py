@@ -2,9 +2,9 @@
 
 `Process` is the one object the builder hands the server: the served chat model (or None), the
 side models (`SideModels`: embedding and rerank providers, an audio-only or realtime process's
-models, a Florence-2 process's worker, the single-purpose mode) and the settings they were built from. Nothing loads here, so
-`server/` can hold and read these without importing the loaders (`runtime`, `side_models`,
-`workers`).
+models, a Florence-2 process's worker, the single-purpose mode) and the settings they were built
+from. Nothing loads here, so `server/` can hold and read these without importing the loaders
+(`runtime`, `side_models`, `workers`).
 """
 
 from __future__ import annotations
