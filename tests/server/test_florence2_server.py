@@ -163,6 +163,7 @@ def test_max_tokens_past_the_decoder_window_is_a_400(address: str) -> None:
 # ---- the process around the worker ----
 
 def test_models_health_metrics_and_other_routes(address: str, florence2_dir: Path) -> None:
+    assert post(address, user("<CAPTION>", data_url()), max_tokens=4).status_code == 200
     models = httpx.get(f"{address}/v1/models").json()["data"]
     assert [(m["id"], m["capabilities"]) for m in models] == [(florence2_dir.name, ["vision"])]
     health = httpx.get(f"{address}/health")
