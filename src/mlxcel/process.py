@@ -2,9 +2,9 @@
 
 `Process` is the one object the builder hands the server: the served chat model (or None), the
 side models (`SideModels`: embedding and rerank providers, an audio-only or realtime process's
-models, the single-purpose mode) and the settings they were built from. Nothing loads here, so
-`server/` can hold and read these without importing the loaders (`runtime`, `side_models`,
-`workers`).
+models, a Florence-2 process's worker, the single-purpose mode) and the settings they were built
+from. Nothing loads here, so `server/` can hold and read these without importing the loaders
+(`runtime`, `side_models`, `workers`).
 """
 
 from __future__ import annotations
@@ -20,8 +20,10 @@ if TYPE_CHECKING:
     from mlxcel.runtime import ServedModel
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider
+    from mlxcel.workers.florence2 import Florence2Provider
     from mlxcel.workers.rerank import Reranker
 
+FLORENCE2_CAPABILITY = "vision"  # /v1/models: image tasks on /v1/chat/completions (spec T)
 Stopper = Callable[[float], bool]  # stop(timeout) -> exited in time (A7)
 
 
@@ -44,6 +46,8 @@ class SideModels:
     audio: AudioModels | None = None  # the provider of an audio-only process (spec G)
     realtime: tuple[AudioModels, AudioModels] | None = None  # (Whisper, voice) of a realtime process (spec H)
     realtime_entry: ModelEntry | None = None  # the realtime model as /v1/models lists it
+    florence2: Florence2Provider | None = None  # a Florence-2 process's seq2seq worker (spec T)
+    florence2_info: NamedProvider | None = None
     # (name, stop(timeout) -> exited in time) per provider thread, joined at shutdown (A7)
     stoppers: list[tuple[str, Stopper]] = field(default_factory=list)
 
@@ -51,11 +55,13 @@ class SideModels:
         providers = (self.embedding, self.reranker)
         stats = [provider.stats() for provider in providers if provider is not None]
         audio = [self.audio] if self.audio is not None else list(self.realtime or ())
-        return stats + [models.stats() for models in audio]
+        florence2 = [self.florence2.stats()] if self.florence2 is not None else []
+        return stats + [models.stats() for models in audio] + florence2
 
     def model_entries(self) -> list[ModelEntry]:
         """The providers as /v1/models lists them, each with its capability."""
-        entries = [(self.embedding_info, "embedding"), (self.reranker_info, "rerank")]
+        entries = [(self.embedding_info, "embedding"), (self.reranker_info, "rerank"),
+                   (self.florence2_info, FLORENCE2_CAPABILITY)]
         listed = [ModelEntry(info.name, (capability,), info.created, info.window)
                   for info, capability in entries if info is not None]
         listed += [self.audio.model_entry()] if self.audio is not None else []

@@ -287,7 +287,8 @@ def _s(name: str, kind: Kind, default: Any, help: str, flags: Iterable[str] | It
 SETTINGS: tuple[Setting, ...] = (
     # model
     _s("model", TEXT, None, "GGUF file, Hugging Face folder, owner/name repo id or bare name (read as "
-       "$MLXCEL_DEFAULT_ORG/NAME); default: the embedded SmolLM2-135M-Instruct", ("-m", "--model"),
+       "$MLXCEL_DEFAULT_ORG/NAME); default: the embedded SmolLM2-135M-Instruct; a Florence-2 folder serves vision "
+       "tasks on /v1/chat/completions from a single-stream worker", ("-m", "--model"),
        "LLAMA_ARG_MODEL", metavar="MODEL", group="model"),
     _s("alias", TEXT, None, "model names, comma-separated: the first in sorted order is the id reported by "
        "/v1/models and responses, all are listed as its aliases", ("-a", "--alias"), "LLAMA_ARG_ALIAS",
@@ -355,7 +356,8 @@ SETTINGS: tuple[Setting, ...] = (
        "LLAMA_ARG_BATCH", metavar="N", group="engine"),
     _s("ubatch_size", COUNT, 512, "prefill chunk: most prompt tokens per step", ("-ub", "--ubatch-size"),
        "LLAMA_ARG_UBATCH", metavar="N", group="engine"),
-    _s("max_queue_depth", NON_NEGATIVE, 64, "waiting requests before 503 + Retry-After", ("--max-queue-depth",),
+    _s("max_queue_depth", NON_NEGATIVE, 64, "waiting requests before 503 + Retry-After (a Florence-2 worker's too)",
+       ("--max-queue-depth",),
        "LLAMA_ARG_MAX_QUEUE_DEPTH", metavar="N", group="engine", is_mutable=True),
     _s("prompt_cache", BOOL, True, "automatic prefix caching (APC) on or off", (
         Flag(("--no-prompt-cache", "--no-cache-prompt"), "off", "turn prefix caching (APC) off"),
@@ -409,7 +411,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("default_frequency_penalty", number(), None, "frequency penalty of requests that send none (0 = off)",
        ("--frequency-penalty",), metavar="N", group="sampling", is_mutable=True),
     _s("decode_timeout", SECONDS, 600.0, "abort a request that produces no token for this long (not applied to "
-       "prefill)", ("--decode-timeout",), "LLAMA_ARG_DECODE_TIMEOUT", metavar="SECONDS", group="engine",
+       "prefill); a Florence-2 request gets this long for its whole answer (504)", ("--decode-timeout",), "LLAMA_ARG_DECODE_TIMEOUT", metavar="SECONDS", group="engine",
        is_mutable=True),
     # speculative decoding (B1-B4)
     _s("draft_kind", choice(*DRAFT_KINDS), "none", "speculative decoding: none, prompt-lookup (n-grams of the "

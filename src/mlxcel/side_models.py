@@ -7,6 +7,9 @@ causal LM becomes a generative reranker only when named by `--reranker-model`; t
 path as `-m` selects a rerank-only process and loads the model once. `--embeddings` and
 `--reranking` are llama-server's restricted modes: chat is not served and the matching
 provider must exist. `load_side_models` then loads each provider on its own worker thread.
+A Florence-2 checkpoint as `-m` (spec T) is a process of its own: `find_florence2` tells it
+and `load_florence2` starts its single-stream seq2seq worker, which answers
+/v1/chat/completions (the other text routes answer 501).
 """
 
 from __future__ import annotations
@@ -20,7 +23,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.api.modes import SinglePurposeMode
-from mlxcel.loading import ResolvedModel, load_model
+from mlxcel.loading import ModelLoadError, ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
 from mlxcel.loading.encoder import is_embedding_checkpoint, is_rerank_checkpoint
 from mlxcel.process import NamedProvider, SideModels  # the products; re-exported for callers of this module
@@ -33,6 +36,7 @@ from mlxcel.workers.embedding import (
     PoolingType,
 )
 from mlxcel.workers.encoder_inputs import parse_dtype
+from mlxcel.workers.florence2 import Florence2Config, Florence2Provider, is_florence2_checkpoint
 from mlxcel.workers.rerank import (
     GenerativeReranker,
     RerankConfig,
@@ -248,6 +252,37 @@ def _load_reranker(side: SideModels, plan: ProcessPlan, config: RerankConfig, cr
     side.reranker_info = NamedProvider(resolved.name, window, created)
     side.stoppers.append(("rerank", provider.stop))
     log.info("reranker: %s (%s, %s, window %d tokens)", resolved.name, resolved.source, kind, window)
+
+
+# ---- Florence-2 (spec T) ----
+
+def find_florence2(model_arg: str | None, resolve: Resolve) -> ResolvedModel | None:
+    """The Florence-2 checkpoint `-m` names, or None when it names something else."""
+    if not model_arg:
+        return None
+    try:
+        resolved = resolve_side_model(model_arg, resolve)
+    except ModelLoadError:
+        return None  # the chat loader reports it with its own message
+    return resolved if is_florence2_checkpoint(resolved.path) else None
+
+
+def florence2_mode() -> SinglePurposeMode:
+    return SinglePurposeMode(
+        "florence2", "-m", "To serve chat, start another process with -m CHAT_MODEL; a Florence-2 checkpoint is "
+        "served in its own process.", serves="Florence-2 vision tasks on /v1/chat/completions (one user message: "
+        "a task prompt such as <OD> and one image_url part)")
+
+
+def load_florence2(resolved: ResolvedModel, config: Florence2Config, created: int) -> SideModels:
+    """Load the model and processor and start the worker thread that alone runs them."""
+    provider = Florence2Provider.load(resolved.path, config)
+    log.info("Florence-2 model: %s (%s, %s on %s, single-stream worker, %d waiting at most, %g s per request)",
+             resolved.name, resolved.source, str(config.dtype).removeprefix("torch."), config.device,
+             config.max_queue_depth, config.request_timeout_s)
+    return SideModels(mode=florence2_mode(), florence2=provider,
+                      florence2_info=NamedProvider(resolved.name, provider.window, created),
+                      stoppers=[("florence2", provider.stop)])
 
 
 def load_generative_reranker(path: Path, config: RerankConfig) -> GenerativeReranker:

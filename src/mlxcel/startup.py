@@ -100,6 +100,9 @@ def build_process(settings: ServeSettings) -> Process:
     audio = _start_audio_process(settings, resolve)
     if audio is not None:
         return Process(None, audio, settings.values)
+    florence2 = _start_florence2_process(settings, resolve)
+    if florence2 is not None:
+        return Process(None, florence2, settings.values)
     options = settings.side or SideModelOptions()
     if settings.server.webui and not settings.model:  # A5: model-less start; the UI loads one
         plan = _model_less_plan(options, resolve)
@@ -162,6 +165,26 @@ def _start_audio_process(settings: ServeSettings, resolve: Resolve) -> SideModel
     return SideModels(mode=audio_only_mode(audio.kind), audio=audio, stoppers=list(audio.stoppers))
 
 
+def _start_florence2_process(settings: ServeSettings, resolve: Resolve) -> SideModels | None:
+    """A Florence-2 process when -m names a Florence-2 checkpoint (spec T): its single-stream worker,
+    bounded by --max-queue-depth, each request by --decode-timeout."""
+    from mlxcel.side_models import find_florence2, load_florence2
+    from mlxcel.workers.florence2 import Florence2Config
+
+    found = find_florence2(settings.model, resolve)
+    if found is None:
+        return None
+    _refuse_side_flags(settings, "a Florence-2 checkpoint, served in its own process")
+    if settings.runtime.adapters:
+        raise ValueError(f"-m {settings.model} is a Florence-2 checkpoint; --lora adapters apply to chat models only")
+    engine = settings.engine
+    config = Florence2Config(settings.runtime.device, settings.runtime.torch_dtype(), engine.max_queue_depth,
+                             engine.decode_timeout_s)
+    side = load_florence2(found, config, int(time.time()))
+    log.info("Florence-2 process: vision tasks on /v1/chat/completions (other text routes answer 501)")
+    return side
+
+
 def _start_realtime_process(settings: ServeSettings, resolve: Resolve) -> tuple[ServedModel, SideModels]:
     """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
     from mlxcel.api.modes import ModelEntry, SinglePurposeMode
@@ -200,7 +223,8 @@ def _start_realtime_process(settings: ServeSettings, resolve: Resolve) -> tuple[
         raise
 
 
-def _refuse_side_flags(settings: ServeSettings) -> None:
+def _refuse_side_flags(settings: ServeSettings,
+                       what: str = "an audio checkpoint, served in an audio-only process") -> None:
     side = settings.side
     if side is None:
         return
@@ -208,8 +232,7 @@ def _refuse_side_flags(settings: ServeSettings) -> None:
              side.reranker_model), ("--embeddings", side.is_embeddings_mode), ("--reranking",
              side.is_reranking_mode)) if is_set]
     if flags:
-        raise ValueError(f"-m {settings.model} is an audio checkpoint, served in an audio-only process; "
-                         f"drop {' and '.join(flags)} or give -m a chat model")
+        raise ValueError(f"-m {settings.model} is {what}; drop {' and '.join(flags)} or give -m a chat model")
 
 
 # ---- services built on the state ----

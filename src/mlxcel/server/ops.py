@@ -19,7 +19,7 @@ from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED, CompletionFields
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
-from mlxcel.process import SideModels
+from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
 from mlxcel.types import DraftStats, EngineStats, PrefixCacheStats, SlotStats
 
 if TYPE_CHECKING:
@@ -82,6 +82,9 @@ def providers_json(side: SideModels) -> list[dict[str, Any]]:
     for models in audio:
         listed.append({"model": models.name, "capability": models.capabilities[0],
                        "capabilities": list(models.capabilities), **_worker_json(models.stats())})
+    if side.florence2 is not None and side.florence2_info is not None:  # spec T: the seq2seq worker
+        listed.append({"model": side.florence2_info.name, "capability": FLORENCE2_CAPABILITY,
+                       "worker": "florence2", **_worker_json(side.florence2.stats())})
     return listed
 
 

@@ -19,7 +19,9 @@ from starlette.responses import JSONResponse, Response
 from mlxcel.api import openai, providers, responses, resumable
 from mlxcel.api.context import ApiContext
 from mlxcel.api import anthropic, llama_server
-from mlxcel.api.errors import ApiError, Protocol
+from mlxcel.api.errors import ApiError, Protocol, unavailable
+from mlxcel.api.openai.florence2 import create_florence2_completion
+from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.server import audio_routes, ops, settings_api
 from mlxcel.server.openapi import build_openapi
@@ -87,10 +89,20 @@ def bind(route: Route, state: ServerState) -> Callable[[Request], Awaitable[Resp
 
 async def chat_completions(request: Request, state: ServerState) -> Reply:
     req = openai.parse_chat_request(await read_json(request))  # D1: body errors before availability
+    if state.side.florence2 is not None:  # spec T: a Florence-2 process answers here, on its own worker
+        return await run_until_disconnect(request, _florence2_completion(state, req))
     ctx = state.require_api()
     cid = resumable.conversation_id(request.headers)
     reply = await run_until_disconnect(request, openai.create_chat_completion(ctx, req, request.headers))
     return await _resumable(state, reply, cid)
+
+
+async def _florence2_completion(state: ServerState, req: ChatCompletionRequest) -> Reply:
+    provider, info = state.side.florence2, state.side.florence2_info
+    assert provider is not None and info is not None
+    if state.is_shutting_down:
+        raise unavailable("the server is shutting down")
+    return await create_florence2_completion(provider, req, state.media, info.name, state.metrics)
 
 
 async def _resumable(state: ServerState, reply: Reply, cid: str | None) -> Reply:

@@ -83,7 +83,7 @@ class ServerState:
             return None
         if self.side.audio is not None:
             return self.side.audio.name
-        info = self.side.embedding_info or self.side.reranker_info
+        info = self.side.florence2_info or self.side.embedding_info or self.side.reranker_info
         return info.name if info else None
 
     def attach(self, served: ServedModel) -> None:
