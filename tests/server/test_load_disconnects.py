@@ -154,3 +154,66 @@ def test_queue_overflow_is_a_503_with_retry_after_then_recovers(served: ServedMo
         assert pool_state(http)[1:] == (0, 0, True)
     print(f"FIGURES overflow: burst=8 rejected_503={len(full)} served={len(served_ok)} "
           f"recovery_s={recovery_s:.2f}")
+
+
+# ---- issue 25: 64 sampled streams at once, a seeded third of them cut off at random points ----
+
+STORM_STREAMS = 64
+STORM_TOKENS = 16
+
+
+async def storm_request(http: httpx.AsyncClient, index: int, drop_after: int | None) -> tuple[str, int]:
+    """('done', tokens seen) for a stream read to [DONE]; ('dropped', n) for one closed after n events."""
+    body = chat_body(PROMPTS[index % len(PROMPTS)], stream=True, max_tokens=STORM_TOKENS, temperature=0.8, top_p=0.95,
+                     ignore_eos=True, logprobs=True, stream_options={"include_usage": True})
+    tokens, events, usage = 0, 0, None
+    async with http.stream("POST", "/v1/chat/completions", json=body) as reply:
+        assert reply.status_code == 200, await reply.aread()
+        async for line in reply.aiter_lines():
+            if not line.startswith("data: {"):
+                continue
+            events += 1
+            if drop_after is not None and events >= drop_after:
+                return "dropped", events
+            chunk = json.loads(line[6:])
+            assert "error" not in chunk, chunk
+            usage = chunk.get("usage") or usage
+            for choice in chunk["choices"]:
+                tokens += len((choice.get("logprobs") or {}).get("content") or [])
+    assert usage is not None and usage["completion_tokens"] == STORM_TOKENS
+    return "done", tokens
+
+
+def test_issue25_64_sampled_streams_with_random_disconnects_lose_no_event(served: ServedModel,
+                                                                         start_server: Callable[..., ServerThread]) -> None:
+    """Every stream read to the end carries each of its tokens (one logprob entry per token, the
+    usage count), and the engine accounts for every sequence: started = completed + aborted."""
+    import random
+
+    model = engine_like(served, EngineConfig(max_num_seqs=STORM_STREAMS, ctx_size=STORM_STREAMS * 128,
+                                             max_queue_depth=STORM_STREAMS))
+    address = start_server(model).address
+    chooser = random.Random(25)
+    drops = [chooser.randint(1, STORM_TOKENS) if chooser.random() < 0.35 else None for _ in range(STORM_STREAMS)]
+
+    async def storm() -> list[tuple[str, int]]:
+        limits = httpx.Limits(max_connections=STORM_STREAMS + 4)
+        async with httpx.AsyncClient(base_url=address, timeout=300, limits=limits) as http:
+            return list(await asyncio.gather(*(storm_request(http, i, d) for i, d in enumerate(drops))))
+
+    with httpx.Client(base_url=address, timeout=120) as http:
+        free_before, *_ = pool_state(http)
+        before = http.get("/health").json()["observability"]
+        results = asyncio.run(storm())
+        wait_until(lambda: pool_state(http)[1:] == (0, 0, True), what="an idle engine")
+        wait_until(lambda: pool_state(http)[0] == free_before, what="every KV block free")
+        after = http.get("/health").json()["observability"]
+    done = [n for kind, n in results if kind == "done"]
+    dropped = [n for kind, n in results if kind == "dropped"]
+    assert len(dropped) == sum(d is not None for d in drops) and len(done) + len(dropped) == STORM_STREAMS
+    assert done == [STORM_TOKENS] * len(done)  # no token event lost on a stream read to the end
+    started, completed, aborted = (after[k] - before[k] for k in ("sequences_started", "sequences_completed",
+                                                                     "sequences_aborted"))
+    assert started == STORM_STREAMS and started == completed + aborted, (started, completed, aborted)
+    print(f"FIGURES storm: streams={STORM_STREAMS} dropped={len(dropped)} done={len(done)} "
+          f"started={started} completed={completed} aborted={aborted}")
