@@ -54,6 +54,22 @@ class SequenceSlice:
     block_table: tuple[int, ...] = ()
 
 
+def _groups_prefill(device: torch.device) -> bool:
+    """A GPU attends a step's prefill chunks in one call; the CPU in block-aligned calls."""
+    return device.type != "cpu"
+
+
+@dataclass(frozen=True, slots=True)
+class _PrefillGroup:
+    """A step's prefill chunks as one padded batch [B, queries] x [B, keys] (see `_prefill_group`)."""
+
+    q_index: torch.Tensor  # [B, Lq] row of each query in the flat batch (0 for padding)
+    slots: torch.Tensor  # [B, Lk] cache slot of each key (the scratch slot for padding)
+    mask: torch.Tensor  # [B, 1, Lq, Lk] bool: may attend
+    rows: torch.Tensor  # [real queries] their rows in the flat batch, in [B, Lq] order
+    is_query: torch.Tensor  # [B, Lq] bool: a real query
+
+
 class AttentionContext:
     """Index tensors and masks for one step, computed once and reused by every layer."""
 
@@ -129,6 +145,10 @@ class AttentionContext:
                 out[:len(self.decode_rows)] = decoded
             else:
                 out[self._decode_q_index] = decoded
+        if self.other_rows and _groups_prefill(self.device):
+            group = self._cached(("prefill-group", window), lambda: self._prefill_group(window))
+            out[group.rows] = self._attend_prefill_group(layer, q, group, scale)
+            return self.kv.turn_back_output(out)
         for i in self.other_rows:
             s = self.seqs[i]
             slots = self._cached(("slots", i), lambda s=s: self._padded_slots(s))
@@ -165,6 +185,44 @@ class AttentionContext:
             out[lo:hi] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
                                                         enable_gqa=True).squeeze(0).transpose(0, 1)
         return out
+
+    def _prefill_group(self, window: int | None) -> _PrefillGroup:
+        """Every prefill chunk of the step as one padded batch (a GPU's way): the queries' rows,
+        the keys' slots, and the causal (and window) mask by absolute position."""
+        assert self.kv is not None
+        seqs = [self.seqs[i] for i in self.other_rows]
+        num_q = max(s.q_len for s in seqs)
+        num_keys = max(s.kv_len - s.kv_start for s in seqs)
+        q_index = torch.zeros(len(seqs), num_q, dtype=torch.long)
+        q_pos = torch.zeros(len(seqs), num_q, dtype=torch.long)
+        is_query = torch.zeros(len(seqs), num_q, dtype=torch.bool)
+        slots = torch.full((len(seqs), num_keys), self.kv.scratch_slot, dtype=torch.long)
+        key_pos = torch.full((len(seqs), num_keys), -1, dtype=torch.long)
+        for b, s in enumerate(seqs):
+            first = s.kv_len - s.q_len
+            q_index[b, :s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
+            q_pos[b, :s.q_len] = torch.arange(first, s.kv_len)
+            is_query[b, :s.q_len] = True
+            slots[b, :s.kv_len - s.kv_start] = self._slots_for(s, s.kv_start, s.kv_len).cpu()
+            key_pos[b, :s.kv_len - s.kv_start] = torch.arange(s.kv_start, s.kv_len)
+        mask = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[:, :, None])
+        if window is not None:
+            mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
+        mask[:, :, 0] |= ~is_query  # a padding row attends one key (no NaN); its output is dropped
+        to = self.device
+        return _PrefillGroup(q_index.to(to), slots.to(to), mask[:, None].to(to), q_index[is_query].to(to), is_query.to(to))
+
+    def _attend_prefill_group(self, layer: int, q: torch.Tensor, group: _PrefillGroup, scale: float) -> torch.Tensor:
+        """One attention call for every prefill chunk of the step: -> [rows, Hq, D] in `group.rows` order.
+
+        NOTE: on a GPU, a call per sequence and query block cost more in launches than the
+        attention itself (a 64-stream profile on an H200: most of the engine thread in them); the
+        CPU keeps the block-aligned calls, whose bits do not depend on how a prompt was chunked."""
+        assert self.kv is not None
+        keys, values = self.kv.read(layer, group.slots, q.dtype)  # [B, keys, Hkv, D]
+        qb, kb, vb = (t.transpose(1, 2) for t in (q[group.q_index], keys, values))
+        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        return out.transpose(1, 2)[group.is_query]
 
     def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
                             window: int | None) -> torch.Tensor:
