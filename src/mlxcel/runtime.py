@@ -22,6 +22,7 @@ from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
+from mlxcel.engine.spec.mtp import decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: start_served_model raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
@@ -29,7 +30,7 @@ from mlxcel.loading.lazy import materialize_all
 from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import Request, SamplingParams
+from mlxcel.types import MtpDecision, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -78,6 +79,11 @@ class ServedModel:
     def context_size(self) -> int:
         """Per-slot context, as /health and /props report it."""
         return self.engine.core.slot_context
+
+    @property
+    def mtp(self) -> MtpDecision:
+        """The batch-1 MTP decision for this checkpoint (F10)."""
+        return decide_mtp(self.loaded.config)
 
     def close(self, timeout: float = 120.0) -> bool:
         return self.engine.core.stop(timeout)

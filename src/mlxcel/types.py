@@ -229,6 +229,25 @@ class PrefixCacheStats:
     num_evictions: int = 0
 
 
+# F10: the batch-1 multi-token-prediction (MTP) decision, as GET /v1/internal/mtp-policy reports it.
+MTP_POLICY_VERSION = 1
+MTP_STATES = ("settled", "profiling", "forced", "unavailable", "exactness_declined")
+
+
+@dataclass(frozen=True, slots=True)
+class MtpDecision:
+    """Whether batch-1 decoding drafts with the checkpoint's own MTP heads, and why (F10)."""
+
+    state: str  # one of MTP_STATES
+    reason: str
+    num_mtp_layers: int = 0  # MTP layers the checkpoint declares
+    is_enabled: bool = False  # B=1 decode drafts with them now
+
+    def __post_init__(self) -> None:
+        if self.state not in MTP_STATES:
+            raise ValueError(f"MTP state must be one of {', '.join(MTP_STATES)}; not {self.state!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class DraftStats:
     """Speculative decoding (B1-B4): its configuration and the draft tokens verified / accepted."""
