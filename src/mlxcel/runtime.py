@@ -196,7 +196,7 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     check_memory_budget(core.memory_budget)
     if options.warmup:
         core.warm_decode_step()
-        if drafts is not None:
+        if drafts is not None and hasattr(drafts.drafter, "warm"):  # a draft model's own decode step (B1)
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
                        mtp)
