@@ -257,7 +257,7 @@ def speculative_settings(values: dict[str, Any]) -> SpeculativeConfig:
         raise ValueError(f"--draft-model is for --draft-kind full-model or dflash, not {kind}")
     return SpeculativeConfig(draft_kind=kind, draft_max=values["draft_max"], draft_min=values["draft_min"],
                              max_batch=values["prompt_lookup_max_batch"], ngram_size=values["prompt_lookup_ngram"],
-                             draft_model=draft_model, block_size=values["draft_block_size"])
+                             draft_model=draft_model, block_size=values["draft_block_size"], mtp=values["mtp"])
 
 
 def draft_refusal(spec: SpeculativeConfig) -> str | None:

@@ -12,6 +12,8 @@ KV_QUANT_SCHEMES = ("none", "turboquant")
 DECODE_STEPS = ("auto", "native", "compile", "cuda-graph", "eager")
 # Speculative decoding draft kinds (B1-B3), as --draft-kind spells them.
 DRAFT_KINDS = ("none", "prompt-lookup", "full-model", "dflash")
+# --mtp (F10): drafting with a checkpoint's own MTP layers at batch 1: profile then settle, or forced.
+MTP_MODES = ("auto", "on", "off")
 
 MAX_KV_SIZE_MIN = 64
 MAX_KV_SIZE_MAX = 2_147_483_647
@@ -28,10 +30,13 @@ class SpeculativeConfig:
     ngram_size: int = 3  # --prompt-lookup-ngram: longest suffix n-gram looked up in the context
     draft_model: str | None = None  # --draft-model (full-model)
     block_size: int = 16  # --draft-block-size (dflash)
+    mtp: str = "auto"  # --mtp: auto | on | off (checkpoints with MTP layers; F10)
 
     def __post_init__(self) -> None:
         if self.draft_kind not in DRAFT_KINDS:
             raise ValueError(f"--draft-kind must be one of {', '.join(DRAFT_KINDS)}; not {self.draft_kind!r}")
+        if self.mtp not in MTP_MODES:
+            raise ValueError(f"--mtp must be one of {', '.join(MTP_MODES)}; not {self.mtp!r}")
         if self.draft_max < 1:
             raise ValueError(f"--draft-max must be at least 1, not {self.draft_max}")
         if not 0 <= self.draft_min <= self.draft_max:

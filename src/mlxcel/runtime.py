@@ -22,14 +22,16 @@ from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
+from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: start_served_model raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
+from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
 from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import Request, SamplingParams
+from mlxcel.types import MtpDecision, Request, SamplingParams
 
 log = logging.getLogger(__name__)
 
@@ -73,11 +75,20 @@ class ServedModel:
     engine_config: EngineConfig
     features: ChatFeatures  # S, R, Q, P, V: built once, with the model (build_chat_features)
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
+    mtp_decision: MtpDecision | None = None  # F10, where it needs no measuring (else the engine's policy holds it)
 
     @property
     def context_size(self) -> int:
         """Per-slot context, as /health and /props report it."""
         return self.engine.core.slot_context
+
+    @property
+    def mtp(self) -> MtpDecision:
+        """The batch-1 MTP decision for this checkpoint (F10): the MTP policy's live one while it drafts."""
+        drafts = self.engine.core.drafts
+        if isinstance(drafts, MtpDraftPolicy):
+            return drafts.decision
+        return self.mtp_decision or decide_mtp(self.loaded.config) or MtpDecision("unavailable", "not drafting")
 
     def close(self, timeout: float = 120.0) -> bool:
         return self.engine.core.stop(timeout)
@@ -175,14 +186,20 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
     drafts = _draft_policy(draft_checkpoint, options, engine_config) if is_drafting else None
     if engine_config.speculative.draft_kind == "dflash":
         drafts = _dflash_policy(loaded, resolved.path, options, engine_config)
+    mtp = _mtp_decision(loaded, engine_config)
+    if mtp is None:  # F10: the checkpoint's own MTP layers draft (--mtp auto or on)
+        drafts, mtp = _mtp_policy(loaded, options, engine_config)
+    if mtp is not None and mtp.num_mtp_layers:
+        log.info("MTP policy: %s (%s)", mtp.state, mtp.reason)
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
                       device=options.device, dtype=dtype, drafts=drafts)
     check_memory_budget(core.memory_budget)
     if options.warmup:
         core.warm_decode_step()
-        if drafts is not None:
+        if drafts is not None and hasattr(drafts.drafter, "warm"):  # a draft model's own decode step (B1)
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
-    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora)
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
+                       mtp)
 
 
 def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: EngineConfig) -> DraftPolicy:
@@ -219,6 +236,37 @@ def _dflash_policy(loaded: LoadedModel, path: Path, options: RuntimeOptions, con
     log.info("DFlash drafter loaded: %s (%d layers, reads target layers %s, blocks of %d tokens)", spec.draft_model,
              model.spec.num_layers, list(model.spec.target_layer_ids), spec.block_size)
     return DraftPolicy(spec, DFlashDrafter(model, loaded.model, block_size=spec.block_size))
+
+
+def _mtp_decision(loaded: LoadedModel, config: EngineConfig) -> MtpDecision | None:
+    """F10's decision where it needs no measuring; None: the checkpoint's MTP layers draft (--mtp auto/on)."""
+    family = family_module(loaded.model_type)
+    return decide_mtp(loaded.config, family_runs_mtp=hasattr(family, "MTP_LAYERS_PREFIX"),
+                      speculative=config.speculative, max_kv_size=config.max_kv_size)
+
+
+def _mtp_policy(loaded: LoadedModel, options: RuntimeOptions,
+                config: EngineConfig) -> tuple[MtpDraftPolicy | None, MtpDecision | None]:
+    """F10: the checkpoint's first MTP layer, read from its safetensors, drafting over the target; a
+    checkpoint whose MTP weights are missing (an export that dropped them) is served without them."""
+    from safetensors import safe_open
+
+    from mlxcel.engine.spec.mtp import MtpDrafter, declared_mtp_layers, load_mtp_layer
+
+    prefix = family_module(loaded.model_type).MTP_LAYERS_PREFIX + "0."
+    num_layers, key = declared_mtp_layers(loaded.config)
+    weights: dict[str, torch.Tensor] = {}
+    for file in sorted(loaded.model_dir.glob("*.safetensors")) if loaded.model_dir is not None else ():
+        with safe_open(str(file), framework="pt") as handle:
+            weights.update({name: handle.get_tensor(name) for name in handle.keys() if name.startswith(prefix)})
+    try:
+        layer = load_mtp_layer(loaded.config, weights, prefix, device=options.device, dtype=options.torch_dtype())
+    except ValueError as exc:
+        return None, MtpDecision("unavailable", f"the config declares {num_layers} MTP layer(s) ({key}), but {exc}",
+                                 num_mtp_layers=num_layers)
+    log.info("MTP drafter loaded: %s* (%d MTP layer(s) declared; --mtp %s)", prefix, num_layers, config.speculative.mtp)
+    policy = MtpDraftPolicy(config.speculative, MtpDrafter(layer, loaded.model), num_mtp_layers=num_layers)
+    return policy, None
 
 
 def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:

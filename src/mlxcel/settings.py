@@ -19,7 +19,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from mlxcel.config import CACHE_TYPES, DECODE_STEPS, DRAFT_KINDS, KV_CACHE_MODES, KV_QUANT_SCHEMES
+from mlxcel.config import CACHE_TYPES, DECODE_STEPS, DRAFT_KINDS, KV_CACHE_MODES, KV_QUANT_SCHEMES, MTP_MODES
 
 _TRUE = frozenset({"1", "true", "yes", "on", "enabled"})
 _FALSE = frozenset({"0", "false", "no", "off", "disabled", ""})
@@ -428,6 +428,9 @@ SETTINGS: tuple[Setting, ...] = (
        ("--prompt-lookup-ngram",), "MLXCEL_PROMPT_LOOKUP_NGRAM", metavar="N", group="speculative"),
     _s("draft_block_size", integer(minimum=1), 16, "tokens a DFlash drafter proposes per block",
        ("--draft-block-size",), "MLXCEL_DRAFT_BLOCK_SIZE", metavar="N", group="speculative"),
+    _s("mtp", choice(*MTP_MODES), "auto", "drafting with the checkpoint's own MTP layers (F10; MiMo) while one "
+       "request runs: auto (profile, then keep the faster), on or off; GET /v1/internal/mtp-policy reports it",
+       ("--mtp",), "MLXCEL_MTP", group="speculative"),
     _s("slot_save_path", TEXT, None, "folder for POST /slots/ID?action=save|restore", ("--slot-save-path",),
        "LLAMA_ARG_SLOT_SAVE_PATH", metavar="PATH", group="engine"),
     # server

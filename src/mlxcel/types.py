@@ -229,6 +229,36 @@ class PrefixCacheStats:
     num_evictions: int = 0
 
 
+# F10: the batch-1 multi-token-prediction (MTP) decision, as GET /v1/internal/mtp-policy reports it.
+MTP_POLICY_VERSION = 1
+MTP_STATES = ("settled", "profiling", "forced", "unavailable", "exactness_declined")
+
+
+@dataclass(frozen=True, slots=True)
+class MtpProfile:
+    """Batch-1 decode steps measured with and without MTP drafts (the `--mtp auto` profile)."""
+
+    num_steps_on: int = 0
+    num_steps_off: int = 0
+    tokens_per_second_on: float = 0.0
+    tokens_per_second_off: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class MtpDecision:
+    """Whether batch-1 decoding drafts with the checkpoint's own MTP heads, and why (F10)."""
+
+    state: str  # one of MTP_STATES
+    reason: str
+    num_mtp_layers: int = 0  # MTP layers the checkpoint declares
+    is_enabled: bool = False  # B=1 decode drafts with them now (False while profiling)
+    profile: MtpProfile | None = None  # what profiling measured so far
+
+    def __post_init__(self) -> None:
+        if self.state not in MTP_STATES:
+            raise ValueError(f"MTP state must be one of {', '.join(MTP_STATES)}; not {self.state!r}")
+
+
 @dataclass(frozen=True, slots=True)
 class DraftStats:
     """Speculative decoding (B1-B4): its configuration and the draft tokens verified / accepted."""

@@ -212,3 +212,39 @@ def test_issue26_v_undeclared_tool_name_stays_text_in_every_format(
 def test_issue26_v_without_declared_names_any_name_is_a_call() -> None:
     reply = '<tool_call>\n{"name": "get_sunny_city", "arguments": {}}\n</tool_call>'
     assert summarize(run("hermes", [reply])) == ("", [("get_sunny_city", {})])
+
+
+# ---- issue 26 leftover: a Markdown ```json block holding a call to a declared tool is a call ----
+
+WEATHER_BLOCK = '```json\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n```'
+PYTHON_BLOCK = '```json\n{"name": "Python", "arguments": {"command": "python3 hello.py"}}\n```'
+FENCED_CASES: list[tuple[str, str, str, list[Call]]] = [
+    ("hermes", f"I will check.\n{WEATHER_BLOCK}\nDone.", "I will check.Done.", [("get_weather", {"city": "Paris"})]),
+    ("hermes", WEATHER_BLOCK, "", [("get_weather", {"city": "Paris"})]),
+    ("hermes", PYTHON_BLOCK, PYTHON_BLOCK, []),  # MODELS.md's case: an undeclared name stays text
+    ("hermes", f"Run it:\n{PYTHON_BLOCK}", f"Run it:\n{PYTHON_BLOCK}", []),
+    ("hermes", '```JSON\n[{"name": "get_weather", "arguments": {"city": "Rome"}}, {"name": "noop", "arguments": {}}]\n```',
+     "", [("get_weather", {"city": "Rome"}), ("noop", {})]),
+    ("hermes", '```json\n{"name": "Alice", "age": 3}\n```', '```json\n{"name": "Alice", "age": 3}\n```', []),
+    ("hermes", "```python\nprint('noop')\n```", "```python\nprint('noop')\n```", []),
+    ("hermes", "Use ``` for code, e.g. ```js``` or ```", "Use ``` for code, e.g. ```js``` or ```", []),
+    ("llama3", f"Sure.\n{WEATHER_BLOCK}", "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("mistral", f"Sure.\n{WEATHER_BLOCK}", "Sure.", [("get_weather", {"city": "Paris"})]),
+    ("generic", f"Sure.\n```\n{{\"name\": \"noop\", \"arguments\": {{}}}}\n```\nOK", "Sure.OK", [("noop", {})]),
+    ("generic", WEATHER_BLOCK, "", [("get_weather", {"city": "Paris"})]),  # the generic format's own opening
+    ("hermes", '```json\n{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", {"city": "Par"})]),
+    ("hermes", "Done.\n```", "Done.\n```", []),
+    ("hermes", '```json\n{"na', "", []),  # cut while opening a call
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("fmt", "reply", "content", "calls"), FENCED_CASES)
+def test_issue26_fenced_json_call_to_a_declared_tool_is_a_call(
+    fmt: str, reply: str, content: str, calls: list[Call]
+) -> None:
+    for pieces in splits(reply):
+        assert summarize(run_declared(fmt, pieces)) == (content, calls), pieces
+
+
+def test_issue26_fenced_json_block_without_declared_tools_is_text() -> None:
+    assert summarize(run("hermes", [WEATHER_BLOCK])) == (WEATHER_BLOCK, [])

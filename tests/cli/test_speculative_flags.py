@@ -24,6 +24,14 @@ def test_draft_flags_and_their_mirrors() -> None:
     assert (defaults.draft_kind, defaults.draft_max, defaults.draft_min, defaults.max_batch) == ("none", 16, 0, 2)
 
 
+def test_f10_mtp_flag_and_its_mirror() -> None:
+    assert settings([]).engine.speculative.mtp == "auto"
+    assert settings(["--mtp", "on"]).engine.speculative.mtp == "on"
+    assert settings([], {"MLXCEL_MTP": "off"}).engine.speculative.mtp == "off"
+    with pytest.raises(Exception, match="'sometimes' is not valid"):
+        settings(["--mtp", "sometimes"])
+
+
 def test_a_draft_model_means_full_model_drafting() -> None:
     s = settings(["-md", "small.gguf"]).engine.speculative
     assert (s.draft_kind, s.draft_model) == ("full-model", "small.gguf")
@@ -132,3 +140,15 @@ def test_b3_serve_with_a_dflash_drafter_drafts_and_one_for_another_model_is_refu
     assert "DFlash drafter loaded" in log and "reads target layers [1, 15, 29]" in log
     finished = [line for line in log.splitlines() if " finished (" in line]
     assert finished and "draft tokens accepted" in finished[-1]
+
+
+@pytest.mark.slow
+def test_f10_serve_a_mimo_checkpoint_with_mtp_forced_on(tmp_path: Path) -> None:
+    """`mlxcel serve -m <tiny MiMo> --mtp on`: the startup path loads the MTP layer, which drafts."""
+    from tests.server.mimo_model import write_mimo_model
+
+    model = write_mimo_model(tmp_path / "mimo", exact=True)
+    log_file = tmp_path / "server.log"
+    props, health = serve_one_chat(model, log_file, "ABC", "--mtp", "on")
+    assert props["speculative"]["draft_kind"] == "mtp" and health["speculative"]["drafted_tokens"] > 0
+    assert "MTP drafter loaded: model.mtp_layers.0.* (1 MTP layer(s) declared; --mtp on)" in log_file.read_text()

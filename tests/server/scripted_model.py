@@ -14,7 +14,8 @@ next one. A prompt ending in a newline (the generation prompt `...assistant\\n` 
     {"city": |"Paris"|}}|</tool_call>|<|im_end|>
 
 one piece per token. Any other token is followed by `<|im_end|>`. `write_scripted_model(folder,
-call=...)` scripts other call pieces (issue 26: a call to a tool nobody declared).
+call=...)` scripts other call pieces (issue 26: a call to a tool nobody declared), and `opener=` /
+`closer=` other markup around them (a Markdown ```json block instead of `<tool_call>` tags).
 """
 
 from __future__ import annotations
@@ -31,8 +32,8 @@ REASONING = ["Let me think.", " Paris weather.\n"]
 CALL = ['{"name": "get_weather", "arguments": ', '{"city": ', '"Paris"', "}}"]
 
 
-def script(call: Sequence[str] = CALL) -> list[str]:
-    return ["\n", *REASONING, "</think>", "\n\n", "<tool_call>", *call, "</tool_call>", "<|im_end|>"]
+def script(call: Sequence[str] = CALL, opener: str = "<tool_call>", closer: str = "</tool_call>") -> list[str]:
+    return ["\n", *REASONING, "</think>", "\n\n", opener, *call, closer, "<|im_end|>"]
 
 
 SCRIPT = script()
@@ -55,11 +56,13 @@ WEATHER_TOOL = {"type": "function", "function": {
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}}, "required": ["city"]}}}
 
 
-def write_scripted_model(folder: Path, *, call: Sequence[str] = CALL) -> Path:
+def write_scripted_model(folder: Path, *, call: Sequence[str] = CALL, opener: str = "<tool_call>",
+                         closer: str = "</tool_call>") -> Path:
     """Write the checkpoint (config.json, model.safetensors, tokenizer files) into `folder`."""
     folder.mkdir(parents=True, exist_ok=True)
-    vocab = _write_tokenizer(folder, call)
-    _write_weights(folder, vocab, script(call))
+    markup = [piece for piece in (opener, closer) if piece not in SPECIAL]
+    vocab = _write_tokenizer(folder, [*markup, *call])
+    _write_weights(folder, vocab, script(call, opener, closer))
     return folder
 
 

@@ -36,6 +36,7 @@ GGUF_CONFIG_KEYS = {
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
     "rope.freq_base": "rope_theta",
+    "nextn_predict_layers": "num_nextn_predict_layers",  # MTP layers (F10's decision reads it)
 }
 
 # GGUF tensor name (per-layer part after "blk.N.") -> HF name; families may override entries.

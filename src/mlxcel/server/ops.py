@@ -20,7 +20,8 @@ from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
-from mlxcel.types import DraftStats, EngineStats, PrefixCacheStats, SlotStats
+from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DraftStats, EngineStats, MtpDecision, PrefixCacheStats,
+                          SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -259,6 +260,25 @@ async def cache_reset(request: Request, state: ServerState) -> Response:
     is_reset = await served.engine.reset_prefix_cache()
     enabled = served.engine.stats().prefix_cache.is_enabled
     return JSONResponse({"object": "prompt_cache.reset", "enabled": enabled, "reset": bool(is_reset)})
+
+
+# ---- F10 ----
+
+def mtp_policy_json(name: str, decision: MtpDecision) -> dict[str, Any]:
+    """The versioned read of the batch-1 MTP decision (F10)."""
+    profile = decision.profile
+    return {"object": "mtp_policy", "version": MTP_POLICY_VERSION, "model": name, "batch_size": 1,
+            "state": decision.state, "enabled": decision.is_enabled, "reason": decision.reason,
+            "mtp_layers": decision.num_mtp_layers, "states": list(MTP_STATES),
+            "profile": None if profile is None else {
+                "steps_with_mtp": profile.num_steps_on, "steps_without_mtp": profile.num_steps_off,
+                "tokens_per_second_with_mtp": profile.tokens_per_second_on,
+                "tokens_per_second_without_mtp": profile.tokens_per_second_off}}
+
+
+async def mtp_policy(request: Request, state: ServerState) -> Response:
+    served = state.require_served()
+    return JSONResponse(mtp_policy_json(served.name, served.mtp))
 
 
 # ---- F11 ----

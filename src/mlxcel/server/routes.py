@@ -343,6 +343,7 @@ ROUTES: tuple[Route, ...] = (
     Route(("/metrics",), ("GET",), ops.metrics),
     Route(("/v1/cache/stats",), ("GET",), ops.cache_stats),
     Route(("/v1/cache/reset",), ("POST",), ops.cache_reset),
+    Route(("/v1/internal/mtp-policy",), ("GET",), ops.mtp_policy),  # F10
     Route(("/tools", "/cors-proxy"), ("GET", "POST"), ops.feature_disabled),
     Route(("/v1/settings", "/settings"), ("GET",), settings_api.get_settings),  # F9
     Route(("/v1/settings", "/settings"), ("PATCH",), settings_api.patch_settings),

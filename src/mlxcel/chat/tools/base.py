@@ -7,7 +7,11 @@ Formats differ only in how a call block starts (`_scan_start`), how its JSON is 
 (`_new_reader`) and what may follow it (`_scan_after`).
 
 Given the request's declared tool names, a call naming any other tool is no call (issue 26): it
-emits nothing, and a block whose calls were all refused is content, markup included.
+emits nothing, and a block whose calls were all refused is content, markup included. With them,
+every format also reads a Markdown code block (```json, or a bare ```) holding a call object
+`{"name": ..., "arguments": {...}}` (or an array of them) anywhere in the reply as a call, as
+small models often write one instead of their template's markup: only a declared name makes it
+one, so a JSON example that names no declared tool stays text.
 """
 
 from __future__ import annotations
@@ -28,6 +32,9 @@ log = logging.getLogger(__name__)
 
 _ALPHANUMERIC = string.ascii_letters + string.digits
 _WHITESPACE = " \t\n\r"
+FENCE = "```"
+FENCE_LANGUAGES = ("json",)  # an info string a fenced call may carry (any case), besides none
+FENCED_CALL_KEYS = ("name",)  # the first key of a fenced call object: {"name": ..., "arguments": ...}
 
 
 def openai_call_id() -> str:
@@ -86,6 +93,8 @@ class ToolParser(abc.ABC):
         self._reader: CallsReader | None = None
         self._block: list[str] = []  # the current block's text, markup included, until it proves a call
         self._is_bare = False
+        # The current block (or, in content, the held text) is a Markdown code block, which ends at its closing fence.
+        self._is_fenced = False
         self._num_calls_before = 0
         self._num_refused = 0  # calls of the current block naming an undeclared tool
 
@@ -120,7 +129,8 @@ class ToolParser(abc.ABC):
             self._block.append(self._buffer)
             self._emit_content("".join(self._block), out)
         elif self._mode is Mode.CONTENT:
-            self._emit_content(self._final_content(self._buffer), out)
+            held = self._buffer
+            self._emit_content(final_fenced_content(held) if self._is_fenced else self._final_content(held), out)
             if self._held_space and not self.num_calls:
                 out.append(ContentDelta(self._held_space))
         self._buffer, self._held_space, self._reader = "", "", None
@@ -137,7 +147,7 @@ class ToolParser(abc.ABC):
         return self._advance_after(out)
 
     def _advance_content(self, out: list[OutputEvent]) -> bool:
-        found = self._scan_start(self._buffer)
+        found, self._is_fenced = self._find_start(self._buffer)
         if isinstance(found, CallStart):
             self._emit_content(self._buffer[: found.at], out)
             self._block, self._is_bare = [self._held_space + self._buffer[found.at : found.body]], found.is_bare
@@ -149,6 +159,18 @@ class ToolParser(abc.ABC):
         self._emit_content(self._buffer[:keep], out)
         self._buffer = self._buffer[keep:]
         return False
+
+    def _find_start(self, buffer: str) -> tuple[CallStart | int, bool]:
+        """The format's own call start or a fenced call, whichever comes first (the format's at a
+        tie), and whether it is the fenced one; as `_scan_start`, a count to hold if neither yet
+        (then True: the held text is an undecided fence)."""
+        own = self._scan_start(buffer)
+        if not self._declared:
+            return own, False  # a fenced block is a call only when it names a declared tool
+        fenced = scan_fenced_call(buffer)
+        own_at = own.at if isinstance(own, CallStart) else len(buffer) - own
+        fenced_at = fenced.at if isinstance(fenced, CallStart) else len(buffer) - fenced
+        return (fenced, True) if fenced_at < own_at else (own, False)
 
     def _open_reader(self, out: list[OutputEvent]) -> bool:
         opened = self._new_reader(self._buffer, out)
@@ -179,7 +201,7 @@ class ToolParser(abc.ABC):
         return self._num_refused > 0 and self.num_calls == self._num_calls_before
 
     def _advance_after(self, out: list[OutputEvent]) -> bool:
-        result = self._scan_after(self._buffer)
+        result = scan_closing_fence(self._buffer) if self._is_fenced else self._scan_after(self._buffer)
         if result is None:
             return False
         used, mode = result
@@ -247,6 +269,46 @@ def find_marker(buffer: str, markers: Sequence[str]) -> tuple[int, str] | None:
         if at >= 0 and (best is None or (at, -len(marker)) < (best[0], -len(best[1]))):
             best = (at, marker)
     return best
+
+
+def scan_fenced_call(buffer: str) -> CallStart | int:
+    """Where a Markdown code block holding a call object starts in `buffer` (`at`: its fence; `body`:
+    the JSON), else how many characters at its end to hold (a fence whose block is still undecided)."""
+    at = buffer.find(FENCE)
+    while at >= 0:
+        verdict, body = _fenced_body(buffer[at + len(FENCE):])
+        if verdict is Prefix.YES:
+            return CallStart(at, at + len(FENCE) + body, is_bare=True)
+        if verdict is Prefix.MAYBE:
+            return len(buffer) - at
+        at = buffer.find(FENCE, at + len(FENCE))
+    return partial_suffix_len(buffer, (FENCE,))
+
+
+def _fenced_body(rest: str) -> tuple[Prefix, int]:
+    """After a fence: an optional `json` info string, then a call object's opening (where it starts)."""
+    info = rest[: len(rest) - len(rest.lstrip(string.ascii_letters))]
+    if info and info.lower() not in FENCE_LANGUAGES:
+        is_cut = info == rest and any(lang.startswith(info.lower()) for lang in FENCE_LANGUAGES)
+        return (Prefix.MAYBE if is_cut else Prefix.NO), 0
+    verdict, json_at = json_call_prefix(rest[len(info):], FENCED_CALL_KEYS)
+    return verdict, len(info) + json_at
+
+
+def final_fenced_content(held: str) -> str:
+    """Held text that opened a fence when the reply ended: content, unless it was opening a call."""
+    rest = held[len(FENCE):]
+    info = rest[: len(rest) - len(rest.lstrip(string.ascii_letters))]
+    return "" if is_cut_json_call(rest[len(info):], FENCED_CALL_KEYS) else held
+
+
+def scan_closing_fence(buffer: str) -> tuple[int, Mode] | None:
+    """After a fenced call: drop the closing fence (if the model wrote one) and go back to content."""
+    head = buffer.lstrip(_WHITESPACE)
+    if len(head) < len(FENCE) and FENCE.startswith(head):
+        return None  # maybe the closing fence
+    skipped = len(buffer) - len(head)
+    return (skipped + len(FENCE), Mode.CONTENT) if head.startswith(FENCE) else (0, Mode.CONTENT)
 
 
 class Prefix(enum.Enum):
