@@ -30,6 +30,9 @@ from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Request, SamplingParams
+from mlxcel.workers.diffusion import (
+    BlockDiffusionWorker, DiffusionOptions, is_block_diffusion_checkpoint, load_block_diffusion,
+)
 
 log = logging.getLogger(__name__)
 
@@ -48,6 +51,7 @@ class RuntimeOptions:
     chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
     adapters: tuple[tuple[Path, float], ...] = ()  # --adapter / --lora / --lora-scaled: (path, scale) (F8)
     weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
+    diffusion: DiffusionOptions = DiffusionOptions()  # a block-diffusion checkpoint's sampler and steps (U)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -141,6 +145,8 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     """
     if options.threads > 0:
         torch.set_num_threads(options.threads)
+    if is_block_diffusion_checkpoint(resolved.path):
+        return start_block_diffusion(resolved, options, engine_config)
     checkpoint = open_checkpoint(resolved.path)
     tokenizer = load_tokenizer(checkpoint)
     draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
@@ -156,6 +162,34 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.warmup:
         warmup(served)
     return served
+
+
+def start_block_diffusion(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+    """Spec U: a DiffusionGemma folder, served by its serial worker instead of the batch engine; the
+    tokenizer, template and chat features are built as for any chat model."""
+    path = resolved.path
+    try:
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    template = load_chat_template(override_source=options.chat_template, override_file=options.chat_template_file,
+                                  gguf_metadata=None, model_dir=path)
+    if engine_config.speculative.is_enabled or options.adapters:
+        raise ValueError(f"{path} is a block-diffusion model: speculative decoding and LoRA adapters do not apply")
+    started = time.monotonic()
+    model = load_block_diffusion(path, options.diffusion, device=options.device, dtype=options.torch_dtype())
+    text_config = model.config.text_config
+    loaded = LoadedModel(model, model.config.to_dict(), path, None, path)
+    log.info("Model loaded: %s (block diffusion, %s, canvas %d tokens, sampler %s) in %.1f s", resolved.name,
+             options.torch_dtype(), model.config.canvas_length, options.diffusion.sampler, time.monotonic() - started)
+    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
+    engine_config = replace(engine_config, max_num_seqs=1, enable_prefix_caching=False)
+    worker = BlockDiffusionWorker(model, engine_config, options.diffusion,
+                                  context_length=int(text_config.max_position_embeddings),
+                                  eos_token_ids=tokenizer.eos_token_ids, device=options.device)
+    worker.start()
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(worker), engine_config,  # type: ignore[arg-type]
+                       features)
 
 
 def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,

@@ -151,6 +151,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_status: int = 500  # the HTTP status of an ERROR event (504: a serial worker's deadline passed)
     progress: PromptProgress | None = None
     num_drafted: int = 0  # the request's draft tokens verified so far (B1-B4; llama-server timings.draft_n)
     num_draft_accepted: int = 0  # of those, the ones the target accepted

@@ -193,7 +193,8 @@ class _Choice:
         on: the tokens after it are neither shown nor counted.
         """
         if event.finish_reason is FinishReason.ERROR:
-            raise ApiError(500, event.error or "generation failed", "server_error", code=500)
+            kind = "timeout_error" if event.error_status == 504 else "server_error"
+            raise ApiError(event.error_status, event.error or "generation failed", kind, code=event.error_status)
         if event.progress is not None:
             self.num_cached_tokens = event.num_cached_tokens
             return ChoiceDelta(self.index, "", progress=event.progress)
