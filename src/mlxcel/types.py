@@ -231,6 +231,19 @@ class PrefixCacheStats:
 
 
 @dataclass(frozen=True, slots=True)
+class DiffusionStats:
+    """A block-diffusion worker's figures (spec U): /health's `block_diffusion`, /metrics' `mlxcel_block_diffusion_*`."""
+
+    sampler: str
+    canvas_length: int  # tokens committed per block
+    num_blocks: int  # blocks committed
+    num_steps: int  # denoising forward passes
+    num_timed_out: int  # requests past --diffusion-request-timeout (504)
+    queue_depth: int
+    max_queue_depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class DraftStats:
     """Speculative decoding (B1-B4): its configuration and the draft tokens verified / accepted."""
 
@@ -268,3 +281,4 @@ class EngineStats:
     num_busy_slot_steps: int = 0  # running sequences summed over those steps (n_busy_slots_per_decode)
     max_sequence_len: int = 0  # longest sequence computed so far, prompt + output (n_tokens_max)
     drafts: DraftStats = DraftStats()
+    diffusion: DiffusionStats | None = None  # set when a block-diffusion worker serves the model (U)

@@ -28,7 +28,7 @@ from mlxcel.api.context import ApiContext, SequenceRecord
 from mlxcel.api.errors import ApiError, from_engine_error, invalid_request
 from mlxcel.engine.client import DecodeTimeoutError, RequestStream
 from mlxcel.chat.output import ParsedReply
-from mlxcel.chat.events import ContentDelta, OutputEvent
+from mlxcel.chat.events import ContentDelta, OutputEvent, ReasoningDelta
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import (
@@ -314,7 +314,21 @@ def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:
     return replace(deltas[-1], text="".join(d.text for d in deltas),
                    logprobs=tuple(lp for d in deltas for lp in d.logprobs),
                    token_ids=tuple(t for d in deltas for t in d.token_ids),
-                   events=tuple(e for d in deltas for e in d.events), prompt_logprobs=deltas[0].prompt_logprobs)
+                   events=_joined_text_events([e for d in deltas for e in d.events]),
+                   prompt_logprobs=deltas[0].prompt_logprobs)
+
+
+def _joined_text_events(events: list[OutputEvent]) -> tuple[OutputEvent, ...]:
+    """Adjacent content (or reasoning) pieces as one, so a multi-token event (a committed diffusion
+    block, accepted drafts) reaches the client as one delta per kind, not one per token."""
+    joined: list[OutputEvent] = []
+    for event in events:
+        last = joined[-1] if joined else None
+        if isinstance(event, (ContentDelta, ReasoningDelta)) and type(last) is type(event):
+            joined[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
+        else:
+            joined.append(event)
+    return tuple(joined)
 
 
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:

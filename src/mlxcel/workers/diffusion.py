@@ -27,7 +27,7 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.types import (
-    ContextOverflowError, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, QueueFullError, Request,
+    ContextOverflowError, DiffusionStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, QueueFullError, Request,
     SlotStats, TokenEvent,
 )
 
@@ -189,7 +189,8 @@ class BlockDiffusionWorker:
 
     @property
     def is_alive(self) -> bool:
-        return self.failure is None and self._thread.is_alive()
+        """False once the thread died unasked (/health 503, exit 1); a stopped worker is not a failure."""
+        return self.failure is None and (self._is_stopping or self._thread.is_alive())
 
     def submit(self, request: Request, sink: Sink) -> None:
         """Queue a request; QueueFullError when --max-queue-depth requests wait already."""
@@ -254,16 +255,9 @@ class BlockDiffusionWorker:
                 prompt_tokens_processed=counts.prompt_tokens, context_size=self.slot_context, slots=(slot,),
                 prefix_cache=PrefixCacheStats(is_enabled=False), sequences_aborted=counts.aborted,
                 is_alive=self.is_alive, num_steps=counts.steps, num_busy_slot_steps=counts.steps,
-                max_sequence_len=counts.max_len)
-
-    def diffusion_stats(self) -> dict[str, Any]:
-        """/health's and /metrics' block-diffusion figures."""
-        with self._lock:
-            counts = self._counts
-            return {"sampler": self.options.sampler, "canvas_length": self.canvas_length,
-                    "blocks_committed": counts.blocks, "denoising_steps": counts.steps,
-                    "requests_timed_out": counts.timed_out, "queue_depth": len(self._queue),
-                    "max_queue_depth": self.config.max_queue_depth}
+                max_sequence_len=counts.max_len,
+                diffusion=DiffusionStats(self.options.sampler, self.canvas_length, counts.blocks, counts.steps,
+                                         counts.timed_out, waiting, self.config.max_queue_depth))
 
     # --- the worker thread ---------------------------------------------------------------
 
