@@ -31,7 +31,7 @@ from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import Request, SamplingParams
 from mlxcel.workers.diffusion import (
-    BlockDiffusionWorker, DiffusionOptions, is_block_diffusion_checkpoint, load_block_diffusion,
+    BlockDiffusionWorker, DiffusionOptions, is_block_diffusion_checkpoint, load_block_diffusion, vision_inputs,
 )
 
 log = logging.getLogger(__name__)
@@ -77,6 +77,7 @@ class ServedModel:
     engine_config: EngineConfig
     features: ChatFeatures  # S, R, Q, P, V: built once, with the model (build_chat_features)
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
+    image_marker: str | None = None  # U: the image placeholder of a model with a vision tower (None: text only)
 
     @property
     def context_size(self) -> int:
@@ -184,12 +185,15 @@ def start_block_diffusion(resolved: ResolvedModel, options: RuntimeOptions, engi
              options.torch_dtype(), model.config.canvas_length, options.diffusion.sampler, time.monotonic() - started)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     engine_config = replace(engine_config, max_num_seqs=1, enable_prefix_caching=False)
+    vision = vision_inputs(path, model)
     worker = BlockDiffusionWorker(model, engine_config, options.diffusion,
                                   context_length=int(text_config.max_position_embeddings),
-                                  eos_token_ids=tokenizer.eos_token_ids, device=options.device)
+                                  eos_token_ids=tokenizer.eos_token_ids, device=options.device, vision=vision)
     worker.start()
+    marker = tokenizer.decode([vision.image_token_id], skip_special_tokens=False) if vision is not None else None
+    log.info("block diffusion: image input %s", f"on (marker {marker!r})" if marker else "off (no vision tower)")
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(worker), engine_config,  # type: ignore[arg-type]
-                       features)
+                       features, image_marker=marker)
 
 
 def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,

@@ -94,6 +94,7 @@ class Request:
     processors: tuple[TokenProcessor, ...] = ()
     lora_scales: tuple[float, ...] = ()  # F8: one scale per loaded adapter; () = the base model
     report_progress: bool = False  # llama-server return_progress: a PromptProgress event per prefill chunk
+    images: tuple[bytes, ...] = ()  # U: encoded images for a model with a vision tower, one per image marker
     # In-process tools (`mlxcel perplexity`): called with (first position, logits [n, vocab] float32) for
     # every prompt position that predicts a prompt token, in order, each position once.
     prompt_logits: Callable[[int, torch.Tensor], None] | None = None

@@ -174,3 +174,51 @@ def test_u_help_lists_the_diffusion_flags() -> None:
     for flag in ("--diffusion-sampler", "--diffusion-threshold", "--max-denoising-steps",
                  "--diffusion-request-timeout", "MLXCEL_DIFFUSION_SAMPLER"):
         assert flag in result.stdout, flag
+
+
+def _png(width: int, height: int, color: tuple[int, int, int]) -> str:
+    import base64
+    import io
+
+    from PIL import Image
+
+    buffer = io.BytesIO()
+    Image.new("RGB", (width, height), color).save(buffer, format="PNG")
+    return "data:image/png;base64," + base64.b64encode(buffer.getvalue()).decode()
+
+
+def test_u_image_url_parts_reach_the_vision_tower(client: openai.OpenAI, checkpoint: Path) -> None:
+    from PIL import Image
+    from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+    soft = Gemma4ImageProcessorPil.from_pretrained(checkpoint)(images=[Image.new("RGB", (32, 24))], return_tensors="pt")
+
+    def ask(color: tuple[int, int, int]) -> openai.types.chat.ChatCompletion:
+        content = [{"type": "text", "text": "What is this?"}, {"type": "image_url", "image_url": {"url": _png(32, 24, color)}}]
+        return client.chat.completions.create(model="m", messages=[{"role": "user", "content": content}],
+                                              max_tokens=3 * CANVAS_LENGTH, seed=2)
+
+    red, blue = ask((255, 0, 0)), ask((0, 0, 255))
+    text_only = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "What is this?"}],
+                                               max_tokens=3 * CANVAS_LENGTH, seed=2)
+    # the image's soft tokens (between begin and end of image, for its marker) are in the prompt the
+    # model saw and the usage counts
+    num_soft = int(soft["num_soft_tokens_per_image"][0])
+    assert red.usage.prompt_tokens >= text_only.usage.prompt_tokens + num_soft + 1, (red.usage, text_only.usage)
+    assert red.choices[0].message.model_extra.get("reasoning_content") != \
+        blue.choices[0].message.model_extra.get("reasoning_content")  # the pixels change the reply
+
+
+def test_u_image_refusals_are_400s(server: tuple[str, list[str]]) -> None:
+    address = server[0]
+    audio = [{"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}]
+    bad_audio = httpx.post(address + "/v1/chat/completions", json={"messages": [{"role": "user", "content": audio}]})
+    assert bad_audio.status_code == 400, bad_audio.text
+    broken = [{"type": "image_url", "image_url": {"url": "data:image/png;base64,AAAA"}}]
+    bad_image = httpx.post(address + "/v1/chat/completions", json={"messages": [{"role": "user", "content": broken}]})
+    assert bad_image.status_code == 400 and bad_image.json()["error"]["code"], bad_image.text
+    image = [{"type": "image_url", "image_url": {"url": _png(8, 8, (0, 255, 0))}}]
+    anthropic_like = httpx.post(address + "/v1/responses", json={"input": [{"role": "user", "content": [
+        {"type": "input_image", "image_url": _png(8, 8, (0, 255, 0))}]}]})
+    assert anthropic_like.status_code == 400 and "image" in anthropic_like.text, anthropic_like.text
+    assert image  # the same image is served on /v1/chat/completions (test above)

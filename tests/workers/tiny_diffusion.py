@@ -13,7 +13,7 @@ CANVAS_LENGTH = 8
 
 CHAT_TEMPLATE = (
     "{% for m in messages %}<start_of_turn>{{ 'model' if m['role'] == 'assistant' else m['role'] }}\n"
-    "{{ m['content'] if m['content'] is string else m['content'] | map(attribute='text') | join('') }}"
+    "{{ m['content'] }}"
     "<end_of_turn>\n{% endfor %}"
     "{% if add_generation_prompt %}<start_of_turn>model\n"
     "{% if enable_thinking is not defined or enable_thinking %}<think>{% endif %}{% endif %}")
@@ -54,6 +54,9 @@ def write_tiny_diffusion_gemma(folder: Path, seed: int = 0) -> Path:
     torch.manual_seed(seed)
     DiffusionGemmaForBlockDiffusion(config).save_pretrained(folder)
     (folder / "tokenizer.json").write_text(tokenizer_json)
+    (folder / "preprocessor_config.json").write_text(json.dumps({  # 70 soft tokens an image (Gemma 4's least)
+        "image_processor_type": "Gemma4ImageProcessorPil", "patch_size": 4, "pooling_kernel_size": 2,
+        "max_soft_tokens": 70}))
     (folder / "tokenizer_config.json").write_text(json.dumps({
         "eos_token": EOS, "bos_token": None, "pad_token": "<pad>", "chat_template": CHAT_TEMPLATE}))
     return folder

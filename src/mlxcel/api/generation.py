@@ -43,6 +43,7 @@ class Prompt:
 
     token_ids: tuple[int, ...]
     text: str | None = None
+    images: tuple[bytes, ...] = ()  # U: encoded images, one per image marker in the prompt, in order
 
 
 class OutputParser(Protocol):
@@ -193,12 +194,14 @@ class _Choice:
         on: the tokens after it are neither shown nor counted.
         """
         if event.finish_reason is FinishReason.ERROR:
-            kind = "timeout_error" if event.error_status == 504 else "server_error"
+            kind = {400: "invalid_request_error", 504: "timeout_error"}.get(event.error_status, "server_error")
             raise ApiError(event.error_status, event.error or "generation failed", kind, code=event.error_status)
         if event.progress is not None:
             self.num_cached_tokens = event.num_cached_tokens
             return ChoiceDelta(self.index, "", progress=event.progress)
         self._observe_timing(event)
+        # a vision prompt's image markers were expanded into soft tokens below the API (U): count those
+        self.num_prompt_tokens = max(self.num_prompt_tokens, event.num_prompt_tokens)
         self.num_drafted, self.num_draft_accepted = event.num_drafted, event.num_draft_accepted
         if len(event.token_ids) <= 1:
             return self._apply_one(event)
@@ -470,4 +473,4 @@ def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, c
     processors = params.processors(prompt) if params.processors is not None else ()
     return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
                    cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors,
-                   lora_scales=lora_scales, report_progress=params.report_progress)
+                   lora_scales=lora_scales, report_progress=params.report_progress, images=prompt.images)

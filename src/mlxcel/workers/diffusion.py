@@ -110,6 +110,54 @@ def load_block_diffusion(path: Path, options: DiffusionOptions, *, device: str, 
     return model.to(device).eval()
 
 
+class VisionInputs:
+    """A checkpoint's vision tower as prompts see it: each image marker token becomes begin-of-image,
+    the image's soft tokens and end-of-image, and the image its pixel patches (Gemma 4's processor)."""
+
+    def __init__(self, path: Path, config: Any) -> None:
+        from transformers.models.gemma4.image_processing_pil_gemma4 import Gemma4ImageProcessorPil
+
+        vision = config.vision_config
+        if (path / "preprocessor_config.json").is_file():  # the checkpoint's own resize and patch budget
+            self.processor = Gemma4ImageProcessorPil.from_pretrained(path)
+        else:
+            self.processor = Gemma4ImageProcessorPil(patch_size=vision.patch_size,
+                                                     pooling_kernel_size=vision.pooling_kernel_size)
+        self.image_token_id = int(config.image_token_id)
+        self.boi_token_id = int(config.boi_token_id)
+        self.eoi_token_id = int(config.eoi_token_id)
+
+    def count_markers(self, token_ids: list[int]) -> int:
+        return sum(token == self.image_token_id for token in token_ids)
+
+    def prepare(self, token_ids: list[int], images: tuple[bytes, ...]) -> tuple[list[int], dict[str, torch.Tensor]]:
+        """The prompt with each marker expanded, and generate's vision kwargs."""
+        import io
+
+        from PIL import Image
+
+        decoded = [Image.open(io.BytesIO(data)).convert("RGB") for data in images]
+        features = self.processor(images=decoded, return_tensors="pt")
+        counts = iter(int(n) for n in features["num_soft_tokens_per_image"])
+        expanded: list[int] = []
+        for token in token_ids:
+            if token == self.image_token_id:
+                expanded += [self.boi_token_id, *[self.image_token_id] * next(counts), self.eoi_token_id]
+            else:
+                expanded.append(token)
+        ids = torch.tensor([expanded])
+        return expanded, {"pixel_values": features["pixel_values"], "image_position_ids": features["image_position_ids"],
+                          "mm_token_type_ids": (ids == self.image_token_id).long()}
+
+
+def vision_inputs(path: Path, model: Any) -> VisionInputs | None:
+    """The vision side when the checkpoint has a vision tower with its weights; None for text only."""
+    tower = getattr(getattr(model.model, "encoder", None), "vision_tower", None)
+    if tower is None or getattr(model.config, "vision_config", None) is None or model.config.image_token_id is None:
+        return None
+    return VisionInputs(path, model.config)
+
+
 class _Stop(Exception):
     """Raised from the streamer to end transformers' generate early (abort, deadline, EOS, length)."""
 
@@ -165,8 +213,9 @@ class BlockDiffusionWorker:
     """One DiffusionGemma model, one thread, requests in arrival order, a block per event."""
 
     def __init__(self, model: Any, config: EngineConfig, options: DiffusionOptions, *, context_length: int,
-                 eos_token_ids: frozenset[int], device: str = "cpu") -> None:
+                 eos_token_ids: frozenset[int], device: str = "cpu", vision: VisionInputs | None = None) -> None:
         self.model = model
+        self.vision = vision
         self.config = config  # EngineClient reads decode_timeout_s and max_queue_depth (F9 may replace it)
         self.options = options
         self.slot_context = config.slot_context(context_length)
@@ -197,6 +246,7 @@ class BlockDiffusionWorker:
         num_prompt = len(request.prompt_token_ids)
         if num_prompt == 0:
             raise ValueError("the prompt has no tokens")
+        self._check_images(request)
         if num_prompt + self.canvas_length > self.slot_context:
             raise ContextOverflowError(num_prompt, self.slot_context)
         job = _Job(request, sink, time.monotonic() + self.options.request_timeout_s, num_prompt)
@@ -208,6 +258,16 @@ class BlockDiffusionWorker:
             self._queue.append(job)
             self._jobs[request.request_id] = job
             self._lock.notify()
+
+    def _check_images(self, request: Request) -> None:
+        """Every image has its marker in the prompt, and only a model with a vision tower gets one (400)."""
+        if self.vision is None:
+            if request.images:
+                raise ValueError("the served model has no vision tower: image input is not accepted")
+            return
+        markers = self.vision.count_markers(request.prompt_token_ids)
+        if markers != len(request.images):
+            raise ValueError(f"the prompt holds {markers} image markers for {len(request.images)} images")
 
     def abort(self, request_id: str) -> None:
         with self._lock:
@@ -293,9 +353,19 @@ class BlockDiffusionWorker:
         with self._lock:
             self._counts.started += 1
             self._counts.prompt_tokens += job.num_prompt_tokens
-        ids = torch.tensor([job.request.prompt_token_ids], dtype=torch.long, device=self.device)
-        max_new = max(1, min(sampling.max_tokens or self.canvas_length, self.slot_context - job.num_prompt_tokens))
-        kwargs: dict[str, Any] = {"max_new_tokens": max_new, "eos_token_id": sorted(self.eos_token_ids) or None}
+        prompt, kwargs = list(job.request.prompt_token_ids), {}
+        if job.request.images and self.vision is not None:
+            prompt, kwargs = self.vision.prepare(prompt, job.request.images)
+            kwargs = {name: value.to(self.device) for name, value in kwargs.items()}
+            if len(prompt) + self.canvas_length > self.slot_context:
+                with self._lock:
+                    self._finish(job, FinishReason.ERROR, error=str(ContextOverflowError(len(prompt), self.slot_context)),
+                                 status=400)
+                return
+            job.num_prompt_tokens = len(prompt)
+        ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
+        max_new = max(1, min(sampling.max_tokens or self.canvas_length, self.slot_context - len(prompt)))
+        kwargs |= {"max_new_tokens": max_new, "eos_token_id": sorted(self.eos_token_ids) or None}
         if self.options.max_denoising_steps:
             kwargs["max_denoising_steps"] = self.options.max_denoising_steps
         try:
