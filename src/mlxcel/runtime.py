@@ -189,6 +189,8 @@ def start_block_diffusion(resolved: ResolvedModel, options: RuntimeOptions, engi
     worker = BlockDiffusionWorker(model, engine_config, options.diffusion,
                                   context_length=int(text_config.max_position_embeddings),
                                   eos_token_ids=tokenizer.eos_token_ids, device=options.device, vision=vision)
+    if options.warmup:
+        log.info("warmup done in %.2f s (one block, one denoising step)", worker.warm())
     worker.start()
     marker = tokenizer.decode([vision.image_token_id], skip_special_tokens=False) if vision is not None else None
     log.info("block diffusion: image input %s", f"on (marker {marker!r})" if marker else "off (no vision tower)")

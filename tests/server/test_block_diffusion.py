@@ -222,3 +222,21 @@ def test_u_image_refusals_are_400s(server: tuple[str, list[str]]) -> None:
         {"type": "input_image", "image_url": _png(8, 8, (0, 255, 0))}]}]})
     assert anthropic_like.status_code == 400 and "image" in anthropic_like.text, anthropic_like.text
     assert image  # the same image is served on /v1/chat/completions (test above)
+
+
+def test_u_a_closed_stream_aborts_its_denoising_and_slot_routes_answer(server: tuple[str, list[str]]) -> None:
+    address = server[0]
+    before = httpx.get(address + "/health").json()["observability"]["sequences_aborted"]
+    body = {"messages": MESSAGES, "max_tokens": 480, "stream": True}
+    with httpx.stream("POST", address + "/v1/chat/completions", json=body, timeout=60) as response:
+        assert response.status_code == 200
+        next(response.iter_lines())  # the first block arrived; leave
+    from tests.server.conftest import wait_until
+
+    wait_until(lambda: httpx.get(address + "/health").json()["observability"]["sequences_aborted"] == before + 1,
+               what="the abandoned request aborted")
+    assert httpx.get(address + "/health").json()["batch"]["active_sequences"] == 0
+    erase = httpx.post(address + "/slots/0?action=erase")
+    assert erase.status_code == 400 and "block-diffusion" in erase.json()["error"]["message"], erase.text
+    reset = httpx.post(address + "/v1/cache/reset")
+    assert reset.status_code == 200 and reset.json()["reset"] is False, reset.text

@@ -288,6 +288,31 @@ class BlockDiffusionWorker:
             future.set_exception(exc)
         return future
 
+    # llama-server's slot actions and prompt-cache reset: a block-diffusion model keeps no KV between
+    # requests, so a slot action is a 400 naming why and a reset resets nothing.
+    def save_slot(self, slot_id: int, filename: str) -> Any:
+        raise ValueError("a block-diffusion model keeps no slot KV to save or restore")
+
+    restore_slot = save_slot
+
+    def erase_slot(self, slot_id: int) -> int:
+        raise ValueError("a block-diffusion model keeps no slot KV to erase")
+
+    @property
+    def kv(self) -> BlockDiffusionWorker:
+        return self  # EngineClient.reset_prefix_cache calls core.kv.reset
+
+    def reset(self) -> bool:
+        return False
+
+    def warm(self) -> float:
+        """One block with one denoising step before the first request (A6); the seconds it took."""
+        started = time.monotonic()
+        token = min(self.eos_token_ids) if self.eos_token_ids else 0
+        with torch.inference_mode():
+            self.model.generate(torch.tensor([[token]], device=self.device), max_new_tokens=1, max_denoising_steps=1)
+        return time.monotonic() - started
+
     def stop(self, timeout: float | None = None) -> bool:
         """Refuse new requests, abort queued and running ones, join the thread (A7)."""
         with self._lock:
