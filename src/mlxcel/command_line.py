@@ -29,7 +29,7 @@ from mlxcel.server.config import ServerConfig, default_responses_db
 if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.chat.plan import FeatureSettings
     from mlxcel.media.limits import MediaPolicy
-    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.runtime import DiffusionOptions, RuntimeOptions
     from mlxcel.side_models import SideModelOptions
     from mlxcel.audio_models import AudioOptions
 
@@ -48,6 +48,7 @@ GROUP_TITLES = {"perplexity": "perplexity (llama-perplexity's flags)", "model": 
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
                 "speculative": "speculative decoding",
+                "diffusion": "block-diffusion text models (-m a DiffusionGemma checkpoint)",
                 "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)",
                 "realtime": "realtime voice (/v1/realtime WebSocket)"}
 
@@ -181,7 +182,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
                              warmup=values["warmup"], chat=chat_settings(values, environment),
                              threads=values["threads"], quantize=values["quantize"],
                              adapters=lora_adapters(values),
-                             weight_materialization=values["weight_materialization"])
+                             weight_materialization=values["weight_materialization"],
+                             diffusion=diffusion_options(values))
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
@@ -239,6 +241,14 @@ def perplexity_settings(values: dict[str, Any], n_ctx: int) -> tuple[RuntimeOpti
                           decode_step=_decode_step(values),
                           compile_cache_dir=str(compile_cache_dir(values["models_dir"])))
     return runtime, engine
+
+
+def diffusion_options(values: dict[str, Any]) -> DiffusionOptions:
+    """Spec U's flags; a ValueError names the flag (the confidence sampler's threshold is a probability)."""
+    from mlxcel.runtime import DiffusionOptions
+
+    return DiffusionOptions(values["diffusion_sampler"], values["diffusion_threshold"], values["max_denoising_steps"],
+                            values["diffusion_request_timeout"])
 
 
 def lora_adapters(values: dict[str, Any]) -> tuple[tuple[Path, float], ...]:

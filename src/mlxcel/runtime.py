@@ -32,6 +32,9 @@ from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import MtpDecision, Request, SamplingParams
+from mlxcel.workers.diffusion import (
+    BlockDiffusionWorker, DiffusionOptions, is_block_diffusion_checkpoint, load_block_diffusion, vision_inputs,
+)
 
 log = logging.getLogger(__name__)
 
@@ -50,6 +53,7 @@ class RuntimeOptions:
     chat: FeatureSettings = FeatureSettings()  # reasoning, budget, template kwargs, loop guard, echo (S-V)
     adapters: tuple[tuple[Path, float], ...] = ()  # --adapter / --lora / --lora-scaled: (path, scale) (F8)
     weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
+    diffusion: DiffusionOptions = DiffusionOptions()  # a block-diffusion checkpoint's sampler and steps (U)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -76,6 +80,7 @@ class ServedModel:
     features: ChatFeatures  # S, R, Q, P, V: built once, with the model (build_chat_features)
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
     mtp_decision: MtpDecision | None = None  # F10, where it needs no measuring (else the engine's policy holds it)
+    image_marker: str | None = None  # U: the image placeholder of a model with a vision tower (None: text only)
 
     @property
     def context_size(self) -> int:
@@ -152,6 +157,8 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     """
     if options.threads > 0:
         torch.set_num_threads(options.threads)
+    if is_block_diffusion_checkpoint(resolved.path):
+        return start_block_diffusion(resolved, options, engine_config)
     checkpoint = open_checkpoint(resolved.path)
     tokenizer = load_tokenizer(checkpoint)
     draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
@@ -167,6 +174,39 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.warmup:
         warmup(served)
     return served
+
+
+def start_block_diffusion(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
+    """Spec U: a DiffusionGemma folder, served by its serial worker instead of the batch engine; the
+    tokenizer, template and chat features are built as for any chat model."""
+    path = resolved.path
+    try:
+        tokenizer = Tokenizer.from_pretrained_dir(path)
+    except ModelLoadError as exc:
+        raise ModelLoadError(f"{path}: {exc}") from exc
+    template = load_chat_template(override_source=options.chat_template, override_file=options.chat_template_file,
+                                  gguf_metadata=None, model_dir=path)
+    if engine_config.speculative.is_enabled or options.adapters:
+        raise ValueError(f"{path} is a block-diffusion model: speculative decoding and LoRA adapters do not apply")
+    started = time.monotonic()
+    model = load_block_diffusion(path, options.diffusion, device=options.device, dtype=options.torch_dtype())
+    text_config = model.config.text_config
+    loaded = LoadedModel(model, model.config.to_dict(), path, None, path)
+    log.info("Model loaded: %s (block diffusion, %s, canvas %d tokens, sampler %s) in %.1f s", resolved.name,
+             options.torch_dtype(), model.config.canvas_length, options.diffusion.sampler, time.monotonic() - started)
+    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
+    engine_config = replace(engine_config, max_num_seqs=1, enable_prefix_caching=False)
+    vision = vision_inputs(path, model)
+    worker = BlockDiffusionWorker(model, engine_config, options.diffusion,
+                                  context_length=int(text_config.max_position_embeddings),
+                                  eos_token_ids=tokenizer.eos_token_ids, device=options.device, vision=vision)
+    if options.warmup:
+        log.info("warmup done in %.2f s (one block, one denoising step)", worker.warm())
+    worker.start()
+    marker = tokenizer.decode([vision.image_token_id], skip_special_tokens=False) if vision is not None else None
+    log.info("block diffusion: image input %s", f"on (marker {marker!r})" if marker else "off (no vision tower)")
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(worker), engine_config,  # type: ignore[arg-type]
+                       features, image_marker=marker)
 
 
 def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,

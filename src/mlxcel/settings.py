@@ -431,6 +431,20 @@ SETTINGS: tuple[Setting, ...] = (
     _s("mtp", choice(*MTP_MODES), "auto", "drafting with the checkpoint's own MTP layers (F10; MiMo) while one "
        "request runs: auto (profile, then keep the faster), on or off; GET /v1/internal/mtp-policy reports it",
        ("--mtp",), "MLXCEL_MTP", group="speculative"),
+    # block-diffusion text models (U): a DiffusionGemma -m is served by a serial worker
+    _s("diffusion_sampler", choice("entropy-bound", "confidence"), "entropy-bound", "which denoised tokens a "
+       "block-diffusion step accepts: entropy-bound (the lowest-entropy tokens whose summed entropy stays under "
+       "--diffusion-threshold) or confidence (every token whose probability reaches --diffusion-threshold)",
+       ("--diffusion-sampler",), "MLXCEL_DIFFUSION_SAMPLER", metavar="NAME", group="diffusion"),
+    _s("diffusion_threshold", number(is_positive=True), None, "the sampler's threshold: the entropy bound, or a "
+       "probability in (0, 1] for confidence (unset: the checkpoint's, 0.9 for confidence)",
+       ("--diffusion-threshold",), "MLXCEL_DIFFUSION_THRESHOLD", metavar="N", group="diffusion"),
+    _s("max_denoising_steps", integer(minimum=0), 0, "most denoising steps per block (0 = the checkpoint's "
+       "generation_config.json)", ("--max-denoising-steps",), "MLXCEL_MAX_DENOISING_STEPS", metavar="N",
+       group="diffusion"),
+    _s("diffusion_request_timeout", SECONDS, 300.0, "block-diffusion request deadline from admission (queued or "
+       "running) before 504", ("--diffusion-request-timeout",), "MLXCEL_DIFFUSION_REQUEST_TIMEOUT",
+       metavar="SECONDS", group="diffusion"),
     _s("slot_save_path", TEXT, None, "folder for POST /slots/ID?action=save|restore", ("--slot-save-path",),
        "LLAMA_ARG_SLOT_SAVE_PATH", metavar="PATH", group="engine"),
     # server

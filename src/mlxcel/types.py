@@ -94,6 +94,7 @@ class Request:
     processors: tuple[TokenProcessor, ...] = ()
     lora_scales: tuple[float, ...] = ()  # F8: one scale per loaded adapter; () = the base model
     report_progress: bool = False  # llama-server return_progress: a PromptProgress event per prefill chunk
+    images: tuple[bytes, ...] = ()  # U: encoded images for a model with a vision tower, one per image marker
     # In-process tools (`mlxcel perplexity`): called with (first position, logits [n, vocab] float32) for
     # every prompt position that predicts a prompt token, in order, each position once.
     prompt_logits: Callable[[int, torch.Tensor], None] | None = None
@@ -151,6 +152,7 @@ class TokenEvent:
     num_prompt_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     error: str | None = None
+    error_status: int = 500  # the HTTP status of an ERROR event (504: a serial worker's deadline passed)
     progress: PromptProgress | None = None
     num_drafted: int = 0  # the request's draft tokens verified so far (B1-B4; llama-server timings.draft_n)
     num_draft_accepted: int = 0  # of those, the ones the target accepted
@@ -260,6 +262,19 @@ class MtpDecision:
 
 
 @dataclass(frozen=True, slots=True)
+class DiffusionStats:
+    """A block-diffusion worker's figures (spec U): /health's `block_diffusion`, /metrics' `mlxcel_block_diffusion_*`."""
+
+    sampler: str
+    canvas_length: int  # tokens committed per block
+    num_blocks: int  # blocks committed
+    num_steps: int  # denoising forward passes
+    num_timed_out: int  # requests past --diffusion-request-timeout (504)
+    queue_depth: int
+    max_queue_depth: int
+
+
+@dataclass(frozen=True, slots=True)
 class DraftStats:
     """Speculative decoding (B1-B4): its configuration and the draft tokens verified / accepted."""
 
@@ -297,3 +312,4 @@ class EngineStats:
     num_busy_slot_steps: int = 0  # running sequences summed over those steps (n_busy_slots_per_decode)
     max_sequence_len: int = 0  # longest sequence computed so far, prompt + output (n_tokens_max)
     drafts: DraftStats = DraftStats()
+    diffusion: DiffusionStats | None = None  # set when a block-diffusion worker serves the model (U)

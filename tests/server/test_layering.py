@@ -34,7 +34,7 @@ ALLOWED: dict[str, set[str]] = {
     "chat": {"text", "types"},
     "workers": {"layers", "loading", "types", "config"},
     "api": {"chat", "text", "engine", "lora_registry", "media", "workers", "types", "config"},
-    "runtime": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types"},
+    "runtime": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types", "workers"},
     "audio_models": {"api", "loading", "workers", "types", "config"},
     "process": {"api", "audio_models", "runtime", "workers", "types", "config"},
     "side_models": {"api", "audio_models", "loading", "process", "runtime", "workers", "types", "config"},

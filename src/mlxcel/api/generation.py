@@ -28,7 +28,7 @@ from mlxcel.api.context import ApiContext, SequenceRecord
 from mlxcel.api.errors import ApiError, from_engine_error, invalid_request
 from mlxcel.engine.client import DecodeTimeoutError, RequestStream
 from mlxcel.chat.output import ParsedReply
-from mlxcel.chat.events import ContentDelta, OutputEvent
+from mlxcel.chat.events import ContentDelta, OutputEvent, ReasoningDelta
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import (
@@ -43,6 +43,7 @@ class Prompt:
 
     token_ids: tuple[int, ...]
     text: str | None = None
+    images: tuple[bytes, ...] = ()  # U: encoded images, one per image marker in the prompt, in order
 
 
 class OutputParser(Protocol):
@@ -193,11 +194,14 @@ class _Choice:
         on: the tokens after it are neither shown nor counted.
         """
         if event.finish_reason is FinishReason.ERROR:
-            raise ApiError(500, event.error or "generation failed", "server_error", code=500)
+            kind = {400: "invalid_request_error", 504: "timeout_error"}.get(event.error_status, "server_error")
+            raise ApiError(event.error_status, event.error or "generation failed", kind, code=event.error_status)
         if event.progress is not None:
             self.num_cached_tokens = event.num_cached_tokens
             return ChoiceDelta(self.index, "", progress=event.progress)
         self._observe_timing(event)
+        # a vision prompt's image markers were expanded into soft tokens below the API (U): count those
+        self.num_prompt_tokens = max(self.num_prompt_tokens, event.num_prompt_tokens)
         self.num_drafted, self.num_draft_accepted = event.num_drafted, event.num_draft_accepted
         if len(event.token_ids) <= 1:
             return self._apply_one(event)
@@ -313,7 +317,21 @@ def _merge_deltas(deltas: list[ChoiceDelta]) -> ChoiceDelta | None:
     return replace(deltas[-1], text="".join(d.text for d in deltas),
                    logprobs=tuple(lp for d in deltas for lp in d.logprobs),
                    token_ids=tuple(t for d in deltas for t in d.token_ids),
-                   events=tuple(e for d in deltas for e in d.events), prompt_logprobs=deltas[0].prompt_logprobs)
+                   events=_joined_text_events([e for d in deltas for e in d.events]),
+                   prompt_logprobs=deltas[0].prompt_logprobs)
+
+
+def _joined_text_events(events: list[OutputEvent]) -> tuple[OutputEvent, ...]:
+    """Adjacent content (or reasoning) pieces as one, so a multi-token event (a committed diffusion
+    block, accepted drafts) reaches the client as one delta per kind, not one per token."""
+    joined: list[OutputEvent] = []
+    for event in events:
+        last = joined[-1] if joined else None
+        if isinstance(event, (ContentDelta, ReasoningDelta)) and type(last) is type(event):
+            joined[-1] = type(event)(last.text + event.text)  # type: ignore[union-attr]
+        else:
+            joined.append(event)
+    return tuple(joined)
 
 
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:
@@ -455,4 +473,4 @@ def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, c
     processors = params.processors(prompt) if params.processors is not None else ()
     return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
                    cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors,
-                   lora_scales=lora_scales, report_progress=params.report_progress)
+                   lora_scales=lora_scales, report_progress=params.report_progress, images=prompt.images)

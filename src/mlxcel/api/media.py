@@ -4,8 +4,9 @@ Each adapter turns its own media blocks into `MediaRef`s (OpenAI `image_url` /
 `input_audio` / `video_url` parts, Anthropic image blocks, Responses `input_image`) and
 awaits `validate_media(ctx, refs)`. Every reference is resolved and checked first (sandboxed
 files, SSRF-safe fetch, payload and pixel limits), so the security layer always runs; a
-refusal is a 400 whose `code` is the media layer's reason. Then, since no served model takes
-media yet, the request is a 400 naming the kinds it carried.
+refusal is a 400 whose `code` is the media layer's reason. Then, unless the served model takes
+images (a block-diffusion model with a vision tower, U), the request is a 400 naming the kinds
+it carried.
 """
 
 from __future__ import annotations
@@ -16,24 +17,30 @@ from collections.abc import Sequence
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import INVALID_REQUEST, ApiError, truncate_message
 from mlxcel.media import MediaError, MediaKind, MediaRef, Reason, resolve_media_parts
+from mlxcel.media.resolve import ResolvedMedia
 
 MEDIA_NOT_ACCEPTED = "media_not_accepted"  # the `code` of the model-is-text-only 400
 _AUDIO_TYPES = {"mp3": "audio/mpeg", "wav": "audio/wav", "m4a": "audio/mp4", "aac": "audio/aac"}
 _FORMAT = re.compile(r"^[a-z0-9][a-z0-9.+-]{0,31}$")
 
 
-async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef]) -> None:
+async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef], *,
+                         takes_images: bool = False) -> list[ResolvedMedia]:
     """Resolve and validate every reference under `ctx.media_policy`; raises ApiError(400).
 
-    Returns only when `refs` is empty: the served model takes text alone, so any media part,
-    once it passed every check, is refused naming its kind.
+    A route that passes images on (`takes_images`: OpenAI chat) to a model that takes them
+    (`ctx.image_marker`, a block-diffusion model's vision tower, U) gets its image parts back,
+    checked; any other media part, once it passed every check, is refused
+    naming its kind.
     """
     if not refs:
-        return
+        return []
     try:
-        await resolve_media_parts(refs, ctx.media_policy)
+        resolved = await resolve_media_parts(refs, ctx.media_policy)
     except MediaError as exc:
         raise media_error(exc) from None
+    if takes_images and ctx.image_marker is not None and all(ref.kind is MediaKind.IMAGE for ref in refs):
+        return resolved
     raise media_not_accepted(refs)
 
 

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxcel.api.context import SequenceRecord
-from mlxcel.types import EngineStats, Usage
+from mlxcel.types import DiffusionStats, EngineStats, Usage
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -93,6 +93,8 @@ class EngineCollector(Collector):
         yield _counter("mlxcel_sequences_aborted", "Engine sequences started, then aborted", stats.sequences_aborted)
         yield from _prefix_cache_metrics(stats)
         yield from _draft_metrics(stats)
+        if stats.diffusion is not None:
+            yield from _diffusion_metrics(stats.diffusion)
 
 
 def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
@@ -107,6 +109,14 @@ def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
     blocks.add_metric(["free"], cache.num_blocks_free)
     blocks.add_metric(["cached"], cache.num_blocks_cached)
     yield blocks
+
+
+def _diffusion_metrics(diffusion: DiffusionStats) -> Iterator[Metric]:
+    """The block-diffusion worker (U): blocks committed, denoising steps, deadline misses."""
+    yield _counter("mlxcel_block_diffusion_blocks", "Blocks the block-diffusion worker committed", diffusion.num_blocks)
+    yield _counter("mlxcel_block_diffusion_denoising_steps", "Denoising forward passes", diffusion.num_steps)
+    yield _counter("mlxcel_block_diffusion_timed_out", "Requests past --diffusion-request-timeout (504)",
+                   diffusion.num_timed_out)
 
 
 def _draft_metrics(stats: EngineStats) -> Iterator[Metric]:

@@ -20,8 +20,8 @@ from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
-from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DraftStats, EngineStats, MtpDecision, PrefixCacheStats,
-                          SlotStats)
+from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DraftStats, EngineStats, MtpDecision,
+                          PrefixCacheStats, SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -55,6 +55,8 @@ def health_json(state: ServerState, stats: EngineStats | None) -> dict[str, Any]
     }
     if stats is not None and stats.drafts.kind != "none":  # B1-B4; off: K1's fields exactly
         body["speculative"] = drafts_json(stats.drafts)
+    if stats is not None and stats.diffusion is not None:  # U: the serial block-diffusion worker
+        body["block_diffusion"] = diffusion_json(stats.diffusion)
     providers = providers_json(state.side)
     if providers:  # embedding / rerank workers (spec I); a chat-only server keeps K1's fields exactly
         body["providers"] = providers
@@ -67,6 +69,13 @@ def drafts_json(drafts: DraftStats) -> dict[str, Any]:
             "max_batch": drafts.max_batch, "draft_model": drafts.draft_model,
             "drafted_tokens": drafts.num_drafted, "accepted_tokens": drafts.num_accepted,
             "acceptance_rate": round(drafts.acceptance_rate, 4)}
+
+
+def diffusion_json(diffusion: DiffusionStats) -> dict[str, Any]:
+    return {"sampler": diffusion.sampler, "canvas_length": diffusion.canvas_length,
+            "blocks_committed": diffusion.num_blocks, "denoising_steps": diffusion.num_steps,
+            "requests_timed_out": diffusion.num_timed_out, "queue_depth": diffusion.queue_depth,
+            "max_queue_depth": diffusion.max_queue_depth}
 
 
 def _tool_call_parser(state: ServerState) -> str | None:

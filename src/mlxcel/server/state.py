@@ -94,7 +94,7 @@ class ServerState:
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.features, aliases=self.config.aliases, tags=self.config.tags,
-            lora=served.lora, sampling=sampling_defaults(self.live.current))
+            lora=served.lora, sampling=sampling_defaults(self.live.current), image_marker=served.image_marker)
         engine = served.engine_config
         for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
                             ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):

@@ -9,6 +9,7 @@ completion is registered in `ctx.controls` while it runs, for live control (F5, 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
+from dataclasses import replace
 from typing import Any
 
 from mlxcel.api import chat_features, control
@@ -55,9 +56,11 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
 
     `headers` (lower-case names) may carry X-Priority. Raises ApiError before any stream starts.
     """
-    await validate_media(ctx, media_refs(req))  # C2-C5: resolved and checked first, then refused (text model)
+    # C2-C5: resolved and checked first, then refused unless the model takes images (U)
+    images = await validate_media(ctx, media_refs(req), takes_images=True)
     params = common.generation_params(req, headers)
     plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx))
+    prompt = replace(prompt, images=tuple(image.data for image in images))
     params = chat_features.with_chat_features(params, plan)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
@@ -120,7 +123,7 @@ def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest,
     """The request's chat plan and its rendered prompt (a failure of either is a 400); `options`
     default to a count's (`chat_options(req)`)."""
     options = options or chat_options(req)
-    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages])
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages], ctx.image_marker)
     plan = chat_features.plan_chat(ctx, options, messages)
     prompt = chat_features.render_plan(ctx, plan, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)

@@ -1,6 +1,7 @@
 """GET /v1/models and /v1/models/{id} (F1): the served chat model and the side providers (spec I).
 
-Each card carries `capabilities`: "completion" for the chat model, "embedding" or "rerank"
+Each card carries `capabilities`: "completion" for the chat model (and "block_diffusion" for a
+block-diffusion one, spec U), "embedding" or "rerank"
 for a provider. An embedding-only or rerank-only process lists only its provider.
 """
 
@@ -18,7 +19,12 @@ from mlxcel.api.replies import JsonReply
 def model_card(ctx: ApiContext) -> dict[str, Any]:
     return {"id": ctx.model_name, "aliases": list(ctx.aliases), "tags": list(ctx.tags), "object": "model",
             "created": ctx.created, "owned_by": "mlxcel", "max_model_len": ctx.context_size,
-            "capabilities": ["completion"]}
+            "capabilities": ["completion", *(["block_diffusion"] if _is_block_diffusion(ctx) else [])]}
+
+
+def _is_block_diffusion(ctx: ApiContext) -> bool:
+    """Spec U: the model is served by the serial block-diffusion worker, not the batch engine."""
+    return ctx.engine.stats().diffusion is not None
 
 
 def entry_card(entry: ModelEntry) -> dict[str, Any]:
