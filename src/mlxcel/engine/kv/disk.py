@@ -200,9 +200,9 @@ class DiskBlockStore:
                     num_bytes_read=sum(len(p) for p in payloads))
         return block_ids
 
-    def _read_run(self, run: list[int]) -> list[bytes]:
+    def _read_run(self, run: list[int]) -> list[memoryview]:
         """The checked payloads of `run`'s files, up to the first missing or bad one (which is deleted)."""
-        payloads: list[bytes] = []
+        payloads: list[memoryview] = []
         for block_hash in run:
             path = self._path(block_hash)
             try:
@@ -217,8 +217,12 @@ class DiskBlockStore:
             self._known.add(block_hash)
         return payloads
 
-    def _read(self, path: Path, block_hash: int) -> bytes:
-        data = path.read_bytes()
+    def _read(self, path: Path, block_hash: int) -> memoryview:
+        with open(path, "rb") as file:  # read into a bytearray: the payload is then a view, never copied
+            data = bytearray(os.fstat(file.fileno()).st_size)
+            num_read = file.readinto(data)
+        if num_read != len(data):
+            raise BadBlockFile("truncated while read")
         if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER_LEN.size:
             raise BadBlockFile("not a block file")
         (header_len,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
@@ -227,11 +231,11 @@ class DiskBlockStore:
             header = json.loads(data[start:start + header_len])
         except ValueError:
             raise BadBlockFile("unreadable header") from None
-        payload = data[start + header_len:]
+        payload = memoryview(data)[start + header_len:]
         self._check(header, payload, block_hash)
         return payload
 
-    def _check(self, header: dict, payload: bytes, block_hash: int) -> None:
+    def _check(self, header: dict, payload: memoryview, block_hash: int) -> None:
         expected = {"version": FORMAT_VERSION, "identity": self.config.identity, "hash": f"{block_hash:064x}",
                     "block_size": self.block_size, "layout": [list(item) for item in self.layout]}
         for key, value in expected.items():
@@ -353,12 +357,15 @@ def _block_payload(rows: dict[str, torch.Tensor], index: int) -> bytes:
     return b"".join(tensor[:, index].contiguous().numpy().tobytes() for tensor in rows.values())
 
 
-def _scatter(cache: KVCache, block_ids: list[int], payloads: list[bytes], layout: list[tuple[str, int]]) -> None:
+def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
+             layout: list[tuple[str, int]]) -> None:
     """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of _gather + _block_payload)."""
     size, num_layers = cache.block_size, len(cache.k)
     slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
     # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
-    data = torch.frombuffer(bytearray(b"".join(payloads)), dtype=torch.uint8).view(len(payloads), -1)
+    data = torch.empty(len(payloads), len(payloads[0]), dtype=torch.uint8)
+    for index, payload in enumerate(payloads):
+        data[index] = torch.frombuffer(payload, dtype=torch.uint8)
     offset = 0
     for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
         part = data[:, offset:offset + num_layers * block_bytes].view(len(payloads), num_layers, block_bytes)
