@@ -206,3 +206,45 @@ def test_read_only_folder_keeps_serving(warm_folder: tuple[Path, str], tmp_path:
     finally:
         for path in [folder, *folder.iterdir()]:
             path.chmod(0o755)
+
+
+def test_another_lora_scale_or_adapter_set_never_reuses(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
+                                                        servers: list[Server], smollm2_path: Path) -> None:
+    adapter = _peft_adapter(smollm2_path, tmp_path_factory)
+    prompt = long_prompt(6)
+
+    def completion(server: Server, scale: float) -> tuple[str, int]:
+        body = {"prompt": prompt, "n_predict": 8, "temperature": 0, "lora": [{"id": 0, "scale": scale}]}
+        reply = httpx.post(server.address + "/completion", json=body, timeout=300).json()
+        return reply["content"], reply["tokens_cached"]
+
+    servers.append(first := start(tmp_path, "--lora", str(adapter)))
+    assert completion(first, 1.0)[1] == 0
+    # NOTE: the reference is a RAM hit (the same step shape as a disk hit: one token computed over cached KV);
+    # under this random adapter the first greedy token is a near-tie that a cold prefill may break otherwise
+    at_one, cached = completion(first, 1.0)
+    assert cached > 0
+    first.stop()
+    servers.append(second := start(tmp_path, "--lora", str(adapter)))
+    assert completion(second, 0.5)[1] == 0  # other scales: other KV
+    assert completion(second, 1.0) == (at_one, cached) and second.disk()["hits"] == 1
+    second.stop()
+    servers.append(plain := start(tmp_path))  # no adapters: another identity, even for base-model KV
+    assert plain.chat(prompt)[2] == 0 and plain.disk()["blocks_read"] == 0
+
+
+def _peft_adapter(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random r=4 LoRA adapter over SmolLM2 saved by peft (as tests/server/test_lora_server.py builds one)."""
+    peft = pytest.importorskip("peft")
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    base = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
+                                                             dtype=torch.float32)
+    torch.manual_seed(0)
+    config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
+    model = peft.get_peft_model(base, config)
+    folder = tmp_path_factory.mktemp("disk-cache-lora")
+    model.save_pretrained(str(folder))
+    return folder
+
