@@ -215,6 +215,7 @@ class SlotStats:
     num_generated_tokens: int
     context_size: int
     num_remaining_tokens: int = -1  # max_tokens left to generate; -1: idle or no limit
+    num_cached_tokens: int = 0  # the running request's prompt tokens from the prefix cache, RAM or disk
 
 
 @dataclass(frozen=True, slots=True)

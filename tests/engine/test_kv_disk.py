@@ -151,3 +151,27 @@ def test_load_policy_crossover() -> None:
     slow.record_prefill(1000, 0.01)  # 10 us a token: 160 us a block
     slow.record_load(10, 0.05)
     assert not slow.should_load(16)
+
+
+def test_kv_identity_names_everything_that_makes_kv_differ(tmp_path: Path, smollm2_path: Path) -> None:
+    from mlxcel.loading import LoadedModel, open_checkpoint
+    from mlxcel.runtime import RuntimeOptions, kv_identity, load_tokenizer
+
+    checkpoint = open_checkpoint(smollm2_path)
+    tokenizer = load_tokenizer(checkpoint)
+
+    def identity(path: Path = smollm2_path, config: dict | None = None, **options: object) -> str:
+        loaded = LoadedModel(torch.nn.Module(), config or checkpoint.config, path, checkpoint.gguf, None)
+        return kv_identity(loaded, tokenizer, RuntimeOptions(**options))  # type: ignore[arg-type]
+
+    base = identity()
+    assert identity() == base  # the same files and settings: the same folder after a restart
+    other_file = tmp_path / smollm2_path.name
+    other_file.write_bytes(b"GGUF" + bytes(1000))
+    adapter = tmp_path / "adapter"
+    adapter.mkdir()
+    (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    rope = {**checkpoint.config, "rope_theta": float(checkpoint.config.get("rope_theta", 10000.0)) * 2}
+    others = [identity(other_file), identity(config=rope), identity(quantize="off"),
+              identity(adapters=((adapter, 1.0),))]
+    assert len({base, *others}) == 5

@@ -113,9 +113,14 @@ def test_restart_reuses_disk_blocks_with_identical_greedy_tokens(warm_folder: tu
     assert cached >= num_prompt - 16  # all full blocks came from disk (usage counts them)
     disk = server.disk()
     assert disk["hits"] == 1 and cached <= disk["blocks_read"] * 16 <= cached + 16 and disk["bad_files"] == 0
-    # the same document with a new question reuses it too (RAM now)
-    _, num_prompt, cached = server.chat(long_prompt(1, "Which word comes last?"))
-    assert cached >= num_prompt - 40
+    # the same document with a new question reuses it too (RAM now); /slots shows the running request's share
+    body = {"model": "m", "messages": [{"role": "user", "content": long_prompt(1, "Which word comes last?")}],
+            "temperature": 0, "max_tokens": 200, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", server.address + "/v1/chat/completions", json=body, timeout=300) as response:
+        next(line for line in response.iter_lines() if '"content":"' in line and '"content":""' not in line)
+        slot = httpx.get(server.address + "/slots", timeout=30).json()[0]
+        assert slot["is_processing"] and slot["n_prompt_tokens_cached"] >= slot["n_prompt_tokens"] - 40
+        response.close()
     metrics = httpx.get(server.address + "/metrics", timeout=30).text
     assert "mlxcel_prefix_cache_disk_hits_total 1.0" in metrics and "mlxcel_prefix_cache_disk_bytes " in metrics
     runtime = httpx.get(server.address + "/ui-api/v1/runtime", timeout=30)

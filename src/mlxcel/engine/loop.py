@@ -253,7 +253,8 @@ class EngineCore:
                          request_id=seq.request_id if seq else None,
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
-                         context_size=self.slot_context, num_remaining_tokens=_remaining(seq))
+                         context_size=self.slot_context, num_remaining_tokens=_remaining(seq),
+                         num_cached_tokens=seq.num_cached_tokens if seq else 0)
 
     # ---- slot snapshots (F12); run these on the loop thread through `call` ----
 

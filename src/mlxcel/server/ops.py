@@ -121,7 +121,8 @@ def slot_json(slot: SlotStats) -> dict[str, Any]:
     return {
         "id": slot.slot_id, "n_ctx": slot.context_size, "context_size": slot.context_size, "speculative": False,
         "is_processing": slot.is_processing, "request_id": slot.request_id,
-        "n_prompt_tokens": slot.num_prompt_tokens, "next_token": [next_token],
+        "n_prompt_tokens": slot.num_prompt_tokens, "n_prompt_tokens_cached": slot.num_cached_tokens,
+        "next_token": [next_token],
     }
 
 
