@@ -9,6 +9,12 @@ each file (temp name + rename, so readers and other servers never see half a fil
 the KV manager asks `load`, which reads the stored run into free blocks when loading measured
 faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
 A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
+
+NOTE (issue 29 point 5, not built yet): on CUDA `_gather` copies evicted rows to the host synchronously.
+A host-memory tier goes between the pool and this store as another `LowerTier` with the same byte
+layout (a block = its file payload): pinned rows filled by non-blocking copies on a side stream (an
+event, not a sync, before the rows are handed on), LRU-spilling into `save` here, and loads copied
+back non-blocking with the compute stream waiting on the copy's event; its own `LoadPolicy` rates.
 """
 
 from __future__ import annotations
