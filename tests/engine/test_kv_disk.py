@@ -130,6 +130,19 @@ def test_capacity_keeps_the_most_recently_used(tmp_path: Path) -> None:
     assert 0 < sum(sizes) <= 4 * file_size
 
 
+def test_graceful_stop_saves_the_most_recently_used_within_the_capacity(tmp_path: Path) -> None:
+    probe = Engine(tmp_path / "probe")
+    probe.compute("a", prompt(1))
+    probe.store.close(probe.pool)
+    file_size = next(probe.store.folder.glob("*.kvb")).stat().st_size
+    engine = Engine(tmp_path / "bounded", capacity=3 * file_size)
+    engine.compute("old", prompt(1))
+    engine.compute("new", prompt(2))  # 8 blocks: both prompts stay in RAM, nothing is evicted
+    fresh = restart(engine, tmp_path / "bounded")
+    assert fresh.kv.find_cached_prefix(prompt(2), cache_prompt=True)[1] == 3 * BLOCK
+    assert fresh.kv.find_cached_prefix(prompt(1), cache_prompt=True)[1] == 0
+
+
 def test_unwritable_folder_keeps_ram_caching(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -88,7 +88,8 @@ class EngineCore:
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
         # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (runtime.py)
-        self.disk = _open_disk_tier(config, self.kv_cache, self.kv, f"{cache_identity}|{dtype}|{device}")
+        identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
+        self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         self.drafts = drafts or build_policy(config.speculative)
         self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
@@ -513,6 +514,9 @@ class EngineCore:
 def _open_disk_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager, identity: str) -> DiskBlockStore | None:
     """The prefix cache's disk tier (issue 29) when asked for and prefix caching is on; None otherwise."""
     if not (config.prefix_cache_dir and config.prefix_cache_disk_bytes > 0 and kv.is_enabled):
+        return None
+    if not identity:  # NOTE: without the model's identity, KV of another model could be read back
+        log.warning("disk prefix cache: off (no KV identity: the engine was built without a model file)")
         return None
     key = f"{identity}|K {cache.k_type}|V {cache.v_type}|block {cache.block_size}|step {config.decode_step}|v1"
     tier = DiskTierConfig(Path(config.prefix_cache_dir).expanduser(), config.prefix_cache_disk_bytes,

@@ -161,8 +161,11 @@ class BlockPool:
         return True
 
     def cached_blocks(self) -> list[tuple[int, int]]:
-        """Every (block_id, block_hash) in the hash index, in use or free (the disk tier's shutdown save)."""
-        return [(block_id, block_hash) for block_hash, block_id in self._hash_to_block.items()]
+        """Every (block_id, block_hash) in the hash index, most recently used first: the blocks in use,
+        then the free ones from the free queue's tail (the disk tier's shutdown save)."""
+        in_use = [(b.block_id, b.block_hash) for b in self.blocks if b.block_hash is not None and b.ref_count > 0]
+        free = [(i, self.blocks[i].block_hash) for i in reversed(self._free_queue)]
+        return in_use + [(i, h) for i, h in free if h is not None]
 
     def lookup(self, block_hash: int) -> int | None:
         """The block holding this chain hash, in use or free, or None."""

@@ -153,8 +153,10 @@ class DiskBlockStore:
             self._count(num_write_errors=len(fresh))  # the writer is behind: these blocks are recomputed later
 
     def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
-        """Graceful stop: save every block still cached, then let the writer finish (up to `timeout`)."""
-        fresh = [(b, h) for b, h in pool.cached_blocks() if h not in self._known]
+        """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
+        holds, then let the writer finish (up to `timeout`)."""
+        most = self.config.capacity_bytes // (sum(size for _, size in self.layout) * len(self.cache.k))
+        fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
         for start in range(0, len(fresh) if self._is_writable else 0, 64):
             batch = fresh[start:start + 64]
             self._queue.put(([h for _, h in batch], _gather(self.cache, [b for b, _ in batch])))
