@@ -12,6 +12,9 @@ import pytest
 # Servers the tests start through the CLI run the decode step eagerly: compiling it costs minutes
 # per process on 2 cores. tests/engine/test_decode_step.py covers the compiled step explicitly.
 os.environ.setdefault("MLXCEL_NO_COMPILE", "1")
+# every test server starts cold: no KV blocks from another test's server on disk (issue 29's tests
+# turn the disk tier on with their own folder)
+os.environ.setdefault("MLXCEL_PREFIX_CACHE_DISK_SIZE", "0")
 
 MODEL_CACHE = Path.home() / ".cache" / "mlxcel-test-models"
 GEMMA3_FILE = "gemma-3-270m-q4_k_m.gguf"

@@ -188,6 +188,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
         max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
+        prefix_cache_dir=str(values["prefix_cache_dir"] or prefix_cache_dir(values["models_dir"])),
+        prefix_cache_disk_bytes=values["prefix_cache_disk_size"],
         max_kv_size=values["max_kv_size"], decode_timeout_s=values["decode_timeout"],
         kv_cache_bytes=values["kv_cache_memory"], request_memory_budget_bytes=values["request_memory_budget"] or 0,
         slot_save_path=values["slot_save_path"],
@@ -362,6 +364,11 @@ def compile_cache_dir(models_dir: Path | None) -> Path:
     """Compiled decode steps persist beside the models (`<models dir>/compile-cache`)."""
     root = models_dir if models_dir is not None else Path.home() / ".cache" / "mlxcel"
     return Path(root).expanduser() / "compile-cache"
+
+
+def prefix_cache_dir(models_dir: Path | None) -> Path:
+    """The prefix cache's disk tier lives beside the models (`<models dir>/prefix-cache`, issue 29)."""
+    return compile_cache_dir(models_dir).with_name("prefix-cache")
 
 
 def _step_budget(batch_size: int, ubatch_size: int) -> int:

@@ -61,6 +61,8 @@ class EngineConfig:
     block_size: int = 16
     max_queue_depth: int = 64  # --max-queue-depth
     enable_prefix_caching: bool = True  # --no-prompt-cache / --apc-enabled=false turn it off
+    prefix_cache_dir: str | None = None  # --prefix-cache-dir: the disk tier's folder (issue 29)
+    prefix_cache_disk_bytes: int = 0  # --prefix-cache-disk-size: its LRU bound; 0 = no disk tier
     max_kv_size: int = 0  # --max-kv-size (spec N); 0 = off
     decode_timeout_s: float = 600.0  # --decode-timeout (A8)
     slot_save_path: str | None = None  # --slot-save-path (F12)

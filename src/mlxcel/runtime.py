@@ -6,6 +6,8 @@ This is the startup path shared by `mlxcel serve`, `mlxcel-server` and `mlxcel g
 
 from __future__ import annotations
 
+import hashlib
+import json
 import logging
 import threading
 import time
@@ -231,8 +233,9 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
         drafts, mtp = _mtp_policy(loaded, options, engine_config)
     if mtp is not None and mtp.num_mtp_layers:
         log.info("MTP policy: %s (%s)", mtp.state, mtp.reason)
+    identity = kv_identity(loaded, tokenizer, options) if engine_config.prefix_cache_disk_bytes else ""
     core = EngineCore(loaded.model, model_shape(loaded), engine_config, eos_token_ids=tokenizer.eos_token_ids,
-                      device=options.device, dtype=dtype, drafts=drafts)
+                      device=options.device, dtype=dtype, drafts=drafts, cache_identity=identity)
     check_memory_budget(core.memory_budget)
     if options.warmup:
         core.warm_decode_step()
@@ -240,6 +243,37 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
                        mtp)
+
+
+_FINGERPRINT_BYTES = 1 << 20
+
+
+def kv_identity(loaded: LoadedModel, tokenizer: Tokenizer, options: RuntimeOptions) -> str:
+    """What makes this model's KV differ beyond its tokens (issue 29's disk key): the weight files, the
+    config (RoPE included), the vocabulary, the weight rewrite and the LoRA adapters; a hex digest. The
+    engine adds the KV element types, activation dtype and device."""
+    digest = hashlib.sha256()
+    files = [loaded.path] if loaded.model_dir is None else sorted(p for p in loaded.model_dir.iterdir() if p.is_file())
+    for path in files + [f for adapter, _ in options.adapters for f in _adapter_files(Path(adapter))]:
+        digest.update(_file_fingerprint(path))
+    digest.update(json.dumps(loaded.config, sort_keys=True, default=str).encode())
+    digest.update(f"vocab {tokenizer.vocab_size}|quantize {options.quantize} {options.is_quantized()}".encode())
+    return digest.hexdigest()
+
+
+def _adapter_files(path: Path) -> list[Path]:
+    return sorted(p for p in path.iterdir() if p.is_file()) if path.is_dir() else [path]
+
+
+def _file_fingerprint(path: Path) -> bytes:
+    """A file's name, size and first and last MiB: cheap for multi-GB weights, and any re-quantization
+    or re-export changes them."""
+    size = path.stat().st_size
+    with open(path, "rb") as file:
+        head = file.read(_FINGERPRINT_BYTES)
+        file.seek(max(size - _FINGERPRINT_BYTES, 0))
+        tail = file.read(_FINGERPRINT_BYTES)
+    return hashlib.sha256(f"{path.name}|{size}|".encode() + head + tail).digest()
 
 
 def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: EngineConfig) -> DraftPolicy:

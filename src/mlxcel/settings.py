@@ -363,6 +363,13 @@ SETTINGS: tuple[Setting, ...] = (
         Flag(("--no-prompt-cache", "--no-cache-prompt"), "off", "turn prefix caching (APC) off"),
         Flag(("--apc-enabled",), "bool", "automatic prefix caching on or off (--apc-enabled=false)")),
        "LLAMA_ARG_APC_ENABLED", group="engine"),
+    _s("prefix_cache_dir", PATH, None, "folder of the prefix cache's disk tier: KV blocks that survive restarts "
+       "(default: <models dir>/prefix-cache)", ("--prefix-cache-dir",), "MLXCEL_PREFIX_CACHE_DIR", metavar="DIR",
+       group="engine"),
+    # on by default (issue 29): a restart finds the long prompts it had already computed
+    _s("prefix_cache_disk_size", SIZE, 20 * 2**30, "most bytes the prefix cache's disk tier keeps, least recently "
+       "used dropped first (default 20G; 0 = no disk tier)", ("--prefix-cache-disk-size",),
+       "MLXCEL_PREFIX_CACHE_DISK_SIZE", metavar="SIZE", group="engine"),
     _s("max_kv_size", NON_NEGATIVE, 0, "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
        ("--max-kv-size",), "LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
     _s("kv_cache_memory", SIZE, 0, "cap the KV pool at this many bytes (e.g. 512M; 0 = room for every slot's full "

@@ -217,6 +217,7 @@ class SlotStats:
     num_generated_tokens: int
     context_size: int
     num_remaining_tokens: int = -1  # max_tokens left to generate; -1: idle or no limit
+    num_cached_tokens: int = 0  # the running request's prompt tokens from the prefix cache, RAM or disk
 
 
 @dataclass(frozen=True, slots=True)
@@ -229,6 +230,28 @@ class PrefixCacheStats:
     num_blocks_free: int = 0
     num_blocks_cached: int = 0  # free but still holding a reusable prefix
     num_evictions: int = 0
+    disk: DiskCacheStats | None = None  # the disk tier under it (issue 29); None = off
+
+
+@dataclass(frozen=True, slots=True)
+class DiskCacheStats:
+    """The prefix cache's disk tier (issue 29): what it found, wrote, read and holds."""
+
+    directory: str
+    capacity_bytes: int
+    is_writable: bool = True  # False after a failed write (read-only or full): RAM-only from then on
+    num_hits: int = 0  # requests that loaded at least one block from disk
+    num_misses: int = 0  # RAM misses the disk could not serve either
+    num_skipped: int = 0  # disk hits left to recompute (loading measured slower than computing)
+    num_blocks_written: int = 0
+    num_blocks_read: int = 0
+    num_bytes_written: int = 0
+    num_bytes_read: int = 0
+    load_seconds: float = 0.0
+    num_bad_files: int = 0  # checksum, header or key mismatches: skipped and deleted
+    num_write_errors: int = 0  # failed or dropped writes (queue full, disk full, read-only)
+    num_files: int = 0
+    size_bytes: int = 0
 
 
 # F10: the batch-1 multi-token-prediction (MTP) decision, as GET /v1/internal/mtp-policy reports it.

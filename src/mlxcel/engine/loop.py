@@ -7,6 +7,7 @@ or the model (DESIGN.md rule 4).
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import queue
 import sys
@@ -25,6 +26,7 @@ from mlxcel.engine.admission import MemoryBudget
 from mlxcel.engine.decode_step import DecodeStep
 from mlxcel.engine.kv import slot_files
 from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.disk import DiskBlockStore, DiskTierConfig, open_disk_tier
 from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner, StepLogits
@@ -36,8 +38,8 @@ from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.layers import kv_quant
 from mlxcel.layers.lora import model_lora_rows
 from mlxcel.types import (
-    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PromptProgress, QueueFullError,
-    Request, SlotStats, TokenEvent,
+    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, PromptProgress,
+    QueueFullError, Request, SlotStats, TokenEvent,
 )
 
 log = logging.getLogger(__name__)
@@ -70,7 +72,7 @@ class EngineCore:
     def __init__(self, model: torch.nn.Module, shape: ModelShape, config: EngineConfig, *,
                  eos_token_ids: frozenset[int], device: torch.device | str = "cpu",
                  dtype: torch.dtype = torch.float32, drafts: DraftPolicy | None = None,
-                 defer_events: bool | None = None) -> None:
+                 defer_events: bool | None = None, cache_identity: str = "") -> None:
         if config.is_turbo_kv and config.max_kv_size:  # spec N2
             log.warning("--max-kv-size %d is ignored: the live-window cap does not apply to Turbo-quantized KV "
                         "layers (--kv-cache-mode turbo4 / --kv-quant-scheme turboquant)", config.max_kv_size)
@@ -85,6 +87,9 @@ class EngineCore:
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
+        # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (runtime.py)
+        identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
+        self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         self.drafts = drafts or build_policy(config.speculative)
         self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
@@ -226,9 +231,13 @@ class EngineCore:
                 sequences_completed=s.num_completed, sequences_aborted=s.num_aborted,
                 tokens_generated=s.num_generated, is_alive=self.failure is None,
                 prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
-                slots=slots, prefix_cache=self.kv.stats(), num_steps=s.num_steps,
+                slots=slots, prefix_cache=self._prefix_cache_stats(), num_steps=s.num_steps,
                 num_busy_slot_steps=s.num_busy_slot_steps, max_sequence_len=s.max_sequence_len,
                 drafts=self._draft_stats())
+
+    def _prefix_cache_stats(self) -> PrefixCacheStats:
+        stats = self.kv.stats()
+        return stats if self.disk is None else replace(stats, disk=self.disk.stats())
 
     def _draft_stats(self) -> DraftStats:
         spec, drafts = self.config.speculative, self.drafts
@@ -245,7 +254,8 @@ class EngineCore:
                          request_id=seq.request_id if seq else None,
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
-                         context_size=self.slot_context, num_remaining_tokens=_remaining(seq))
+                         context_size=self.slot_context, num_remaining_tokens=_remaining(seq),
+                         num_cached_tokens=seq.num_cached_tokens if seq else 0)
 
     # ---- slot snapshots (F12); run these on the loop thread through `call` ----
 
@@ -293,6 +303,8 @@ class EngineCore:
             self._drain_inbox(block=not self.scheduler.has_work)
             if self._stopping.is_set():
                 self._abort_all()
+                if self.disk is not None:  # issue 29: every block still cached goes to disk
+                    self.disk.close(self.kv.pool)
                 return
             if self.scheduler.has_work:
                 self._step()
@@ -444,6 +456,8 @@ class EngineCore:
             if r.finish_reason is not None:
                 self._sinks.pop(seq.request_id, None)
                 log_finished(seq, r.finish_reason)
+                if self.disk is not None:
+                    _observe_prefill(self.disk, seq)
             if sink is not None:
                 self._events.append((sink, TokenEvent(seq.request_id, r.token_ids, r.logprobs, r.finish_reason,
                                                       num_prompt_tokens=seq.num_prompt_tokens,
@@ -495,6 +509,32 @@ class EngineCore:
                 sink = self._sinks.pop(request_id, None)
                 if sink is not None:
                     sink(_error_event(request_id))
+
+
+def _open_disk_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager, identity: str) -> DiskBlockStore | None:
+    """The prefix cache's disk tier (issue 29) when asked for and prefix caching is on; None otherwise."""
+    if not (config.prefix_cache_dir and config.prefix_cache_disk_bytes > 0 and kv.is_enabled):
+        return None
+    if not identity:  # NOTE: without the model's identity, KV of another model could be read back
+        log.warning("disk prefix cache: off (no KV identity: the engine was built without a model file)")
+        return None
+    key = f"{identity}|K {cache.k_type}|V {cache.v_type}|block {cache.block_size}|step {config.decode_step}|v1"
+    tier = DiskTierConfig(Path(config.prefix_cache_dir).expanduser(), config.prefix_cache_disk_bytes,
+                          hashlib.sha256(key.encode()).hexdigest())
+    try:
+        store = open_disk_tier(tier, cache, kv.pool)
+    except OSError as exc:  # an unusable folder costs the disk tier, never the server
+        log.warning("disk prefix cache: %s cannot be used (%s); caching in RAM only", tier.directory, exc)
+        return None
+    kv.lower_tier = store
+    return store
+
+
+def _observe_prefill(disk: DiskBlockStore, seq: Sequence) -> None:
+    """A finished request's prompt rate, for the disk tier's load-or-recompute choice."""
+    if seq.num_preemptions or seq.first_token_time is None or seq.prefill_start_time is None:
+        return
+    disk.observe_prefill(seq.num_prompt_tokens - seq.num_cached_tokens, seq.first_token_time - seq.prefill_start_time)
 
 
 def _max_decode_rows(config: EngineConfig) -> int:

@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxcel.api.context import SequenceRecord
-from mlxcel.types import DiffusionStats, EngineStats, Usage
+from mlxcel.types import DiffusionStats, DiskCacheStats, EngineStats, Usage
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -109,6 +109,27 @@ def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
     blocks.add_metric(["free"], cache.num_blocks_free)
     blocks.add_metric(["cached"], cache.num_blocks_cached)
     yield blocks
+    if cache.disk is not None:
+        yield from _disk_cache_metrics(cache.disk)
+
+
+def _disk_cache_metrics(disk: DiskCacheStats) -> Iterator[Metric]:
+    """The prefix cache's disk tier (issue 29); absent when it is off."""
+    yield _counter("mlxcel_prefix_cache_disk_hits", "RAM misses served from disk", disk.num_hits)
+    yield _counter("mlxcel_prefix_cache_disk_misses", "RAM misses the disk could not serve", disk.num_misses)
+    yield _counter("mlxcel_prefix_cache_disk_skipped", "Disk hits recomputed (loading measured slower)",
+                   disk.num_skipped)
+    yield _counter("mlxcel_prefix_cache_disk_blocks_written", "KV blocks written to disk", disk.num_blocks_written)
+    yield _counter("mlxcel_prefix_cache_disk_blocks_read", "KV blocks read from disk", disk.num_blocks_read)
+    yield _counter("mlxcel_prefix_cache_disk_written_bytes", "Bytes of KV block files written", disk.num_bytes_written)
+    yield _counter("mlxcel_prefix_cache_disk_read_bytes", "Bytes of KV block files read", disk.num_bytes_read)
+    yield _counter("mlxcel_prefix_cache_disk_load_seconds", "Time spent loading KV blocks from disk", disk.load_seconds)
+    yield _counter("mlxcel_prefix_cache_disk_bad_files", "Block files skipped and deleted (checksum, header, key)",
+                   disk.num_bad_files)
+    yield _counter("mlxcel_prefix_cache_disk_write_errors", "Block writes failed or dropped", disk.num_write_errors)
+    yield _gauge("mlxcel_prefix_cache_disk_bytes", "Bytes of block files in the disk tier's folder", disk.size_bytes)
+    yield _gauge("mlxcel_prefix_cache_disk_capacity_bytes", "--prefix-cache-disk-size", disk.capacity_bytes)
+    yield _gauge("mlxcel_prefix_cache_disk_writable", "0 once writes failed (RAM-only)", int(disk.is_writable))
 
 
 def _diffusion_metrics(diffusion: DiffusionStats) -> Iterator[Metric]:

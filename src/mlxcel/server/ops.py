@@ -20,8 +20,8 @@ from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
-from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DraftStats, EngineStats, MtpDecision,
-                          PrefixCacheStats, SlotStats)
+from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DiskCacheStats, DraftStats, EngineStats,
+                          MtpDecision, PrefixCacheStats, SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -134,7 +134,8 @@ def slot_json(slot: SlotStats) -> dict[str, Any]:
     return {
         "id": slot.slot_id, "n_ctx": slot.context_size, "context_size": slot.context_size, "speculative": False,
         "is_processing": slot.is_processing, "request_id": slot.request_id,
-        "n_prompt_tokens": slot.num_prompt_tokens, "next_token": [next_token],
+        "n_prompt_tokens": slot.num_prompt_tokens, "n_prompt_tokens_cached": slot.num_cached_tokens,
+        "next_token": [next_token],
     }
 
 
@@ -256,7 +257,20 @@ def cache_stats_json(cache: PrefixCacheStats | None) -> dict[str, Any]:
         "object": "prompt_cache.stats", "enabled": on.is_enabled, "hits": on.num_hits, "misses": on.num_misses,
         "reused_tokens": on.num_reused_tokens, "evictions": on.num_evictions,
         "blocks": {"used": on.num_blocks_used, "free": on.num_blocks_free, "cached": on.num_blocks_cached},
+        "disk": disk_cache_json(on.disk),
     }
+
+
+def disk_cache_json(disk: DiskCacheStats | None) -> dict[str, Any] | None:
+    """The prefix cache's disk tier (issue 29); None when it is off."""
+    if disk is None:
+        return None
+    return {"directory": disk.directory, "writable": disk.is_writable, "hits": disk.num_hits,
+            "misses": disk.num_misses, "skipped": disk.num_skipped, "blocks_written": disk.num_blocks_written,
+            "blocks_read": disk.num_blocks_read, "bytes_written": disk.num_bytes_written,
+            "bytes_read": disk.num_bytes_read, "load_seconds": round(disk.load_seconds, 6),
+            "bad_files": disk.num_bad_files, "write_errors": disk.num_write_errors, "files": disk.num_files,
+            "size_bytes": disk.size_bytes, "capacity_bytes": disk.capacity_bytes}
 
 
 async def cache_stats(request: Request, state: ServerState) -> Response:

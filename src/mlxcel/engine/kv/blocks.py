@@ -8,8 +8,11 @@ prefix cache until `allocate` takes it from the head of the free queue (the evic
 from __future__ import annotations
 
 from collections import OrderedDict
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+# Called with the (block_id, block_hash) pairs an allocation evicts, before their KV is overwritten.
+EvictionHook = Callable[[list[tuple[int, int]]], None]
 
 
 class NoFreeBlocksError(RuntimeError):
@@ -52,6 +55,7 @@ class BlockPool:
         self._hash_to_block: dict[int, int] = {}
         self._num_free_cached = 0
         self.num_evictions = 0
+        self.on_evict: EvictionHook | None = None  # the disk tier's writer (issue 29); None = evictions vanish
 
     @property
     def num_free_blocks(self) -> int:
@@ -86,12 +90,17 @@ class BlockPool:
             raise ValueError(f"cannot allocate a negative number of blocks ({num_blocks})")
         if num_blocks > len(self._free_queue):
             raise NoFreeBlocksError(num_blocks, len(self._free_queue))
-        return [self._pop_free_block() for _ in range(num_blocks)]
+        evicted: list[tuple[int, int]] = []
+        block_ids = [self._pop_free_block(evicted) for _ in range(num_blocks)]
+        if evicted and self.on_evict is not None:
+            self.on_evict(evicted)
+        return block_ids
 
-    def _pop_free_block(self) -> int:
+    def _pop_free_block(self, evicted: list[tuple[int, int]]) -> int:
         block_id, _ = self._free_queue.popitem(last=False)
         block = self.blocks[block_id]
         if block.block_hash is not None:
+            evicted.append((block_id, block.block_hash))
             self._num_free_cached -= 1
             self._drop_hash(block)
             self.num_evictions += 1
@@ -150,6 +159,13 @@ class BlockPool:
             self._num_free_cached -= 1
         self._drop_hash(block)
         return True
+
+    def cached_blocks(self) -> list[tuple[int, int]]:
+        """Every (block_id, block_hash) in the hash index, most recently used first: the blocks in use,
+        then the free ones from the free queue's tail (the disk tier's shutdown save)."""
+        in_use = [(b.block_id, b.block_hash) for b in self.blocks if b.block_hash is not None and b.ref_count > 0]
+        free = [(i, self.blocks[i].block_hash) for i in reversed(self._free_queue)]
+        return in_use + [(i, h) for i, h in free if h is not None]
 
     def lookup(self, block_hash: int) -> int | None:
         """The block holding this chain hash, in use or free, or None."""

@@ -11,6 +11,7 @@ import hashlib
 import struct
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Protocol
 
 from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.types import PrefixCacheStats
@@ -52,6 +53,15 @@ def hash_prompt_blocks(
     return hashes
 
 
+class LowerTier(Protocol):
+    """A slower store under the RAM prefix cache (the disk tier, issue 29): asked on a RAM miss."""
+
+    def load(self, pool: BlockPool, block_hashes: list[int], hit_blocks: list[int], num_rest_tokens: int) -> list[int]:
+        """Bring the longest stored run of `block_hashes` (consecutive chain hashes) into free, cached
+        blocks of `pool`, keeping `hit_blocks` (the RAM hits before them) cached; the loaded block ids."""
+        ...
+
+
 @dataclass(slots=True)
 class _RequestBlocks:
     block_ids: list[int]  # the block table; RELEASED_BLOCK where free_prefix released one
@@ -77,6 +87,7 @@ class KVCacheManager:
         self._num_hits = 0
         self._num_misses = 0
         self._num_reused_tokens = 0
+        self.lower_tier: LowerTier | None = None  # consulted on a RAM miss; None = RAM only
 
     def find_cached_prefix(
         self, token_ids: Sequence[int], *, cache_prompt: bool, extra: object = None,
@@ -100,9 +111,20 @@ class KVCacheManager:
             parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size], extra)
             block_id = self.pool.lookup(parent)
             if block_id is None:
+                if self.lower_tier is not None:
+                    block_ids += self._load_lower(token_ids, index, parent, num_blocks, block_ids, extra)
                 break
             block_ids.append(block_id)
         return block_ids, min(len(block_ids) * size, max(len(token_ids) - 1, 0))
+
+    def _load_lower(self, token_ids: Sequence[int], index: int, block_hash: int, num_blocks: int,
+                    hit_blocks: list[int], extra: object) -> list[int]:
+        """Blocks `index`.. from the lower tier: the chain hashes from the first RAM miss on."""
+        assert self.lower_tier is not None
+        size, hashes = self.block_size, [block_hash]
+        for i in range(index + 1, num_blocks):
+            hashes.append(hash_block_tokens(hashes[-1], token_ids[i * size : (i + 1) * size], extra))
+        return self.lower_tier.load(self.pool, hashes, hit_blocks, len(token_ids) - index * size)
 
     def allocate(
         self,

@@ -46,6 +46,15 @@ class KVCache:
     def bytes_per_token(self) -> int:
         return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type, self.v_type)
 
+    def named_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every per-layer tensor of the cache: values (or codes), and scales where quantized."""
+        tensors = {"k": self.k, "v": self.v}
+        if self.k_scales is not None:
+            tensors["k_scales"] = self.k_scales
+        if self.v_scales is not None:
+            tensors["v_scales"] = self.v_scales
+        return tensors
+
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
         _store(self.k_type, self.k[layer], _side(self.k_scales, layer), slots, self._turned(self.k_type, k))

@@ -1,0 +1,412 @@
+"""The prefix cache's disk tier (issue 29): full KV blocks in files that outlive the process.
+
+A block's file is keyed by the chain hash the RAM cache uses (which already covers the tokens, the
+block size and the LoRA scales) under a directory named by the KV *identity*: everything else that
+makes KV differ (model file, tokenizer, activation dtype, KV element types, LoRA adapters, RoPE).
+Blocks go to disk when an allocation evicts them from RAM and, at a graceful stop, every block
+still cached; the engine thread only copies the block's rows, a writer thread checksums and writes
+each file (temp name + rename, so readers and other servers never see half a file). On a RAM miss
+the KV manager asks `load`, which reads the stored run into free blocks when loading measured
+faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
+A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
+
+NOTE (issue 29 point 5, not built yet): on CUDA `_gather` copies evicted rows to the host synchronously.
+A host-memory tier goes between the pool and this store as another `LowerTier` with the same byte
+layout (a block = its file payload): pinned rows filled by non-blocking copies on a side stream (an
+event, not a sync, before the rows are handed on), LRU-spilling into `save` here, and loads copied
+back non-blocking with the compute stream waiting on the copy's event; its own `LoadPolicy` rates.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import queue
+import secrets
+import struct
+import threading
+import time
+import zlib
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.types import DiskCacheStats
+
+log = logging.getLogger(__name__)
+
+MAGIC = b"MLXCELKV"
+FORMAT_VERSION = 1
+SUFFIX = ".kvb"
+_HEADER_LEN = struct.Struct("<I")
+_QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
+_EMA = 0.3  # weight of the newest measurement in the load / prefill rates
+_STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
+
+
+class BadBlockFile(ValueError):
+    """A block file that must not be used (its reason is the message)."""
+
+
+@dataclass(frozen=True, slots=True)
+class DiskTierConfig:
+    directory: Path  # --prefix-cache-dir
+    capacity_bytes: int  # --prefix-cache-disk-size: LRU (by last use) past it
+    identity: str  # hex digest of what makes KV differ beyond the chain hash
+
+
+@dataclass(slots=True)
+class LoadPolicy:
+    """Load or recompute: both rates measured here (load per block, prefill per token), newest weighted.
+
+    Until both are known, loading wins: on the CPU it is faster by orders of magnitude, and the first
+    load measures itself."""
+
+    load_s_per_block: float | None = None
+    prefill_s_per_token: float | None = None
+
+    def should_load(self, block_size: int) -> bool:
+        if self.load_s_per_block is None or self.prefill_s_per_token is None:
+            return True
+        return self.load_s_per_block < block_size * self.prefill_s_per_token
+
+    def record_load(self, num_blocks: int, seconds: float) -> None:
+        self.load_s_per_block = _ema(self.load_s_per_block, seconds / num_blocks)
+
+    def record_prefill(self, num_tokens: int, seconds: float) -> None:
+        self.prefill_s_per_token = _ema(self.prefill_s_per_token, seconds / num_tokens)
+
+
+def _ema(old: float | None, new: float) -> float:
+    return new if old is None else (1 - _EMA) * old + _EMA * new
+
+
+class DiskBlockStore:
+    """The disk tier of one engine: its files, its writer thread and its counters.
+
+    `save` (the pool's eviction hook), `load` (the KV manager's lower tier), `observe_prefill` and
+    `close` run on the engine thread; the writer thread only writes and deletes files."""
+
+    def __init__(self, config: DiskTierConfig, cache: KVCache) -> None:
+        self.config = config
+        self.cache = cache
+        self.block_size = cache.block_size
+        self.folder = config.directory / config.identity[:32]
+        self.policy = LoadPolicy()
+        self.layout = _layout(cache)  # (name, bytes per layer of one block) in file order
+        self._stats = DiskCacheStats(str(config.directory), config.capacity_bytes)
+        self._lock = threading.Lock()
+        self._known: set[int] = set()  # chain hashes with a file here (this process's view)
+        self._size_bytes = 0
+        self._queue: queue.Queue[tuple[list[int], dict[str, torch.Tensor]] | None] = queue.Queue(_QUEUE_BATCHES)
+        self._is_writable = self._prepare_folder()
+        self._writer = threading.Thread(target=self._write_loop, name="mlxcel-kv-disk", daemon=True)
+        self._writer.start()
+        log.info("disk prefix cache: %s (%d blocks, %.1f MiB of %.1f GiB; %s)", self.folder, len(self._known),
+                 self._size_bytes / 2**20, config.capacity_bytes / 2**30,
+                 "read-write" if self._is_writable else "read-only")
+
+    # ---- startup ----
+
+    def _prepare_folder(self) -> bool:
+        """Create the folder, index its files and check it takes writes; False (one warning) if not."""
+        try:
+            self.folder.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            log.warning("disk prefix cache: cannot create %s (%s); caching in RAM only", self.folder, exc)
+            return False
+        self._scan()
+        try:
+            probe = self.folder / f".probe.{os.getpid()}.{secrets.token_hex(4)}.tmp"
+            probe.write_bytes(b"")
+            probe.unlink()
+        except OSError as exc:
+            log.warning("disk prefix cache: %s is not writable (%s); reading it, caching new blocks in RAM only",
+                        self.folder, exc)
+            return False
+        return True
+
+    def _scan(self) -> None:
+        self._size_bytes = sum(size for _, size, _ in _block_files(self.config.directory))
+        for path in self.folder.glob(f"*{SUFFIX}"):
+            try:
+                self._known.add(int(path.stem, 16))
+            except ValueError:
+                continue
+        _remove_stale_temps(self.folder)
+
+    # ---- engine thread: saving ----
+
+    def save(self, blocks: list[tuple[int, int]]) -> None:
+        """Hand blocks leaving RAM to the writer: their rows are copied now, before their KV is overwritten."""
+        fresh = [(block_id, block_hash) for block_id, block_hash in blocks if block_hash not in self._known]
+        if not fresh or not self._is_writable:
+            return
+        rows = _gather(self.cache, [block_id for block_id, _ in fresh])
+        try:
+            self._queue.put_nowait(([block_hash for _, block_hash in fresh], rows))
+        except queue.Full:
+            self._count(num_write_errors=len(fresh))  # the writer is behind: these blocks are recomputed later
+
+    def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
+        """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
+        holds, then let the writer finish (up to `timeout`)."""
+        most = self.config.capacity_bytes // (sum(size for _, size in self.layout) * len(self.cache.k))
+        fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
+        for start in range(0, len(fresh) if self._is_writable else 0, 64):
+            batch = fresh[start:start + 64]
+            self._queue.put(([h for _, h in batch], _gather(self.cache, [b for b, _ in batch])))
+        self._queue.put(None)
+        self._writer.join(timeout)
+        if self._writer.is_alive():
+            log.warning("disk prefix cache: the writer did not finish in %.0f s; some blocks were not saved", timeout)
+
+    # ---- engine thread: loading ----
+
+    def load(self, pool: BlockPool, block_hashes: list[int], hit_blocks: list[int], num_rest_tokens: int) -> list[int]:
+        """The longest stored run of `block_hashes` read into free blocks, registered and freed (cached)."""
+        run = self._stored_run(block_hashes)
+        reserve = -(-min(num_rest_tokens - len(run) * self.block_size, 2048) // self.block_size) + 1
+        room = pool.num_free_blocks - sum(pool.blocks[b].ref_count == 0 for b in hit_blocks) - reserve
+        run = run[:max(room, 0)]
+        if not run:
+            self._count(num_misses=1)
+            return []
+        if not self.policy.should_load(self.block_size):
+            self._count(num_skipped=1)
+            return []
+        return self._load_run(pool, run, hit_blocks)
+
+    def _stored_run(self, block_hashes: list[int]) -> list[int]:
+        run: list[int] = []
+        for block_hash in block_hashes:
+            if block_hash not in self._known and not self._path(block_hash).is_file():
+                break  # (a file another server wrote since we started counts too)
+            run.append(block_hash)
+        return run
+
+    def _load_run(self, pool: BlockPool, run: list[int], hit_blocks: list[int]) -> list[int]:
+        started = time.perf_counter()
+        payloads = self._read_run(run)
+        if not payloads:
+            self._count(num_misses=1)
+            return []
+        pool.touch(hit_blocks)  # NOTE: the allocation below must not evict the RAM hits before them
+        block_ids = pool.allocate(len(payloads))
+        pool.free(hit_blocks[::-1])
+        _scatter(self.cache, block_ids, payloads, self.layout)
+        for block_id, block_hash in zip(block_ids, run):
+            pool.cache_block(block_id, block_hash)
+        pool.free(block_ids[::-1])  # unused now, cached until a request touches them
+        seconds = time.perf_counter() - started
+        self.policy.record_load(len(payloads), seconds)
+        self._count(num_hits=1, num_blocks_read=len(payloads), load_seconds=seconds,
+                    num_bytes_read=sum(len(p) for p in payloads))
+        return block_ids
+
+    def _read_run(self, run: list[int]) -> list[memoryview]:
+        """The checked payloads of `run`'s files, up to the first missing or bad one (which is deleted)."""
+        payloads: list[memoryview] = []
+        for block_hash in run:
+            path = self._path(block_hash)
+            try:
+                payloads.append(self._read(path, block_hash))
+                os.utime(path)  # last use: the capacity bound evicts the least recently used first
+            except FileNotFoundError:
+                self._known.discard(block_hash)  # evicted by this or another server meanwhile
+                break
+            except (OSError, BadBlockFile) as exc:
+                self._drop_bad(path, block_hash, exc)
+                break
+            self._known.add(block_hash)
+        return payloads
+
+    def _read(self, path: Path, block_hash: int) -> memoryview:
+        with open(path, "rb") as file:  # read into a bytearray: the payload is then a view, never copied
+            data = bytearray(os.fstat(file.fileno()).st_size)
+            num_read = file.readinto(data)
+        if num_read != len(data):
+            raise BadBlockFile("truncated while read")
+        if not data.startswith(MAGIC) or len(data) < len(MAGIC) + _HEADER_LEN.size:
+            raise BadBlockFile("not a block file")
+        (header_len,) = _HEADER_LEN.unpack_from(data, len(MAGIC))
+        start = len(MAGIC) + _HEADER_LEN.size
+        try:
+            header = json.loads(data[start:start + header_len])
+        except ValueError:
+            raise BadBlockFile("unreadable header") from None
+        payload = memoryview(data)[start + header_len:]
+        self._check(header, payload, block_hash)
+        return payload
+
+    def _check(self, header: dict, payload: memoryview, block_hash: int) -> None:
+        expected = {"version": FORMAT_VERSION, "identity": self.config.identity, "hash": f"{block_hash:064x}",
+                    "block_size": self.block_size, "layout": [list(item) for item in self.layout]}
+        for key, value in expected.items():
+            if header.get(key) != value:
+                raise BadBlockFile(f"its {key} does not match")
+        if len(payload) != header.get("payload_len") or len(payload) != sum(size for _, size in self.layout) \
+                * len(self.cache.k):
+            raise BadBlockFile("truncated")
+        if zlib.crc32(payload) != header.get("crc32"):
+            raise BadBlockFile("checksum mismatch")
+
+    def _drop_bad(self, path: Path, block_hash: int, reason: Exception) -> None:
+        log.warning("disk prefix cache: ignored and removed %s (%s)", path, reason)
+        self._known.discard(block_hash)
+        self._count(num_bad_files=1)
+        try:
+            path.unlink()
+        except OSError:
+            pass  # already gone, or a read-only folder: skipped either way
+
+    def observe_prefill(self, num_tokens: int, seconds: float) -> None:
+        """A finished request's computed prompt tokens and the time they took (the crossover's other side)."""
+        if num_tokens >= self.block_size and seconds > 0:
+            self.policy.record_prefill(num_tokens, seconds)
+
+    # ---- writer thread ----
+
+    def _write_loop(self) -> None:
+        while (item := self._queue.get()) is not None:
+            hashes, rows = item
+            for index, block_hash in enumerate(hashes):
+                if self._is_writable:
+                    self._write(block_hash, _block_payload(rows, index))
+            if self._size_bytes > self.config.capacity_bytes:
+                self._enforce_capacity()
+
+    def _write(self, block_hash: int, payload: bytes) -> None:
+        path = self._path(block_hash)
+        if path.exists():
+            self._known.add(block_hash)
+            return
+        header = json.dumps({"version": FORMAT_VERSION, "identity": self.config.identity,
+                             "hash": f"{block_hash:064x}", "block_size": self.block_size,
+                             "layout": [list(item) for item in self.layout], "payload_len": len(payload),
+                             "crc32": zlib.crc32(payload)}).encode()
+        temp = path.with_name(f".{path.stem[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            with open(temp, "wb") as file:
+                file.write(MAGIC + _HEADER_LEN.pack(len(header)) + header)
+                file.write(payload)
+            os.replace(temp, path)  # atomic: readers and other servers see the whole file or none
+        except OSError as exc:
+            self._fail_writes(temp, exc)
+            return
+        size = path.stat().st_size
+        self._known.add(block_hash)
+        self._size_bytes += size
+        self._count(num_blocks_written=1, num_bytes_written=size)
+
+    def _fail_writes(self, temp: Path, exc: OSError) -> None:
+        self._is_writable = False
+        self._count(num_write_errors=1)
+        temp.unlink(missing_ok=True)
+        log.warning("disk prefix cache: writing to %s failed (%s); caching in RAM only from now on", self.folder, exc)
+
+    def _enforce_capacity(self) -> None:
+        """Delete the least recently used block files (all identities) until 90 % of the capacity is left."""
+        files = sorted(_block_files(self.config.directory), key=lambda item: item[2])
+        total = sum(size for _, size, _ in files)
+        target = self.config.capacity_bytes * 0.9
+        for path, size, _ in files:
+            if total <= target:
+                break
+            try:
+                path.unlink()
+            except FileNotFoundError:
+                pass  # another server evicted it first
+            except OSError:
+                continue
+            total -= size
+            if path.parent == self.folder:
+                self._known.discard(int(path.stem, 16))
+        self._size_bytes = total
+
+    # ---- both ----
+
+    def _path(self, block_hash: int) -> Path:
+        return self.folder / f"{block_hash:064x}{SUFFIX}"
+
+    def _count(self, **deltas: float) -> None:
+        with self._lock:  # both threads count
+            stats = self._stats
+            self._stats = replace(stats, **{name: getattr(stats, name) + delta for name, delta in deltas.items()})
+
+    def stats(self) -> DiskCacheStats:
+        known = len(self._known)
+        return replace(self._stats, is_writable=self._is_writable, num_files=known, size_bytes=self._size_bytes)
+
+
+def _layout(cache: KVCache) -> list[tuple[str, int]]:
+    """Each cache tensor's name and the bytes one block of it takes in one layer."""
+    return [(name, cache.block_size * tensors[0][0].numel() * tensors[0].element_size())
+            for name, tensors in cache.named_tensors().items()]
+
+
+def _gather(cache: KVCache, block_ids: list[int]) -> dict[str, torch.Tensor]:
+    """The blocks' rows of every cache tensor as bytes: name -> [num_layers, num_blocks, block bytes] on the CPU."""
+    size = cache.block_size
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    rows: dict[str, torch.Tensor] = {}
+    for name, tensors in cache.named_tensors().items():
+        picked = torch.stack([layer.index_select(0, slots.to(layer.device)) for layer in tensors])
+        rows[name] = picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).cpu()
+    return rows
+
+
+def _block_payload(rows: dict[str, torch.Tensor], index: int) -> bytes:
+    """One block's file payload: for each tensor in layout order, its layers' rows one after another."""
+    return b"".join(tensor[:, index].contiguous().numpy().tobytes() for tensor in rows.values())
+
+
+def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
+             layout: list[tuple[str, int]]) -> None:
+    """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of _gather + _block_payload)."""
+    size, num_layers = cache.block_size, len(cache.k)
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
+    data = torch.empty(len(payloads), len(payloads[0]), dtype=torch.uint8)
+    for index, payload in enumerate(payloads):
+        data[index] = torch.frombuffer(payload, dtype=torch.uint8)
+    offset = 0
+    for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
+        part = data[:, offset:offset + num_layers * block_bytes].view(len(payloads), num_layers, block_bytes)
+        offset += num_layers * block_bytes
+        for layer, target in enumerate(tensors):
+            rows = part[:, layer].reshape(len(payloads) * size, -1).view(target.dtype).view(-1, *target.shape[1:])
+            target.index_copy_(0, slots.to(target.device), rows.to(target.device))
+
+
+def _block_files(directory: Path) -> list[tuple[Path, int, float]]:
+    """Every block file under `directory` (all identities): path, size, last use."""
+    files: list[tuple[Path, int, float]] = []
+    for path in directory.glob(f"*/*{SUFFIX}"):
+        try:
+            info = path.stat()
+        except OSError:
+            continue
+        files.append((path, info.st_size, info.st_mtime))
+    return files
+
+
+def _remove_stale_temps(folder: Path) -> None:
+    now = time.time()
+    for path in folder.glob(".*.tmp"):
+        try:
+            if now - path.stat().st_mtime > _STALE_TEMP_S:
+                path.unlink()
+        except OSError:
+            continue
+
+
+def open_disk_tier(config: DiskTierConfig, cache: KVCache, pool: BlockPool) -> DiskBlockStore:
+    """The disk tier wired under a pool: evictions are saved through it."""
+    store = DiskBlockStore(config, cache)
+    pool.on_evict = store.save
+    return store
