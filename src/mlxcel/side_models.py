@@ -20,7 +20,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.api.modes import SinglePurposeMode
-from mlxcel.loading import ResolvedModel, load_model
+from mlxcel.loading import ModelLoadError, ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
 from mlxcel.loading.encoder import is_embedding_checkpoint, is_rerank_checkpoint
 from mlxcel.process import NamedProvider, SideModels  # the products; re-exported for callers of this module
@@ -33,6 +33,7 @@ from mlxcel.workers.embedding import (
     PoolingType,
 )
 from mlxcel.workers.encoder_inputs import parse_dtype
+from mlxcel.workers.image import ImageConfig, ImageGenerator, is_image_checkpoint
 from mlxcel.workers.rerank import (
     GenerativeReranker,
     RerankConfig,
@@ -91,6 +92,22 @@ def side_model_options(
         embedding=EmbeddingConfig(PoolingType(pooling) if pooling else None, embd_normalize, device, dtype, worker),
         rerank=RerankConfig(device, dtype, rerank_worker),
         is_embeddings_mode=is_embeddings_mode, is_reranking_mode=is_reranking_mode)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageOptions:
+    """The image-generation flags, validated (spec J)."""
+
+    model: str  # --image-model
+    config: ImageConfig = ImageConfig()
+
+
+def image_options(model: str, queue_depth: int = 4, request_timeout_s: float = 300.0, *, device: str = "cpu",
+                  dtype: str = "float32") -> ImageOptions:
+    """One job at a time (batch size 1): a diffusion run holds the accelerator for seconds (spec J)."""
+    _require(queue_depth >= 1, f"--image-queue-depth must be at least 1, not {queue_depth}")
+    _require(request_timeout_s > 0, f"--image-request-timeout-secs must be positive, not {request_timeout_s}")
+    return ImageOptions(model, ImageConfig(device, dtype, WorkerConfig(queue_depth, 1, request_timeout_s)))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -248,6 +265,27 @@ def _load_reranker(side: SideModels, plan: ProcessPlan, config: RerankConfig, cr
     side.reranker_info = NamedProvider(resolved.name, window, created)
     side.stoppers.append(("rerank", provider.stop))
     log.info("reranker: %s (%s, %s, window %d tokens)", resolved.name, resolved.source, kind, window)
+
+
+def load_image_model(side: SideModels, options: ImageOptions, resolve: Resolve, created: int,
+                     name: str | None = None) -> None:
+    """The --image-model pipeline on its own worker thread, beside whatever else `side` holds (spec J).
+
+    `name` is the id it is listed under (an image-only process's --alias); by default the
+    checkpoint's folder name. Any failure is a ModelLoadError: a fatal startup error.
+    """
+    resolved = resolve(options.model)
+    if not is_image_checkpoint(resolved.path):
+        raise ModelLoadError(f"--image-model {options.model}: {resolved.path} is not a diffusers pipeline folder "
+                             "(no model_index.json)")
+    generator = ImageGenerator.load(resolved.path, options.config)
+    side.image = generator
+    side.image_info = NamedProvider(name or resolved.name, 0, created)
+    side.stoppers.append(("image", generator.stop))
+    width, height = generator.default_size()
+    log.info("image model: %s (%s, %s, %dx%d by default, edits %s, one job at a time, queue %d)",
+             side.image_info.name, resolved.source, generator.family, width, height,
+             "on" if generator.supports_edits else "off", options.config.worker.queue_depth)
 
 
 def load_generative_reranker(path: Path, config: RerankConfig) -> GenerativeReranker:
