@@ -146,11 +146,11 @@ class ServeSettings:
     log_file: Path | None = None
     api_key_source: str = "none"
     side: SideModelOptions | None = None  # embedding and rerank providers (spec I); None = none
-    image: ImageOptions | None = None  # the image-generation provider (spec J); None = none
     media: MediaPolicy | None = None  # C2-C5; None = the defaults (no --media-path)
     audio: AudioOptions | None = None  # spec G; None = the defaults
     realtime_stt: str | None = None  # spec H: the cascade's Whisper and voice; both or neither
     realtime_tts: str | None = None
+    image: ImageOptions | None = None  # the image-generation provider (spec J); None = none
     values: Mapping[str, Any] = field(default_factory=dict)  # every setting's startup value (/v1/settings)
 
 
