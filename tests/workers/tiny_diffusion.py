@@ -3,8 +3,8 @@
 The real architecture (UNet2DConditionModel, AutoencoderKL, CLIPTextModel, CLIPTokenizer, DDIM)
 at toy sizes, saved by diffusers' own `save_pretrained`, so the server loads it through the real
 path (`DiffusionPipeline.from_pretrained`). The tokenizer is built offline: a byte-level vocabulary
-(each byte's character, alone and word-final) with no merges. The VAE downsamples by 2, so sizes
-are multiples of 2; the default size is 16x16. `bench/image_gen.py` uses it too.
+(each byte's character, alone and word-final) with no merges. The tests' VAE downsamples by 2, so
+sizes are multiples of 2 and the default size is 16x16. `bench/image_gen.py` builds a larger one.
 """
 
 from __future__ import annotations
@@ -31,9 +31,14 @@ def write_tokenizer_files(folder: Path) -> tuple[Path, Path, dict[str, int]]:
     return folder / "vocab.json", folder / "merges.txt", vocab
 
 
-def write_tiny_pipeline(folder: Path, *, channels: tuple[int, int] = (8, 16), sample_size: int = 8,
-                        max_length: int = 32, seed: int = 0) -> Path:
-    """Save a random-weight StableDiffusionPipeline under `folder`; returns the folder."""
+def write_tiny_pipeline(folder: Path, *, channels: tuple[int, int] = (8, 16), vae_channels: tuple[int, ...] = (8, 16),
+                        sample_size: int = 8, max_length: int = 32, seed: int = 0) -> Path:
+    """Save a random-weight StableDiffusionPipeline under `folder`; returns the folder.
+
+    The VAE downsamples by 2 per block after the first: `vae_channels` of length 4 gives Stable
+    Diffusion's factor 8 (the benchmark's 512x512 is a 64x64 latent), the tests' default of length 2
+    a factor 2. The default size is `sample_size` times that factor.
+    """
     import torch
     from diffusers import AutoencoderKL, DDIMScheduler, StableDiffusionPipeline, UNet2DConditionModel
     from transformers import CLIPTextConfig, CLIPTextModel, CLIPTokenizer
@@ -47,9 +52,9 @@ def write_tiny_pipeline(folder: Path, *, channels: tuple[int, int] = (8, 16), sa
         down_block_types=("DownBlock2D", "CrossAttnDownBlock2D"), up_block_types=("CrossAttnUpBlock2D", "UpBlock2D"),
         cross_attention_dim=32, norm_num_groups=groups, attention_head_dim=4)
     vae = AutoencoderKL(
-        block_out_channels=channels, in_channels=3, out_channels=3, latent_channels=4, norm_num_groups=groups,
-        down_block_types=("DownEncoderBlock2D", "DownEncoderBlock2D"),
-        up_block_types=("UpDecoderBlock2D", "UpDecoderBlock2D"), sample_size=sample_size * 2)
+        block_out_channels=vae_channels, in_channels=3, out_channels=3, latent_channels=4,
+        norm_num_groups=vae_channels[0], down_block_types=("DownEncoderBlock2D",) * len(vae_channels),
+        up_block_types=("UpDecoderBlock2D",) * len(vae_channels), sample_size=sample_size * 2 ** (len(vae_channels) - 1))
     text_encoder = CLIPTextModel(CLIPTextConfig(
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], hidden_size=32,
         intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=len(vocab),

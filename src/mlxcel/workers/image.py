@@ -116,6 +116,7 @@ class ImageGenerator:
         self.edit_pipeline = edit_pipeline
         self.family = family  # the pipeline class, e.g. StableDiffusionPipeline
         self.config = config
+        self._running: ImageJob | None = None  # the job on the worker thread, aborted by stop()
         self._worker: BatchWorker[ImageJob, list[GeneratedImage]] = BatchWorker("image", self._forward,
                                                                                 config.worker)
 
@@ -160,6 +161,10 @@ class ImageGenerator:
             job.abort.set()
 
     def stop(self, timeout: float | None = None) -> bool:
+        """Refuse new jobs and end the running one at its next step (A7: shutdown does not wait out a run)."""
+        running = self._running
+        if running is not None:
+            running.abort.set()
         return self._worker.stop(timeout)
 
     def stats(self) -> WorkerStats:
@@ -168,7 +173,14 @@ class ImageGenerator:
     # --- worker thread ---
 
     def _forward(self, jobs: list[ImageJob]) -> list[list[GeneratedImage]]:
-        return [self._run(job) for job in jobs]
+        outputs = []
+        for job in jobs:
+            self._running = job
+            try:
+                outputs.append(self._run(job))
+            finally:
+                self._running = None
+        return outputs
 
     def _run(self, job: ImageJob) -> list[GeneratedImage]:
         spec = job.spec
