@@ -94,10 +94,11 @@ def is_image_checkpoint(path: Path) -> bool:
 
 
 def preview_steps(num_steps: int, num_previews: int) -> dict[int, int]:
-    """The (1-based) steps after which a preview is decoded -> its index; spread over the run."""
-    steps = {max(1, min(num_steps, round((index + 1) * num_steps / (num_previews + 1)))): index
-             for index in range(num_previews)}
-    return steps
+    """The (1-based) steps after which a preview is decoded -> its index; spread over the run, fewer
+    when the run has fewer steps than previews asked for."""
+    steps = sorted({max(1, min(num_steps, round((index + 1) * num_steps / (num_previews + 1))))
+                    for index in range(num_previews)})
+    return {step: index for index, step in enumerate(steps)}
 
 
 def encode_image(image: Image.Image, output_format: str, quality: int | None = None) -> bytes:
