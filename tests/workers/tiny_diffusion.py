@@ -54,7 +54,8 @@ def write_tiny_pipeline(folder: Path, *, channels: tuple[int, int] = (8, 16), va
     vae = AutoencoderKL(
         block_out_channels=vae_channels, in_channels=3, out_channels=3, latent_channels=4,
         norm_num_groups=vae_channels[0], down_block_types=("DownEncoderBlock2D",) * len(vae_channels),
-        up_block_types=("UpDecoderBlock2D",) * len(vae_channels), sample_size=sample_size * 2 ** (len(vae_channels) - 1))
+        up_block_types=("UpDecoderBlock2D",) * len(vae_channels),
+        sample_size=sample_size * 2 ** (len(vae_channels) - 1))
     text_encoder = CLIPTextModel(CLIPTextConfig(
         bos_token_id=vocab["<|startoftext|>"], eos_token_id=vocab["<|endoftext|>"], hidden_size=32,
         intermediate_size=37, num_attention_heads=4, num_hidden_layers=2, vocab_size=len(vocab),

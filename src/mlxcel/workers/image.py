@@ -261,7 +261,8 @@ def _open_pipeline(folder: Path, config: ImageConfig) -> Any:
     try:
         from diffusers import DiffusionPipeline
     except ImportError as exc:
-        raise ModelLoadError(f"--image-model needs the diffusers package (pip install 'mlxcel[image]'): {exc}") from None
+        raise ModelLoadError(f"--image-model needs the diffusers package (pip install 'mlxcel[image]'): "
+                             f"{exc}") from None
     family = json.loads((folder / "model_index.json").read_text()).get("_class_name", "?")
     try:
         pipeline = DiffusionPipeline.from_pretrained(folder, dtype=parse_dtype(config.dtype),
