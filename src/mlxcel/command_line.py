@@ -30,7 +30,7 @@ if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.chat.plan import FeatureSettings
     from mlxcel.media.limits import MediaPolicy
     from mlxcel.runtime import DiffusionOptions, RuntimeOptions
-    from mlxcel.side_models import SideModelOptions
+    from mlxcel.side_models import ImageOptions, SideModelOptions
     from mlxcel.audio_models import AudioOptions
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
@@ -47,6 +47,7 @@ GROUP_TITLES = {"perplexity": "perplexity (llama-perplexity's flags)", "model": 
                 "sampling": "sampling defaults (unset: each protocol's own; a request's own field wins)",
                 "server": "HTTP server", "logging": "logging",
                 "generate": "generation", "side": "embeddings and rerank", "media": "media input",
+                "image": "image generation (--image-model; without -m an image-only process)",
                 "speculative": "speculative decoding",
                 "diffusion": "block-diffusion text models (-m a DiffusionGemma checkpoint)",
                 "audio": "audio-only processes (-m a Whisper, Kokoro or Piper checkpoint)",
@@ -150,6 +151,7 @@ class ServeSettings:
     audio: AudioOptions | None = None  # spec G; None = the defaults
     realtime_stt: str | None = None  # spec H: the cascade's Whisper and voice; both or neither
     realtime_tts: str | None = None
+    image: ImageOptions | None = None  # the image-generation provider (spec J); None = none
     values: Mapping[str, Any] = field(default_factory=dict)  # every setting's startup value (/v1/settings)
 
 
@@ -211,7 +213,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
                          values["draft_model"], runtime, engine, server, values["verbose"], values["log_file"], source,
                          _side_options(values, runtime), _media_policy(values),
                          _audio_options(values, runtime), values["realtime_stt"], values["realtime_tts"],
-                         MappingProxyType(dict(values)))
+                         values=MappingProxyType(dict(values)), image=_image_options(values, runtime))
 
 
 def generate_settings(values: dict[str, Any]) -> tuple[RuntimeOptions, EngineConfig]:
@@ -318,6 +320,15 @@ def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelO
         queue_depth=values["embedding_queue_depth"], request_timeout_s=values["embedding_request_timeout"],
         is_embeddings_mode=values["embeddings_mode"], is_reranking_mode=values["reranking_mode"],
         device=runtime.device, dtype=str(runtime.torch_dtype()).removeprefix("torch."))
+
+
+def _image_options(values: dict[str, Any], runtime: RuntimeOptions) -> ImageOptions | None:
+    from mlxcel.side_models import image_options
+
+    if not values["image_model"]:
+        return None
+    return image_options(values["image_model"], values["image_queue_depth"], values["image_request_timeout"],
+                         device=runtime.device, dtype=str(runtime.torch_dtype()).removeprefix("torch."))
 
 
 def _audio_options(values: dict[str, Any], runtime: RuntimeOptions) -> AudioOptions:

@@ -21,6 +21,7 @@ if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider
     from mlxcel.workers.florence2 import Florence2Provider
+    from mlxcel.workers.image import ImageGenerator
     from mlxcel.workers.rerank import Reranker
 
 FLORENCE2_CAPABILITY = "vision"  # /v1/models: image tasks on /v1/chat/completions (spec T)
@@ -42,6 +43,8 @@ class SideModels:
     embedding_info: NamedProvider | None = None
     reranker: Reranker | None = None
     reranker_info: NamedProvider | None = None
+    image: ImageGenerator | None = None  # --image-model's pipeline (spec J)
+    image_info: NamedProvider | None = None
     mode: SinglePurposeMode | None = None
     audio: AudioModels | None = None  # the provider of an audio-only process (spec G)
     realtime: tuple[AudioModels, AudioModels] | None = None  # (Whisper, voice) of a realtime process (spec H)
@@ -52,7 +55,7 @@ class SideModels:
     stoppers: list[tuple[str, Stopper]] = field(default_factory=list)
 
     def stats(self) -> list[WorkerStats]:
-        providers = (self.embedding, self.reranker)
+        providers = (self.embedding, self.reranker, self.image)
         stats = [provider.stats() for provider in providers if provider is not None]
         audio = [self.audio] if self.audio is not None else list(self.realtime or ())
         florence2 = [self.florence2.stats()] if self.florence2 is not None else []
@@ -61,7 +64,7 @@ class SideModels:
     def model_entries(self) -> list[ModelEntry]:
         """The providers as /v1/models lists them, each with its capability."""
         entries = [(self.embedding_info, "embedding"), (self.reranker_info, "rerank"),
-                   (self.florence2_info, FLORENCE2_CAPABILITY)]
+                   (self.florence2_info, FLORENCE2_CAPABILITY), (self.image_info, "image")]
         listed = [ModelEntry(info.name, (capability,), info.created, info.window)
                   for info, capability in entries if info is not None]
         listed += [self.audio.model_entry()] if self.audio is not None else []

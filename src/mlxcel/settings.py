@@ -520,6 +520,14 @@ SETTINGS: tuple[Setting, ...] = (
        ("--embedding", "--embeddings"), "LLAMA_ARG_EMBEDDINGS", group="side", action="on"),
     _s("reranking_mode", BOOL, False, "restricted mode: serve reranking only (needs a reranker)",
        ("--rerank", "--reranking"), "LLAMA_ARG_RERANKING", group="side", action="on"),
+    # image generation (spec J)
+    _s("image_model", TEXT, None, "diffusers pipeline folder (or repo id) served on /v1/images/generations and "
+       "/v1/images/edits beside the chat model; without -m an image-only process", ("--image-model",),
+       "MLXCEL_IMAGE_MODEL", metavar="CHECKPOINT", group="image"),
+    _s("image_queue_depth", COUNT, 4, "image requests waiting before 503 (one runs at a time)",
+       ("--image-queue-depth",), "MLXCEL_IMAGE_QUEUE_DEPTH", metavar="N", group="image"),
+    _s("image_request_timeout", SECONDS, 300.0, "image request deadline before 504",
+       ("--image-request-timeout-secs",), "MLXCEL_IMAGE_REQUEST_TIMEOUT_SECS", metavar="SECONDS", group="image"),
     # media input (C2-C5)
     _s("media_path", PATH, None, "folder local media (file:// URLs, bare names) may be read from; without it "
        "local media is refused", ("--media-path",), "LLAMA_ARG_MEDIA_PATH", metavar="DIR", group="media"),

@@ -37,6 +37,9 @@ from mlxcel.workers.embedding import (
 )
 from mlxcel.workers.encoder_inputs import parse_dtype
 from mlxcel.workers.florence2 import Florence2Config, Florence2Provider, is_florence2_checkpoint
+
+
+from mlxcel.workers.image import ImageConfig, ImageGenerator, is_image_checkpoint
 from mlxcel.workers.rerank import (
     GenerativeReranker,
     RerankConfig,
@@ -95,6 +98,22 @@ def side_model_options(
         embedding=EmbeddingConfig(PoolingType(pooling) if pooling else None, embd_normalize, device, dtype, worker),
         rerank=RerankConfig(device, dtype, rerank_worker),
         is_embeddings_mode=is_embeddings_mode, is_reranking_mode=is_reranking_mode)
+
+
+@dataclass(frozen=True, slots=True)
+class ImageOptions:
+    """The image-generation flags, validated (spec J)."""
+
+    model: str  # --image-model
+    config: ImageConfig = ImageConfig()
+
+
+def image_options(model: str, queue_depth: int = 4, request_timeout_s: float = 300.0, *, device: str = "cpu",
+                  dtype: str = "float32") -> ImageOptions:
+    """One job at a time (batch size 1): a diffusion run holds the accelerator for seconds (spec J)."""
+    _require(queue_depth >= 1, f"--image-queue-depth must be at least 1, not {queue_depth}")
+    _require(request_timeout_s > 0, f"--image-request-timeout-secs must be positive, not {request_timeout_s}")
+    return ImageOptions(model, ImageConfig(device, dtype, WorkerConfig(queue_depth, 1, request_timeout_s)))
 
 
 def _require(condition: bool, message: str) -> None:
@@ -283,6 +302,27 @@ def load_florence2(resolved: ResolvedModel, config: Florence2Config, created: in
     return SideModels(mode=florence2_mode(), florence2=provider,
                       florence2_info=NamedProvider(resolved.name, provider.window, created),
                       stoppers=[("florence2", provider.stop)])
+
+
+def load_image_model(side: SideModels, options: ImageOptions, resolve: Resolve, created: int,
+                     name: str | None = None) -> None:
+    """The --image-model pipeline on its own worker thread, beside whatever else `side` holds (spec J).
+
+    `name` is the id it is listed under (an image-only process's --alias); by default the
+    checkpoint's folder name. Any failure is a ModelLoadError: a fatal startup error.
+    """
+    resolved = resolve(options.model)
+    if not is_image_checkpoint(resolved.path):
+        raise ModelLoadError(f"--image-model {options.model}: {resolved.path} is not a diffusers pipeline folder "
+                             "(no model_index.json)")
+    generator = ImageGenerator.load(resolved.path, options.config)
+    side.image = generator
+    side.image_info = NamedProvider(name or resolved.name, 0, created)
+    side.stoppers.append(("image", generator.stop))
+    width, height = generator.default_size()
+    log.info("image model: %s (%s, %s, %dx%d by default, edits %s, one job at a time, queue %d)",
+             side.image_info.name, resolved.source, generator.family, width, height,
+             "on" if generator.supports_edits else "off", options.config.worker.queue_depth)
 
 
 def load_generative_reranker(path: Path, config: RerankConfig) -> GenerativeReranker:

@@ -97,6 +97,8 @@ def build_process(settings: ServeSettings) -> Process:
     resolve = _resolver(settings.models_dir, settings.default_org)
     if settings.realtime_stt or settings.realtime_tts:
         return Process(*_start_realtime_process(settings, resolve), values=settings.values)
+    if settings.image is not None and not settings.model:
+        return Process(None, _start_image_process(settings), settings.values)
     audio = _start_audio_process(settings, resolve)
     if audio is not None:
         return Process(None, audio, settings.values)
@@ -118,7 +120,9 @@ def build_process(settings: ServeSettings) -> Process:
     elif plan.mode is not None:
         log.info("%s process: no chat model is served (chat routes answer 501)", plan.mode.name)
     try:
-        return Process(served, load_side_models(plan, options, int(time.time())), settings.values)
+        side = load_side_models(plan, options, int(time.time()))
+        _add_image_model(side, settings)
+        return Process(served, side, settings.values)
     except BaseException:
         if served is not None:
             served.close()
@@ -185,6 +189,52 @@ def _start_florence2_process(settings: ServeSettings, resolve: Resolve) -> SideM
     return side
 
 
+def _add_image_model(side: SideModels, settings: ServeSettings, name: str | None = None) -> None:
+    """--image-model beside the other models (spec J); a load failure stops what started and is fatal."""
+    from mlxcel.side_models import load_image_model
+
+    if settings.image is None:
+        return
+    try:
+        load_image_model(side, settings.image, _image_resolver(settings), int(time.time()), name)
+    except BaseException:
+        side.stop(10.0)
+        raise
+
+
+def _image_resolver(settings: ServeSettings) -> Resolve:
+    from mlxcel.loading.resolve import resolve_folder
+
+    def resolve(arg: str | None) -> ResolvedModel:
+        assert arg
+        return resolve_folder(arg, models_dir=settings.models_dir)
+
+    return resolve
+
+
+# the flags the spec lists as incompatible with an image-only process (no --models-preset here)
+_IMAGE_ONLY_CONFLICTS = (("--models-dir", "models_dir"), ("--webui", "webui"),
+                         ("--embedding-model", "embedding_model"), ("--reranker-model", "reranker_model"),
+                         ("--embeddings", "embeddings_mode"), ("--reranking", "reranking_mode"))
+
+
+def _start_image_process(settings: ServeSettings) -> SideModels:
+    """--image-model without -m: the pipeline is the served model, listed as --alias's first name (spec J)."""
+    from mlxcel.api.modes import SinglePurposeMode
+
+    conflicts = [flag for flag, name in _IMAGE_ONLY_CONFLICTS if settings.values.get(name)]
+    if conflicts:
+        raise ValueError(f"--image-model without -m starts an image-only process, which cannot take "
+                         f"{conflicts[0]}; drop {conflicts[0]} or give -m a chat model to serve beside the images")
+    side = SideModels(mode=SinglePurposeMode(
+        "image-only", "--image-model", "It was started with --image-model and no -m; to serve chat as well, "
+        "start it with -m CHAT_MODEL --image-model IMAGE_MODEL.", serves="image generation"))
+    aliases = settings.server.aliases
+    _add_image_model(side, settings, aliases[0] if aliases else None)
+    log.info("image-only process: no chat model is served (chat routes answer 501)")
+    return side
+
+
 def _start_realtime_process(settings: ServeSettings, resolve: Resolve) -> tuple[ServedModel, SideModels]:
     """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
     from mlxcel.api.modes import ModelEntry, SinglePurposeMode
@@ -230,7 +280,7 @@ def _refuse_side_flags(settings: ServeSettings,
         return
     flags = [flag for flag, is_set in (("--embedding-model", side.embedding_model), ("--reranker-model",
              side.reranker_model), ("--embeddings", side.is_embeddings_mode), ("--reranking",
-             side.is_reranking_mode)) if is_set]
+             side.is_reranking_mode), ("--image-model", settings.image is not None)) if is_set]
     if flags:
         raise ValueError(f"-m {settings.model} is {what}; drop {' and '.join(flags)} or give -m a chat model")
 

@@ -74,6 +74,8 @@ def test_i_embedding_checkpoint_as_m_starts_an_embedding_only_process() -> None:
         assert health.status_code == 200 and health.json()["model"] == "all-minilm-l6-v2"
         rerank = httpx.post(address + "/v1/rerank", json={"query": "q", "documents": ["d"]})
         assert rerank.status_code == 501 and "--reranker-model" in rerank.json()["error"]["message"]
+        images = httpx.post(address + "/v1/images/generations", json={"prompt": "x"})  # spec J: mounted only
+        assert images.status_code == 404  # with --image-model, so no 501 for it anywhere
 
 
 def test_i_embeddings_restricted_mode_from_its_env_mirror_loads_no_chat_model() -> None:

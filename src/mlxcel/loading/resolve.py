@@ -71,6 +71,17 @@ def resolve_model(arg: str | None, *, models_dir: Path | None = None, default_or
     return ResolvedModel(_local_model_path(folder), repo_id, f"Hugging Face repo {repo_id}")
 
 
+def resolve_folder(arg: str, *, models_dir: Path | None = None, allow_download: bool = True) -> ResolvedModel:
+    """A checkpoint folder of another layout (a diffusers pipeline: model_index.json, no config.json), given as
+    an existing path or an owner/name repo id (downloaded into the store like any model)."""
+    path = Path(arg).expanduser()
+    if path.exists():
+        return ResolvedModel(path, _display_name(path), f"local path {path}")
+    if _is_path_like(arg) or not _REPO_ID.match(arg):
+        raise ModelLoadError(f"model {arg!r}: no such file or folder, and not a repo id (owner/name)")
+    return ResolvedModel(_download(arg, models_dir, allow_download, tried=arg), arg, f"Hugging Face repo {arg}")
+
+
 def _local_model_path(path: Path) -> Path:
     if path.is_file():
         return path

@@ -11,6 +11,7 @@ from starlette.responses import Response
 from mlxcel.api.errors import ApiError, invalid_request
 from mlxcel.server.cors import Cors, OriginPolicy, PrefixMount
 from mlxcel.server.gate import Gate
+from mlxcel.server.image_routes import IMAGE_ROUTES
 from mlxcel.server.realtime import REALTIME_PATHS, realtime_endpoint
 from mlxcel.server.responses import error_response, internal_error
 from mlxcel.server.routes import ROUTES, Route, bind, public_paths
@@ -27,6 +28,8 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
     app.state.mlxcel = state
     if state.config.webui:  # A5: the UI and its control plane, on the same listener
         routes = routes + webui_routes() + ui_api_routes()
+    if state.side.image is not None:  # spec J: the image routes exist only with a loaded --image-model
+        routes = routes + IMAGE_ROUTES
     for route in routes:
         endpoint = bind(route, state)
         for path in route.paths:

@@ -85,7 +85,8 @@ def _tool_call_parser(state: ServerState) -> str | None:
 
 def providers_json(side: SideModels) -> list[dict[str, Any]]:
     """Each side provider: its model, capability and worker queue."""
-    providers = ((side.embedding, side.embedding_info, "embedding"), (side.reranker, side.reranker_info, "rerank"))
+    providers = ((side.embedding, side.embedding_info, "embedding"), (side.reranker, side.reranker_info, "rerank"),
+                 (side.image, side.image_info, "image"))
     listed = [{"model": info.name, "capability": capability, **_worker_json(provider.stats())}
               for provider, info, capability in providers if provider is not None and info is not None]
     audio = [side.audio] if side.audio is not None else list(side.realtime or ())  # spec G, H

@@ -31,6 +31,7 @@ if TYPE_CHECKING:  # what the startup path built (mlxcel.startup); the server ho
     from mlxcel.runtime import ServedModel
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider
+    from mlxcel.workers.image import ImageGenerator
     from mlxcel.workers.rerank import Reranker
     from mlxcel.workers.speech import SpeechSynthesizer
     from mlxcel.workers.whisper import WhisperTranscriber
@@ -83,6 +84,8 @@ class ServerState:
             return None
         if self.side.audio is not None:
             return self.side.audio.name
+        if self.side.image_info is not None and self.side.mode.name == "image-only":
+            return self.side.image_info.name  # already --alias's first name (spec J)
         info = self.side.florence2_info or self.side.embedding_info or self.side.reranker_info
         return info.name if info else None
 
@@ -161,6 +164,14 @@ class ServerState:
         if reranker is None or info is None:
             raise provider_missing("reranking", "--reranker-model")
         return reranker, info.name
+
+    def require_image(self) -> tuple[ImageGenerator, str]:
+        """The image provider and its model id; the image routes are mounted only with one (spec J)."""
+        if self.is_shutting_down:
+            raise unavailable("the server is shutting down")
+        generator, info = self.side.image, self.side.image_info
+        assert generator is not None and info is not None, "image routes are mounted only with --image-model"
+        return generator, info.name
 
     def require_transcriber(self) -> WhisperTranscriber:
         """The Whisper provider, or 501 saying what serves transcription (spec G)."""
