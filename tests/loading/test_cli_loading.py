@@ -140,7 +140,7 @@ class BadInput:
     command: str | None = "generate"  # the CLI command it runs through; None: only in-process
 
 
-SUPPORTED = "(supported: gemma3, gemma3_text, llama, qwen2, qwen3)"
+SUPPORTED = "(supported: gemma3, gemma3_text, llama, mimo, qwen2, qwen3)"
 BAD_INPUTS = {
     "missing-path": BadInput(lambda f: str(f / "nowhere" / "model.gguf"), ("no such file or folder",)),
     "missing-relative-gguf": BadInput(lambda f: "missing-model.gguf", ("no such file or folder",), None),
