@@ -155,7 +155,7 @@ class DiskBlockStore:
     def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
         """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
         holds, then let the writer finish (up to `timeout`)."""
-        most = self.config.capacity_bytes // (sum(size for _, size in self.layout) * len(self.cache.k))
+        most = self.config.capacity_bytes // self._most_file_bytes()  # headers too: else the bound drops the oldest
         fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
         for start in range(0, len(fresh) if self._is_writable else 0, 64):
             batch = fresh[start:start + 64]
@@ -280,15 +280,23 @@ class DiskBlockStore:
             if self._size_bytes > self.config.capacity_bytes:
                 self._enforce_capacity()
 
+    def _header(self, block_hash: int, payload_len: int, crc32: int) -> bytes:
+        return json.dumps({"version": FORMAT_VERSION, "identity": self.config.identity,
+                           "hash": f"{block_hash:064x}", "block_size": self.block_size,
+                           "layout": [list(item) for item in self.layout], "payload_len": payload_len,
+                           "crc32": crc32}).encode()
+
+    def _most_file_bytes(self) -> int:
+        """The largest a block file can be (its header's crc32 takes up to 10 digits)."""
+        payload_len = sum(size for _, size in self.layout) * len(self.cache.k)
+        return len(MAGIC) + _HEADER_LEN.size + len(self._header(0, payload_len, 2**32 - 1)) + payload_len
+
     def _write(self, block_hash: int, payload: bytes) -> None:
         path = self._path(block_hash)
         if path.exists():
             self._known.add(block_hash)
             return
-        header = json.dumps({"version": FORMAT_VERSION, "identity": self.config.identity,
-                             "hash": f"{block_hash:064x}", "block_size": self.block_size,
-                             "layout": [list(item) for item in self.layout], "payload_len": len(payload),
-                             "crc32": zlib.crc32(payload)}).encode()
+        header = self._header(block_hash, len(payload), zlib.crc32(payload))
         temp = path.with_name(f".{path.stem[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
         try:
             with open(temp, "wb") as file:
