@@ -25,7 +25,9 @@ sys.path.insert(0, str(ROOT))
 
 from tests.reliability.server_process import ServerProcess  # noqa: E402
 from tests.server import test_npm_agent_clients  # noqa: E402
-from tests.server.test_npm_agent_clients import CLAUDE_CODE, CODEX, Recorder, client_env, npm_client  # noqa: E402
+from tests.server.test_npm_agent_clients import (  # noqa: E402
+    CLAUDE_CODE, CODEX, Recorder, client_env, codex_config, npm_client,
+)
 
 TASK = "Create a file hello.py that prints a greeting, then run it with python3 to show it works."
 TIMEOUT_S = 1800
@@ -66,35 +68,9 @@ def tool_calls(recorder: Recorder) -> list[dict]:
 def codex_command(binary: Path, home: Path, recorder: Recorder, model: str) -> tuple[list[str], dict[str, str]]:
     codex_home = home / "codex-home"
     codex_home.mkdir(parents=True)
-    (codex_home / "config.toml").write_text(f"""\
-model = "{model}"
-model_provider = "mlxcel"
-approval_policy = "never"
-sandbox_mode = "danger-full-access"
-check_for_update_on_startup = false
-
-[model_providers.mlxcel]
-name = "mlxcel"
-base_url = "{recorder.address}/v1"
-wire_api = "responses"
-env_key = "MLXCEL_API_KEY"
-request_max_retries = 0
-stream_max_retries = 0
-# its ~10k-token first prompt takes minutes to prefill on a 2-core CPU: past Codex's 300 s default
-stream_idle_timeout_ms = 1800000
-
-[analytics]
-enabled = false
-
-[feedback]
-enabled = false
-
-[features]
-plugins = false
-remote_plugin = false
-apps = false
-tool_suggest = false
-""")
+    # its ~10k-token first prompt takes minutes to prefill on a 2-core CPU: past Codex's 300 s idle default
+    config = codex_config(recorder.address, model, "danger-full-access", idle_timeout_ms=TIMEOUT_S * 1000)
+    (codex_home / "config.toml").write_text(config)
     env = client_env(home, recorder, CODEX_HOME=str(codex_home), MLXCEL_API_KEY="dummy")
     return [str(binary), "exec", "--json", "--skip-git-repo-check", TASK], env
 

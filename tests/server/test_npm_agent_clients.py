@@ -220,27 +220,25 @@ def check_exchanges(recorder: Recorder, route: str, done_event: bytes) -> None:
     assert all(done_event in e.response for e in turns), [e.response[-2000:] for e in turns]
 
 
-def test_codex_exec_completes_a_turn_over_responses(codex_bin: Path, recorder: Recorder, tmp_path: Path) -> None:
-    """Codex's default tools (a namespace, hosted web_search, ...) and fields (include, store: false,
-    prompt_cache_key ...) are accepted; only plugins/apps (GitHub and chatgpt.com fetches) are off."""
-    codex_home, work = tmp_path / "codex-home", tmp_path / "work"
-    codex_home.mkdir()
-    work.mkdir()
-    (codex_home / "config.toml").write_text(f"""\
-model = "smollm2"
+def codex_config(address: str, model: str, sandbox_mode: str = "read-only", idle_timeout_ms: int | None = None) -> str:
+    """Codex CLI's config.toml for our server behind `address`: Responses wire API, no retries, nothing that
+    phones home (analytics, feedback, plugins, apps)."""
+    idle = f"stream_idle_timeout_ms = {idle_timeout_ms}\n" if idle_timeout_ms else ""
+    return f"""\
+model = "{model}"
 model_provider = "mlxcel"
 approval_policy = "never"
-sandbox_mode = "read-only"
+sandbox_mode = "{sandbox_mode}"
 check_for_update_on_startup = false
 
 [model_providers.mlxcel]
 name = "mlxcel"
-base_url = "{recorder.address}/v1"
+base_url = "{address}/v1"
 wire_api = "responses"
 env_key = "MLXCEL_API_KEY"
 request_max_retries = 0
 stream_max_retries = 0
-
+{idle}
 [analytics]
 enabled = false
 
@@ -252,7 +250,16 @@ plugins = false
 remote_plugin = false
 apps = false
 tool_suggest = false
-""")
+"""
+
+
+def test_codex_exec_completes_a_turn_over_responses(codex_bin: Path, recorder: Recorder, tmp_path: Path) -> None:
+    """Codex's default tools (a namespace, hosted web_search, ...) and fields (include, store: false,
+    prompt_cache_key ...) are accepted; only plugins/apps (GitHub and chatgpt.com fetches) are off."""
+    codex_home, work = tmp_path / "codex-home", tmp_path / "work"
+    codex_home.mkdir()
+    work.mkdir()
+    (codex_home / "config.toml").write_text(codex_config(recorder.address, "smollm2"))
     env = client_env(tmp_path / "home", recorder, CODEX_HOME=str(codex_home), MLXCEL_API_KEY="dummy")
     done, seconds = run_client([str(codex_bin), "exec", "--json", "--skip-git-repo-check", PROMPT], env, work)
     print(f"codex exec: {seconds:.1f} s")

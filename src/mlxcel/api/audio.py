@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 
 from mlxcel.api.errors import ApiError, invalid_request
-from mlxcel.api.providers import from_worker_error
+from mlxcel.api.providers import from_worker_error, next_from_worker
 from mlxcel.api.replies import ByteStreamReply, BytesReply, JsonReply, Reply
 from mlxcel.workers.audio_io import (
     MEDIA_TYPES, SPEECH_FORMATS, STREAMED_FORMATS, AudioInputError, decode_audio, encode_audio,
@@ -320,20 +320,9 @@ def _outcome(future: Any) -> BaseException | None:
 
 async def _next_chunk(chunks: _ChunkQueue, job: SpeechJob, deadline: float,
                       synthesizer: SpeechSynthesizer) -> np.ndarray | None:
-    remaining = deadline - asyncio.get_running_loop().time()
-    try:
-        item = await asyncio.wait_for(chunks.get(), max(remaining, 0.0))
-    except TimeoutError:
-        job.abort.set()
-        raise ApiError(504, f"the speech request took longer than {synthesizer.request_timeout_s:g} s "
-                       "(--audio-request-timeout-secs)", "timeout_error", code=504) from None
-    if isinstance(item, WorkerError):
-        raise from_worker_error(item)
-    if isinstance(item, ValueError):
-        raise invalid_request(str(item))
-    if isinstance(item, BaseException):
-        raise item
-    return item
+    return await next_from_worker(chunks.get, deadline, job.abort,
+                                  f"the speech request took longer than {synthesizer.request_timeout_s:g} s "
+                                  "(--audio-request-timeout-secs)")
 
 
 async def _stream_bytes(first: np.ndarray | None, chunks: _ChunkQueue, job: SpeechJob, deadline: float,

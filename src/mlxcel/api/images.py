@@ -24,7 +24,7 @@ from typing import Any
 
 from mlxcel.api.errors import ApiError, invalid_request, openai_error_body
 from mlxcel.api.media import media_error
-from mlxcel.api.providers import from_worker_error
+from mlxcel.api.providers import from_worker_error, next_from_worker
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.sse import sse_frame, with_keepalive
 from mlxcel.media import MediaError
@@ -195,20 +195,9 @@ class _Run:
 
     async def next(self) -> StepProgress | list[GeneratedImage]:
         """The next progress report or the images; 504 past the deadline, the worker's errors mapped."""
-        remaining = self.deadline - asyncio.get_running_loop().time()
-        try:
-            item = await asyncio.wait_for(self.events.get(), max(remaining, 0.0))
-        except TimeoutError:
-            self.job.abort.set()
-            raise ApiError(504, f"the image request took longer than {self.timeout_s:g} s "
-                           "(--image-request-timeout-secs)", "timeout_error", code=504) from None
-        if isinstance(item, WorkerError):
-            raise from_worker_error(item)
-        if isinstance(item, ValueError):
-            raise invalid_request(str(item))
-        if isinstance(item, BaseException):
-            raise item
-        return item
+        return await next_from_worker(self.events.get, self.deadline, self.job.abort,
+                                      f"the image request took longer than {self.timeout_s:g} s "
+                                      "(--image-request-timeout-secs)")
 
 
 def _start(generator: ImageGenerator, spec: ImageSpec) -> _Run:

@@ -8,8 +8,9 @@ into provider calls; this module runs them with one error mapping: a bad field o
 
 from __future__ import annotations
 
-from collections.abc import Awaitable, Mapping
-from typing import Any, TypeVar
+import asyncio
+from collections.abc import Awaitable, Callable, Mapping
+from typing import Any, Protocol, TypeVar
 
 from mlxcel.api.errors import ApiError, invalid_request, unavailable
 from mlxcel.api.llama_server.embeddings import create_native_embedding
@@ -33,6 +34,29 @@ def from_worker_error(exc: WorkerError) -> ApiError:
     if isinstance(exc, WorkerStoppedError):
         return unavailable(str(exc))
     return ApiError(500, str(exc), "server_error", code=500)
+
+
+class _Abortable(Protocol):
+    def set(self) -> None: ...
+
+
+async def next_from_worker(get: Callable[[], Awaitable[Any]], deadline: float, abort: _Abortable,
+                           timeout_message: str) -> Any:
+    """The next item a streaming worker job hands over, by the job's deadline (loop time): past it the
+    job is told to stop and the request is a 504; an error it hands over is mapped as `run_on_provider` maps it."""
+    remaining = deadline - asyncio.get_running_loop().time()
+    try:
+        item = await asyncio.wait_for(get(), max(remaining, 0.0))
+    except TimeoutError:
+        abort.set()
+        raise ApiError(504, timeout_message, "timeout_error", code=504) from None
+    if isinstance(item, WorkerError):
+        raise from_worker_error(item)
+    if isinstance(item, ValueError):
+        raise invalid_request(str(item))
+    if isinstance(item, BaseException):
+        raise item
+    return item
 
 
 async def run_on_provider(work: Awaitable[T]) -> T:
