@@ -119,9 +119,10 @@ def test_u_health_models_and_metrics_show_the_worker(server: tuple[str, list[str
 def test_u_busy_queue_is_503_and_a_late_request_504(checkpoint: Path) -> None:
     # Default denoising (48 steps a block) for 400 tokens runs far past a 3 s deadline: the running
     # request ends with 504, the queued one expires as well, and the third finds the queue full.
+    # ignore_eos: the random model must not end a reply early with an end token.
     with server_process("-m", str(checkpoint), "--max-queue-depth", "1", "--diffusion-request-timeout", "3") \
             as (address, _):
-        body = {"messages": MESSAGES, "max_tokens": 400}
+        body = {"messages": MESSAGES, "max_tokens": 400, "ignore_eos": True}
         with concurrent.futures.ThreadPoolExecutor(2) as pool:
             first = pool.submit(httpx.post, address + "/v1/chat/completions", json=body, timeout=60)
             _wait_for_running(address)

@@ -390,7 +390,8 @@ class BlockDiffusionWorker:
             job.num_prompt_tokens = len(prompt)
         ids = torch.tensor([prompt], dtype=torch.long, device=self.device)
         max_new = max(1, min(sampling.max_tokens or self.canvas_length, self.slot_context - len(prompt)))
-        kwargs |= {"max_new_tokens": max_new, "eos_token_id": sorted(self.eos_token_ids) or None}
+        end_ids = None if sampling.ignore_eos else sorted(self.eos_token_ids) or None  # ignore_eos: run to max_tokens
+        kwargs |= {"max_new_tokens": max_new, "eos_token_id": end_ids}
         if self.options.max_denoising_steps:
             kwargs["max_denoising_steps"] = self.options.max_denoising_steps
         try:
