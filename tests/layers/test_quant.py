@@ -245,3 +245,27 @@ def test_issue27_int4_kernel_is_the_matmul_of_one_rounding_of_the_activations() 
     ours = q(x).double()
     torch.testing.assert_close(ours, reference, atol=1e-3, rtol=1e-5)
     assert (ours - exact).norm() < 1.1 * (reference - exact).norm()
+
+
+def test_issue27_mixed_stored_types_fuse_as_int8_codes_with_lows() -> None:
+    """Issue 27 point 3: a fused q/k/v whose parts the file stores in different types (Qwen2.5's Q4_K q/k
+    with a Q6_K v) stacks as int8 codes with a scale and a low per group of the smallest group, none of
+    them rounded again: the fused linear is the float32 matmul of the very weights the file holds."""
+    from mlxcel.layers import paged_attention
+    from mlxcel.layers.quant import Int8Levels, _cat_weights
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(5)
+    k = 128
+    step = torch.rand(128, k // 32) * 0.02
+    q4 = Int4Levels(torch.randint(0, 16, (128, k), dtype=torch.uint8), step, -8 * step + torch.rand(128, k // 32) * 0.01)
+    q6 = Int8Levels(torch.randint(-32, 32, (64, k), dtype=torch.int8), torch.rand(64, k // 16) * 0.01)
+    fused = _cat_weights([q4, q6])
+    assert isinstance(fused, Int8Levels) and fused.group == 16 and fused.low is not None
+    exact = torch.cat([q4.dequantize(), q6.dequantize()])
+    torch.testing.assert_close(fused.dequantize(), exact, atol=1e-7, rtol=0)
+    linear = QuantLinear(fused, None)
+    assert linear.int8_kernel and linear.weight is None and linear.scale.shape == (3, k // 16, 2, 64)
+    x = torch.randn(3, k)
+    torch.testing.assert_close(linear(x), x @ exact.t(), atol=2e-5, rtol=1e-5)

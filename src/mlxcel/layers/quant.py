@@ -62,10 +62,12 @@ class Int4Levels(NamedTuple):
 
 class Int8Levels(NamedTuple):
     """A weight [N, K] as a GGUF Q8_0 / Q5_0 / Q6_K stores it: int8 codes and one scale per group of
-    K / scale.shape[1] along K (32, or 16 for Q6_K): w = code * scale, exact."""
+    K / scale.shape[1] along K (32, or 16 for Q6_K): w = code * scale, exact; with lows, w = low +
+    code * scale (4-bit levels stacked with such codes in one fused linear, `_cat_weights`)."""
 
     codes: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / group]
+    low: torch.Tensor | None = None  # float32 [N, K / group]
 
     @property
     def group(self) -> int:
@@ -73,11 +75,31 @@ class Int8Levels(NamedTuple):
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.codes.shape
-        return (self.codes.view(n, -1, self.group).float() * self.scale[..., None]).view(n, k)
+        w = self.codes.view(n, -1, self.group).float() * self.scale[..., None]
+        return (w if self.low is None else w + self.low[..., None]).view(n, k)
+
+    def regrouped(self, group: int) -> Int8Levels:
+        """The same weight with scales (and lows) repeated for groups of `group` (dividing this one's)."""
+        times = self.group // group
+        return Int8Levels(self.codes, self.scale.repeat_interleave(times, dim=1),
+                          None if self.low is None else self.low.repeat_interleave(times, dim=1))
 
     @staticmethod
-    def cat(parts: list[Int8Levels]) -> Int8Levels:
-        return Int8Levels(*(torch.cat(tensors) for tensors in zip(*parts)))
+    def of(weight: Int4Levels | Int8Levels, group: int) -> Int8Levels:
+        """`weight` as int8 codes with scales and lows per `group` (4-bit levels become codes 0..15)."""
+        if isinstance(weight, Int4Levels):
+            weight = Int8Levels(weight.q.to(torch.int8), weight.step, weight.low)
+        low = weight.low if weight.low is not None else torch.zeros_like(weight.scale)
+        return Int8Levels(weight.codes, weight.scale, low).regrouped(group)
+
+    @staticmethod
+    def cat(parts: list[Int4Levels | Int8Levels]) -> Int8Levels:
+        """Stacked along the outputs, at the smallest group; lows where any part has them."""
+        group = min(INT4_GROUP if isinstance(p, Int4Levels) else p.group for p in parts)
+        if all(isinstance(p, Int8Levels) and p.low is None for p in parts):
+            same = [p.regrouped(group) for p in parts]  # type: ignore[union-attr]
+            return Int8Levels(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]))
+        return Int8Levels(*(torch.cat(tensors) for tensors in zip(*(Int8Levels.of(p, group) for p in parts))))
 
 
 # A linear's weight as `quantize` gets it: float [N, K], or the codes a quantized checkpoint stores
@@ -152,7 +174,7 @@ class QuantLinear(nn.Module):
         elif stored is not None:
             self.int8_kernel = True
             self.register_buffer("qweight", int8_blocks(stored.codes))
-            self.register_buffer("scale", int8_group_scales(stored.scale))
+            self.register_buffer("scale", int8_group_scales(stored.scale, stored.low))
         else:
             scale, codes = int8_codes(w if w is not None else weight.dequantize())  # type: ignore[union-attr]
             # Our kernel (kernels/decode_layers.cpp, where the CPU kernels build) reads the weight in
@@ -218,11 +240,15 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
 
 
-def int8_group_scales(scale: torch.Tensor) -> torch.Tensor:
+def int8_group_scales(scale: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
     """Group scales [N, K / group] (N a multiple of 64) -> float32 [N / 64, K / group, 64], the blocks of
-    `int8_blocks`: each group's 64 scales contiguous, as the kernel reads them."""
+    `int8_blocks`: each group's 64 scales contiguous, as the kernel reads them; with lows, [N / 64,
+    K / group, 2, 64] (a group's scales, then its lows)."""
     n, groups = scale.shape
-    return scale.float().view(n // INT8_BLOCK, INT8_BLOCK, groups).transpose(1, 2).contiguous()
+    parts = [scale] if low is None else [scale, low]
+    stacked = torch.stack([p.float().view(n // INT8_BLOCK, INT8_BLOCK, groups) for p in parts], dim=2)
+    blocks = stacked.permute(0, 3, 2, 1)  # [N / 64, groups, parts, 64]
+    return (blocks[:, :, 0] if low is None else blocks).contiguous()
 
 
 def int4_grid(w: torch.Tensor) -> Int4Levels | None:
@@ -426,7 +452,9 @@ def _cat_weights(weights: list[Weight]) -> Weight:
         return weights[0]
     if all(isinstance(w, Int4Levels) for w in weights):
         return Int4Levels.cat(weights)  # type: ignore[arg-type]
-    if all(isinstance(w, Int8Levels) for w in weights) and len({w.group for w in weights}) == 1:  # type: ignore[union-attr]
+    if all(isinstance(w, (Int4Levels, Int8Levels)) for w in weights):
+        # Issue 27: mixed stored types (Qwen's Q4_K q/k with a Q6_K v) as int8 codes with scales and
+        # lows per group: no rounding of either.
         return Int8Levels.cat(weights)  # type: ignore[arg-type]
     return torch.cat([w.dequantize() if isinstance(w, (Int4Levels, Int8Levels)) else w.detach().float()
                       for w in weights])

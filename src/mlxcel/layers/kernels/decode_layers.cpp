@@ -99,10 +99,13 @@ constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 // depend on the batch), and no horizontal sums are needed.
 // With group scales (`group` > 0, `scales` the block's [in / group, OUT_BLOCK] float32): each group of
 // `group` k's sums in its own accumulators, then adds sum * its scale to the total (a GGUF Q8_0 / Q5_0 /
-// Q6_K weight in its stored blocks: w = code * scale of its group). Without (group 0): one sum over k.
+// Q6_K weight in its stored blocks: w = code * scale of its group). With `lows`, a group's 64 lows follow
+// its 64 scales (`stride` floats a group) and w = low + code * scale: low * the group's sum of x (`xsums`,
+// [ROWS, in / group]) is added too (4-bit levels fused with int8 codes: Qwen's Q4_K q/k with its Q6_K
+// v). Without (group 0): one sum over k.
 template <int64_t ROWS>
 void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int64_t group, const float* scales,
-                float* sums) {
+                int64_t stride, bool lows, const float* xsums, float* sums) {
     const int64_t span = group > 0 ? group : in;
 #if defined(__AVX512F__)
     if (count == OUT_BLOCK) {
@@ -123,10 +126,16 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
                 }
             }
             if (group > 0) {
-                const float* sk = scales + (k0 / group) * OUT_BLOCK;
+                const int64_t g = k0 / group;
+                const float* sk = scales + g * stride;
                 for (int v = 0; v < 4; ++v) {
                     const __m512 scale = _mm512_loadu_ps(sk + 16 * v);
                     for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
+                    if (lows) {
+                        const __m512 low = _mm512_loadu_ps(sk + OUT_BLOCK + 16 * v);
+                        for (int64_t r = 0; r < ROWS; ++r)
+                            total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
+                    }
                 }
             } else {
                 for (int64_t r = 0; r < ROWS; ++r)
@@ -145,7 +154,9 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
                 float acc = 0.0f;
                 for (int64_t k = k0; k < k0 + span; ++k)
                     acc = std::fma(static_cast<float>(w[k * OUT_BLOCK + j]), x[r * in + k], acc);
-                total = group > 0 ? std::fma(acc, scales[(k0 / group) * OUT_BLOCK + j], total) : acc;
+                const float* sk = group > 0 ? scales + (k0 / group) * stride : nullptr;
+                total = group > 0 ? std::fma(acc, sk[j], total) : acc;
+                if (lows) total = std::fma(sk[OUT_BLOCK + j], xsums[r * (in / group) + k0 / group], total);
             }
             sums[r * OUT_BLOCK + j] = total;
         }
@@ -155,16 +166,17 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
 // blocks of 64 output rows, each block transposed (layers/quant.py `int8_blocks`: zeros past `out`);
 // scale either [out] bfloat16, one a row (W = codes * scale, a float weight rounded to int8), or
 // float32 [ceil(out / 64), in / group, 64], one per group of `group` inputs in the same blocks (a
-// GGUF Q8_0 / Q5_0 / Q6_K weight's own codes and scales, `int8_group_scales`) -> [rows, out] in x's
-// dtype. ATen's int8 kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and
+// GGUF Q8_0 / Q5_0 / Q6_K weight's own codes and scales, `int8_group_scales`), or [ceil(out / 64),
+// in / group, 2, 64]: scales and lows (W = low + codes * scale) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and
 // returned garbage at 100 inputs).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-    const bool grouped = scale.dim() == 3;
+    const bool grouped = scale.dim() >= 3, with_lows = scale.dim() == 4;
     TORCH_CHECK_VALUE(is_activation(x) && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
                           w.scalar_type() == at::kChar && w.is_contiguous() && scale.is_contiguous() && w.is_cpu() &&
                           (grouped ? scale.scalar_type() == at::kFloat && scale.size(0) == w.size(0) &&
-                                         scale.size(2) == OUT_BLOCK && scale.size(1) > 0 &&
-                                         w.size(1) % scale.size(1) == 0
+                                         scale.size(-1) == OUT_BLOCK && scale.size(1) > 0 &&
+                                         w.size(1) % scale.size(1) == 0 && (!with_lows || scale.size(2) == 2) &&
+                                         scale.dim() <= 4
                                    : scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
                                          (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0)),
                       "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
@@ -172,6 +184,14 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     const int64_t rows = x.size(0), in = x.size(1), out = grouped ? w.size(0) * OUT_BLOCK : scale.numel();
     const int64_t group = grouped ? in / scale.size(1) : 0;
     const std::vector<float> xs = float_rows(x);  // the rows in float32, once
+    const int64_t groups = grouped ? in / group : 0;
+    std::vector<float> xsums(with_lows ? rows * groups : 0);  // each row's sum per group, for the lows
+    for (int64_t r = 0; r < rows && with_lows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < group; ++k) sum += xs[r * in + g * group + k];
+            xsums[r * groups + g] = sum;
+        }
     at::Tensor y = at::empty({rows, out}, x.options());
     const Output yp(y);
     const int8_t* wp = w.const_data_ptr<int8_t>();
@@ -182,16 +202,17 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t o0 = b * OUT_BLOCK, count = std::min(OUT_BLOCK, out - o0);
-        const float* bs = grouped ? gp + b * (in / group) * OUT_BLOCK : nullptr;
+        const int64_t parts = with_lows ? 2 : 1;  // scales, then lows, per group
+        const float* bs = grouped ? gp + b * groups * parts * OUT_BLOCK : nullptr;
         float sums[ROWS_TOGETHER * OUT_BLOCK];
         for (int64_t r = 0; r < rows;) {
             const int64_t n = std::min(ROWS_TOGETHER, rows - r);
             const int8_t* wb = wp + b * in * OUT_BLOCK;
             switch (n) {
-                case 4: int8_block<4>(xf + r * in, in, wb, count, group, bs, sums); break;
-                case 3: int8_block<3>(xf + r * in, in, wb, count, group, bs, sums); break;
-                case 2: int8_block<2>(xf + r * in, in, wb, count, group, bs, sums); break;
-                default: int8_block<1>(xf + r * in, in, wb, count, group, bs, sums); break;
+                case 4: int8_block<4>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                case 3: int8_block<3>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                case 2: int8_block<2>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                default: int8_block<1>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
             }
             for (int64_t i = 0; i < n; ++i)
                 for (int64_t j = 0; j < count; ++j)
