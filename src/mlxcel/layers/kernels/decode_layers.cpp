@@ -488,7 +488,7 @@ void check_linear(const Linear& lin, int64_t in, int64_t out, const char* name, 
                                                    lin.bias.is_contiguous() && lin.bias.numel() == out);
     TORCH_CHECK_VALUE((int4 || int8) && lin.weight.is_cpu() && bias_ok &&
                           (int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in &&
-                                      (lin.scale.dim() == 3 ? lin.weight.size(0) * OUT_BLOCK == out
+                                      (lin.scale.dim() >= 3 ? lin.weight.size(0) * OUT_BLOCK == out
                                                             : lin.scale.numel() == out)
                            : lin.weight.dim() == 4  // ours (int4_linear)
                                ? lin.weight.size(0) * Q4_OUTS == out && lin.weight.size(1) * INT4_GROUP == in
