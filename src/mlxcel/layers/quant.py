@@ -5,13 +5,14 @@ weight packed for the decode kernels and, unless our 4-bit kernel serves it (bel
 for prefill, where oneDNN's bfloat16 matmul wins from about 8 rows (PERF.md) over ATen's packed
 kernels. The packed form is 4-bit (groups of 32) when
 that is lossless, i.e. when the weight came from a 4-bit GGUF type (Q4_0, Q4_1, Q4_K: every group
-of 32 lies on a 16-level grid), and per-channel int8 otherwise: no second rounding of
-already-quantized weights, and half the bytes where the checkpoint allows it.
+of 32 lies on a 16-level grid), the file's own int8 codes and group scales for Q8_0 / Q5_0 / Q6_K
+(issue 27), and per-channel int8 otherwise: no second rounding of already-quantized weights, and
+half the bytes where the checkpoint allows it. The kernels take and give float32 rows.
 
 The decode kernels are ours (kernels/decode_layers.cpp) where the CPU kernels build: `int4_linear`
 quantizes each row's activations to int8 per group of 32, as llama.cpp does, and sums in int32
-with VNNI (1.5-2.8x ATen's 4-bit kernel on SmolLM2's shapes; ~0.5-0.8 % of the output's range
-from the activations' rounding), and as fast as oneDNN's bfloat16 matmul at prefill sizes, so it
+with VNNI (1.5-2.8x ATen's 4-bit kernel on SmolLM2's shapes; the product of the weights with one
+rounding of the activations, llama.cpp's Q8_1 product: bench/RESULTS.md issue 27), and as fast as oneDNN's bfloat16 matmul at prefill sizes, so it
 takes every row and such a weight is kept once (issue 11 point 5); `int8_linear` streams
 transposed blocks of 64 outputs. Elsewhere
 ATen's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`. Each linear picks once, when built.
