@@ -130,6 +130,7 @@ def main() -> None:
     model = model_path(args.model)
     base = base_file(args.llama_bin, model, args.text, args)
     rows = [llama_row(args.llama_bin, model, base, args)]
+    print(table(rows).splitlines()[-1], file=sys.stderr, flush=True)
     if not args.no_decode:
         port = free_port()
         rows[0].decode_tps = decode_tps(llama_server_cmd(args.llama_bin / "llama-server", model, port, args.threads),
@@ -140,6 +141,7 @@ def main() -> None:
             port = free_port()
             row.decode_tps = decode_tps([*mlxcel_cmd(model, port, args.threads), *flags], port, model)
         rows.append(row)
+        print(table(rows[-1:]).splitlines()[-1], file=sys.stderr, flush=True)  # each row as it lands
     print(table(rows))
 
 
