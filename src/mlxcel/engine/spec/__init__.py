@@ -16,11 +16,30 @@ and a seeded request draws its generator once per emitted token, as plain decodi
 from __future__ import annotations
 
 import logging
+from collections.abc import Mapping
 from typing import Protocol
+
+import torch
+from torch import nn
 
 from mlxcel.config import SpeculativeConfig
 
 log = logging.getLogger(__name__)
+
+
+def weights_misfit(module: nn.Module, weights: Mapping[str, torch.Tensor]) -> str | None:
+    """Load a drafter's `weights` into `module`; what does not fit, in words, or None.
+
+    Rotary tables are computed, not stored, so their absence is fine; a tensor of the wrong
+    shape is a misfit like a missing or unexpected name."""
+    try:
+        missing, unexpected = module.load_state_dict(dict(weights), strict=False)
+    except RuntimeError as exc:  # a shape that does not fit
+        return str(exc)
+    missing = [name for name in missing if not name.startswith("rotary.")]
+    if missing or unexpected:
+        return f"missing {missing[:4]}, unexpected {unexpected[:4]}"
+    return None
 
 
 class Sequence(Protocol):

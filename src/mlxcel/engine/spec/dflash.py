@@ -31,6 +31,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mlxcel.engine.spec import weights_misfit
 from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 
@@ -223,11 +224,9 @@ def load_dflash(directory: Path, target: nn.Module, *, device: torch.device | st
     model = DFlashModel(spec)
     weights = {name.removeprefix("model."): tensor for name, tensor in weights.items()
                if not name.endswith("rotary_emb.inv_freq")}
-    missing, unexpected = model.load_state_dict(weights, strict=False)
-    missing = [name for name in missing if not name.startswith("rotary.")]
-    if missing or unexpected:
-        raise DFlashCheckpointError(f"the DFlash drafter {directory}'s weights do not fit its config: "
-                                    f"missing {missing[:4]}, unexpected {unexpected[:4]}")
+    misfit = weights_misfit(model, weights)
+    if misfit:
+        raise DFlashCheckpointError(f"the DFlash drafter {directory}'s weights do not fit its config: {misfit}")
     return model.to(device=device, dtype=dtype).eval()
 
 

@@ -36,7 +36,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.config import SpeculativeConfig
-from mlxcel.engine.spec import DraftPolicy
+from mlxcel.engine.spec import DraftPolicy, weights_misfit
 from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 from mlxcel.types import MtpDecision, MtpProfile
@@ -173,14 +173,9 @@ def load_mtp_layer(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor
     own = {name.removeprefix(prefix): tensor for name, tensor in weights.items() if name.startswith(prefix)}
     if not own:
         raise ValueError(f"the checkpoint holds no {prefix}* weights")
-    try:
-        missing, unexpected = layer.load_state_dict(own, strict=False)
-    except RuntimeError as exc:  # a shape that does not fit
-        raise ValueError(f"the MTP layer {prefix}* does not fit the config: {exc}") from exc
-    missing = [name for name in missing if not name.startswith("rotary.")]
-    if missing or unexpected:
-        raise ValueError(f"the MTP layer {prefix}* does not fit the config: missing {missing[:4]}, "
-                         f"unexpected {unexpected[:4]}")
+    misfit = weights_misfit(layer, own)
+    if misfit:
+        raise ValueError(f"the MTP layer {prefix}* does not fit the config: {misfit}")
     return layer.to(device=device, dtype=dtype).eval()
 
 
