@@ -124,6 +124,17 @@ def test_j_bad_fields_are_400s_naming_them(image_server: tuple[str, list[str]]) 
         assert response.json()["error"]["message"].startswith(field), (field, response.text)
 
 
+def test_j_openapi_describes_the_image_routes_this_process_serves(image_server: tuple[str, list[str]]) -> None:
+    schema = httpx.get(image_server[0] + "/openapi.json").json()
+    generations = schema["paths"]["/v1/images/generations"]["post"]["requestBody"]["content"]["application/json"]
+    edits = schema["paths"]["/v1/images/edits"]["post"]["requestBody"]["content"]["multipart/form-data"]
+    components = schema["components"]["schemas"]
+    assert generations["schema"]["$ref"].endswith("/ImageGenerationRequest")
+    assert edits["schema"]["$ref"].endswith("/ImageEditRequest")
+    assert components["ImageEditRequest"]["required"] == ["prompt", "image"]
+    assert {"prompt", "size", "seed", "stream"} <= set(components["ImageGenerationRequest"]["properties"])
+
+
 def test_j_image_only_process_lists_the_image_model_and_answers_text_routes_501(
         image_server: tuple[str, list[str]]) -> None:
     address, _ = image_server

@@ -257,6 +257,7 @@ def test_issue16_openapi_schema_describes_the_public_routes_with_bodies(client: 
     assert ref.rsplit("/", 1)[-1] in components
     assert {"messages", "max_tokens", "seed", "tools"} <= set(components["ChatCompletionRequest"]["properties"])
     assert "/v1/messages" in schema["paths"] and "/completion" in schema["paths"] and "/health" in schema["paths"]
+    assert "/v1/images/generations" not in schema["paths"]  # spec J: only a process with --image-model has them
     refs = set(re.findall(r'"\$ref": "#/components/schemas/([^"]+)"', json.dumps(schema)))
     assert refs <= set(components)
 

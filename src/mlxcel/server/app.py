@@ -26,10 +26,11 @@ def create_app(state: ServerState, routes: tuple[Route, ...] = ROUTES) -> FastAP
     """One app per server; all its state lives in `state` (app.state.mlxcel)."""
     app = FastAPI(title="mlxcel", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.mlxcel = state
-    if state.config.webui:  # A5: the UI and its control plane, on the same listener
-        routes = routes + webui_routes() + ui_api_routes()
     if state.side.image is not None:  # spec J: the image routes exist only with a loaded --image-model
         routes = routes + IMAGE_ROUTES
+    app.state.api_routes = routes  # what /openapi.json describes: the API as this process serves it
+    if state.config.webui:  # A5: the UI and its control plane, on the same listener
+        routes = routes + webui_routes() + ui_api_routes()
     for route in routes:
         endpoint = bind(route, state)
         for path in route.paths:

@@ -27,6 +27,24 @@ REF_TEMPLATE = "#/components/schemas/{model}"
 _TEXT_OR_TEXTS = {"anyOf": [{"type": "string"}, {"type": "array", "items": {"type": "string"}},
                             {"type": "array", "items": {"type": "integer"}},
                             {"type": "array", "items": {"type": "array", "items": {"type": "integer"}}}]}
+
+
+def _image_body(image: dict[str, Any] | None) -> dict[str, Any]:
+    """An image request's fields; with `image`, the multipart edit's source upload too."""
+    properties: dict[str, Any] = {
+        "prompt": {"type": "string"}, "model": {"type": "string"}, "n": {"type": "integer", "minimum": 1},
+        "size": {"type": "string"}, "response_format": {"enum": ["b64_json"]},
+        "output_format": {"type": "string"}, "output_compression": {"type": "integer"},
+        "steps": {"type": "integer", "minimum": 1}, "seed": {"type": "integer", "minimum": 0},
+        "guidance_scale": {"type": "number"}, "negative_prompt": {"type": "string"},
+        "strength": {"type": "number"}, "stream": {"type": "boolean"},
+        "partial_images": {"type": "integer", "minimum": 0}}
+    if image is not None:
+        properties["image"] = image
+    return {"type": "object", "required": ["prompt"] + (["image"] if image is not None else []),
+            "properties": properties}
+
+
 HAND_SCHEMAS: Mapping[str, dict[str, Any]] = {
     "EmbeddingRequest": {"type": "object", "required": ["input"],
                          "properties": {"input": _TEXT_OR_TEXTS, "model": {"type": "string"},
@@ -48,6 +66,8 @@ HAND_SCHEMAS: Mapping[str, dict[str, Any]] = {
     "LoraAdaptersRequest": {"type": "array",
                             "items": {"type": "object", "required": ["id", "scale"],
                                       "properties": {"id": {"type": "integer"}, "scale": {"type": "number"}}}},
+    "ImageGenerationRequest": _image_body(None),  # spec J; api/images.py checks the values
+    "ImageEditRequest": _image_body({"type": "string", "format": "binary"}),
     "ErrorEnvelope": {"type": "object", "required": ["error"],
                       "properties": {"error": {"type": "object"}, "type": {"type": "string"}}},
 }
@@ -70,7 +90,7 @@ _MODEL_BODIES: Mapping[str, type[BaseModel]] = {
 _HAND_BODIES: Mapping[str, str] = {
     "/v1/embeddings": "EmbeddingRequest", "/embedding": "NativeEmbeddingRequest",
     "/v1/rerank": "RerankRequest", "/v1/audio/speech": "SpeechRequest", "/v1/settings": "SettingsPatch",
-    "/lora-adapters": "LoraAdaptersRequest",
+    "/lora-adapters": "LoraAdaptersRequest", "/v1/images/generations": "ImageGenerationRequest",
 }
 _MULTIPART = frozenset({"/v1/audio/transcriptions", "/v1/audio/translations"})
 _PATH_PARAM = re.compile(r"\{(\w+)(?::\w+)?\}")
@@ -121,6 +141,9 @@ def _request_body(path: str, names: Mapping[str, str]) -> dict[str, Any] | None:
         ref = REF_TEMPLATE.format(model=names[path])
     elif path in _HAND_BODIES:
         ref = REF_TEMPLATE.format(model=_HAND_BODIES[path])
+    elif path == "/v1/images/edits":
+        return {"required": True, "content": {"multipart/form-data": {"schema": {
+            "$ref": REF_TEMPLATE.format(model="ImageEditRequest")}}}}
     elif path in _MULTIPART:
         return {"required": True, "content": {"multipart/form-data": {"schema": {
             "type": "object", "required": ["file"],

@@ -305,7 +305,8 @@ async def audio_speech(request: Request, state: ServerState) -> Reply:
 
 
 async def openapi_json(request: Request, state: ServerState) -> Response:
-    return JSONResponse(build_openapi(ROUTES))  # issue 16: this table, described for clients and fuzzers
+    # issue 16: the routes this process mounted (the image routes only with --image-model), for clients and fuzzers
+    return JSONResponse(build_openapi(getattr(request.app.state, "api_routes", ROUTES)))
 
 
 ROUTES: tuple[Route, ...] = (
