@@ -10,40 +10,22 @@ from collections.abc import Coroutine, Sequence
 from typing import Any
 
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from mlxcel.api import audio
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.replies import Reply
-from mlxcel.server.body import read_json
+from mlxcel.server.body import read_json, read_multipart
 from mlxcel.server.state import ServerState
-
-_MAX_FIELDS = 32
 
 
 async def read_upload_form(request: Request, limits: audio.AudioLimits
                            ) -> tuple[dict[str, list[str]], audio.AudioUpload | None]:
     """The text fields and the `file` part of a multipart/form-data body; 400 otherwise."""
-    content_type = request.headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise invalid_request("send the audio as multipart/form-data with a 'file' part (Content-Type was "
-                              f"{content_type or 'missing'!s})", status=415 if content_type else 400)
-    try:
-        form = await request.form(max_files=1, max_fields=_MAX_FIELDS)
-    except MultiPartException as exc:
-        raise invalid_request(f"malformed multipart body: {exc.message}") from None
-    fields: dict[str, list[str]] = {}
-    upload: audio.AudioUpload | None = None
-    try:
-        for name, value in form.multi_items():
-            if isinstance(value, UploadFile):
-                upload = await _read_file(name, value, limits)
-            else:
-                fields.setdefault(name, []).append(value)
-    finally:
-        await form.close()
-    return fields, upload
+    fields, uploads = await read_multipart(
+        request, expected="the audio as multipart/form-data with a 'file' part", max_files=1,
+        read_file=lambda name, value: _read_file(name, value, limits))
+    return fields, (uploads[0] if uploads else None)
 
 
 async def _read_file(name: str, value: UploadFile, limits: audio.AudioLimits) -> audio.AudioUpload:

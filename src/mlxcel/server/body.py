@@ -12,11 +12,45 @@ from __future__ import annotations
 import json
 import math
 import re
-from typing import Any
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
+from starlette.datastructures import UploadFile
+from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from mlxcel.api.errors import invalid_request
+
+
+T = TypeVar("T")
+MAX_FORM_FIELDS = 32
+
+
+async def read_multipart(request: Request, *, expected: str, max_files: int,
+                         read_file: Callable[[str, UploadFile], Awaitable[T]]) -> tuple[dict[str, list[str]], list[T]]:
+    """A multipart/form-data body's text fields and its files, each read by `read_file(field, upload)`.
+
+    `expected` says what the client should send ("the audio as ... a 'file' part") in the 415/400
+    for another Content-Type; a malformed body is a 400. The form is closed whatever happens."""
+    content_type = request.headers.get("content-type", "")
+    if not content_type.lower().startswith("multipart/form-data"):
+        raise invalid_request(f"send {expected} (Content-Type was {content_type or 'missing'!s})",
+                              status=415 if content_type else 400)
+    try:
+        form = await request.form(max_files=max_files, max_fields=MAX_FORM_FIELDS)
+    except MultiPartException as exc:
+        raise invalid_request(f"malformed multipart body: {exc.message}") from None
+    fields: dict[str, list[str]] = {}
+    files: list[T] = []
+    try:
+        for name, value in form.multi_items():
+            if isinstance(value, UploadFile):
+                files.append(await read_file(name, value))
+            else:
+                fields.setdefault(name, []).append(value)
+    finally:
+        await form.close()
+    return fields, files
 
 
 def is_json_content_type(value: str | None) -> bool:

@@ -8,17 +8,15 @@ before the worker is asked (D1), then the run is watched for a disconnect like e
 from __future__ import annotations
 
 from starlette.datastructures import UploadFile
-from starlette.formparsers import MultiPartException
 from starlette.requests import Request
 
 from mlxcel.api import images
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.replies import Reply
-from mlxcel.server.body import read_json
+from mlxcel.server.body import read_json, read_multipart
 from mlxcel.server.routes import Route, run_until_disconnect
 from mlxcel.server.state import ServerState
 
-_MAX_FIELDS = 32
 _IMAGE_FIELDS = ("image", "image[]")
 
 
@@ -42,28 +40,16 @@ async def edits(request: Request, state: ServerState) -> Reply:
 
 async def _read_edit_form(request: Request, max_bytes: int) -> tuple[dict[str, list[str]], bytes]:
     """The text fields and the one source image of a multipart/form-data body; 400 otherwise."""
-    content_type = request.headers.get("content-type", "")
-    if not content_type.lower().startswith("multipart/form-data"):
-        raise invalid_request("send an image edit as multipart/form-data with an 'image' file part (Content-Type "
-                              f"was {content_type or 'missing'!s})", status=415 if content_type else 400)
-    try:
-        form = await request.form(max_files=2, max_fields=_MAX_FIELDS)
-    except MultiPartException as exc:
-        raise invalid_request(f"malformed multipart body: {exc.message}") from None
-    fields: dict[str, list[str]] = {}
-    uploads: list[bytes] = []
-    try:
-        for name, value in form.multi_items():
-            if not isinstance(value, UploadFile):
-                fields.setdefault(name, []).append(value)
-            elif name in _IMAGE_FIELDS:
-                uploads.append(await value.read(max_bytes + 1))
-            elif name == "mask":
-                raise invalid_request("mask: masked edits (inpainting) are not available; send the image alone")
-            else:
-                raise invalid_request(f"unexpected file field {name!r}; upload the source image as 'image'")
-    finally:
-        await form.close()
+    async def read_image(name: str, value: UploadFile) -> bytes:
+        if name in _IMAGE_FIELDS:
+            return await value.read(max_bytes + 1)
+        if name == "mask":
+            raise invalid_request("mask: masked edits (inpainting) are not available; send the image alone")
+        raise invalid_request(f"unexpected file field {name!r}; upload the source image as 'image'")
+
+    fields, uploads = await read_multipart(
+        request, expected="an image edit as multipart/form-data with an 'image' file part", max_files=2,
+        read_file=read_image)
     if len(uploads) != 1:
         raise invalid_request(f"image: send exactly one source image, not {len(uploads)}")
     return fields, uploads[0]
