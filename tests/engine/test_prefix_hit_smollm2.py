@@ -31,24 +31,34 @@ def served() -> Iterator[ServedModel]:
     model.close()
 
 
-def generate(served: ServedModel, request_id: str, prompt: list[int]) -> tuple[list[int], int]:
-    async def run() -> tuple[list[int], int]:
+def generate(served: ServedModel, request_id: str, prompt: list[int]) -> tuple[list[int], int, list[float]]:
+    """Greedy tokens, the prompt tokens taken from the cache, and each token's logprob."""
+    async def run() -> tuple[list[int], int, list[float]]:
         tokens: list[int] = []
+        logprobs: list[float] = []
         cached = 0
-        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
+        params = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True, logprobs=0)
         async for event in served.engine.generate(Request(request_id, prompt, params)):
             tokens.extend(event.token_ids)
+            logprobs.extend(entry.logprob for entry in event.logprobs or ())
             cached = event.num_cached_tokens
-        return tokens, cached
+        return tokens, cached, logprobs
 
     return asyncio.run(run())
 
 
-@pytest.mark.parametrize("length, expected_cached", [(256, 255), (250, 240)])
+# (240 + 1..3): the tail after the cached blocks is 1-3 rows, a query tile the CPU's attention
+# multiplies with another kernel than the cold prompt's fuller tile (layers/attention.py)
+@pytest.mark.parametrize("length, expected_cached", [(256, 255), (250, 240), (241, 240), (242, 240), (243, 240)])
 def test_a_repeated_prompt_gives_the_cold_tokens(served: ServedModel, length: int, expected_cached: int) -> None:
     prompt = served.tokenizer.encode(f"Story {length}: {TEXT}")[:length]  # no prefix shared between cases
     assert len(prompt) == length
-    cold, cold_cached = generate(served, f"cold-{length}", prompt)
-    hit, hit_cached = generate(served, f"hit-{length}", prompt)
+    cold, cold_cached, cold_logprobs = generate(served, f"cold-{length}", prompt)
+    hit, hit_cached, hit_logprobs = generate(served, f"hit-{length}", prompt)
     assert cold_cached == 0 and hit_cached == expected_cached
     assert hit == cold
+    assert len(hit_logprobs) == NUM_TOKENS
+    if expected_cached % 16 == 0:  # whole blocks from the cache, the tail prefilled: the same bits as the cold prompt's, not only the argmax
+        assert hit_logprobs == cold_logprobs
+    else:  # the last token alone through this eager decode step, whose bits are its own
+        assert hit_logprobs[1:] == cold_logprobs[1:]

@@ -20,6 +20,21 @@ from mlxcel.layers import kv_quant, paged_attention
 
 
 PREFILL_BLOCK = 64  # prefill queries attend in blocks of this many positions (see _attend_prefill)
+# The CPU's flash attention multiplies queries in tiles of 32 rows; a tile of 1-3 rows takes a small-M
+# matmul whose bits differ from a fuller tile's, so a call's last tile is padded to this many rows.
+_CPU_Q_TILE, _CPU_MIN_TILE_ROWS = 32, 4
+
+
+def _with_whole_tiles(q: torch.Tensor, mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """`q` [rows, H, D] and its mask [rows, keys], with zero rows (attending every key) appended where
+    the last query tile would have fewer than _CPU_MIN_TILE_ROWS: so a prompt's last rows get the same
+    bits whether they came with the rest of their block or alone after a prefix-cache hit."""
+    short = q.shape[0] % _CPU_Q_TILE
+    if q.device.type != "cpu" or short == 0 or short >= _CPU_MIN_TILE_ROWS:
+        return q, mask
+    extra = _CPU_MIN_TILE_ROWS - short
+    return (torch.cat((q, q.new_zeros(extra, *q.shape[1:]))),
+            torch.cat((mask, mask.new_ones(extra, mask.shape[1]))))
 
 
 def _round_up(value: int, multiple: int) -> int:
@@ -181,9 +196,10 @@ class AttentionContext:
             num_keys = block + PREFILL_BLOCK - s.kv_start
             mask = self._cached(("prefill", index, block, window),
                                 lambda: self._prefill_block_mask(s, block, lo + first, hi + first, window))
-            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[lo:hi], keys[:num_keys], values[:num_keys]))
+            rows, mask = _with_whole_tiles(q[lo:hi], mask)
+            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (rows, keys[:num_keys], values[:num_keys]))
             out[lo:hi] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                        enable_gqa=True).squeeze(0).transpose(0, 1)
+                                                        enable_gqa=True).squeeze(0).transpose(0, 1)[:hi - lo]
         return out
 
     def _prefill_group(self, window: int | None) -> _PrefillGroup:

@@ -140,16 +140,20 @@ class LoraLinear(nn.Module):
         super().__init__()
         self.base = base
         self._rows = [rows]  # a list: shared by every LoraLinear, not a submodule
+        # NOTE: on the CPU the update is computed in float64: BLAS takes other kernels for a few rows than
+        # for many, so in float32 a row's update (and a prefix hit's first token) would depend on how many
+        # rows its call had; float64's differences vanish when the update is rounded back.
+        work = torch.float64 if torch.device(device).type == "cpu" else dtype
         # Every adapter's A stacked: [sum r, in]; each B side by side: [out, sum r].
-        self.register_buffer("lora_a", torch.cat([a for _, a, _ in parts]).to(device, dtype))
-        self.register_buffer("lora_b", torch.cat([b for _, _, b in parts], dim=1).to(device, dtype))
+        self.register_buffer("lora_a", torch.cat([a for _, a, _ in parts]).to(device, work))
+        self.register_buffer("lora_b", torch.cat([b for _, _, b in parts], dim=1).to(device, work))
         columns = [index for index, a, _ in parts for _ in range(a.shape[0])]
         self.register_buffer("columns", torch.tensor(columns, dtype=torch.long, device=device))  # rank -> adapter
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         y = linear(self.base, x, step)
-        scales = self._rows[0].scales.to(x.dtype).index_select(1, self.columns)  # [T or 1, sum r]
-        low = F.linear(x, self.lora_a) * scales  # [T, sum r]
+        scales = self._rows[0].scales.to(self.lora_a.dtype).index_select(1, self.columns)  # [T or 1, sum r]
+        low = F.linear(x.to(self.lora_a.dtype), self.lora_a) * scales  # [T, sum r]
         return y + F.linear(low, self.lora_b).to(y.dtype)
 
 
