@@ -254,6 +254,17 @@ class DiskCacheStats:
     size_bytes: int = 0
 
 
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """What POST /v1/cache/reset dropped (F7; issue 29: the host and disk tiers too)."""
+
+    is_reset: bool  # False when prefix caching is off: nothing was touched
+    num_blocks: int = 0  # cached blocks of the device (or CPU) pool whose hashes were dropped
+    num_host_blocks: int = 0  # blocks of the host-memory tier (issue 29 point 5)
+    num_disk_files: int = 0  # block files of this server's KV identity deleted from the disk tier
+    num_disk_bytes: int = 0
+
+
 # F10: the batch-1 multi-token-prediction (MTP) decision, as GET /v1/internal/mtp-policy reports it.
 MTP_POLICY_VERSION = 1
 MTP_STATES = ("settled", "profiling", "forced", "unavailable", "exactness_declined")

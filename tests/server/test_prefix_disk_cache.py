@@ -158,6 +158,31 @@ def test_corrupted_truncated_and_foreign_files_are_ignored_and_removed(warm_fold
     assert removed == 3  # each bad file logged once and deleted (the stop then saved the recomputed block)
 
 
+def test_reset_clears_the_disk_tier_so_a_restart_is_cold(warm_folder: tuple[Path, str], tmp_path: Path,
+                                                          servers: list[Server]) -> None:
+    """POST /v1/cache/reset drops the prompt from every tier: after a restart it is computed again, identically;
+    another model's files in the shared directory are left alone."""
+    folder = tmp_path / "copy"
+    shutil.copytree(warm_folder[0], folder)
+    foreign = folder / ("ef" * 16) / f"{'0' * 64}.kvb"  # another KV identity's block file
+    foreign.parent.mkdir()
+    foreign.write_bytes(b"another model's block")
+    own_files = [p for p in folder.glob("*/*.kvb") if p != foreign]
+    own_bytes = sum(p.stat().st_size for p in own_files)
+    servers.append(server := start(folder))
+    assert server.chat(long_prompt(1))[2] > 0  # loaded from disk: the prompt's blocks are in RAM now too
+    reset = httpx.post(server.address + "/v1/cache/reset", timeout=60).json()
+    assert reset["reset"] is True and reset["dropped"]["blocks"] >= 30
+    assert reset["dropped"]["disk_files"] == len(own_files)
+    assert reset["dropped"]["disk_bytes"] == own_bytes
+    assert server.disk()["files"] == 0 and not any(p.exists() for p in own_files) and foreign.exists()
+    server.stop()  # nothing cached is left to save
+    servers.append(again := start(folder))
+    reply, _, cached = again.chat(long_prompt(1))
+    assert cached == 0 and reply == warm_folder[1]  # cold, and the same greedy tokens
+    assert foreign.exists()
+
+
 def test_two_servers_share_one_folder(tmp_path: Path, servers: list[Server]) -> None:
     servers.append(first := start(tmp_path))
     servers.append(second := start(tmp_path))

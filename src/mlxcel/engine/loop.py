@@ -38,7 +38,8 @@ from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.layers import kv_quant
 from mlxcel.layers.lora import model_lora_rows
 from mlxcel.types import (
-    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, PromptProgress,
+    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheReset, PrefixCacheStats,
+    PromptProgress,
     QueueFullError, Request, SlotStats, TokenEvent,
 )
 
@@ -275,6 +276,16 @@ class EngineCore:
         content = self._slot_content(slot_id, must_exist=False)
         self.scheduler.slot_contents.pop(slot_id, None)
         return slot_files.erase_slot(self.kv, content) if content.token_ids else 0
+
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        """POST /v1/cache/reset (F7) on the loop thread: every tier drops what it caches, so a reset prompt
+        is cold again, after a restart too (issue 29). Blocks in use keep their hashes until freed."""
+        num_blocks = self.kv.pool.num_cached_blocks
+        if not self.kv.reset():
+            return PrefixCacheReset(is_reset=False)
+        num_files, num_bytes = self.disk.reset() if self.disk is not None else (0, 0)
+        return PrefixCacheReset(is_reset=True, num_blocks=num_blocks, num_disk_files=num_files,
+                                num_disk_bytes=num_bytes)
 
     def _slot_content(self, slot_id: int, must_exist: bool = True) -> SlotContent:
         if not 0 <= slot_id < self.config.max_num_seqs:

@@ -21,7 +21,7 @@ from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
 from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DiskCacheStats, DraftStats, EngineStats,
-                          MtpDecision, PrefixCacheStats, SlotStats)
+                          MtpDecision, PrefixCacheReset, PrefixCacheStats, SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -281,9 +281,16 @@ async def cache_stats(request: Request, state: ServerState) -> Response:
 
 async def cache_reset(request: Request, state: ServerState) -> Response:
     served = state.require_served()
-    is_reset = await served.engine.reset_prefix_cache()
+    reset = await served.engine.reset_prefix_cache()
     enabled = served.engine.stats().prefix_cache.is_enabled
-    return JSONResponse({"object": "prompt_cache.reset", "enabled": enabled, "reset": bool(is_reset)})
+    return JSONResponse(cache_reset_json(reset, enabled))
+
+
+def cache_reset_json(reset: PrefixCacheReset, enabled: bool) -> dict[str, Any]:
+    """What the reset dropped from each tier (issue 29: the host and disk tiers too)."""
+    return {"object": "prompt_cache.reset", "enabled": enabled, "reset": reset.is_reset,
+            "dropped": {"blocks": reset.num_blocks, "host_blocks": reset.num_host_blocks,
+                        "disk_files": reset.num_disk_files, "disk_bytes": reset.num_disk_bytes}}
 
 
 # ---- F10 ----

@@ -28,7 +28,7 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +46,30 @@ _HEADER_LEN = struct.Struct("<I")
 _QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
 _EMA = 0.3  # weight of the newest measurement in the load / prefill rates
 _STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
+
+
+@dataclass(slots=True)
+class _WriteBatch:
+    """Blocks for the writer: rows gathered from the pool (`_gather`), or whole payloads (host-tier spills)."""
+
+    hashes: list[int]
+    rows: dict[str, torch.Tensor] | None = None
+    payloads: list[torch.Tensor] | None = None
+
+    def payload(self, index: int) -> bytes:
+        if self.payloads is not None:
+            return self.payloads[index].numpy().tobytes()
+        assert self.rows is not None
+        return _block_payload(self.rows, index)
+
+
+@dataclass(slots=True)
+class _Reset:
+    """POST /v1/cache/reset for the writer: it deletes this identity's files, then sets `done`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    num_files: int = 0
+    num_bytes: int = 0
 
 
 class BadBlockFile(ValueError):
@@ -102,7 +126,7 @@ class DiskBlockStore:
         self._lock = threading.Lock()
         self._known: set[int] = set()  # chain hashes with a file here (this process's view)
         self._size_bytes = 0
-        self._queue: queue.Queue[tuple[list[int], dict[str, torch.Tensor]] | None] = queue.Queue(_QUEUE_BATCHES)
+        self._queue: queue.Queue[_WriteBatch | _Reset | None] = queue.Queue(_QUEUE_BATCHES)
         self._is_writable = self._prepare_folder()
         self._writer = threading.Thread(target=self._write_loop, name="mlxcel-kv-disk", daemon=True)
         self._writer.start()
@@ -147,10 +171,36 @@ class DiskBlockStore:
         if not fresh or not self._is_writable:
             return
         rows = _gather(self.cache, [block_id for block_id, _ in fresh])
+        self._enqueue(_WriteBatch([block_hash for _, block_hash in fresh], rows=rows))
+
+    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+        """Hand whole block payloads (chain hash, uint8 CPU tensor the writer may keep) to the writer: the
+        host tier's spills."""
+        fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
+        if fresh and self._is_writable:
+            self._enqueue(_WriteBatch([h for h, _ in fresh], payloads=[p for _, p in fresh]))
+
+    def _enqueue(self, batch: _WriteBatch) -> None:
         try:
-            self._queue.put_nowait(([block_hash for _, block_hash in fresh], rows))
+            self._queue.put_nowait(batch)
         except queue.Full:
-            self._count(num_write_errors=len(fresh))  # the writer is behind: these blocks are recomputed later
+            self._count(num_write_errors=len(batch.hashes))  # the writer is behind: recomputed later
+
+    def reset(self, timeout: float = 60.0) -> tuple[int, int]:
+        """Delete this identity's block files (POST /v1/cache/reset): files and bytes deleted.
+
+        Pending writes are dropped first, then the writer itself deletes, so no block saved before the
+        reset can land after it; the engine thread waits for it (up to `timeout`)."""
+        while True:
+            try:
+                self._queue.get_nowait()  # (never the stop sentinel: close runs on this thread too)
+            except queue.Empty:
+                break
+        request = _Reset()
+        self._queue.put(request)
+        if not request.done.wait(timeout):
+            log.warning("disk prefix cache: the reset did not finish in %.0f s", timeout)
+        return request.num_files, request.num_bytes
 
     def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
         """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
@@ -159,7 +209,7 @@ class DiskBlockStore:
         fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
         for start in range(0, len(fresh) if self._is_writable else 0, 64):
             batch = fresh[start:start + 64]
-            self._queue.put(([h for _, h in batch], _gather(self.cache, [b for b, _ in batch])))
+            self._queue.put(_WriteBatch([h for _, h in batch], rows=_gather(self.cache, [b for b, _ in batch])))
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():
@@ -273,12 +323,30 @@ class DiskBlockStore:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            hashes, rows = item
-            for index, block_hash in enumerate(hashes):
+            if isinstance(item, _Reset):
+                self._delete_all(item)
+                continue
+            for index, block_hash in enumerate(item.hashes):
                 if self._is_writable:
-                    self._write(block_hash, _block_payload(rows, index))
+                    self._write(block_hash, item.payload(index))
             if self._size_bytes > self.config.capacity_bytes:
                 self._enforce_capacity()
+
+    def _delete_all(self, request: _Reset) -> None:
+        """This identity's block files only: another model sharing the directory keeps its own."""
+        try:
+            for path in self.folder.glob(f"*{SUFFIX}"):
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                except OSError:
+                    continue  # gone meanwhile, or a read-only folder
+                request.num_files += 1
+                request.num_bytes += size
+            self._known.clear()
+            self._size_bytes = max(self._size_bytes - request.num_bytes, 0)
+        finally:
+            request.done.set()
 
     def _header(self, block_hash: int, payload_len: int, crc32: int) -> bytes:
         return json.dumps({"version": FORMAT_VERSION, "identity": self.config.identity,
