@@ -10,11 +10,9 @@ the KV manager asks `load`, which reads the stored run into free blocks when loa
 faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
 A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
 
-NOTE (issue 29 point 5, not built yet): on CUDA `_gather` copies evicted rows to the host synchronously.
-A host-memory tier goes between the pool and this store as another `LowerTier` with the same byte
-layout (a block = its file payload): pinned rows filled by non-blocking copies on a side stream (an
-event, not a sync, before the rows are handed on), LRU-spilling into `save` here, and loads copied
-back non-blocking with the compute stream waiting on the copy's event; its own `LoadPolicy` rates.
+On CUDA `_gather` copies evicted rows to the host synchronously; with the host-memory tier on (host.py,
+issue 29 point 5, the default there) device evictions go to it instead and only its spills come here
+(`save_payloads`, the same byte layout: a block = its file payload).
 """
 
 from __future__ import annotations
@@ -121,7 +119,7 @@ class DiskBlockStore:
         self.block_size = cache.block_size
         self.folder = config.directory / config.identity[:32]
         self.policy = LoadPolicy()
-        self.layout = _layout(cache)  # (name, bytes per layer of one block) in file order
+        self.layout = block_layout(cache)  # (name, bytes per layer of one block) in file order
         self._stats = DiskCacheStats(str(config.directory), config.capacity_bytes)
         self._lock = threading.Lock()
         self._known: set[int] = set()  # chain hashes with a file here (this process's view)
@@ -173,14 +171,17 @@ class DiskBlockStore:
         rows = _gather(self.cache, [block_id for block_id, _ in fresh])
         self._enqueue(_WriteBatch([block_hash for _, block_hash in fresh], rows=rows))
 
-    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]]) -> None:
+    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False) -> None:
         """Hand whole block payloads (chain hash, uint8 CPU tensor the writer may keep) to the writer: the
-        host tier's spills."""
+        host tier's spills (`wait`: at the graceful stop, for room in the queue rather than drop)."""
         fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
         if fresh and self._is_writable:
-            self._enqueue(_WriteBatch([h for h, _ in fresh], payloads=[p for _, p in fresh]))
+            self._enqueue(_WriteBatch([h for h, _ in fresh], payloads=[p for _, p in fresh]), wait=wait)
 
-    def _enqueue(self, batch: _WriteBatch) -> None:
+    def _enqueue(self, batch: _WriteBatch, *, wait: bool = False) -> None:
+        if wait:
+            self._queue.put(batch)
+            return
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
@@ -419,7 +420,7 @@ class DiskBlockStore:
         return replace(self._stats, is_writable=self._is_writable, num_files=known, size_bytes=self._size_bytes)
 
 
-def _layout(cache: KVCache) -> list[tuple[str, int]]:
+def block_layout(cache: KVCache) -> list[tuple[str, int]]:
     """Each cache tensor's name and the bytes one block of it takes in one layer."""
     return [(name, cache.block_size * tensors[0][0].numel() * tensors[0].element_size())
             for name, tensors in cache.named_tensors().items()]
@@ -444,18 +445,38 @@ def _block_payload(rows: dict[str, torch.Tensor], index: int) -> bytes:
 def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
              layout: list[tuple[str, int]]) -> None:
     """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of _gather + _block_payload)."""
-    size, num_layers = cache.block_size, len(cache.k)
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
-    # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     data = torch.empty(len(payloads), len(payloads[0]), dtype=torch.uint8)
     for index, payload in enumerate(payloads):
         data[index] = torch.frombuffer(payload, dtype=torch.uint8)
+    scatter_payloads(cache, block_ids, data, layout)
+
+
+def gather_payloads(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' file payloads as one [num_blocks, payload bytes] uint8 tensor on the cache's device (the
+    host tier's copy source; kernels on the current stream, no host sync)."""
+    size = cache.block_size
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    parts = []
+    for tensors in cache.named_tensors().values():
+        picked = torch.stack([layer.index_select(0, slots.to(layer.device)) for layer in tensors])
+        # [num_layers, num_blocks * size, ...] -> [num_blocks, num_layers * block bytes] (layers one after another)
+        parts.append(picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).transpose(0, 1)
+                     .reshape(len(block_ids), -1))
+    return torch.cat(parts, dim=1)
+
+
+def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
+                     layout: list[tuple[str, int]]) -> None:
+    """Write [num_blocks, payload bytes] `data` (any device) into `block_ids` of every cache tensor."""
+    size, num_layers, num_blocks = cache.block_size, len(cache.k), len(block_ids)
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     offset = 0
     for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
-        part = data[:, offset:offset + num_layers * block_bytes].view(len(payloads), num_layers, block_bytes)
+        part = data[:, offset:offset + num_layers * block_bytes].view(num_blocks, num_layers, block_bytes)
         offset += num_layers * block_bytes
         for layer, target in enumerate(tensors):
-            rows = part[:, layer].reshape(len(payloads) * size, -1).view(target.dtype).view(-1, *target.shape[1:])
+            rows = part[:, layer].reshape(num_blocks * size, -1).view(target.dtype).view(-1, *target.shape[1:])
             target.index_copy_(0, slots.to(target.device), rows.to(target.device))
 
 
