@@ -211,6 +211,30 @@ def test_disk_size_bound_under_distinct_long_prompts(tmp_path: Path, servers: li
     assert 8 << 20 < total <= 16 << 20
 
 
+def test_host_tier_restores_device_evictions_with_identical_greedy_tokens(tmp_path: Path,
+                                                                          servers: list[Server]) -> None:
+    """Issue 29 point 5 on the CPU: the host-memory tier (forced on by its flag) takes the KV pool's evictions and
+    serves them back, greedy output identical; its counters show in /v1/cache/stats and /metrics; reset clears it."""
+    # a 45-block KV pool (as above): the second prompt evicts most of the first one's blocks into host memory
+    servers.append(server := start(tmp_path, "-c", "640", "--kv-cache-memory", "16M",
+                                   "--prefix-cache-host-size", "64M"))
+    cold, _, _ = server.chat(long_prompt(20))
+    server.chat(long_prompt(21), max_tokens=2)
+    host = httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]
+    assert host["blocks"] >= 15 and host["blocks_stored"] == host["blocks"] and host["pinned"] is False
+    reply, num_prompt, cached = server.chat(long_prompt(20))
+    assert reply == cold and cached >= num_prompt - 16  # the evicted part came back from host memory
+    host = httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]
+    assert host["hits"] == 1 and host["blocks_loaded"] >= 15 and host["bytes_loaded"] == host["blocks_loaded"] * 368640
+    assert server.disk()["blocks_read"] == 0  # nothing spilled yet: 64M holds every evicted block
+    metrics = httpx.get(server.address + "/metrics", timeout=30).text
+    assert "mlxcel_prefix_cache_host_hits_total 1.0" in metrics and "mlxcel_prefix_cache_host_capacity_bytes" in metrics
+    reset = httpx.post(server.address + "/v1/cache/reset", timeout=60).json()
+    assert reset["dropped"]["host_blocks"] > 0  # the blocks the reload evicted
+    assert httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]["blocks"] == 0
+    assert server.chat(long_prompt(20)) == (cold, num_prompt, 0)  # cold again, and still the same tokens
+
+
 def test_unwritable_folder_keeps_serving(tmp_path: Path, servers: list[Server]) -> None:
     blocker = tmp_path / "not-a-folder"
     blocker.write_text("x")
