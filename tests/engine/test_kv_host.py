@@ -147,3 +147,20 @@ def test_quantized_kv_round_trips() -> None:
 def test_auto_size_is_a_share_of_ram_on_cuda_only() -> None:
     assert default_host_bytes("cpu") == 0
     assert default_host_bytes("cuda:0") > 1 << 30
+
+
+def test_copies_go_by_runs_of_consecutive_rows_within_a_slab() -> None:
+    engine = Engine(None, 16)
+    engine.host._slab_rows = 4
+    assert engine.host._runs([0, 1, 2, 3, 4, 5, 9, 8, 10]) == [(0, 0, 4), (4, 4, 2), (6, 9, 1), (7, 8, 1), (8, 10, 1)]
+
+
+def test_rows_across_several_slabs_round_trip(monkeypatch) -> None:  # noqa: ANN001
+    monkeypatch.setattr("mlxcel.engine.kv.host._SLAB_BYTES", 2 * ROW_BYTES)  # 2 rows a slab
+    engine = Engine(None, 5)
+    tokens = prompt(1, 5 * BLOCK + 1)
+    saved = engine.rows(engine.compute("a", tokens)[:5])
+    engine.evict_all()
+    assert len(engine.host._slabs) == 3 and engine.host._slabs[-1].shape[0] == 1  # 2 + 2 + 1 rows: the bound
+    blocks, num_cached = engine.kv.find_cached_prefix(tokens, cache_prompt=True)
+    assert num_cached == 5 * BLOCK and same(saved, engine.rows(blocks))

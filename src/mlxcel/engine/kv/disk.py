@@ -455,10 +455,10 @@ def gather_payloads(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
     """The blocks' file payloads as one [num_blocks, payload bytes] uint8 tensor on the cache's device (the
     host tier's copy source; kernels on the current stream, no host sync)."""
     size = cache.block_size
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
     parts = []
     for tensors in cache.named_tensors().values():
-        picked = torch.stack([layer.index_select(0, slots.to(layer.device)) for layer in tensors])
+        picked = torch.stack([layer.index_select(0, slots) for layer in tensors])
         # [num_layers, num_blocks * size, ...] -> [num_blocks, num_layers * block bytes] (layers one after another)
         parts.append(picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).transpose(0, 1)
                      .reshape(len(block_ids), -1))
@@ -469,7 +469,8 @@ def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
                      layout: list[tuple[str, int]]) -> None:
     """Write [num_blocks, payload bytes] `data` (any device) into `block_ids` of every cache tensor."""
     size, num_layers, num_blocks = cache.block_size, len(cache.k), len(block_ids)
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
+    data = data.to(cache.k[0].device)
     # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     offset = 0
     for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
@@ -477,7 +478,7 @@ def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
         offset += num_layers * block_bytes
         for layer, target in enumerate(tensors):
             rows = part[:, layer].reshape(num_blocks * size, -1).view(target.dtype).view(-1, *target.shape[1:])
-            target.index_copy_(0, slots.to(target.device), rows.to(target.device))
+            target.index_copy_(0, slots, rows)
 
 
 def _block_files(directory: Path) -> list[tuple[Path, int, float]]:

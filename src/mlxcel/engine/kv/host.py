@@ -128,19 +128,36 @@ class HostBlockTier:
     def _row(self, row: int) -> torch.Tensor:
         return self._slabs[row // self._slab_rows][row % self._slab_rows]
 
+    def _rows(self, row: int, num: int) -> torch.Tensor:
+        """`num` consecutive rows of one slab."""
+        start = row % self._slab_rows
+        return self._slabs[row // self._slab_rows][start:start + num]
+
+    def _runs(self, rows: list[int]) -> list[tuple[int, int, int]]:
+        """(index, first row, count) of the runs of consecutive rows within one slab: one copy each, not one
+        a block (a long prompt's blocks mostly sit in consecutive rows)."""
+        runs: list[tuple[int, int, int]] = []
+        for index, row in enumerate(rows):
+            if runs:
+                first_index, first, num = runs[-1]
+                if row == first + num and row % self._slab_rows != 0:
+                    runs[-1] = (first_index, first, num + 1)
+                    continue
+            runs.append((index, row, 1))
+        return runs
+
     def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event | None:
         """[num_rows, row bytes] `data` (gathered on the compute stream) into host `rows`."""
         if self._stream is None:
-            for row, payload in zip(rows, data):
-                self._row(row).copy_(payload)
+            for index, row, num in self._runs(rows):
+                self._rows(row, num).copy_(data[index:index + num])
             return None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gather, not the step
         with torch.cuda.stream(self._stream):
-            for row, payload in zip(rows, data):
-                busy = self._busy.pop(row, None)
-                if busy is not None:  # a host->device copy still reads this row
-                    self._stream.wait_event(busy)
-                self._row(row).copy_(payload, non_blocking=True)
+            for busy in {id(e): e for e in (self._busy.pop(row, None) for row in rows) if e is not None}.values():
+                self._stream.wait_event(busy)  # a host->device copy still reads one of these rows
+            for index, row, num in self._runs(rows):
+                self._rows(row, num).copy_(data[index:index + num], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
         data.record_stream(self._stream)  # the allocator keeps `data` until the side stream is done with it
@@ -192,16 +209,17 @@ class HostBlockTier:
 
     def _copy_in(self, entries: list[_Entry]) -> torch.Tensor:
         """The entries' rows on the device, copied on the compute stream; their rows are free again after."""
+        data = torch.empty((len(entries), self.row_bytes), dtype=torch.uint8, device=self.device)
         if self._stream is None:
-            data = torch.stack([self._row(entry.row) for entry in entries]).to(self.device)
+            for index, row, num in self._runs([entry.row for entry in entries]):
+                data[index:index + num].copy_(self._rows(row, num))
             self._free_rows += [entry.row for entry in entries]
             return data
         stream = torch.cuda.current_stream(self.device)
-        data = torch.empty((len(entries), self.row_bytes), dtype=torch.uint8, device=self.device)
-        for index, entry in enumerate(entries):
-            if entry.ready is not None:
-                stream.wait_event(entry.ready)
-            data[index].copy_(self._row(entry.row), non_blocking=True)
+        for ready in {id(e.ready): e.ready for e in entries if e.ready is not None}.values():
+            stream.wait_event(ready)
+        for index, row, num in self._runs([entry.row for entry in entries]):
+            data[index:index + num].copy_(self._rows(row, num), non_blocking=True)
         done = torch.cuda.Event()
         done.record(stream)
         for entry in entries:
