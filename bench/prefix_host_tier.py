@@ -198,9 +198,12 @@ def main() -> None:
                     "torch": torch.__version__, "copy_rates": copy_rates(device), "rows": []}
     print(json.dumps(result["copy_rates"]), flush=True)
     lengths = [int(n) for n in options.tokens.split(",")]
+    started = time.perf_counter()
     with tempfile.TemporaryDirectory(prefix="mlxcel-host-tier-") as folder:
         for shape in options.shapes.split(","):
             result["rows"] += run_shape(shape, lengths, device, options.tokenizer, Path(folder))
+            print(f"{shape} done at {time.perf_counter() - started:.0f} s", flush=True)
+    result["elapsed_s"] = round(time.perf_counter() - started, 1)
     text = json.dumps(result, indent=1)
     print(text)
     if options.out:
