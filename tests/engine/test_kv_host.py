@@ -65,7 +65,7 @@ def same(a: list[torch.Tensor], b: list[torch.Tensor]) -> bool:
 
 def test_row_bytes_match_the_disk_payload() -> None:
     engine = Engine(None, 4)
-    assert engine.host.row_bytes == ROW_BYTES and not engine.host.is_pinned or torch.cuda.is_available()
+    assert engine.host.row_bytes == ROW_BYTES and engine.host.is_pinned == torch.cuda.is_available()
 
 
 def test_device_eviction_then_host_hit_restores_the_exact_blocks() -> None:
