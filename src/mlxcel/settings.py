@@ -125,6 +125,16 @@ def size(*, is_positive: bool = False) -> Kind:
     return Kind("integer", accepted, parse)
 
 
+def auto_size() -> Kind:
+    """`auto` or a byte size (the host KV tier's bound)."""
+    sized = size()
+
+    def parse(text: str) -> str | int:
+        return "auto" if text.strip().lower() == "auto" else sized.parse(text)
+
+    return Kind("string", "auto or a byte size such as 512M, 24G or 33554432 (0 = off)", parse)
+
+
 def choice(*values: str) -> Kind:
     def parse(text: str) -> str:
         if text not in values:
@@ -370,6 +380,11 @@ SETTINGS: tuple[Setting, ...] = (
     _s("prefix_cache_disk_size", SIZE, 20 * 2**30, "most bytes the prefix cache's disk tier keeps, least recently "
        "used dropped first (default 20G; 0 = no disk tier)", ("--prefix-cache-disk-size",),
        "MLXCEL_PREFIX_CACHE_DISK_SIZE", metavar="SIZE", group="engine"),
+    # issue 29 point 5: on a GPU, device evictions park in pinned host RAM before the disk tier
+    _s("prefix_cache_host_size", auto_size(), "auto", "most bytes of KV blocks the prefix cache keeps in host memory "
+       "between the GPU's KV pool and the disk tier, least recently used spilled to disk (auto = a quarter of RAM "
+       "on CUDA, 0 on the CPU, where the KV pool already is host memory; 0 = off)", ("--prefix-cache-host-size",),
+       "MLXCEL_PREFIX_CACHE_HOST_SIZE", metavar="SIZE", group="engine"),
     _s("max_kv_size", NON_NEGATIVE, 0, "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
        ("--max-kv-size",), "LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
     _s("kv_cache_memory", SIZE, 0, "cap the KV pool at this many bytes (e.g. 512M; 0 = room for every slot's full "

@@ -231,6 +231,25 @@ class PrefixCacheStats:
     num_blocks_cached: int = 0  # free but still holding a reusable prefix
     num_evictions: int = 0
     disk: DiskCacheStats | None = None  # the disk tier under it (issue 29); None = off
+    host: HostCacheStats | None = None  # the host-memory tier between it and the disk (issue 29 point 5)
+
+
+@dataclass(frozen=True, slots=True)
+class HostCacheStats:
+    """The prefix cache's host-memory tier (issue 29 point 5): device evictions parked in (pinned) host RAM."""
+
+    capacity_bytes: int
+    is_pinned: bool = False  # page-locked buffers (CUDA): the copies run asynchronously
+    num_hits: int = 0  # device misses served from host memory
+    num_misses: int = 0  # device misses host memory could not serve (the disk tier is asked next)
+    num_blocks_stored: int = 0  # device evictions copied in
+    num_blocks_loaded: int = 0  # copied back into the device pool
+    num_blocks_spilled: int = 0  # evicted from host memory to the disk tier
+    num_bytes_stored: int = 0
+    num_bytes_loaded: int = 0
+    load_seconds: float = 0.0  # engine-thread time issuing the loads (on CUDA the copies themselves are async)
+    num_blocks: int = 0
+    size_bytes: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -252,6 +271,17 @@ class DiskCacheStats:
     num_write_errors: int = 0  # failed or dropped writes (queue full, disk full, read-only)
     num_files: int = 0
     size_bytes: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixCacheReset:
+    """What POST /v1/cache/reset dropped (F7; issue 29: the host and disk tiers too)."""
+
+    is_reset: bool  # False when prefix caching is off: nothing was touched
+    num_blocks: int = 0  # cached blocks of the device (or CPU) pool whose hashes were dropped
+    num_host_blocks: int = 0  # blocks of the host-memory tier (issue 29 point 5)
+    num_disk_files: int = 0  # block files of this server's KV identity deleted from the disk tier
+    num_disk_bytes: int = 0
 
 
 # F10: the batch-1 multi-token-prediction (MTP) decision, as GET /v1/internal/mtp-policy reports it.

@@ -2,7 +2,8 @@
 
 from __future__ import annotations
 
-from mlxcel.cluster.entry import cluster_metrics, find_slot, merge_health, merge_metrics, merge_slots
+from mlxcel.cluster.entry import (cluster_metrics, find_slot, merge_cache_reset, merge_health, merge_metrics,
+                                  merge_slots)
 
 REPLICA_METRICS = """# HELP mlxcel_requests_total Chat completions.
 # TYPE mlxcel_requests_total counter
@@ -48,3 +49,13 @@ def test_x_slots_numbered_across_replicas_and_found_back() -> None:
         (0, "a", 0), (1, "a", 1), (2, "b", 0), (3, "b", 1)]
     assert find_slot("2", answers) == ("b", 0)
     assert find_slot("9", answers) is None and find_slot("x", answers) is None
+
+
+def test_x_cache_reset_sums_each_tiers_drops() -> None:
+    """Issue 29: a cluster reset reports what every replica dropped, RAM, host and disk."""
+    def reply(reset: bool, blocks: int, files: int) -> dict[str, object]:
+        return {"object": "prompt_cache.reset", "enabled": True, "reset": reset,
+                "dropped": {"blocks": blocks, "host_blocks": 0, "disk_files": files, "disk_bytes": files * 10}}
+    body = merge_cache_reset([reply(True, 3, 2), reply(False, 0, 0), reply(True, 1, 5)])
+    assert body == {"object": "prompt_cache.reset", "enabled": True, "reset": True,
+                    "dropped": {"blocks": 4, "host_blocks": 0, "disk_files": 7, "disk_bytes": 70}}

@@ -144,6 +144,23 @@ def test_graceful_stop_saves_the_most_recently_used_within_the_capacity(tmp_path
     assert fresh.kv.find_cached_prefix(prompt(1), cache_prompt=True)[1] == 0
 
 
+def test_reset_deletes_this_identitys_files_even_with_writes_pending(tmp_path: Path) -> None:
+    """POST /v1/cache/reset's disk part: pending writes never land after it; another identity's files stay."""
+    other = Engine(tmp_path, identity="cd" * 32)
+    other.compute("x", prompt(9))
+    other.store.close(other.pool)
+    engine = Engine(tmp_path)
+    engine.compute("a", prompt(1))
+    engine.store.save(engine.pool.cached_blocks())  # queued for the writer, maybe not written yet
+    num_files, num_bytes = engine.store.reset()
+    assert num_files <= 3 and num_bytes == num_files * (num_bytes // max(num_files, 1))
+    assert not list(engine.store.folder.glob("*.kvb")) and engine.store.stats().num_files == 0
+    assert len(list(other.store.folder.glob("*.kvb"))) == 3  # the other model's blocks survive
+    engine.pool.clear_free_cached_blocks()
+    fresh = restart(engine, tmp_path)
+    assert fresh.kv.find_cached_prefix(prompt(1), cache_prompt=True) == ([], 0)  # cold after the restart
+
+
 def test_unwritable_folder_keeps_ram_caching(tmp_path: Path) -> None:
     blocker = tmp_path / "file"
     blocker.write_text("not a folder")

@@ -222,7 +222,9 @@ def test_f7_cache_stats_and_reset(client: httpx.Client, served: ServedModel,
     wait_until(lambda: is_idle(served))
     stats = client.get("/v1/cache/stats").json()
     assert stats["enabled"] is True and stats["blocks"]["cached"] > 0
-    assert client.post("/v1/cache/reset").json() == {"object": "prompt_cache.reset", "enabled": True, "reset": True}
+    reset = client.post("/v1/cache/reset").json()
+    assert reset == {"object": "prompt_cache.reset", "enabled": True, "reset": True,
+                     "dropped": {"blocks": stats["blocks"]["cached"], "host_blocks": 0, "disk_files": 0, "disk_bytes": 0}}
     assert client.get("/v1/cache/stats").json()["blocks"]["cached"] == 0
     off_model = engine_like(served, EngineConfig(max_num_seqs=1, ctx_size=256, enable_prefix_caching=False))
     try:

@@ -158,6 +158,31 @@ def test_corrupted_truncated_and_foreign_files_are_ignored_and_removed(warm_fold
     assert removed == 3  # each bad file logged once and deleted (the stop then saved the recomputed block)
 
 
+def test_reset_clears_the_disk_tier_so_a_restart_is_cold(warm_folder: tuple[Path, str], tmp_path: Path,
+                                                          servers: list[Server]) -> None:
+    """POST /v1/cache/reset drops the prompt from every tier: after a restart it is computed again, identically;
+    another model's files in the shared directory are left alone."""
+    folder = tmp_path / "copy"
+    shutil.copytree(warm_folder[0], folder)
+    foreign = folder / ("ef" * 16) / f"{'0' * 64}.kvb"  # another KV identity's block file
+    foreign.parent.mkdir()
+    foreign.write_bytes(b"another model's block")
+    own_files = [p for p in folder.glob("*/*.kvb") if p != foreign]
+    own_bytes = sum(p.stat().st_size for p in own_files)
+    servers.append(server := start(folder))
+    assert server.chat(long_prompt(1))[2] > 0  # loaded from disk: the prompt's blocks are in RAM now too
+    reset = httpx.post(server.address + "/v1/cache/reset", timeout=60).json()
+    assert reset["reset"] is True and reset["dropped"]["blocks"] >= 30
+    assert reset["dropped"]["disk_files"] == len(own_files)
+    assert reset["dropped"]["disk_bytes"] == own_bytes
+    assert server.disk()["files"] == 0 and not any(p.exists() for p in own_files) and foreign.exists()
+    server.stop()  # nothing cached is left to save
+    servers.append(again := start(folder))
+    reply, _, cached = again.chat(long_prompt(1))
+    assert cached == 0 and reply == warm_folder[1]  # cold, and the same greedy tokens
+    assert foreign.exists()
+
+
 def test_two_servers_share_one_folder(tmp_path: Path, servers: list[Server]) -> None:
     servers.append(first := start(tmp_path))
     servers.append(second := start(tmp_path))
@@ -184,6 +209,30 @@ def test_disk_size_bound_under_distinct_long_prompts(tmp_path: Path, servers: li
     server.stop()
     total = sum(p.stat().st_size for p in tmp_path.glob("*/*.kvb"))
     assert 8 << 20 < total <= 16 << 20
+
+
+def test_host_tier_restores_device_evictions_with_identical_greedy_tokens(tmp_path: Path,
+                                                                          servers: list[Server]) -> None:
+    """Issue 29 point 5 on the CPU: the host-memory tier (forced on by its flag) takes the KV pool's evictions and
+    serves them back, greedy output identical; its counters show in /v1/cache/stats and /metrics; reset clears it."""
+    # a 45-block KV pool (as above): the second prompt evicts most of the first one's blocks into host memory
+    servers.append(server := start(tmp_path, "-c", "640", "--kv-cache-memory", "16M",
+                                   "--prefix-cache-host-size", "64M"))
+    cold, _, _ = server.chat(long_prompt(20))
+    server.chat(long_prompt(21), max_tokens=2)
+    host = httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]
+    assert host["blocks"] >= 15 and host["blocks_stored"] == host["blocks"] and host["pinned"] is False
+    reply, num_prompt, cached = server.chat(long_prompt(20))
+    assert reply == cold and cached >= num_prompt - 16  # the evicted part came back from host memory
+    host = httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]
+    assert host["hits"] == 1 and host["blocks_loaded"] >= 15 and host["bytes_loaded"] == host["blocks_loaded"] * 368640
+    assert server.disk()["blocks_read"] == 0  # nothing spilled yet: 64M holds every evicted block
+    metrics = httpx.get(server.address + "/metrics", timeout=30).text
+    assert "mlxcel_prefix_cache_host_hits_total 1.0" in metrics and "mlxcel_prefix_cache_host_capacity_bytes" in metrics
+    reset = httpx.post(server.address + "/v1/cache/reset", timeout=60).json()
+    assert reset["dropped"]["host_blocks"] > 0  # the blocks the reload evicted
+    assert httpx.get(server.address + "/v1/cache/stats", timeout=30).json()["host"]["blocks"] == 0
+    assert server.chat(long_prompt(20)) == (cold, num_prompt, 0)  # cold again, and still the same tokens
 
 
 def test_unwritable_folder_keeps_serving(tmp_path: Path, servers: list[Server]) -> None:

@@ -65,7 +65,7 @@ class ClusterEntry:
             ("GET", "/"): self._health, ("GET", "/health"): self._health, ("GET", "/v1/health"): self._health,
             ("GET", "/v1/models"): self._models, ("GET", "/models"): self._models,
             ("GET", "/metrics"): self._metrics, ("GET", "/slots"): self._slots,
-            ("POST", "/v1/cache/reset"): self._broadcast,
+            ("POST", "/v1/cache/reset"): self._cache_reset,
             ("PATCH", "/v1/settings"): self._broadcast, ("PATCH", "/settings"): self._broadcast,  # F9: every replica
             ("POST", "/v1/chat/completions/control"): self._owner, ("POST", "/chat/completions/control"): self._owner,
         }
@@ -202,6 +202,12 @@ class ClusterEntry:
         answers = await self._ask_all(call)
         return next((a for a in answers if a.start.status >= 400), answers[0])
 
+    async def _cache_reset(self, call: HttpCall) -> Answer:
+        """Every replica resets; the reply sums what they dropped (issue 29: host and disk tiers too)."""
+        answers = await self._ask_all(call)
+        failed = next((a for a in answers if a.start.status >= 400), None)
+        return failed or _json_answer(200, merge_cache_reset([a.json() for a in answers]))
+
     async def _owner(self, call: HttpCall) -> Answer:
         """A control call for a running completion: only the replica running it knows its id."""
         answers = await self._ask_all(call)
@@ -267,6 +273,16 @@ def merge_slots(answers: list[tuple[str, list[dict[str, Any]]]]) -> list[dict[st
         for slot in slots:
             merged.append({**slot, "id": len(merged), "replica": replica, "replica_slot_id": slot.get("id")})
     return merged
+
+
+def merge_cache_reset(answers: list[dict[str, Any]]) -> dict[str, Any]:
+    """The replicas' reset replies as one: reset when any reset, each tier's drops summed."""
+    body = dict(answers[0])
+    body["enabled"] = any(a.get("enabled") for a in answers)
+    body["reset"] = any(a.get("reset") for a in answers)
+    names = answers[0].get("dropped", {})
+    body["dropped"] = {name: sum(int(a.get("dropped", {}).get(name, 0)) for a in answers) for name in names}
+    return body
 
 
 def find_slot(cluster_id: str, answers: list[tuple[str, list[dict[str, Any]]]]) -> tuple[str, int] | None:

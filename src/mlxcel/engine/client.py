@@ -10,7 +10,7 @@ from dataclasses import replace
 from typing import Any
 
 from mlxcel.engine.loop import EngineCore
-from mlxcel.types import EngineError, EngineStats, FinishReason, Request, TokenEvent
+from mlxcel.types import EngineError, EngineStats, FinishReason, PrefixCacheReset, Request, TokenEvent
 
 
 class DecodeTimeoutError(EngineError):
@@ -145,8 +145,8 @@ class EngineClient:
     async def erase_slot(self, slot_id: int) -> int:
         return await self.call(lambda: self.core.erase_slot(slot_id))
 
-    async def reset_prefix_cache(self) -> bool:
-        return await self.call(self.core.kv.reset)
+    async def reset_prefix_cache(self) -> PrefixCacheReset:
+        return await self.call(self.core.reset_prefix_cache)
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         """Convenience: iterate a request to its end (aborting it if the caller stops early)."""

@@ -27,6 +27,7 @@ from mlxcel.engine.decode_step import DecodeStep
 from mlxcel.engine.kv import slot_files
 from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.engine.kv.disk import DiskBlockStore, DiskTierConfig, open_disk_tier
+from mlxcel.engine.kv.host import HostBlockTier, default_host_bytes, open_host_tier
 from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner, StepLogits
@@ -38,7 +39,8 @@ from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.layers import kv_quant
 from mlxcel.layers.lora import model_lora_rows
 from mlxcel.types import (
-    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, PromptProgress,
+    ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheReset, PrefixCacheStats,
+    PromptProgress,
     QueueFullError, Request, SlotStats, TokenEvent,
 )
 
@@ -90,6 +92,7 @@ class EngineCore:
         # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (runtime.py)
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
+        self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
         self.drafts = drafts or build_policy(config.speculative)
         self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
@@ -237,7 +240,8 @@ class EngineCore:
 
     def _prefix_cache_stats(self) -> PrefixCacheStats:
         stats = self.kv.stats()
-        return stats if self.disk is None else replace(stats, disk=self.disk.stats())
+        return replace(stats, disk=self.disk.stats() if self.disk is not None else None,
+                       host=self.host.stats() if self.host is not None else None)
 
     def _draft_stats(self) -> DraftStats:
         spec, drafts = self.config.speculative, self.drafts
@@ -276,6 +280,17 @@ class EngineCore:
         self.scheduler.slot_contents.pop(slot_id, None)
         return slot_files.erase_slot(self.kv, content) if content.token_ids else 0
 
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        """POST /v1/cache/reset (F7) on the loop thread: every tier drops what it caches, so a reset prompt
+        is cold again, after a restart too (issue 29). Blocks in use keep their hashes until freed."""
+        num_blocks = self.kv.pool.num_cached_blocks
+        if not self.kv.reset():
+            return PrefixCacheReset(is_reset=False)
+        num_host = self.host.reset() if self.host is not None else 0
+        num_files, num_bytes = self.disk.reset() if self.disk is not None else (0, 0)
+        return PrefixCacheReset(is_reset=True, num_blocks=num_blocks, num_host_blocks=num_host,
+                                num_disk_files=num_files, num_disk_bytes=num_bytes)
+
     def _slot_content(self, slot_id: int, must_exist: bool = True) -> SlotContent:
         if not 0 <= slot_id < self.config.max_num_seqs:
             raise slot_files.SlotError(f"slot id {slot_id} is out of range (0..{self.config.max_num_seqs - 1})")
@@ -303,6 +318,8 @@ class EngineCore:
             self._drain_inbox(block=not self.scheduler.has_work)
             if self._stopping.is_set():
                 self._abort_all()
+                if self.host is not None:  # issue 29 point 5: host blocks first, the older ones
+                    self.host.close()
                 if self.disk is not None:  # issue 29: every block still cached goes to disk
                     self.disk.close(self.kv.pool)
                 return
@@ -528,6 +545,20 @@ def _open_disk_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager, id
         return None
     kv.lower_tier = store
     return store
+
+
+def _open_host_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager,
+                    disk: DiskBlockStore | None) -> HostBlockTier | None:
+    """The host-memory tier (issue 29 point 5): on by default on CUDA, by --prefix-cache-host-size anywhere."""
+    capacity = config.prefix_cache_host_bytes
+    if capacity < 0:
+        capacity = default_host_bytes(cache.k[0].device)
+    if capacity <= 0 or not kv.is_enabled:
+        return None
+    host = open_host_tier(capacity, cache, kv.pool, disk)
+    if host is not None:
+        kv.lower_tier = host  # it asks the disk tier for what it does not hold
+    return host
 
 
 def _observe_prefill(disk: DiskBlockStore, seq: Sequence) -> None:

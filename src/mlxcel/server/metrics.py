@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxcel.api.context import SequenceRecord
-from mlxcel.types import DiffusionStats, DiskCacheStats, EngineStats, Usage
+from mlxcel.types import DiffusionStats, DiskCacheStats, EngineStats, HostCacheStats, Usage
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -109,8 +109,27 @@ def _prefix_cache_metrics(stats: EngineStats) -> Iterator[Metric]:
     blocks.add_metric(["free"], cache.num_blocks_free)
     blocks.add_metric(["cached"], cache.num_blocks_cached)
     yield blocks
+    if cache.host is not None:
+        yield from _host_cache_metrics(cache.host)
     if cache.disk is not None:
         yield from _disk_cache_metrics(cache.disk)
+
+
+def _host_cache_metrics(host: HostCacheStats) -> Iterator[Metric]:
+    """The prefix cache's host-memory tier (issue 29 point 5); absent when it is off."""
+    yield _counter("mlxcel_prefix_cache_host_hits", "Device misses served from host memory", host.num_hits)
+    yield _counter("mlxcel_prefix_cache_host_misses", "Device misses host memory could not serve", host.num_misses)
+    yield _counter("mlxcel_prefix_cache_host_blocks_stored", "KV blocks copied to host memory", host.num_blocks_stored)
+    yield _counter("mlxcel_prefix_cache_host_blocks_loaded", "KV blocks copied back to the device",
+                   host.num_blocks_loaded)
+    yield _counter("mlxcel_prefix_cache_host_blocks_spilled", "KV blocks evicted from host memory to the disk tier",
+                   host.num_blocks_spilled)
+    yield _counter("mlxcel_prefix_cache_host_stored_bytes", "Bytes copied to host memory", host.num_bytes_stored)
+    yield _counter("mlxcel_prefix_cache_host_loaded_bytes", "Bytes copied back to the device", host.num_bytes_loaded)
+    yield _counter("mlxcel_prefix_cache_host_load_seconds", "Engine time issuing host-to-device loads",
+                   host.load_seconds)
+    yield _gauge("mlxcel_prefix_cache_host_bytes", "Bytes of KV blocks held in host memory", host.size_bytes)
+    yield _gauge("mlxcel_prefix_cache_host_capacity_bytes", "--prefix-cache-host-size", host.capacity_bytes)
 
 
 def _disk_cache_metrics(disk: DiskCacheStats) -> Iterator[Metric]:

@@ -21,7 +21,7 @@ from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
 from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DiskCacheStats, DraftStats, EngineStats,
-                          MtpDecision, PrefixCacheStats, SlotStats)
+                          HostCacheStats, MtpDecision, PrefixCacheReset, PrefixCacheStats, SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -258,8 +258,19 @@ def cache_stats_json(cache: PrefixCacheStats | None) -> dict[str, Any]:
         "object": "prompt_cache.stats", "enabled": on.is_enabled, "hits": on.num_hits, "misses": on.num_misses,
         "reused_tokens": on.num_reused_tokens, "evictions": on.num_evictions,
         "blocks": {"used": on.num_blocks_used, "free": on.num_blocks_free, "cached": on.num_blocks_cached},
-        "disk": disk_cache_json(on.disk),
+        "host": host_cache_json(on.host), "disk": disk_cache_json(on.disk),
     }
+
+
+def host_cache_json(host: HostCacheStats | None) -> dict[str, Any] | None:
+    """The prefix cache's host-memory tier (issue 29 point 5); None when it is off."""
+    if host is None:
+        return None
+    return {"pinned": host.is_pinned, "hits": host.num_hits, "misses": host.num_misses,
+            "blocks_stored": host.num_blocks_stored, "blocks_loaded": host.num_blocks_loaded,
+            "blocks_spilled": host.num_blocks_spilled, "bytes_stored": host.num_bytes_stored,
+            "bytes_loaded": host.num_bytes_loaded, "load_seconds": round(host.load_seconds, 6),
+            "blocks": host.num_blocks, "size_bytes": host.size_bytes, "capacity_bytes": host.capacity_bytes}
 
 
 def disk_cache_json(disk: DiskCacheStats | None) -> dict[str, Any] | None:
@@ -281,9 +292,16 @@ async def cache_stats(request: Request, state: ServerState) -> Response:
 
 async def cache_reset(request: Request, state: ServerState) -> Response:
     served = state.require_served()
-    is_reset = await served.engine.reset_prefix_cache()
+    reset = await served.engine.reset_prefix_cache()
     enabled = served.engine.stats().prefix_cache.is_enabled
-    return JSONResponse({"object": "prompt_cache.reset", "enabled": enabled, "reset": bool(is_reset)})
+    return JSONResponse(cache_reset_json(reset, enabled))
+
+
+def cache_reset_json(reset: PrefixCacheReset, enabled: bool) -> dict[str, Any]:
+    """What the reset dropped from each tier (issue 29: the host and disk tiers too)."""
+    return {"object": "prompt_cache.reset", "enabled": enabled, "reset": reset.is_reset,
+            "dropped": {"blocks": reset.num_blocks, "host_blocks": reset.num_host_blocks,
+                        "disk_files": reset.num_disk_files, "disk_bytes": reset.num_disk_bytes}}
 
 
 # ---- F10 ----

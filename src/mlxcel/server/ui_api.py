@@ -24,7 +24,7 @@ from mlxcel.server.body import read_json
 from mlxcel.server.cors import OriginPolicy
 from mlxcel.server.jobs import Job, JobCancelled
 from mlxcel.server.model_control import DEFAULT_DRAIN_TIMEOUT_S, RETIRE_MODES, ModelControl
-from mlxcel.server.ops import disk_cache_json
+from mlxcel.server.ops import disk_cache_json, host_cache_json
 from mlxcel.server.responses import SSE_HEADERS
 from mlxcel.server.routes import Handler, Route
 from mlxcel.server.state import ServerState
@@ -127,7 +127,8 @@ def runtime_json(state: ServerState, control: ModelControl) -> dict[str, Any]:
                "blocks_cached": cache.num_blocks_cached, "usage": cache.num_blocks_used / num_blocks if num_blocks else 0.0},
         "prefix_cache": {"enabled": cache.is_enabled, "hits": cache.num_hits, "misses": cache.num_misses,
                          "hit_rate": cache.num_hits / lookups if lookups else 0.0, "reused_tokens": cache.num_reused_tokens,
-                         "evictions": cache.num_evictions, "disk": disk_cache_json(cache.disk)},
+                         "evictions": cache.num_evictions, "host": host_cache_json(cache.host),
+                         "disk": disk_cache_json(cache.disk)},
         "throughput": {"generated_tokens_per_s": round(generated, 2), "prompt_tokens_per_s": round(prompt, 2)},
         "counters": {"requests_started": stats.sequences_started, "requests_completed": stats.sequences_completed,
                      "tokens_generated": stats.tokens_generated, "prompt_tokens": stats.prompt_tokens_processed},

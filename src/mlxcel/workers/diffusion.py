@@ -27,7 +27,8 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.types import (
-    ContextOverflowError, DiffusionStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheStats, QueueFullError, Request,
+    ContextOverflowError, DiffusionStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheReset, PrefixCacheStats,
+    QueueFullError, Request,
     SlotStats, TokenEvent,
 )
 
@@ -298,12 +299,8 @@ class BlockDiffusionWorker:
     def erase_slot(self, slot_id: int) -> int:
         raise ValueError("a block-diffusion model keeps no slot KV to erase")
 
-    @property
-    def kv(self) -> BlockDiffusionWorker:
-        return self  # EngineClient.reset_prefix_cache calls core.kv.reset
-
-    def reset(self) -> bool:
-        return False
+    def reset_prefix_cache(self) -> PrefixCacheReset:
+        return PrefixCacheReset(is_reset=False)
 
     def warm(self) -> float:
         """One block with one denoising step before the first request (A6); the seconds it took."""

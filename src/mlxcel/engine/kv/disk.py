@@ -10,11 +10,9 @@ the KV manager asks `load`, which reads the stored run into free blocks when loa
 faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
 A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
 
-NOTE (issue 29 point 5, not built yet): on CUDA `_gather` copies evicted rows to the host synchronously.
-A host-memory tier goes between the pool and this store as another `LowerTier` with the same byte
-layout (a block = its file payload): pinned rows filled by non-blocking copies on a side stream (an
-event, not a sync, before the rows are handed on), LRU-spilling into `save` here, and loads copied
-back non-blocking with the compute stream waiting on the copy's event; its own `LoadPolicy` rates.
+On CUDA `_gather` copies evicted rows to the host synchronously; with the host-memory tier on (host.py,
+issue 29 point 5, the default there) device evictions go to it instead and only its spills come here
+(`save_payloads`, the same byte layout: a block = its file payload).
 """
 
 from __future__ import annotations
@@ -28,7 +26,7 @@ import struct
 import threading
 import time
 import zlib
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 import torch
@@ -46,6 +44,30 @@ _HEADER_LEN = struct.Struct("<I")
 _QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
 _EMA = 0.3  # weight of the newest measurement in the load / prefill rates
 _STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
+
+
+@dataclass(slots=True)
+class _WriteBatch:
+    """Blocks for the writer: rows gathered from the pool (`_gather`), or whole payloads (host-tier spills)."""
+
+    hashes: list[int]
+    rows: dict[str, torch.Tensor] | None = None
+    payloads: list[torch.Tensor] | None = None
+
+    def payload(self, index: int) -> bytes:
+        if self.payloads is not None:
+            return self.payloads[index].numpy().tobytes()
+        assert self.rows is not None
+        return _block_payload(self.rows, index)
+
+
+@dataclass(slots=True)
+class _Reset:
+    """POST /v1/cache/reset for the writer: it deletes this identity's files, then sets `done`."""
+
+    done: threading.Event = field(default_factory=threading.Event)
+    num_files: int = 0
+    num_bytes: int = 0
 
 
 class BadBlockFile(ValueError):
@@ -97,12 +119,12 @@ class DiskBlockStore:
         self.block_size = cache.block_size
         self.folder = config.directory / config.identity[:32]
         self.policy = LoadPolicy()
-        self.layout = _layout(cache)  # (name, bytes per layer of one block) in file order
+        self.layout = block_layout(cache)  # (name, bytes per layer of one block) in file order
         self._stats = DiskCacheStats(str(config.directory), config.capacity_bytes)
         self._lock = threading.Lock()
         self._known: set[int] = set()  # chain hashes with a file here (this process's view)
         self._size_bytes = 0
-        self._queue: queue.Queue[tuple[list[int], dict[str, torch.Tensor]] | None] = queue.Queue(_QUEUE_BATCHES)
+        self._queue: queue.Queue[_WriteBatch | _Reset | None] = queue.Queue(_QUEUE_BATCHES)
         self._is_writable = self._prepare_folder()
         self._writer = threading.Thread(target=self._write_loop, name="mlxcel-kv-disk", daemon=True)
         self._writer.start()
@@ -147,10 +169,39 @@ class DiskBlockStore:
         if not fresh or not self._is_writable:
             return
         rows = _gather(self.cache, [block_id for block_id, _ in fresh])
+        self._enqueue(_WriteBatch([block_hash for _, block_hash in fresh], rows=rows))
+
+    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False) -> None:
+        """Hand whole block payloads (chain hash, uint8 CPU tensor the writer may keep) to the writer: the
+        host tier's spills (`wait`: at the graceful stop, for room in the queue rather than drop)."""
+        fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
+        if fresh and self._is_writable:
+            self._enqueue(_WriteBatch([h for h, _ in fresh], payloads=[p for _, p in fresh]), wait=wait)
+
+    def _enqueue(self, batch: _WriteBatch, *, wait: bool = False) -> None:
+        if wait:
+            self._queue.put(batch)
+            return
         try:
-            self._queue.put_nowait(([block_hash for _, block_hash in fresh], rows))
+            self._queue.put_nowait(batch)
         except queue.Full:
-            self._count(num_write_errors=len(fresh))  # the writer is behind: these blocks are recomputed later
+            self._count(num_write_errors=len(batch.hashes))  # the writer is behind: recomputed later
+
+    def reset(self, timeout: float = 60.0) -> tuple[int, int]:
+        """Delete this identity's block files (POST /v1/cache/reset): files and bytes deleted.
+
+        Pending writes are dropped first, then the writer itself deletes, so no block saved before the
+        reset can land after it; the engine thread waits for it (up to `timeout`)."""
+        while True:
+            try:
+                self._queue.get_nowait()  # (never the stop sentinel: close runs on this thread too)
+            except queue.Empty:
+                break
+        request = _Reset()
+        self._queue.put(request)
+        if not request.done.wait(timeout):
+            log.warning("disk prefix cache: the reset did not finish in %.0f s", timeout)
+        return request.num_files, request.num_bytes
 
     def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
         """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
@@ -159,7 +210,7 @@ class DiskBlockStore:
         fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
         for start in range(0, len(fresh) if self._is_writable else 0, 64):
             batch = fresh[start:start + 64]
-            self._queue.put(([h for _, h in batch], _gather(self.cache, [b for b, _ in batch])))
+            self._queue.put(_WriteBatch([h for _, h in batch], rows=_gather(self.cache, [b for b, _ in batch])))
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():
@@ -273,12 +324,30 @@ class DiskBlockStore:
 
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
-            hashes, rows = item
-            for index, block_hash in enumerate(hashes):
+            if isinstance(item, _Reset):
+                self._delete_all(item)
+                continue
+            for index, block_hash in enumerate(item.hashes):
                 if self._is_writable:
-                    self._write(block_hash, _block_payload(rows, index))
+                    self._write(block_hash, item.payload(index))
             if self._size_bytes > self.config.capacity_bytes:
                 self._enforce_capacity()
+
+    def _delete_all(self, request: _Reset) -> None:
+        """This identity's block files only: another model sharing the directory keeps its own."""
+        try:
+            for path in self.folder.glob(f"*{SUFFIX}"):
+                try:
+                    size = path.stat().st_size
+                    path.unlink()
+                except OSError:
+                    continue  # gone meanwhile, or a read-only folder
+                request.num_files += 1
+                request.num_bytes += size
+            self._known.clear()
+            self._size_bytes = max(self._size_bytes - request.num_bytes, 0)
+        finally:
+            request.done.set()
 
     def _header(self, block_hash: int, payload_len: int, crc32: int) -> bytes:
         return json.dumps({"version": FORMAT_VERSION, "identity": self.config.identity,
@@ -351,7 +420,7 @@ class DiskBlockStore:
         return replace(self._stats, is_writable=self._is_writable, num_files=known, size_bytes=self._size_bytes)
 
 
-def _layout(cache: KVCache) -> list[tuple[str, int]]:
+def block_layout(cache: KVCache) -> list[tuple[str, int]]:
     """Each cache tensor's name and the bytes one block of it takes in one layer."""
     return [(name, cache.block_size * tensors[0][0].numel() * tensors[0].element_size())
             for name, tensors in cache.named_tensors().items()]
@@ -376,19 +445,40 @@ def _block_payload(rows: dict[str, torch.Tensor], index: int) -> bytes:
 def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
              layout: list[tuple[str, int]]) -> None:
     """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of _gather + _block_payload)."""
-    size, num_layers = cache.block_size, len(cache.k)
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
-    # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     data = torch.empty(len(payloads), len(payloads[0]), dtype=torch.uint8)
     for index, payload in enumerate(payloads):
         data[index] = torch.frombuffer(payload, dtype=torch.uint8)
+    scatter_payloads(cache, block_ids, data, layout)
+
+
+def gather_payloads(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
+    """The blocks' file payloads as one [num_blocks, payload bytes] uint8 tensor on the cache's device (the
+    host tier's copy source; kernels on the current stream, no host sync)."""
+    size = cache.block_size
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
+    parts = []
+    for tensors in cache.named_tensors().values():
+        picked = torch.stack([layer.index_select(0, slots) for layer in tensors])
+        # [num_layers, num_blocks * size, ...] -> [num_blocks, num_layers * block bytes] (layers one after another)
+        parts.append(picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).transpose(0, 1)
+                     .reshape(len(block_ids), -1))
+    return torch.cat(parts, dim=1)
+
+
+def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
+                     layout: list[tuple[str, int]]) -> None:
+    """Write [num_blocks, payload bytes] `data` (any device) into `block_ids` of every cache tensor."""
+    size, num_layers, num_blocks = cache.block_size, len(cache.k), len(block_ids)
+    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
+    data = data.to(cache.k[0].device)
+    # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     offset = 0
     for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
-        part = data[:, offset:offset + num_layers * block_bytes].view(len(payloads), num_layers, block_bytes)
+        part = data[:, offset:offset + num_layers * block_bytes].view(num_blocks, num_layers, block_bytes)
         offset += num_layers * block_bytes
         for layer, target in enumerate(tensors):
-            rows = part[:, layer].reshape(len(payloads) * size, -1).view(target.dtype).view(-1, *target.shape[1:])
-            target.index_copy_(0, slots.to(target.device), rows.to(target.device))
+            rows = part[:, layer].reshape(num_blocks * size, -1).view(target.dtype).view(-1, *target.shape[1:])
+            target.index_copy_(0, slots, rows)
 
 
 def _block_files(directory: Path) -> list[tuple[Path, int, float]]:

@@ -394,6 +394,7 @@ function renderCounters(stats) {
     ["Requests completed", c.requests_completed ?? 0], ["Tokens generated", c.tokens_generated ?? 0],
     ["Prompt tokens", c.prompt_tokens ?? 0], ["Prefix hits / misses", `${p.hits ?? 0} / ${p.misses ?? 0}`],
     ["Reused prompt tokens", p.reused_tokens ?? 0], ["KV blocks used / free", stats.kv ? `${stats.kv.blocks_used} / ${stats.kv.blocks_free}` : "—"],
+    ["Host prefix cache", p.host ? `${formatBytes(p.host.size_bytes)} of ${formatBytes(p.host.capacity_bytes)} · ${p.host.hits} hits` : "off"],
     ["Disk prefix cache", p.disk ? `${formatBytes(p.disk.size_bytes)} of ${formatBytes(p.disk.capacity_bytes)} · ${p.disk.hits} hits${p.disk.writable ? "" : " · read-only"}` : "off"]];
   $("#counters").replaceChildren(...rows.flatMap(([k, v]) => [el("dt", {}, k), el("dd", {}, String(v))]));
 }
