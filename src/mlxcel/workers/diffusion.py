@@ -288,6 +288,13 @@ class BlockDiffusionWorker:
             future.set_exception(exc)
         return future
 
+    def command(self, name: str, *args: Any) -> Future[Any]:
+        """EngineCore.command's named calls (slot actions, cache reset), run now."""
+        return self.call(lambda: getattr(self, name)(*args))
+
+    def reset_prefix_cache(self) -> bool:
+        return False
+
     # llama-server's slot actions and prompt-cache reset: a block-diffusion model keeps no KV between
     # requests, so a slot action is a 400 naming why and a reset resets nothing.
     def save_slot(self, slot_id: int, filename: str) -> Any:
