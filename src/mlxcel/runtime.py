@@ -171,6 +171,9 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     if is_block_diffusion_checkpoint(resolved.path):
+        if options.engine_process == "on":  # its serial worker is not an EngineCore (issue 25)
+            raise ValueError(f"--engine-process on: {resolved.path} is a block-diffusion model, served by its own "
+                             f"worker in this process; use --engine-process auto or off")
         return start_block_diffusion(resolved, options, engine_config)
     checkpoint = open_checkpoint(resolved.path)
     tokenizer = load_tokenizer(checkpoint)
@@ -297,6 +300,7 @@ def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeO
     over `conn`. SIGINT is the API process's to handle (it stops us over the pipe)."""
     import signal
 
+    from mlxcel.chat.grammar import compile_copies_with
     from mlxcel.engine.remote import EngineInfo, exit_now, run_engine_process
 
     signal.signal(signal.SIGINT, signal.SIG_IGN)
@@ -316,6 +320,7 @@ def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeO
             override_source=options.chat_template, override_file=options.chat_template_file,
             gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
         served = _build_served(resolved, checkpoint, tokenizer, template, options, engine_config, draft_checkpoint)
+        compile_copies_with(served.features.grammar)  # grammar processors handed over are rebuilt over it
         box.append(served)
         core = served.engine.core
         info = EngineInfo(served.engine_config, core.slot_context, core.memory_budget, core.eos_token_ids,
