@@ -76,8 +76,8 @@ def is_running(pid: int) -> bool:
 
 
 @pytest.fixture(scope="module")
-def split() -> Iterator[SplitServer]:
-    server = start_split("-np", str(NUM_STREAMS))
+def split(tmp_path_factory: pytest.TempPathFactory) -> Iterator[SplitServer]:
+    server = start_split("-np", str(NUM_STREAMS), "--slot-save-path", str(tmp_path_factory.mktemp("slots")))
     yield server
     if server.process.poll() is None:
         server.process.send_signal(signal.SIGTERM)
@@ -173,6 +173,14 @@ def test_slots_and_metrics_show_the_engine_process_work(split: SplitServer) -> N
         assert busy and busy[0]["n_prompt_tokens"] > 0
         after = http.get("/metrics").text
         assert metric(after, "mlxcel_tokens_generated_total") >= generated + 64
+        slot = busy[0]["id"]
+        saved = http.post(f"/slots/{slot}?action=save", json={"filename": "one.bin"})
+        assert saved.status_code == 200 and saved.json()["n_saved"] > 0, saved.text
+        restored = http.post(f"/slots/{slot}?action=restore", json={"filename": "one.bin"})
+        assert restored.status_code == 200 and restored.json()["n_restored"] == saved.json()["n_saved"]
+        assert http.post(f"/slots/{slot}?action=erase").json()["n_erased"] > 0
+        missing = http.post(f"/slots/{slot}?action=restore", json={"filename": "none.bin"})
+        assert missing.status_code in (400, 404) and "none.bin" in missing.text  # the child's error crossed
         assert http.post("/v1/cache/reset").status_code == 200
 
 
@@ -210,3 +218,12 @@ def test_a_killed_engine_process_fails_in_flight_requests_and_the_server() -> No
         if server.process.poll() is None:
             server.process.kill()
             server.process.wait()
+
+
+def test_a_killed_api_process_takes_the_engine_process_along() -> None:
+    """No orphan: the engine process stops once its pipe to the API process closes."""
+    server = start_split("-np", "2")
+    pid = server.engine_pid
+    server.process.kill()
+    server.process.wait(30)
+    wait_until(lambda: not is_running(pid), timeout=60, what="the engine process to exit")
