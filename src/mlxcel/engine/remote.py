@@ -24,7 +24,7 @@ import pickle
 import threading
 from collections.abc import Callable
 from concurrent.futures import Future
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 from typing import Any
@@ -128,7 +128,10 @@ class RemoteCore:
         self._send_bytes(message)
 
     def abort(self, request_id: str) -> None:
-        self._send(("abort", request_id))
+        try:
+            self._send(("abort", request_id))
+        except EngineShutdownError:
+            pass  # the process is gone: the reader fails every request in flight
 
     def command(self, name: str, *args: Any) -> Future:
         if name not in EngineCore.COMMANDS:
@@ -236,8 +239,8 @@ class RemoteCore:
     def _gone(self) -> None:
         """The pipe closed: after stop() that is the end; otherwise the engine process died."""
         code = self._process.exitcode
+        reason = f"the engine process (pid {self._process.pid}) exited with code {code}"
         if not (self._is_stopping and code == 0):
-            reason = f"the engine process (pid {self._process.pid}) exited with code {code}"
             if not self._is_stopping:
                 log.critical("%s; failing every request in flight", reason)
             with self._lock:
@@ -245,7 +248,7 @@ class RemoteCore:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
             replies, self._replies = self._replies, {}
-        message = f"{reason if self.failure is not None else 'the engine process stopped'}; see the server log"
+        message = f"{reason}; see the server log"
         for request_id, sink in sinks.items():
             sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR, error=message, error_status=503))
         for future in replies.values():
@@ -258,8 +261,6 @@ def _plugins(request: Request) -> str:
 
 
 def _dead(stats: EngineStats) -> EngineStats:
-    from dataclasses import replace
-
     return replace(stats, is_alive=False)
 
 
@@ -371,7 +372,10 @@ def run_engine_process(conn: Connection, build: Callable[[], tuple[EngineCore, E
             pickle.dumps(exc)
         except Exception:  # noqa: BLE001
             exc = EngineProcessError(f"{type(exc).__name__}: {exc}")
-        EngineLink.send(_Bare(conn), ("load_error", exc))  # type: ignore[arg-type]
+        try:
+            conn.send_bytes(pickle.dumps(("load_error", exc), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            pass  # the API process is gone
         return 2
     link = EngineLink(core, conn)
     core.adopt_current_thread()
@@ -392,14 +396,6 @@ def run_engine_process(conn: Connection, build: Callable[[], tuple[EngineCore, E
     clean = core.failure is None
     link.send(("stopped", clean))
     return 0 if clean else 1
-
-
-class _Bare:
-    """EngineLink.send's needs before a link exists."""
-
-    def __init__(self, conn: Connection) -> None:
-        self._conn = conn
-        self._send_lock = threading.Lock()
 
 
 def exit_now(code: int) -> None:
