@@ -9,7 +9,8 @@ logprobs, all with ignore_eos, and plain greedy — the aggregate tok/s of 128-t
 after 128-token prompts, measured twice in one run: the engine alone (its asyncio client in this
 process) and the real HTTP server (`mlxcel serve`, streaming /v1/completions, read by client
 processes so that the reader is never the limit). `--profile-width N` records the server under N
-streams with py-spy (`--profile-out FILE`), when py-spy is installed.
+streams with py-spy (`--profile-out FILE`), when py-spy is installed. `--engine-process on,off` measures
+the server with its engine core in a child process and in-process, one after the other (issue 25).
 """
 
 from __future__ import annotations
@@ -144,10 +145,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(path: Path, slots: int, log: Path) -> tuple[subprocess.Popen, str]:
+def start_server(path: Path, slots: int, log: Path, engine_process: str) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(path), "--device", DEVICE, "--port", str(port),
-           "--n-parallel", str(slots), "--ctx-size", str(slots * 512), "--max-queue-depth", str(slots)]
+           "--n-parallel", str(slots), "--ctx-size", str(slots * 512), "--max-queue-depth", str(slots),
+           "--engine-process", engine_process]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     import httpx
@@ -202,18 +204,22 @@ def server_run(pool, base: str, batch: list[list[int]], fields: dict) -> float: 
     return round(tokens / (max(r[2] for r in results) - start_at), 1)
 
 
-def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int, profile_out: Path | None) -> dict:
-    proc, base = start_server(path, max(widths), Path("/tmp/gpu_serving_server.log"))
+def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int, profile_out: Path | None,
+                   engine_process: str = "auto") -> dict:
+    proc, base = start_server(path, max(widths), Path(f"/tmp/gpu_serving_server_{engine_process}.log"), engine_process)
     out: dict = {}
     try:
         with multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES) as pool:
             for mode, fields in MODES.items():
                 for width in widths:
                     out[f"{mode}@{width}"] = server_run(pool, base, prompts(width, vocab, mode), fields)
-                    print(f"server {mode}@{width}: {out[f'{mode}@{width}']} tok/s", flush=True)
+                    print(f"server[engine-process {engine_process}] {mode}@{width}: {out[f'{mode}@{width}']} tok/s",
+                          flush=True)
             if profile_width and profile_out and shutil.which("py-spy"):
                 spy = subprocess.Popen(["py-spy", "record", "--pid", str(proc.pid), "--duration", "8", "--rate", "200",
-                                        "--format", "raw", "--output", str(profile_out), "--threads", "--nonblocking"])
+                                        "--format", "raw", "--output", str(profile_out.with_suffix(f".{engine_process}"
+                                                                                               f"{profile_out.suffix}")),
+                                        "--threads", "--nonblocking", "--subprocesses"])
                 for mode in ("sampled", "greedy"):
                     server_run(pool, base, prompts(profile_width, vocab, mode), MODES[mode])
                 spy.wait(60)
@@ -237,6 +243,9 @@ def main() -> None:
     parser.add_argument("--profile-out", type=Path)
     parser.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", "/tmp")))
     parser.add_argument("--device", default="cuda", choices=("cuda", "cpu"), help="cpu: a smoke run of the script")
+    parser.add_argument("--engine-process", default="auto",
+                        help="the server's --engine-process values to measure, comma-separated (e.g. on,off: both, one "
+                             "after the other, each its own server)")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -252,9 +261,10 @@ def main() -> None:
         path = checkpoint(shape, args.tokenizer, args.logit_scale)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
         report[shape] = {"engine": engine_figures(path, widths)}
-        if not args.no_server:
-            report[shape]["server"] = server_figures(path, widths, vocab, args.profile_width if shape == "smol" else 0,
-                                                     args.profile_out)
+        for engine_process in [] if args.no_server else args.engine_process.split(","):
+            key = "server" if engine_process == "auto" else f"server[engine-process {engine_process}]"
+            report[shape][key] = server_figures(path, widths, vocab, args.profile_width if shape == "smol" else 0,
+                                                args.profile_out, engine_process)
     text = json.dumps(report, indent=1)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -16,6 +16,7 @@ Requests are sampled as clients send them (temperature 0.8, top_p 0.95, ignore_e
     .venv/bin/python bench/run.py --peers mlxcel,llamaserver,llamacpp,transformers
     .venv/bin/python bench/run.py --peers mlxcel --quick
     .venv/bin/python bench/run.py --model qwen2.5-coder-1.5b-instruct --decode-only   # installs it first
+    .venv/bin/python bench/run.py --peers mlxcel-single,mlxcel-split --decode-only  # --engine-process off / on
 
 llama-server is the binary `../shared/tools/build-llama-server GIT_DIR` builds (default
 /tmp/llama-server/build/bin/llama-server, or --llama-server PATH), run as the issue says:
@@ -210,6 +211,9 @@ def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
             "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT)]
 
 
+ENGINE_PROCESS_PEERS = {"mlxcel-single": "off", "mlxcel-split": "on"}  # --engine-process (issue 25)
+
+
 def llama_server_cmd(binary: Path, model: Path, port: int, threads: int, extra: str = "") -> list[str] | None:
     if not binary.exists():
         return None
@@ -313,7 +317,10 @@ def main() -> None:
     for peer in args.peers.split(","):
         port = free_port()
         print(f"== {peer}", file=sys.stderr, flush=True)
-        if peer == "mlxcel":
+        if peer in ENGINE_PROCESS_PEERS:  # issue 25: mlxcel with its engine core in-process or in a child
+            cmd = mlxcel_cmd(model, port, args.threads) + ["--engine-process", ENGINE_PROCESS_PEERS[peer]]
+            results[peer] = run_server_peer(peer, cmd, port, tokenizer, shape, args.quick, args.decode_only)
+        elif peer == "mlxcel":
             results[peer] = run_server_peer(peer, mlxcel_cmd(model, port, args.threads), port, tokenizer,
                                             shape, args.quick, args.decode_only)
         elif peer == "llamaserver":

@@ -185,7 +185,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
                              threads=values["threads"], quantize=values["quantize"],
                              adapters=lora_adapters(values),
                              weight_materialization=values["weight_materialization"],
-                             diffusion=diffusion_options(values))
+                             diffusion=diffusion_options(values), engine_process=values["engine_process"])
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),

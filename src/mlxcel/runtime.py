@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import threading
 import time
 import uuid
@@ -56,11 +57,21 @@ class RuntimeOptions:
     adapters: tuple[tuple[Path, float], ...] = ()  # --adapter / --lora / --lora-scaled: (path, scale) (F8)
     weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
     diffusion: DiffusionOptions = DiffusionOptions()  # a block-diffusion checkpoint's sampler and steps (U)
+    engine_process: str = "off"  # --engine-process: auto | on | off (issue 25: the engine core in a child process)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
             raise ValueError(f"--quantize must be auto or off; not {self.quantize!r}")
         return self.quantize == "auto" and self.device == "cpu" and can_quantize()
+
+    def runs_engine_process(self) -> bool:
+        """Issue 25: auto is on for CUDA (the GIL shared with HTTP held the GPU back) and off for the CPU
+        (on 2 cores a second process competes with the engine for them); see docs/structure.md."""
+        if self.engine_process not in ("auto", "on", "off"):
+            raise ValueError(f"--engine-process must be auto, on or off; not {self.engine_process!r}")
+        if self.engine_process == "auto":
+            return self.device.startswith("cuda")
+        return self.engine_process == "on"
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -160,6 +171,9 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     if is_block_diffusion_checkpoint(resolved.path):
+        if options.engine_process == "on":  # its serial worker is not an EngineCore (issue 25)
+            raise ValueError(f"--engine-process on: {resolved.path} is a block-diffusion model, served by its own "
+                             f"worker in this process; use --engine-process auto or off")
         return start_block_diffusion(resolved, options, engine_config)
     checkpoint = open_checkpoint(resolved.path)
     tokenizer = load_tokenizer(checkpoint)
@@ -171,6 +185,8 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
         gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
     log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
              else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
+    if options.runs_engine_process():
+        return _start_engine_process(resolved, checkpoint, tokenizer, template, options, engine_config, draft)
     served = _on_engine_thread(lambda: _build_served(resolved, checkpoint, tokenizer, template, options, engine_config,
                                                      draft_checkpoint))
     if options.warmup:
@@ -243,6 +259,79 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
                        mtp)
+
+
+def _start_engine_process(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
+                          template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig,
+                          draft: ResolvedModel | None) -> ServedModel:
+    """Issue 25: the engine core (weights, scheduler, KV, sampler) in a spawned child process that loads
+    and warms up the model; this process keeps the tokenizer, template and chat features."""
+    import multiprocessing
+
+    from mlxcel.engine.remote import wait_ready
+
+    context = multiprocessing.get_context("spawn")
+    ours, theirs = context.Pipe()
+    root = logging.getLogger()
+    log_format = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
+    log_files = [h.baseFilename for h in root.handlers if isinstance(h, logging.FileHandler)]  # --log-file
+    process = context.Process(target=engine_process_main, name="mlxcel-engine",
+                              args=(theirs, resolved, options, engine_config, draft, (root.level, log_format, log_files)))
+    process.start()
+    theirs.close()
+    log.info("engine process: pid %d, loading the model", process.pid)
+    try:
+        core = wait_ready(process, ours)
+    except BaseException:  # a load error, or an interrupt while loading: the engine process goes too
+        process.kill()
+        process.join(5)
+        raise
+    info = core.info
+    loaded = LoadedModel(None, checkpoint.config, checkpoint.path, checkpoint.gguf, checkpoint.model_dir)  # type: ignore[arg-type]
+    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
+    log.info("engine process: pid %d ready (the API process keeps HTTP, templates and detokenization)", info.pid)
+    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), info.config,  # type: ignore[arg-type]
+                       features, LoraRegistry(list(info.lora_adapters)), info.mtp)
+
+
+def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,
+                        draft: ResolvedModel | None, logs: tuple[int, str | None, list[str]]) -> None:
+    """The engine process (issue 25): load, build the EngineCore and run it; the API process drives it
+    over `conn`. SIGINT is the API process's to handle (it stops us over the pipe)."""
+    import signal
+
+    from mlxcel.chat.grammar import compile_copies_with
+    from mlxcel.engine.remote import EngineInfo, exit_now, run_engine_process
+
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    level, log_format, log_files = logs
+    handlers: list[logging.Handler] = [logging.StreamHandler(), *(logging.FileHandler(f, encoding="utf-8") for f in log_files)]
+    logging.basicConfig(level=level, format=log_format or "%(levelname)s %(name)s: %(message)s", handlers=handlers,
+                        force=True)
+    if options.threads > 0:
+        torch.set_num_threads(options.threads)
+    box: list[ServedModel] = []
+
+    def build() -> tuple[EngineCore, EngineInfo]:
+        checkpoint = open_checkpoint(resolved.path)
+        tokenizer = load_tokenizer(checkpoint)
+        draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
+        template = load_chat_template(
+            override_source=options.chat_template, override_file=options.chat_template_file,
+            gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
+        served = _build_served(resolved, checkpoint, tokenizer, template, options, engine_config, draft_checkpoint)
+        compile_copies_with(served.features.grammar)  # grammar processors handed over are rebuilt over it
+        box.append(served)
+        core = served.engine.core
+        info = EngineInfo(served.engine_config, core.slot_context, core.memory_budget, core.eos_token_ids,
+                          tuple((e["path"], e["scale"]) for e in served.lora.list()), served.mtp, os.getpid())
+        return core, info
+
+    def warm() -> None:
+        if options.warmup:
+            warmup(box[0])
+
+    exit_now(run_engine_process(conn, build, warm))  # type: ignore[arg-type]
 
 
 _FINGERPRINT_BYTES = 1 << 20

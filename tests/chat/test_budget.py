@@ -140,3 +140,18 @@ def test_r_server_budget_flag() -> None:
         parse_server_budget(-5)
     with pytest.raises(ValueError, match="must be an integer"):
         parse_server_budget("lots")
+
+
+def test_issue25_a_budget_crosses_to_the_engine_process_and_live_control_does_not(think: ThinkTokens) -> None:
+    """--engine-process on pickles each request's processors: a budget keeps its state; a controlled
+    one (reasoning_control, whose flag is set in the API process) refuses, so the request is a 400."""
+    import pickle
+
+    budget = make_budget_processor(think, 3, starts_in_reasoning=True)
+    assert budget is not None
+    budget.accept(5)
+    copy = pickle.loads(pickle.dumps(budget))
+    assert copy.budget == 3 and copy.num_reasoning_tokens == budget.num_reasoning_tokens == 1
+    controlled = make_budget_processor(think, UNLIMITED, starts_in_reasoning=True, is_controlled=True)
+    with pytest.raises(TypeError, match="reasoning_control"):
+        pickle.dumps(controlled)

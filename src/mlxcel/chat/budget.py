@@ -84,6 +84,21 @@ class ReasoningBudget:
         self._is_forcing = False
         # Set from the event-loop thread, read by the engine thread in process(): a flag, no lock.
         self._end_requested = threading.Event()
+        self.is_controlled = False  # reasoning_control: its flag is set in this process only
+
+    def __getstate__(self) -> dict:
+        """A copy for the engine process (issue 25): the budget crosses, live control cannot."""
+        if self.is_controlled:
+            raise TypeError("reasoning_control cannot reach a model in another process (--engine-process on)")
+        return {"budget": self.budget, "_tracker": self._tracker, "_is_forcing": self._is_forcing,
+                "is_controlled": False, "_end_requested": self._end_requested.is_set()}
+
+    def __setstate__(self, state: dict) -> None:
+        requested = state.pop("_end_requested")
+        self.__dict__.update(state)
+        self._end_requested = threading.Event()
+        if requested:
+            self._end_requested.set()
 
     @property
     def num_reasoning_tokens(self) -> int:
@@ -125,4 +140,6 @@ def make_budget_processor(
     budget is unlimited and the request did not opt in to live control (`is_controlled`)."""
     if think is None or (budget == UNLIMITED and not is_controlled):
         return None
-    return ReasoningBudget(think, budget, starts_in_reasoning=starts_in_reasoning)
+    processor = ReasoningBudget(think, budget, starts_in_reasoning=starts_in_reasoning)
+    processor.is_controlled = is_controlled
+    return processor

@@ -234,7 +234,29 @@ class GrammarCompiler:
         """A fresh TokenProcessor for one request (one per choice)."""
         matcher = llguidance.LLMatcher(self.llg_tokenizer, grammar.text, log_level=0)
         tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning) if think is not None else None
-        return GrammarProcessor(matcher, self.tokenizer.eos_token_ids, tracker)
+        return GrammarProcessor(matcher, self.tokenizer.eos_token_ids, tracker, source=grammar.text)
+
+
+# issue 25: a fresh processor handed to the engine process (--engine-process on) is rebuilt there from
+# its grammar's text over that process's compiler, which the engine process registers once it has the
+# tokenizer (a matcher itself does not pickle).
+_copies_compiler: GrammarCompiler | None = None
+
+
+def compile_copies_with(compiler: GrammarCompiler) -> None:
+    global _copies_compiler
+    _copies_compiler = compiler
+
+
+def copies_compiler() -> GrammarCompiler:
+    if _copies_compiler is None:
+        raise RuntimeError("no grammar compiler in this process for a processor handed over from another")
+    return _copies_compiler
+
+
+def _rebuilt_processor(source: str, eos_token_ids: frozenset[int], tracker: ThinkTracker | None) -> GrammarProcessor:
+    matcher = llguidance.LLMatcher(copies_compiler().llg_tokenizer, source, log_level=0)
+    return GrammarProcessor(matcher, eos_token_ids, tracker, source=source)
 
 
 def _probe(matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int]) -> str | None:
@@ -336,11 +358,18 @@ class GrammarProcessor:
     """
 
     def __init__(
-        self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int], tracker: ThinkTracker | None
+        self, matcher: llguidance.LLMatcher, eos_token_ids: frozenset[int], tracker: ThinkTracker | None,
+        *, source: str | None = None,
     ) -> None:
         self.matcher = matcher
         self._eos = eos_token_ids
         self._tracker = tracker
+        self._source = source  # the grammar's text: a fresh copy is rebuilt from it in another process
+
+    def __reduce__(self) -> tuple:
+        if self._source is None:
+            raise TypeError("a grammar processor without its grammar's text cannot be copied")
+        return _rebuilt_processor, (self._source, self._eos, self._tracker)
 
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
         tracker = self._tracker

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 import llguidance
 import torch
 
-from mlxcel.chat.grammar import GrammarCompiler, GrammarProcessor, LazyGrammar
+from mlxcel.chat.grammar import GrammarCompiler, GrammarProcessor, LazyGrammar, copies_compiler
 from mlxcel.chat.reasoning import ThinkTokens, ThinkTracker
 from mlxcel.text.detokenizer import IncrementalDetokenizer
 from mlxcel.text.tokenizer import Tokenizer
@@ -47,6 +47,10 @@ class LazyGrammarProcessor:
         self._text = ""  # the reply's text after any reasoning
         self._scan_from = 0  # a trigger match starts here or later (after the last constrained part)
         self.is_constrained = False
+
+    def __reduce__(self) -> tuple:
+        """A fresh copy for the engine process (issue 25), over that process's tokenizer."""
+        return _rebuilt_lazy, (self._inner, self._lazy, self._tracker)
 
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
         if self.is_constrained:
@@ -93,6 +97,10 @@ def make_lazy_processor(
 ) -> LazyGrammarProcessor:
     """A fresh processor for one choice (the matcher is built now, off the engine thread)."""
     matcher = llguidance.LLMatcher(compiler.llg_tokenizer, lazy.grammar.text, log_level=0)
-    inner = GrammarProcessor(matcher, compiler.tokenizer.eos_token_ids, None)
+    inner = GrammarProcessor(matcher, compiler.tokenizer.eos_token_ids, None, source=lazy.grammar.text)
     tracker = ThinkTracker(think, starts_in_reasoning=starts_in_reasoning) if think is not None else None
     return LazyGrammarProcessor(inner, compiler.tokenizer, lazy, tracker)
+
+
+def _rebuilt_lazy(inner: GrammarProcessor, lazy: LazyGrammar, tracker: ThinkTracker | None) -> LazyGrammarProcessor:
+    return LazyGrammarProcessor(inner, copies_compiler().tokenizer, lazy, tracker)

@@ -133,20 +133,24 @@ class EngineClient:
         return self.core.stats()
 
     async def call(self, fn: Callable[[], Any]) -> Any:
-        """Run fn on the engine thread between steps and await its result."""
+        """Run fn on the engine thread between steps and await its result (an in-process core only)."""
         return await asyncio.wrap_future(self.core.call(fn))
 
+    async def command(self, name: str, *args: Any) -> Any:
+        """One of the core's named commands, in its process or another's (issue 25)."""
+        return await asyncio.wrap_future(self.core.command(name, *args))
+
     async def save_slot(self, slot_id: int, filename: str) -> Any:
-        return await self.call(lambda: self.core.save_slot(slot_id, filename))
+        return await self.command("save_slot", slot_id, filename)
 
     async def restore_slot(self, slot_id: int, filename: str) -> Any:
-        return await self.call(lambda: self.core.restore_slot(slot_id, filename))
+        return await self.command("restore_slot", slot_id, filename)
 
     async def erase_slot(self, slot_id: int) -> int:
-        return await self.call(lambda: self.core.erase_slot(slot_id))
+        return await self.command("erase_slot", slot_id)
 
     async def reset_prefix_cache(self) -> PrefixCacheReset:
-        return await self.call(self.core.reset_prefix_cache)
+        return await self.command("reset_prefix_cache")
 
     async def generate(self, request: Request) -> AsyncIterator[TokenEvent]:
         """Convenience: iterate a request to its end (aborting it if the caller stops early)."""

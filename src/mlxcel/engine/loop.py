@@ -113,6 +113,8 @@ class EngineCore:
         # (there the step computes as it is called, and a late event would only add latency).
         self._defers_events = torch.device(device).type == "cuda" if defer_events is None else defer_events
         self._events: list[tuple[Sink, TokenEvent]] = []  # made, not yet handed to their sinks
+        # issue 25: a core in its own process hands each flush over as one batch (engine/remote.py)
+        self.flush_hook: Callable[[list[TokenEvent]], None] | None = None
         rows = model_lora_rows(model)
         self.lora_adapters = rows.paths if rows is not None else ()  # F8: slot files record them (F12)
         self.eos_token_ids = eos_token_ids
@@ -154,10 +156,14 @@ class EngineCore:
 
     def stop(self, timeout: float = 120.0) -> bool:
         """Abort everything in flight and join the loop thread; True when it exited in time."""
-        self._stopping.set()
-        self._inbox.put(("stop", None))
+        self.request_stop()
         self._thread.join(timeout)
         return not self._thread.is_alive()
+
+    def request_stop(self) -> None:
+        """stop() without the join: the loop aborts what is in flight and returns."""
+        self._stopping.set()
+        self._inbox.put(("stop", None))
 
     @property
     def is_alive(self) -> bool:
@@ -169,13 +175,7 @@ class EngineCore:
             raise EngineShutdownError("the engine stopped after an internal error; see the server log")
         if self._stopping.is_set():
             raise EngineShutdownError("the server is shutting down")
-        if len(request.prompt_token_ids) >= self.slot_context and not self.config.max_kv_size:
-            raise ContextOverflowError(len(request.prompt_token_ids), self.slot_context)
-        if not request.prompt_token_ids:
-            raise ValueError("the prompt is empty: at least one token is needed")
-        self._apply_server_defaults(request)
-        self._clamp_max_tokens(request)
-        self._check_memory(request)
+        admit(request, self.config, self.slot_context, self.memory_budget)
         with self._lock:
             # NOTE: a request still in the inbox is bound for a free slot as often as for the queue, so
             # admission counts all unfinished requests against slots + depth (never the timing of the loop).
@@ -187,34 +187,6 @@ class EngineCore:
             self._num_pending += 1
             self._inbox.put(("add", (request, sink)))
 
-    def _apply_server_defaults(self, request: Request) -> None:
-        """--n-predict fills a missing max_tokens and --seed a missing seed, as llama-server's -n and -s do
-        ("the per-request limit takes priority over the global one")."""
-        sampling, default = request.sampling, self.config.n_predict
-        if default > 0 and sampling.max_tokens is None:
-            sampling = replace(sampling, max_tokens=default)
-        if self.config.seed >= 0 and sampling.seed is None:
-            sampling = replace(sampling, seed=self.config.seed)
-        request.sampling = sampling
-
-    def _clamp_max_tokens(self, request: Request) -> None:
-        """max_tokens past the slot's context is cut to what fits, as llama-server does, and logged."""
-        if self.config.max_kv_size:
-            return  # a sliding window keeps going past the context
-        room = self.slot_context - len(request.prompt_token_ids)
-        wanted = request.sampling.max_tokens
-        if wanted is not None and wanted > room:
-            log.info("request %s: max_tokens %d clamped to %d (context %d, prompt %d tokens)",
-                     request.request_id, wanted, room, self.slot_context, len(request.prompt_token_ids))
-            request.sampling = replace(request.sampling, max_tokens=room)
-
-    def _check_memory(self, request: Request) -> None:
-        """Spec O: the prompt plus the planned output must fit the request memory budget."""
-        num_prompt = len(request.prompt_token_ids)
-        planned = request.sampling.max_tokens
-        num_output = planned if planned is not None else max(self.slot_context - num_prompt, 0)
-        self.memory_budget.check(request.request_id, num_prompt, num_output)
-
     def abort(self, request_id: str) -> None:
         self._inbox.put(("abort", request_id))
 
@@ -223,6 +195,14 @@ class EngineCore:
         future: Future = Future()
         self._inbox.put(("call", (fn, future)))
         return future
+
+    COMMANDS = frozenset({"save_slot", "restore_slot", "erase_slot", "reset_prefix_cache"})
+
+    def command(self, name: str, *args: Any) -> Future:
+        """`call` for one of COMMANDS by name: what a core in another process can be asked (issue 25)."""
+        if name not in self.COMMANDS:
+            raise ValueError(f"unknown engine command {name!r}")
+        return self.call(lambda: getattr(self, name)(*args))
 
     def stats(self) -> EngineStats:
         with self._lock:
@@ -490,6 +470,11 @@ class EngineCore:
 
     def _flush_events(self) -> None:
         events, self._events = self._events, []
+        hook = self.flush_hook
+        if hook is not None:
+            if events:
+                hook([event for _, event in events])
+            return
         for sink, event in events:
             sink(event)
 
@@ -526,6 +511,49 @@ class EngineCore:
                 sink = self._sinks.pop(request_id, None)
                 if sink is not None:
                     sink(_error_event(request_id))
+
+
+def admit(request: Request, config: EngineConfig, slot_context: int, budget: MemoryBudget) -> None:
+    """The checks and defaults of a submit, before the request reaches the loop: context overflow, an
+    empty prompt, the server's defaults, max_tokens clamped to the context, the memory budget (spec O)."""
+    if len(request.prompt_token_ids) >= slot_context and not config.max_kv_size:
+        raise ContextOverflowError(len(request.prompt_token_ids), slot_context)
+    if not request.prompt_token_ids:
+        raise ValueError("the prompt is empty: at least one token is needed")
+    _apply_server_defaults(request, config)
+    _clamp_max_tokens(request, config, slot_context)
+    _check_memory(request, slot_context, budget)
+
+
+def _apply_server_defaults(request: Request, config: EngineConfig) -> None:
+    """--n-predict fills a missing max_tokens and --seed a missing seed, as llama-server's -n and -s do
+    ("the per-request limit takes priority over the global one")."""
+    sampling, default = request.sampling, config.n_predict
+    if default > 0 and sampling.max_tokens is None:
+        sampling = replace(sampling, max_tokens=default)
+    if config.seed >= 0 and sampling.seed is None:
+        sampling = replace(sampling, seed=config.seed)
+    request.sampling = sampling
+
+
+def _clamp_max_tokens(request: Request, config: EngineConfig, slot_context: int) -> None:
+    """max_tokens past the slot's context is cut to what fits, as llama-server does, and logged."""
+    if config.max_kv_size:
+        return  # a sliding window keeps going past the context
+    room = slot_context - len(request.prompt_token_ids)
+    wanted = request.sampling.max_tokens
+    if wanted is not None and wanted > room:
+        log.info("request %s: max_tokens %d clamped to %d (context %d, prompt %d tokens)",
+                 request.request_id, wanted, room, slot_context, len(request.prompt_token_ids))
+        request.sampling = replace(request.sampling, max_tokens=room)
+
+
+def _check_memory(request: Request, slot_context: int, budget: MemoryBudget) -> None:
+    """Spec O: the prompt plus the planned output must fit the request memory budget."""
+    num_prompt = len(request.prompt_token_ids)
+    planned = request.sampling.max_tokens
+    num_output = planned if planned is not None else max(slot_context - num_prompt, 0)
+    budget.check(request.request_id, num_prompt, num_output)
 
 
 def _open_disk_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager, identity: str) -> DiskBlockStore | None:

@@ -289,6 +289,10 @@ class BlockDiffusionWorker:
             future.set_exception(exc)
         return future
 
+    def command(self, name: str, *args: Any) -> Future[Any]:
+        """EngineCore.command's named calls (slot actions, cache reset), run now."""
+        return self.call(lambda: getattr(self, name)(*args))
+
     # llama-server's slot actions and prompt-cache reset: a block-diffusion model keeps no KV between
     # requests, so a slot action is a 400 naming why and a reset resets nothing.
     def save_slot(self, slot_id: int, filename: str) -> Any:

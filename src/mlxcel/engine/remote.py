@@ -1,0 +1,404 @@
+"""The engine core in a process of its own (issue 25, `--engine-process on`).
+
+The API process keeps HTTP, templates, tokenization, detokenization and stop strings; the child
+owns the model, scheduler, KV cache and sampler (an `EngineCore` on its main thread). They talk
+over one pipe of pickled messages:
+
+    API -> engine: ("add", Request) ("abort", id) ("command", n, name, args) ("stats", n)
+                   ("config", EngineConfig) ("stop",)
+    engine -> API: ("ready", EngineInfo) ("load_error", exception) ("events", [TokenEvent, ...])
+                   ("reply", n, ok, value) ("stopped", clean)
+
+An engine step's events travel as one message (the core's flush hook), not one per token, so
+the API process wakes once per step and its per-token work never holds the engine's GIL.
+`RemoteCore` is the API side: the calls `EngineClient` makes of an `EngineCore`.
+"""
+
+from __future__ import annotations
+
+import atexit
+import itertools
+import logging
+import os
+import pickle
+import threading
+from collections.abc import Callable
+from concurrent.futures import Future
+from dataclasses import dataclass, replace
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
+from typing import Any
+
+from mlxcel.config import EngineConfig
+from mlxcel.engine.admission import MemoryBudget
+from mlxcel.engine.loop import EngineCore, Sink, admit
+from mlxcel.types import (
+    EngineError, EngineShutdownError, EngineStats, FinishReason, MtpDecision, QueueFullError, Request, TokenEvent,
+)
+
+log = logging.getLogger(__name__)
+
+STATS_TIMEOUT_S = 10.0  # a /metrics or /slots read waits at most this long for the engine process
+
+
+class EngineProcessError(EngineError):
+    """The engine process died or could not start."""
+
+
+@dataclass(frozen=True, slots=True)
+class EngineInfo:
+    """What the API process needs of the engine once it is built (sent with "ready")."""
+
+    config: EngineConfig  # fitted to the model (one slot for a family that cannot batch, ...)
+    slot_context: int
+    memory_budget: MemoryBudget
+    eos_token_ids: frozenset[int]
+    lora_adapters: tuple[tuple[str, float], ...]  # the loaded adapters' paths and scales (F8)
+    mtp: MtpDecision | None
+    pid: int
+
+
+# ---- the API process's side ----
+
+
+class RemoteCore:
+    """The API process's stand-in for an EngineCore that runs in `process` (issue 25)."""
+
+    drafts = None  # the draft policy lives in the engine process (ServedModel.mtp reads EngineInfo's)
+
+    def __init__(self, process: BaseProcess, conn: Connection, info: EngineInfo) -> None:
+        self._process = process
+        self._conn = conn
+        self._config = info.config
+        self.slot_context = info.slot_context
+        self.memory_budget = info.memory_budget
+        self.eos_token_ids = info.eos_token_ids
+        self.info = info
+        self.failure: BaseException | None = None
+        self._sinks: dict[str, Sink] = {}  # unfinished requests: admission counts them
+        self._replies: dict[int, Future] = {}
+        self._numbers = itertools.count()
+        self._lock = threading.Lock()
+        self._send_lock = threading.Lock()
+        self._is_stopping = False
+        # NOTE: named _thread as EngineCore's loop thread is: the cluster replica watches it
+        self._thread = threading.Thread(target=self._read, name="mlxcel-engine-reader", daemon=True)
+        self._thread.start()
+        self._last_stats: EngineStats = self._fetch_stats()
+        atexit.register(self._kill_at_exit)  # before multiprocessing's own exit hook joins the process
+
+    def _kill_at_exit(self) -> None:
+        """An API process that exits without stop() (a startup error) takes its engine process along."""
+        if self._process.is_alive():
+            self._is_stopping = True
+            self._process.kill()
+
+    @property
+    def config(self) -> EngineConfig:
+        return self._config
+
+    @config.setter
+    def config(self, value: EngineConfig) -> None:  # EngineClient.reconfigure (F9): both sides see it
+        self._config = value
+        self._send(("config", value))
+
+    @property
+    def is_alive(self) -> bool:
+        return self.failure is None
+
+    @property
+    def pid(self) -> int | None:
+        return self._process.pid
+
+    def submit(self, request: Request, sink: Sink) -> None:
+        with self._lock:
+            if self.failure is not None:
+                raise EngineShutdownError("the engine process stopped after an error; see the server log")
+            if self._is_stopping:
+                raise EngineShutdownError("the server is shutting down")
+            admit(request, self._config, self.slot_context, self.memory_budget)
+            if len(self._sinks) >= self._config.max_num_seqs + self._config.max_queue_depth:
+                raise QueueFullError(f"the request queue is full ({self._config.max_queue_depth} waiting)")
+            try:
+                message = pickle.dumps(("add", request), protocol=pickle.HIGHEST_PROTOCOL)
+            except Exception as exc:  # noqa: BLE001 - a per-request plug-in that cannot cross
+                raise ValueError(f"this request cannot be handed to the engine process (--engine-process on): "
+                                 f"{_plugins(request)} cannot be copied ({exc})") from None
+            self._sinks[request.request_id] = sink
+        self._send_bytes(message)
+
+    def abort(self, request_id: str) -> None:
+        try:
+            self._send(("abort", request_id))
+        except EngineShutdownError:
+            pass  # the process is gone: the reader fails every request in flight
+
+    def command(self, name: str, *args: Any) -> Future:
+        if name not in EngineCore.COMMANDS:
+            raise ValueError(f"unknown engine command {name!r}")
+        number, future = self._reply_slot()
+        self._send(("command", number, name, args))
+        return future
+
+    def call(self, fn: Callable[[], Any]) -> Future:
+        raise EngineProcessError("the engine runs in its own process (--engine-process on): only named commands "
+                                 "cross to it")
+
+    def stats(self) -> EngineStats:
+        if self.failure is not None or self._is_stopping:
+            return _dead(self._last_stats) if self.failure is not None else self._last_stats
+        try:
+            self._last_stats = self._fetch_stats()
+        except Exception:  # noqa: BLE001 - the reader fails the future when the process died
+            log.warning("engine process: no stats within %.0f s", STATS_TIMEOUT_S)
+        return self._last_stats if self.failure is None else _dead(self._last_stats)
+
+    def _fetch_stats(self) -> EngineStats:
+        number, future = self._reply_slot()
+        try:
+            self._send(("stats", number))
+            return future.result(STATS_TIMEOUT_S)
+        finally:
+            with self._lock:
+                self._replies.pop(number, None)
+
+    def stop(self, timeout: float = 120.0) -> bool:
+        """Drain (abort in flight, the disk tier's flush) and wait up to `timeout` for the engine process
+        to exit (0: only ask, as the server does first); True once it exited cleanly."""
+        if not self._is_stopping:
+            self._is_stopping = True
+            try:
+                self._send(("stop",))
+            except EngineShutdownError:
+                pass  # already gone
+        self._process.join(timeout)
+        if self._process.is_alive():
+            return False
+        self._thread.join(5)
+        return self._process.exitcode == 0
+
+    def _reply_slot(self) -> tuple[int, Future]:
+        future: Future = Future()
+        with self._lock:
+            if self.failure is not None:
+                raise EngineShutdownError("the engine process stopped after an error; see the server log")
+            number = next(self._numbers)
+            self._replies[number] = future
+        return number, future
+
+    def _send(self, message: tuple) -> None:
+        self._send_bytes(pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL))
+
+    def _send_bytes(self, data: bytes) -> None:
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError as exc:  # the process is gone: the reader fails what is in flight
+            raise EngineShutdownError(f"the engine process is gone ({exc})") from None
+
+    # ---- the reader thread ----
+
+    def _read(self) -> None:
+        try:
+            while True:
+                message = pickle.loads(self._conn.recv_bytes())
+                kind = message[0]
+                if kind == "events":
+                    self._deliver(message[1])
+                elif kind == "reply":
+                    self._answer(*message[1:])
+                elif kind == "stopped":
+                    log.info("engine process %s stopped (%s)", self._process.pid,
+                             "clean" if message[1] else "after an error")
+        except (EOFError, OSError):
+            pass
+        except Exception:  # noqa: BLE001 - a message that cannot be read ends the link
+            log.exception("engine process: a message could not be read")
+        self._process.join(2)
+        self._gone()
+
+    def _deliver(self, events: list[TokenEvent]) -> None:
+        for event in events:
+            with self._lock:
+                sink = self._sinks.get(event.request_id)
+                if event.finish_reason is not None:
+                    self._sinks.pop(event.request_id, None)
+            if sink is not None:
+                sink(event)
+
+    def _answer(self, number: int, is_ok: bool, value: Any) -> None:
+        with self._lock:
+            future = self._replies.pop(number, None)
+        if future is None:
+            return  # its caller gave up waiting
+        if is_ok:
+            future.set_result(value)
+        else:
+            future.set_exception(value)
+
+    def _gone(self) -> None:
+        """The pipe closed: after stop() that is the end; otherwise the engine process died."""
+        code = self._process.exitcode
+        reason = f"the engine process (pid {self._process.pid}) exited with code {code}"
+        if not (self._is_stopping and code == 0):
+            if not self._is_stopping:
+                log.critical("%s; failing every request in flight", reason)
+            with self._lock:
+                self.failure = EngineProcessError(reason)
+        with self._lock:
+            sinks, self._sinks = self._sinks, {}
+            replies, self._replies = self._replies, {}
+        message = f"{reason}; see the server log"
+        for request_id, sink in sinks.items():
+            sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR, error=message, error_status=503))
+        for future in replies.values():
+            future.set_exception(EngineShutdownError(message))
+
+
+def _plugins(request: Request) -> str:
+    names = sorted({type(p).__name__ for p in request.processors})
+    return f"its token processors ({', '.join(names)})" if names else "the request"
+
+
+def _dead(stats: EngineStats) -> EngineStats:
+    return replace(stats, is_alive=False)
+
+
+def wait_ready(process: BaseProcess, conn: Connection) -> RemoteCore:
+    """Wait for the engine process to load and warm up; its load error is raised here."""
+    while True:
+        try:
+            message = pickle.loads(conn.recv_bytes())
+        except (EOFError, OSError):
+            process.join(5)
+            raise EngineProcessError(f"the engine process exited with code {process.exitcode} while loading the "
+                                     f"model; see the log above") from None
+        if message[0] == "ready":
+            try:
+                return RemoteCore(process, conn, message[1])
+            except BaseException:
+                process.kill()
+                raise
+        if message[0] == "load_error":
+            process.join(30)
+            raise message[1]
+
+
+# ---- the engine process's side ----
+
+
+class EngineLink:
+    """The engine process's end of the pipe: feeds the core's inbox and sends its events in batches."""
+
+    def __init__(self, core: EngineCore, conn: Connection) -> None:
+        self.core = core
+        self._conn = conn
+        self._send_lock = threading.Lock()
+
+    def send(self, message: tuple) -> None:
+        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            with self._send_lock:
+                self._conn.send_bytes(data)
+        except OSError:
+            pass  # the API process is gone; the reader below stops the core
+
+    def send_one(self, event: TokenEvent) -> None:
+        """The sink of every request: aborts and failures outside a flush go out at once."""
+        self.send(("events", [event]))
+
+    def send_batch(self, events: list[TokenEvent]) -> None:
+        self.send(("events", events))
+
+    def serve(self) -> None:
+        """Read the API process's messages until "stop" or until it is gone (no orphan engine)."""
+        self.core.flush_hook = self.send_batch
+        while True:
+            try:
+                message = pickle.loads(self._conn.recv_bytes())
+            except (EOFError, OSError):
+                log.warning("engine process: the API process is gone; stopping")
+                self.core.request_stop()
+                return
+            if not self._handle(message):
+                return
+
+    def _handle(self, message: tuple) -> bool:
+        kind = message[0]
+        if kind == "add":
+            self._add(message[1])
+        elif kind == "abort":
+            self.core.abort(message[1])
+        elif kind == "command":
+            _, number, name, args = message
+            self.core.command(name, *args).add_done_callback(lambda f: self._reply(number, f))
+        elif kind == "stats":
+            self.send(("reply", message[1], True, self.core.stats()))
+        elif kind == "config":
+            self.core.config = message[1]
+        elif kind == "stop":
+            self.core.request_stop()
+            return False
+        return True
+
+    def _add(self, request: Request) -> None:
+        try:
+            self.core.submit(request, self.send_one)
+        except Exception as exc:  # noqa: BLE001 - the API process checked first; answer, never hang
+            status = 503 if isinstance(exc, EngineError) else 400 if isinstance(exc, ValueError) else 500
+            self.send_one(TokenEvent(request.request_id, (), finish_reason=FinishReason.ERROR, error=str(exc),
+                                     error_status=status))
+
+    def _reply(self, number: int, future: Future) -> None:
+        exc = future.exception()
+        if exc is not None:
+            try:
+                pickle.dumps(exc)
+            except Exception:  # noqa: BLE001 - an error that cannot cross goes as its text
+                exc = RuntimeError(str(exc))
+            self.send(("reply", number, False, exc))
+        else:
+            self.send(("reply", number, True, future.result()))
+
+
+def run_engine_process(conn: Connection, build: Callable[[], tuple[EngineCore, EngineInfo]],
+                       warm: Callable[[], None]) -> int:
+    """The engine process's main: build the core (a load error goes back to the API process), run
+    the loop on this thread, warm up and then serve the pipe on another; the exit code."""
+    try:
+        core, info = build()
+    except BaseException as exc:  # noqa: BLE001 - re-raised in the API process
+        try:
+            pickle.dumps(exc)
+        except Exception:  # noqa: BLE001
+            exc = EngineProcessError(f"{type(exc).__name__}: {exc}")
+        try:
+            conn.send_bytes(pickle.dumps(("load_error", exc), protocol=pickle.HIGHEST_PROTOCOL))
+        except OSError:
+            pass  # the API process is gone
+        return 2
+    link = EngineLink(core, conn)
+    core.adopt_current_thread()
+
+    def link_main() -> None:
+        try:
+            warm()
+        except BaseException as exc:  # noqa: BLE001 - a failed warmup is a failed start
+            log.exception("engine process: warmup failed")
+            link.send(("load_error", EngineProcessError(f"warmup failed: {exc}")))
+            core.request_stop()
+            return
+        link.send(("ready", info))
+        link.serve()
+
+    threading.Thread(target=link_main, name="mlxcel-engine-link", daemon=True).start()
+    core.run_on_this_thread()
+    clean = core.failure is None
+    link.send(("stopped", clean))
+    return 0 if clean else 1
+
+
+def exit_now(code: int) -> None:
+    """Leave the engine process without running interpreter teardown (CUDA contexts, compile workers)."""
+    logging.shutdown()
+    os._exit(code)
