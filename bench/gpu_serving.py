@@ -220,7 +220,7 @@ def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int
                                         "--format", "raw", "--output", str(profile_out.with_suffix(f".{engine_process}"
                                                                                                f"{profile_out.suffix}")),
                                         "--threads", "--nonblocking", "--subprocesses"])
-                for mode in ("sampled", "greedy"):
+                for mode in MODES:  # the modes measured (--modes), under the profiler
                     server_run(pool, base, prompts(profile_width, vocab, mode), MODES[mode])
                 spy.wait(60)
     finally:

@@ -66,37 +66,49 @@ class DecodeInputs:
 
 
 def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, num_rows: int | None = None,
-                 num_keys: int | None = None, num_adapters: int = 0) -> DecodeInputs:
-    """Host tensors for `rows`, padded to `num_rows` rows and `num_keys` keys (default: just enough).
+                 num_keys: int | None = None, num_adapters: int = 0,
+                 device: torch.device | str = "cpu") -> DecodeInputs:
+    """The step's input tensors for `rows` on `device`, padded to `num_rows` rows and `num_keys` keys
+    (default: just enough).
 
     Built for the whole batch at once (a handful of tensor ops, not a few per row: at 64 rows the
-    per-row version cost ~2 ms a step, longer than the GPU's step)."""
+    per-row version cost ~2 ms a step, longer than the GPU's step). Only the per-row values cross from
+    the host (copies that do not wait for the device's queue); the [rows, keys] slot and position maps
+    are expanded on `device`: on the host they took most of the engine process's time at 256 rows
+    (py-spy on an H200, issue 25)."""
     num_rows = num_rows or len(rows)
     count = len(rows)
-    starts = torch.tensor([r.kv_start for r in rows], dtype=torch.long)
-    last = torch.tensor([r.position for r in rows], dtype=torch.long)
-    num_keys = num_keys or -(-int((last + 1 - starts).max()) // KEY_ALIGN) * KEY_ALIGN
+    num_keys = num_keys or -(-max(r.position + 1 - r.kv_start for r in rows) // KEY_ALIGN) * KEY_ALIGN
     width = max(len(r.block_table) for r in rows)
-    tables = torch.tensor([r.block_table + (0,) * (width - len(r.block_table)) for r in rows], dtype=torch.long)
-    pos = starts.unsqueeze(1) + torch.arange(num_keys).unsqueeze(0)  # [rows, keys]
+    tables = _on(device, [r.block_table + (0,) * (width - len(r.block_table)) for r in rows])
+    starts = _on(device, [r.kv_start for r in rows])
+    last = _on(device, [r.position for r in rows])
+    pos = starts.unsqueeze(1) + torch.arange(num_keys, device=device).unsqueeze(0)  # [rows, keys]
     live = pos <= last.unsqueeze(1)
-    blocks = tables.gather(1, (pos // block_size).clamp(max=width - 1))  # past a row's end: masked below
-    key_slots = torch.full((num_rows, num_keys), scratch_slot, dtype=torch.long)
-    key_pos = torch.full((num_rows, num_keys), -1, dtype=torch.long)
-    key_slots[:count] = torch.where(live, blocks * block_size + pos % block_size, scratch_slot)
+    blocks = tables.gather(1, pos.div(block_size, rounding_mode="floor").clamp(max=width - 1))  # past the end: masked
+    key_slots = torch.full((num_rows, num_keys), scratch_slot, dtype=torch.long, device=device)
+    key_pos = torch.full((num_rows, num_keys), -1, dtype=torch.long, device=device)
+    key_slots[:count] = torch.where(live, blocks * block_size + pos.remainder(block_size), scratch_slot)
     key_pos[:count] = torch.where(live, pos, -1)
-    ids = torch.zeros(num_rows, dtype=torch.long)
-    positions = torch.zeros(num_rows, dtype=torch.long)
-    slots = torch.full((num_rows,), scratch_slot, dtype=torch.long)
-    ids[:count] = torch.tensor([r.token_id for r in rows], dtype=torch.long)
+    ids = torch.zeros(num_rows, dtype=torch.long, device=device)
+    positions = torch.zeros(num_rows, dtype=torch.long, device=device)
+    slots = torch.full((num_rows,), scratch_slot, dtype=torch.long, device=device)
+    ids[:count] = _on(device, [r.token_id for r in rows])
     positions[:count] = last
-    slots[:count] = tables.gather(1, (last // block_size).unsqueeze(1)).squeeze(1) * block_size + last % block_size
+    slots[:count] = (tables.gather(1, last.div(block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1) * block_size
+                     + last.remainder(block_size))
     if not all(r.writes_kv for r in rows):
-        slots[:count] = torch.where(torch.tensor([r.writes_kv for r in rows]), slots[:count], scratch_slot)
-    lora = torch.zeros(num_rows, num_adapters)  # padding rows and rows without scales: the base model
+        writes = _on(device, [r.writes_kv for r in rows], torch.bool)
+        slots[:count] = torch.where(writes, slots[:count], scratch_slot)
+    lora = torch.zeros(num_rows, num_adapters, device=device)  # padding rows and rows without scales: the base model
     if any(r.lora_scales for r in rows):
-        lora[:count] = torch.tensor([r.lora_scales or (0.0,) * num_adapters for r in rows])
+        lora[:count] = _on(device, [r.lora_scales or (0.0,) * num_adapters for r in rows], torch.float32)
     return DecodeInputs(ids, positions, slots, key_slots, key_pos, lora)
+
+
+def _on(device: torch.device | str, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
+    """A small host list as a tensor on `device`; a non-blocking copy, so a GPU's queue is not waited for."""
+    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class DecodeStep:
@@ -178,9 +190,8 @@ class DecodeStep:
         # are ordered differently; a padding row keeps every batch on the one symbolic graph.
         num_rows = max(len(rows), 2) if self.mode == "compile" else len(rows)
         inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
-                              num_adapters=self.num_adapters)
-        tensors = [t.to(self.device, non_blocking=True) for t in inputs.tensors()]
-        logits = self.forward(*tensors)
+                              num_adapters=self.num_adapters, device=self.device)
+        logits = self.forward(*inputs.tensors())
         return logits[:len(rows)].float()
 
     @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
@@ -283,7 +294,7 @@ class CudaGraphs:
             self._capture(*key)
         graph, static, logits = self._graphs[key]
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_rows=key[0], num_keys=key[1],
-                              num_adapters=self.step.num_adapters)
+                              num_adapters=self.step.num_adapters, device=self.step.device)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
         graph.replay()  # launched, not awaited: the sampler's read of the logits waits for it
@@ -291,17 +302,17 @@ class CudaGraphs:
 
     def _run_uncaptured(self, rows: list[DecodeRow]) -> torch.Tensor:
         kv = self.step.kv_cache
-        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters)
-        logits = self.step.forward(*(t.to(self.step.device) for t in inputs.tensors()))
+        inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters,
+                              device=self.step.device)
+        logits = self.step.forward(*inputs.tensors())
         return logits.float()
 
     def _capture(self, num_rows: int, num_keys: int) -> None:
         kv = self.step.kv_cache
         device = self.step.device
         scratch = self.step._scratch_row(min(num_keys, self.step.max_positions))
-        host = build_inputs([scratch] * num_rows, kv.block_size, kv.scratch_slot, num_rows=num_rows,
-                            num_keys=num_keys, num_adapters=self.step.num_adapters)
-        static = DecodeInputs(*(t.to(device) for t in host.tensors()))
+        static = build_inputs([scratch] * num_rows, kv.block_size, kv.scratch_slot, num_rows=num_rows,
+                              num_keys=num_keys, num_adapters=self.step.num_adapters, device=device)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
