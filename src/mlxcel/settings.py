@@ -384,9 +384,11 @@ SETTINGS: tuple[Setting, ...] = (
        "used dropped first (default 20G; 0 = no disk tier)", ("--prefix-cache-disk-size",),
        "MLXCEL_PREFIX_CACHE_DISK_SIZE", metavar="SIZE", group="engine"),
     # issue 29 point 5: on a GPU, device evictions park in pinned host RAM before the disk tier
-    _s("prefix_cache_host_size", auto_size(), "auto", "most bytes of KV blocks the prefix cache keeps in host memory "
-       "between the GPU's KV pool and the disk tier, least recently used spilled to disk (auto = a quarter of RAM "
-       "on CUDA, 0 on the CPU, where the KV pool already is host memory; 0 = off)", ("--prefix-cache-host-size",),
+    # NOTE: off by default: its saves still run on the engine thread (half of the engine process's time under
+    # 256 fresh streams on an H200), so it is for workloads that come back to long prefixes
+    _s("prefix_cache_host_size", auto_size(), "0", "most bytes of KV blocks the prefix cache keeps in host memory "
+       "between the GPU's KV pool and the disk tier, least recently used spilled to disk (0 = off; auto = a quarter "
+       "of RAM on CUDA, 0 on the CPU, where the KV pool already is host memory)", ("--prefix-cache-host-size",),
        "MLXCEL_PREFIX_CACHE_HOST_SIZE", metavar="SIZE", group="engine"),
     _s("max_kv_size", NON_NEGATIVE, 0, "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
        ("--max-kv-size",), "LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
