@@ -170,20 +170,27 @@ class AttentionContext:
         """A prefill chunk over the cache, in query blocks aligned to absolute positions.
 
         NOTE: query block [b, b + PREFILL_BLOCK) always attends over keys kv_start..b + PREFILL_BLOCK
-        (missing ones masked), so a query row gets the same kernel call, key count and bits whether
-        its prompt came in one chunk, in several, or after a prefix-cache hit. A single call over the
-        whole chunk would pick other kernel splits for other lengths (issue 11, point 4).
+        (missing ones masked) with all PREFILL_BLOCK query rows (those outside the chunk zeros, their
+        outputs dropped), so a query row gets the same kernel call, key count and bits whether its
+        prompt came in one chunk, in several, or after a prefix-cache hit. A call over fewer rows
+        gives them other bits: oneDNN's float32 attention splits queries by 32 and a split of 1-3
+        rows sums in another order (issue 27: with float32 rows into the int8-activation kernels that
+        moved greedy tokens after a hit); a single call over the whole chunk would split it elsewhere.
         """
         first = s.kv_len - s.q_len  # position of the chunk's first query
         out = torch.empty_like(q)
         for block in range(first - first % PREFILL_BLOCK, s.kv_len, PREFILL_BLOCK):
             lo, hi = max(block, first) - first, min(block + PREFILL_BLOCK, s.kv_len) - first
             num_keys = block + PREFILL_BLOCK - s.kv_start
-            mask = self._cached(("prefill", index, block, window),
-                                lambda: self._prefill_block_mask(s, block, lo + first, hi + first, window))
-            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q[lo:hi], keys[:num_keys], values[:num_keys]))
-            out[lo:hi] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                        enable_gqa=True).squeeze(0).transpose(0, 1)
+            mask = self._cached(("prefill", index, block, window), lambda: self._prefill_block_mask(s, block, window))
+            rows = q[lo:hi]
+            if hi - lo < PREFILL_BLOCK:
+                rows = q.new_zeros(PREFILL_BLOCK, *q.shape[1:])
+                rows[lo + first - block:hi + first - block] = q[lo:hi]
+            qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (rows, keys[:num_keys], values[:num_keys]))
+            attended = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
+                                                      enable_gqa=True).squeeze(0).transpose(0, 1)
+            out[lo:hi] = attended if hi - lo == PREFILL_BLOCK else attended[lo + first - block:hi + first - block]
         return out
 
     def _prefill_group(self, window: int | None) -> _PrefillGroup:
@@ -224,13 +231,14 @@ class AttentionContext:
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
         return out.transpose(1, 2)[group.is_query]
 
-    def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
-                            window: int | None) -> torch.Tensor:
+    def _prefill_block_mask(self, s: SequenceSlice, block: int, window: int | None) -> torch.Tensor:
+        """The causal (and window) mask of query block [block, block + PREFILL_BLOCK), all its rows."""
         key_pos = torch.arange(s.kv_start, block + PREFILL_BLOCK, device=self.device).unsqueeze(0)
-        q_pos = torch.arange(q_lo, q_hi, device=self.device).unsqueeze(1)
+        q_pos = torch.arange(block, block + PREFILL_BLOCK, device=self.device).unsqueeze(1)
         mask = key_pos <= q_pos  # causal; keys not written yet lie past every query, so masked too
         if window is not None:
             mask &= key_pos > q_pos - window
+        mask[:, 0] |= ~mask.any(-1)  # a padding row before kv_start attends one key (no NaN); dropped
         return mask
 
     def _attend_uncached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
