@@ -112,18 +112,29 @@ class GGUFFile:
         group_scales = _INT8_SCALES.get(tensor.type_name)
         if group_scales is None or len(tensor.shape) != 2:
             return None
+        import gguf
+
         rows, cols = tensor.shape
+        qtype, block_bytes = gguf.GGMLQuantizationType[tensor.type_name], _INT8_BLOCK_BYTES[tensor.type_name]
+        codes = np.empty((rows, cols), dtype=np.int8)
+        scales: list[np.ndarray] = []
         try:
-            values = self._dequantize(tensor).reshape(rows, -1)
-            blocks = np.asarray(tensor.raw).view(np.uint8).reshape(-1, _INT8_BLOCK_BYTES[tensor.type_name])
-            scale = group_scales(blocks).reshape(rows, -1)  # [N, K / group]
+            raw = np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1)
+            step = max(1, DEQUANTIZE_CHUNK // raw.shape[1])
+            # In slices of rows: the float temporaries stay a slice's size (Qwen2.5-1.5B's Q6_K head
+            # whole: several float32 copies of 0.9 GB at once, +1 GB peak RSS at load).
+            for start in range(0, rows, step):
+                part = raw[start:start + step]
+                scale = group_scales(part.reshape(-1, block_bytes)).reshape(len(part), -1)  # [n, K / group]
+                values = gguf.quants.dequantize(part, qtype).reshape(len(part), scale.shape[1], -1)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    part_codes = np.rint(values / scale[..., None])
+                part_codes = np.where(scale[..., None] != 0, part_codes, 0).clip(-128, 127)
+                codes[start:start + step] = part_codes.reshape(len(part), cols)
+                scales.append(scale.astype(np.float32))
         finally:
             self.release_pages()
-        group = cols // scale.shape[1]
-        with np.errstate(divide="ignore", invalid="ignore"):
-            codes = np.rint(values.reshape(rows, -1, group) / scale[..., None])
-        codes = np.where(scale[..., None] != 0, codes, 0).clip(-128, 127).astype(np.int8)
-        return codes.reshape(rows, cols), scale.astype(np.float32)
+        return codes, np.concatenate(scales)
 
     def _check_tensor_types(self) -> None:
         for tensor in self.tensors.values():
