@@ -40,3 +40,23 @@ def test_issue25_one_padded_prefill_call_equals_the_block_aligned_calls(window: 
             offset += 1
         outputs.append(step(kv, seqs, seed=1, window=window))
     assert torch.allclose(outputs[0], outputs[1], atol=1e-5), (outputs[0] - outputs[1]).abs().max()
+
+
+@pytest.mark.parametrize("tail", [1, 3, 35])
+def test_issue27_a_prompts_rows_get_the_same_bits_in_one_chunk_and_after_a_cached_prefix(tail: int) -> None:
+    """Issue 27: float32 rows of a prompt attend to the same bits whether the prompt came in one chunk
+    or its last `tail` rows came after a cached prefix (a prefix-cache hit, chunked prefill). Called on
+    1-3 query rows, oneDNN's attention summed them in another order than inside a whole block."""
+    n, hq, hkv, d = 70, 9, 3, 64
+    g = torch.Generator().manual_seed(tail)
+    q, k, v = (torch.randn(n, h, d, generator=g) for h in (hq, hkv, hkv))
+    table = tuple(range(5))
+    kv = KVCache(1, 6, BLOCK, hkv, d, torch.bfloat16, "cpu")
+    whole = AttentionContext([SequenceSlice(0, n, n, 0, table)], kv, "cpu", prefill_only=True)
+    cold = whole.attend(0, q, k, v, scale=d ** -0.5)
+    first = n - tail
+    AttentionContext([SequenceSlice(0, first, first, 0, table)], kv, "cpu", prefill_only=True).attend(
+        0, q[:first], k[:first], v[:first], scale=d ** -0.5)
+    hit = AttentionContext([SequenceSlice(0, tail, n, 0, table)], kv, "cpu", prefill_only=True).attend(
+        0, q[first:], k[first:], v[first:], scale=d ** -0.5)
+    assert torch.equal(hit, cold[first:]), (hit - cold[first:]).abs().max()

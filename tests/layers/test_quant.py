@@ -6,7 +6,7 @@ import pytest
 import torch
 from torch import nn
 
-from mlxcel.layers.quant import FusedOutput, FusedQuantLinear, QuantHead, QuantLinear, can_quantize, quantize
+from mlxcel.layers.quant import FusedOutput, FusedQuantLinear, Int4Levels, QuantHead, QuantLinear, can_quantize, quantize
 
 pytestmark = pytest.mark.skipif(not can_quantize(), reason="no int8 weight-only kernel in this torch build")
 
@@ -189,4 +189,83 @@ def test_int8_kernel_agrees_with_aten_and_checks_its_inputs(in_features: int) ->
     with pytest.raises(ValueError, match="inconsistent inputs"):
         torch.ops.mlxcel.int8_linear(torch.randn(1, in_features + 1).bfloat16(), q.qweight, q.scale)
     with pytest.raises(ValueError, match="inconsistent inputs"):
-        torch.ops.mlxcel.int8_linear(torch.randn(1, in_features), q.qweight, q.scale)  # float32 rows
+        torch.ops.mlxcel.int8_linear(torch.randn(1, in_features).half(), q.qweight, q.scale)  # float16 rows
+    x = torch.randn(2, in_features)  # issue 27: float32 rows in, float32 sums out
+    ours = torch.ops.mlxcel.int8_linear(x, q.qweight, q.scale)
+    codes = q.qweight.transpose(1, 2).reshape(-1, in_features)[:300]
+    assert ours.dtype == torch.float32
+    torch.testing.assert_close(ours, x @ (codes.float() * q.scale.float()[:, None]).t(), atol=1e-4, rtol=1e-5)
+
+
+@pytest.mark.parametrize("group", [32, 16])
+def test_issue27_stored_int8_codes_stay_as_stored_and_sum_in_float32(group: int) -> None:
+    """Issue 27 point 3: a Q8_0 / Q5_0 (32 a scale) or Q6_K (16) weight keeps its codes and group scales on
+    our int8 kernel (no per-row re-rounding, no bfloat16 copy), and its float32 rows give the float32
+    matmul of the very weights the file holds; as a tied head it keeps no copy to recompute from."""
+    from mlxcel.layers import paged_attention
+    from mlxcel.layers.quant import Int8Levels
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(27)
+    levels = Int8Levels(torch.randint(-127, 128, (192, 256), dtype=torch.int8), torch.rand(192, 256 // group) * 0.01)
+    exact = levels.dequantize()
+    q = QuantLinear(levels, torch.randn(192))
+    assert q.int8_kernel and q.weight is None and q.scale.dtype == torch.float32
+    x = torch.randn(5, 256) * 3
+    y = q(x)
+    assert y.dtype == torch.float32
+    torch.testing.assert_close(y, x @ exact.t() + q.bias, atol=2e-5, rtol=1e-5)
+    head = QuantHead(levels)
+    assert head.num_refined == 0 and head.linear.weight is None
+    torch.testing.assert_close(head(x), x @ exact.t(), atol=2e-5, rtol=1e-5)
+
+
+def test_issue27_int4_kernel_is_the_matmul_of_one_rounding_of_the_activations() -> None:
+    """Issue 27 point 3: the 4-bit kernel rounds each row's activations to int8 per group of 32 and gives
+    W x' for that rounded x' (llama.cpp's Q8_1 product), low * sum(x') included. With the exact sum(x)
+    in the low term (before), the rounding error summed against q * step alone, all of one sign: 1.7x
+    this matmul's error, and 4.6x llama.cpp's KL divergence on SmolLM2."""
+    from mlxcel.layers import paged_attention
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(11)
+    n, k = 256, 576
+    step = torch.rand(n, k // 32) * 0.02
+    levels = Int4Levels(torch.randint(0, 16, (n, k), dtype=torch.uint8), step, -8 * step + torch.randn(n, k // 32) * 0.01)
+    q = QuantLinear(levels, None)
+    assert q.int4_kernel
+    x = torch.randn(8, k) * torch.exp(torch.randn(8, k))
+    groups = x.view(8, k // 32, 32)
+    scale = groups.abs().amax(-1, keepdim=True) / 127
+    rounded = (torch.round(groups / scale) * scale).view(8, k)
+    reference = rounded.double() @ levels.dequantize().double().t()
+    exact = x.double() @ levels.dequantize().double().t()
+    ours = q(x).double()
+    torch.testing.assert_close(ours, reference, atol=1e-3, rtol=1e-5)
+    assert (ours - exact).norm() < 1.1 * (reference - exact).norm()
+
+
+def test_issue27_mixed_stored_types_fuse_as_int8_codes_with_lows() -> None:
+    """Issue 27 point 3: a fused q/k/v whose parts the file stores in different types (Qwen2.5's Q4_K q/k
+    with a Q6_K v) stacks as int8 codes with a scale and a low per group of the smallest group, none of
+    them rounded again: the fused linear is the float32 matmul of the very weights the file holds."""
+    from mlxcel.layers import paged_attention
+    from mlxcel.layers.quant import Int8Levels, _cat_weights
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(5)
+    k = 128
+    step = torch.rand(128, k // 32) * 0.02
+    q4 = Int4Levels(torch.randint(0, 16, (128, k), dtype=torch.uint8), step, -8 * step + torch.rand(128, k // 32) * 0.01)
+    q6 = Int8Levels(torch.randint(-32, 32, (64, k), dtype=torch.int8), torch.rand(64, k // 16) * 0.01)
+    fused = _cat_weights([q4, q6])
+    assert isinstance(fused, Int8Levels) and fused.group == 16 and fused.low is not None
+    exact = torch.cat([q4.dequantize(), q6.dequantize()])
+    torch.testing.assert_close(fused.dequantize(), exact, atol=1e-7, rtol=0)
+    linear = QuantLinear(fused, None)
+    assert linear.int8_kernel and linear.weight is None and linear.scale.shape == (3, k // 16, 2, 64)
+    x = torch.randn(3, k)
+    torch.testing.assert_close(linear(x), x @ exact.t(), atol=2e-5, rtol=1e-5)

@@ -102,6 +102,28 @@ def test_a2_4bit_types_give_their_stored_levels_and_others_none(
     np.testing.assert_array_equal(rebuilt, file.dequantize(name))
 
 
+@pytest.mark.parametrize("type_name", TYPES)
+def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
+        typed_file: tuple[GGUFFile, dict[str, np.ndarray]], type_name: str) -> None:
+    """Issue 27 point 3: a Q8_0 / Q5_0 / Q6_K weight is kept as its stored int8 codes and group scales
+    (32 a scale; Q6_K 16), which must give exactly the values `dequantize` gives; other types have none."""
+    file, _ = typed_file
+    name = f"{type_name.lower()}.weight"
+    stored = file.int8_levels(name)
+    groups = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}
+    if type_name not in groups:
+        assert stored is None
+        return
+    codes, scale = stored
+    group = groups[type_name]
+    assert codes.dtype == np.int8 and codes.shape == (ROWS, COLS)
+    assert scale.dtype == np.float32 and scale.shape == (ROWS, COLS // group)
+    bound = {"Q8_0": 127, "Q5_0": 16, "Q6_K": 32}[type_name]
+    assert int(np.abs(codes.astype(np.int32)).max()) <= bound
+    rebuilt = (codes.reshape(ROWS, -1, group) * scale[..., None]).reshape(ROWS, COLS)
+    np.testing.assert_allclose(rebuilt, file.dequantize(name), rtol=2e-7, atol=0)  # float32 product order only
+
+
 def test_a2_large_tensors_dequantize_in_slices_with_the_same_values(tmp_path: Path,
                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
     import mlxcel.loading.gguf as gguf_module

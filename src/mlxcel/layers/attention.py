@@ -185,9 +185,10 @@ class AttentionContext:
         """A prefill chunk over the cache, in query blocks aligned to absolute positions.
 
         NOTE: query block [b, b + PREFILL_BLOCK) always attends over keys kv_start..b + PREFILL_BLOCK
-        (missing ones masked), so a query row gets the same kernel call, key count and bits whether
-        its prompt came in one chunk, in several, or after a prefix-cache hit. A single call over the
-        whole chunk would pick other kernel splits for other lengths (issue 11, point 4).
+        (missing ones masked), so a query row gets the same key count and bits whether its prompt came
+        in one chunk, in several, or after a prefix-cache hit; the call's last query tile is padded to
+        4 rows (_with_whole_tiles: torch's float32 attention splits queries by 32, and a split of 1-3
+        rows sums in another order). A single call over the whole chunk would split it elsewhere.
         """
         first = s.kv_len - s.q_len  # position of the chunk's first query
         out = torch.empty_like(q)

@@ -5,13 +5,14 @@ weight packed for the decode kernels and, unless our 4-bit kernel serves it (bel
 for prefill, where oneDNN's bfloat16 matmul wins from about 8 rows (PERF.md) over ATen's packed
 kernels. The packed form is 4-bit (groups of 32) when
 that is lossless, i.e. when the weight came from a 4-bit GGUF type (Q4_0, Q4_1, Q4_K: every group
-of 32 lies on a 16-level grid), and per-channel int8 otherwise: no second rounding of
-already-quantized weights, and half the bytes where the checkpoint allows it.
+of 32 lies on a 16-level grid), the file's own int8 codes and group scales for Q8_0 / Q5_0 / Q6_K
+(issue 27), and per-channel int8 otherwise: no second rounding of already-quantized weights, and
+half the bytes where the checkpoint allows it. The kernels take and give float32 rows.
 
 The decode kernels are ours (kernels/decode_layers.cpp) where the CPU kernels build: `int4_linear`
 quantizes each row's activations to int8 per group of 32, as llama.cpp does, and sums in int32
-with VNNI (1.5-2.8x ATen's 4-bit kernel on SmolLM2's shapes; ~0.5-0.8 % of the output's range
-from the activations' rounding), and as fast as oneDNN's bfloat16 matmul at prefill sizes, so it
+with VNNI (1.5-2.8x ATen's 4-bit kernel on SmolLM2's shapes; the product of the weights with one
+rounding of the activations, llama.cpp's Q8_1 product: bench/RESULTS.md issue 27), and as fast as oneDNN's bfloat16 matmul at prefill sizes, so it
 takes every row and such a weight is kept once (issue 11 point 5); `int8_linear` streams
 transposed blocks of 64 outputs. Elsewhere
 ATen's `_weight_int4pack_mm_for_cpu` / `_weight_int8pack_mm`. Each linear picks once, when built.
@@ -60,9 +61,52 @@ class Int4Levels(NamedTuple):
         return Int4Levels(*(torch.cat(tensors) for tensors in zip(*parts)))
 
 
-# A linear's weight as `quantize` gets it: float [N, K], or the levels a 4-bit checkpoint stores
-# (`PackedWeights`), which need no search for their grid and are never rounded again.
-Weight = Union[torch.Tensor, Int4Levels]
+class Int8Levels(NamedTuple):
+    """A weight [N, K] as a GGUF Q8_0 / Q5_0 / Q6_K stores it: int8 codes and one scale per group of
+    K / scale.shape[1] along K (32, or 16 for Q6_K): w = code * scale, exact; with lows, w = low +
+    code * scale (4-bit levels stacked with such codes in one fused linear, `_cat_weights`)."""
+
+    codes: torch.Tensor  # int8 [N, K]
+    scale: torch.Tensor  # float32 [N, K / group]
+    low: torch.Tensor | None = None  # float32 [N, K / group]
+
+    @property
+    def group(self) -> int:
+        return self.codes.shape[1] // self.scale.shape[1]
+
+    def dequantize(self) -> torch.Tensor:
+        n, k = self.codes.shape
+        w = self.codes.view(n, -1, self.group).float() * self.scale[..., None]
+        return (w if self.low is None else w + self.low[..., None]).view(n, k)
+
+    def regrouped(self, group: int) -> Int8Levels:
+        """The same weight with scales (and lows) repeated for groups of `group` (dividing this one's)."""
+        times = self.group // group
+        return Int8Levels(self.codes, self.scale.repeat_interleave(times, dim=1),
+                          None if self.low is None else self.low.repeat_interleave(times, dim=1))
+
+    @staticmethod
+    def of(weight: Int4Levels | Int8Levels, group: int) -> Int8Levels:
+        """`weight` as int8 codes with scales and lows per `group` (4-bit levels become codes 0..15)."""
+        if isinstance(weight, Int4Levels):
+            weight = Int8Levels(weight.q.to(torch.int8), weight.step, weight.low)
+        low = weight.low if weight.low is not None else torch.zeros_like(weight.scale)
+        return Int8Levels(weight.codes, weight.scale, low).regrouped(group)
+
+    @staticmethod
+    def cat(parts: list[Int4Levels | Int8Levels]) -> Int8Levels:
+        """Stacked along the outputs, at the smallest group; lows where any part has them."""
+        group = min(INT4_GROUP if isinstance(p, Int4Levels) else p.group for p in parts)
+        if all(isinstance(p, Int8Levels) and p.low is None for p in parts):
+            same = [p.regrouped(group) for p in parts]  # type: ignore[union-attr]
+            return Int8Levels(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]))
+        return Int8Levels(*(torch.cat(tensors) for tensors in zip(*(Int8Levels.of(p, group) for p in parts))))
+
+
+# A linear's weight as `quantize` gets it: float [N, K], or the codes a quantized checkpoint stores
+# (`PackedWeights`: 4-bit levels, or int8 codes with a scale per group), which need no search for
+# their grid and are never rounded again.
+Weight = Union[torch.Tensor, Int4Levels, Int8Levels]
 
 
 class PackedWeights(Protocol):
@@ -72,6 +116,11 @@ class PackedWeights(Protocol):
     def int4_levels(self, name: str) -> Int4Levels | None:
         """The levels of parameter `name` (HF naming) when the file stores it in a 4-bit type; None
         when it stores it otherwise (then no grid is searched for: it goes int8)."""
+        ...
+
+    def int8_levels(self, name: str) -> Int8Levels | None:
+        """The codes and group scales of parameter `name` when the file stores it as int8 codes times a
+        scale per group (Q8_0, Q5_0, Q6_K); None otherwise."""
         ...
 
 
@@ -90,13 +139,16 @@ class QuantLinear(nn.Module):
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None, *, keep_dense: bool = False,
                  search: bool = True) -> None:
-        """`weight`: float, or a 4-bit checkpoint's levels. `keep_dense`: keep the bfloat16 copy even on the
-        4-bit kernel (the output head reads rows of it). `search`: look for a 4-bit grid in a float weight
-        (off when the checkpoint says it is stored otherwise: the search costs most of a load)."""
+        """`weight`: float, or a checkpoint's 4-bit levels or int8 codes. `keep_dense`: keep the bfloat16 copy
+        even on our kernels. `search`: look for a 4-bit grid in a float weight (off when the checkpoint says
+        it is stored otherwise: the search costs most of a load)."""
         super().__init__()
-        grid = weight if isinstance(weight, Int4Levels) else int4_grid(weight.detach().float()) if search else None
-        self.register_buffer("bias", None if bias is None else bias.detach().to(torch.bfloat16))
-        self.out_features, self.in_features = (grid.q if grid is not None else weight).shape
+        grid = (weight if isinstance(weight, Int4Levels) else None if isinstance(weight, Int8Levels)
+                else int4_grid(weight.detach().float()) if search else None)
+        # Issue 27: biases stay float32 (the outputs are float32).
+        self.register_buffer("bias", None if bias is None else bias.detach().float())
+        self.out_features, self.in_features = (grid.q if grid is not None else weight.codes
+                                               if isinstance(weight, Int8Levels) else weight).shape
         # 4-bit: our kernel (int8 activations, integer dot products; kernels/decode_layers.cpp) where
         # the CPU kernels build and N is whole blocks of 16, else ATen's; chosen once here, so every
         # row of every step takes the same one.
@@ -104,18 +156,28 @@ class QuantLinear(nn.Module):
         int4 = (None if grid is None else int4_blocks(*grid) if self.int4_kernel
                 else aten_int4_pack(*grid) if can_pack_int4() else None)
         self.bits = 4 if int4 is not None else 8
+        # Issue 27: a checkpoint's int8 codes with group scales (Q8_0 / Q5_0 / Q6_K) stay as stored, on our
+        # int8 kernel (whole blocks of 64 outputs); elsewhere they are dequantized and rounded per row.
+        stored = (weight if isinstance(weight, Int8Levels) and self.out_features % INT8_BLOCK == 0
+                  and paged_attention.available() else None)
         self.int8_kernel = False
         # Issue 11 point 5: on our 4-bit kernel every row takes it, prefill too (as fast as oneDNN's
         # bfloat16 matmul from 64 to 512 rows here: bench/RESULTS.md), so the weight is kept once,
-        # packed; elsewhere a bfloat16 copy serves prefill rows.
-        is_kept_once = self.int4_kernel and not keep_dense
-        w = None if is_kept_once else weight.dequantize() if isinstance(weight, Int4Levels) else weight.detach().float()
+        # packed; elsewhere a bfloat16 copy serves prefill rows. Stored int8 codes likewise (issue 27:
+        # a bfloat16 copy would round them).
+        is_kept_once = (self.int4_kernel or stored is not None) and not keep_dense
+        w = (None if is_kept_once else weight.dequantize() if isinstance(weight, (Int4Levels, Int8Levels))
+             else weight.detach().float())
         self.register_buffer("weight", None if w is None else w.to(torch.bfloat16))
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
+        elif stored is not None:
+            self.int8_kernel = True
+            self.register_buffer("qweight", int8_blocks(stored.codes))
+            self.register_buffer("scale", int8_group_scales(stored.scale, stored.low))
         else:
-            scale, codes = int8_codes(w)
+            scale, codes = int8_codes(w if w is not None else weight.dequantize())  # type: ignore[union-attr]
             # Our kernel (kernels/decode_layers.cpp, where the CPU kernels build) reads the weight in
             # transposed blocks of 64 outputs (`int8_blocks`); ATen's [out, in]. Chosen once here, so
             # every row of every step takes the same kernel (ours is 2-3x faster at a few rows).
@@ -124,26 +186,33 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale", scale.to(torch.bfloat16))
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
-        xb = x.to(torch.bfloat16).reshape(-1, self.in_features)
-        num_packed = xb.shape[0] if self.weight is None else _num_packed_rows(xb.shape[0], step)
-        if num_packed == xb.shape[0]:
-            y = self.packed_rows(xb)
+        rows = x.reshape(-1, self.in_features)
+        num_packed = rows.shape[0] if self.weight is None else _num_packed_rows(rows.shape[0], step)
+        if num_packed == rows.shape[0]:
+            y = self.packed_rows(rows)
         elif num_packed == 0:
-            y = F.linear(xb, self.weight, self.bias)
+            y = self.dense_rows(rows)
         else:
-            y = torch.cat((self.packed_rows(xb[:num_packed]), F.linear(xb[num_packed:], self.weight, self.bias)))
+            y = torch.cat((self.packed_rows(rows[:num_packed]), self.dense_rows(rows[num_packed:])))
         return y.reshape(*x.shape[:-1], self.out_features).to(x.dtype)
 
-    def packed_rows(self, xb: torch.Tensor) -> torch.Tensor:
-        """The decode kernel on bfloat16 rows [M, in_features]."""
-        if self.int4_kernel and xb.device.type == "cpu":
-            y = torch.ops.mlxcel.int4_linear(xb, self.qweight, self.scale)
+    def packed_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The decode kernel on rows [M, in_features] -> float32. Ours take the rows in float32 and sum in
+        float32 (issue 27: no bfloat16 rounding on the way in or out); ATen's take bfloat16."""
+        if self.int4_kernel and x.device.type == "cpu":
+            y = torch.ops.mlxcel.int4_linear(x.float(), self.qweight, self.scale)
         elif self.bits == 4:
-            y = torch.ops.aten._weight_int4pack_mm_for_cpu(xb, self.qweight, INT4_GROUP, self.scale)
-        elif self.int8_kernel and xb.device.type == "cpu":
-            y = torch.ops.mlxcel.int8_linear(xb, self.qweight, self.scale)
+            y = torch.ops.aten._weight_int4pack_mm_for_cpu(x.to(torch.bfloat16), self.qweight, INT4_GROUP,
+                                                           self.scale).float()
+        elif self.int8_kernel and x.device.type == "cpu":
+            y = torch.ops.mlxcel.int8_linear(x.float(), self.qweight, self.scale)
         else:
-            y = torch.ops.aten._weight_int8pack_mm(xb, self.qweight, self.scale)
+            y = torch.ops.aten._weight_int8pack_mm(x.to(torch.bfloat16), self.qweight, self.scale).float()
+        return y if self.bias is None else y + self.bias
+
+    def dense_rows(self, x: torch.Tensor) -> torch.Tensor:
+        """Prefill rows through the bfloat16 copy (oneDNN's matmul) -> float32."""
+        y = F.linear(x.to(torch.bfloat16), self.weight).float()
         return y if self.bias is None else y + self.bias
 
 
@@ -170,6 +239,17 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-out // INT8_BLOCK) * INT8_BLOCK, inputs, dtype=codes.dtype)
     padded[:out] = codes
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
+
+
+def int8_group_scales(scale: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
+    """Group scales [N, K / group] (N a multiple of 64) -> float32 [N / 64, K / group, 64], the blocks of
+    `int8_blocks`: each group's 64 scales contiguous, as the kernel reads them; with lows, [N / 64,
+    K / group, 2, 64] (a group's scales, then its lows)."""
+    n, groups = scale.shape
+    parts = [scale] if low is None else [scale, low]
+    stacked = torch.stack([p.float().view(n // INT8_BLOCK, INT8_BLOCK, groups) for p in parts], dim=2)
+    blocks = stacked.permute(0, 3, 2, 1)  # [N / 64, groups, parts, 64]
+    return (blocks[:, :, 0] if low is None else blocks).contiguous()
 
 
 def int4_grid(w: torch.Tensor) -> Int4Levels | None:
@@ -271,21 +351,26 @@ def _num_packed_rows(num_rows: int, step: Step | None) -> int:
 
 
 class QuantHead(nn.Module):
-    """Output head: packed-kernel logits, with the top candidates recomputed in float32.
+    """Output head: packed-kernel logits in float32; a head rounded from float weights per row to int8 has
+    its top candidates recomputed from its bfloat16 copy with float32 accumulation.
 
-    bfloat16 logits near 25 are only resolved to 0.125, enough to flip a greedy choice
-    (SmolLM2's "The" vs "L" differ by 0.08). The best `num_refined` rows of each step are
-    therefore recomputed with float32 accumulation, so ranking at the top is exact.
+    bfloat16 logits near 25 are only resolved to 0.125, enough to flip a greedy choice (SmolLM2's "The"
+    vs "L" differ by 0.08), and a per-row int8 rounding moves them about as much. A head the checkpoint
+    stores quantized (4-bit levels, Q8_0 / Q5_0 / Q6_K codes) is exact as kept (issue 27), so it keeps
+    no copy and nothing is recomputed.
     """
 
     def __init__(self, weight: Weight, num_refined: int = 16, *, search: bool = True) -> None:
         super().__init__()
-        self.linear = QuantLinear(weight, None, keep_dense=True, search=search)
-        self.num_refined = min(num_refined, self.linear.out_features)
+        stored = isinstance(weight, (Int4Levels, Int8Levels))
+        self.linear = QuantLinear(weight, None, keep_dense=not stored, search=search)
+        self.num_refined = 0 if self.linear.weight is None else min(num_refined, self.linear.out_features)
 
     def forward(self, hidden: torch.Tensor) -> torch.Tensor:
         # Always the packed kernel: one row per sampled sequence, bits independent of the batch.
-        logits = self.linear.packed_rows(hidden.to(torch.bfloat16)).float()  # [N, vocab]
+        logits = self.linear.packed_rows(hidden)  # [N, vocab] float32
+        if not self.num_refined:
+            return logits
         top = logits.topk(self.num_refined, dim=-1).indices  # [N, k]
         rows = self.linear.weight[top].float()  # [N, k, hidden]
         exact = (rows * hidden.float().unsqueeze(1)).sum(-1)  # per row: the same bits in any batch
@@ -368,7 +453,12 @@ def _cat_weights(weights: list[Weight]) -> Weight:
         return weights[0]
     if all(isinstance(w, Int4Levels) for w in weights):
         return Int4Levels.cat(weights)  # type: ignore[arg-type]
-    return torch.cat([w.dequantize() if isinstance(w, Int4Levels) else w.detach().float() for w in weights])
+    if all(isinstance(w, (Int4Levels, Int8Levels)) for w in weights):
+        # Issue 27: mixed stored types (Qwen's Q4_K q/k with a Q6_K v) as int8 codes with scales and
+        # lows per group: no rounding of either.
+        return Int8Levels.cat(weights)  # type: ignore[arg-type]
+    return torch.cat([w.dequantize() if isinstance(w, (Int4Levels, Int8Levels)) else w.detach().float()
+                      for w in weights])
 
 
 def _plain_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
@@ -463,8 +553,13 @@ def quantize(model: nn.Module) -> QuantSummary:
         checkpoint.replaced("lm_head")
     elif head is None and isinstance(embed, nn.Embedding):
         # Tied output head: the largest matmul of a decode step, quantized like the rest. A float
-        # table stays the embedding: read in place, once.
-        weight = embed_levels if embed_levels is not None else checkpoint.kept("model.embed_tokens", embed).weight
+        # table stays the embedding: read in place, once; the head then takes the file's int8 codes
+        # where it stores them (Q8_0: SmolLM2's table), not a second rounding of the floats.
+        weight: Weight | None = embed_levels
+        if weight is None:
+            table = checkpoint.kept("model.embed_tokens", embed).weight
+            weight = checkpoint.codes("model.embed_tokens")
+            weight = weight if weight is not None else table
         model.lm_head = QuantHead(weight, search=checkpoint.search)
     if embed_levels is not None:
         model.model.embed_tokens = QuantEmbedding(embed_levels)
@@ -505,9 +600,14 @@ class _Checkpoint:
     def levels(self, prefix: str) -> Int4Levels | None:
         return self.packed.int4_levels(f"{prefix}.weight") if self.packed is not None else None
 
+    def codes(self, prefix: str) -> Int8Levels | None:
+        reader = getattr(self.packed, "int8_levels", None)
+        return reader(f"{prefix}.weight") if reader is not None else None
+
     def weight(self, prefix: str, module: nn.Module) -> Weight:
-        levels = self.levels(prefix)
-        return levels if levels is not None else self.param(prefix, module, "weight")  # type: ignore[return-value]
+        stored = self.levels(prefix)
+        stored = stored if stored is not None else self.codes(prefix)
+        return stored if stored is not None else self.param(prefix, module, "weight")  # type: ignore[return-value]
 
     def kept(self, prefix: str, module: nn.Module) -> nn.Module:
         """`module`, which stays in the model, with its parameters read in place."""

@@ -18,7 +18,7 @@ from typing import Any, Callable
 
 import torch
 
-from mlxcel.layers.quant import Int4Levels
+from mlxcel.layers.quant import Int4Levels, Int8Levels
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile
 
@@ -153,6 +153,13 @@ class GGUFPackedWeights:
             return None
         parts = [torch.from_numpy(array) for array in stored]
         return Int4Levels(*(self.fix({name: p}, self.config)[name] if self.fix else p for p in parts))
+
+    def int8_levels(self, name: str) -> Int8Levels | None:
+        stored = self.gguf.int8_levels(self.names[name]) if name in self.names else None
+        if stored is None:
+            return None
+        parts = [torch.from_numpy(array) for array in stored]
+        return Int8Levels(*(self.fix({name: p}, self.config)[name] if self.fix else p for p in parts))
 
 
 def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:

@@ -104,6 +104,38 @@ class GGUFFile:
             self.release_pages()
         return q.reshape(rows, cols), step.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
 
+    def int8_levels(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+        """A tensor stored as int8 codes times a scale per group (Q8_0, Q5_0: groups of 32; Q6_K: of 16) as
+        its codes (int8 [N, K]) and scales (float32 [N, K / group]): w = code * scale, the values
+        `dequantize` gives; None for other types (issue 27: such a weight is kept as stored)."""
+        tensor = self.tensors[name]
+        group_scales = _INT8_SCALES.get(tensor.type_name)
+        if group_scales is None or len(tensor.shape) != 2:
+            return None
+        import gguf
+
+        rows, cols = tensor.shape
+        qtype, block_bytes = gguf.GGMLQuantizationType[tensor.type_name], _INT8_BLOCK_BYTES[tensor.type_name]
+        codes = np.empty((rows, cols), dtype=np.int8)
+        scales: list[np.ndarray] = []
+        try:
+            raw = np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1)
+            step = max(1, DEQUANTIZE_CHUNK // raw.shape[1])
+            # In slices of rows: the float temporaries stay a slice's size (Qwen2.5-1.5B's Q6_K head
+            # whole: several float32 copies of 0.9 GB at once, +1 GB peak RSS at load).
+            for start in range(0, rows, step):
+                part = raw[start:start + step]
+                scale = group_scales(part.reshape(-1, block_bytes)).reshape(len(part), -1)  # [n, K / group]
+                values = gguf.quants.dequantize(part, qtype).reshape(len(part), scale.shape[1], -1)
+                with np.errstate(divide="ignore", invalid="ignore"):
+                    part_codes = np.rint(values / scale[..., None])
+                part_codes = np.where(scale[..., None] != 0, part_codes, 0).clip(-128, 127)
+                codes[start:start + step] = part_codes.reshape(len(part), cols)
+                scales.append(scale.astype(np.float32))
+        finally:
+            self.release_pages()
+        return codes, np.concatenate(scales)
+
     def _check_tensor_types(self) -> None:
         for tensor in self.tensors.values():
             if tensor.type_name not in SUPPORTED_TENSOR_TYPES:
@@ -141,6 +173,16 @@ def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
 
 
 _INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
+
+
+def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+    """256 weights a block in 16 groups of 16: w = d * sc_j * q (int8 sc_j at byte 192, float16 d at 208)."""
+    return _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
+
+
+# Scale per group of the int8-code types (Q8_0: d * q; Q5_0: d * (q - 16)), from their raw blocks.
+_INT8_SCALES = {"Q8_0": lambda blocks: _f16(blocks, 0), "Q5_0": lambda blocks: _f16(blocks, 0), "Q6_K": _q6_k_scales}
+_INT8_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
 _INT4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 
 

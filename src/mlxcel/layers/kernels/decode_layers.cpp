@@ -58,6 +58,37 @@ inline uint16_t float_to_bf16(float f) {  // round to nearest even, as torch's c
     return static_cast<uint16_t>(bits >> 16);
 }
 
+// x [rows, in] float32 or bfloat16 as float32 (issue 27: the kernels take float32 activations, so
+// nothing rounds them to bfloat16 on the way in).
+std::vector<float> float_rows(const at::Tensor& x) {
+    const at::Tensor xc = x.contiguous();
+    const int64_t count = xc.numel();
+    std::vector<float> out(count);
+    if (xc.scalar_type() == at::kFloat) {
+        std::memcpy(out.data(), xc.const_data_ptr<float>(), sizeof(float) * count);
+    } else {
+        const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+        for (int64_t i = 0; i < count; ++i) out[i] = bf16_to_float(xp[i]);
+    }
+    return out;
+}
+
+bool is_activation(const at::Tensor& x) {
+    return x.dim() == 2 && x.is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16);
+}
+
+// Writes value i of y ([rows, out], x's dtype: float32 keeps the float32 sums, bfloat16 rounds them).
+struct Output {
+    float* f32;
+    uint16_t* bf16;
+    explicit Output(at::Tensor& y)
+        : f32(y.scalar_type() == at::kFloat ? y.mutable_data_ptr<float>() : nullptr),
+          bf16(f32 ? nullptr : reinterpret_cast<uint16_t*>(y.mutable_data_ptr())) {}
+    void set(int64_t i, float v) const {
+        if (f32) f32[i] = v; else bf16[i] = float_to_bf16(v);
+    }
+};
+
 constexpr int64_t ROWS_TOGETHER = 4;  // rows that share one conversion of the weights
 constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 
@@ -66,75 +97,128 @@ constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 // weights of each k converted once for all rows, one float32 accumulator per (row, output) that
 // adds k = 0, 1, ... in order. A row's arithmetic is the same alone or with others (its bits do not
 // depend on the batch), and no horizontal sums are needed.
+// With group scales (`group` > 0, `scales` the block's [in / group, OUT_BLOCK] float32): each group of
+// `group` k's sums in its own accumulators, then adds sum * its scale to the total (a GGUF Q8_0 / Q5_0 /
+// Q6_K weight in its stored blocks: w = code * scale of its group). With `lows`, a group's 64 lows follow
+// its 64 scales (`stride` floats a group) and w = low + code * scale: low * the group's sum of x (`xsums`,
+// [ROWS, in / group]) is added too (4-bit levels fused with int8 codes: Qwen's Q4_K q/k with its Q6_K
+// v). Without (group 0): one sum over k.
 template <int64_t ROWS>
-void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, float* sums) {
+void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int64_t group, const float* scales,
+                int64_t stride, bool lows, const float* xsums, float* sums) {
+    const int64_t span = group > 0 ? group : in;
 #if defined(__AVX512F__)
     if (count == OUT_BLOCK) {
-        __m512 acc[ROWS][4];
+        __m512 acc[ROWS][4], total[ROWS][4];
         for (int64_t r = 0; r < ROWS; ++r)
-            for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
-        for (int64_t k = 0; k < in; ++k) {
-            const int8_t* wk = w + k * OUT_BLOCK;
-            __m512 weights[4];
-            for (int v = 0; v < 4; ++v)
-                weights[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * v))));
-            for (int64_t r = 0; r < ROWS; ++r) {
-                const __m512 xv = _mm512_set1_ps(x[r * in + k]);
-                for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(weights[v], xv, acc[r][v]);
+            for (int v = 0; v < 4; ++v) total[r][v] = _mm512_setzero_ps();
+        for (int64_t k0 = 0; k0 < in; k0 += span) {
+            for (int64_t r = 0; r < ROWS; ++r)
+                for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+            for (int64_t k = k0; k < k0 + span; ++k) {
+                const int8_t* wk = w + k * OUT_BLOCK;
+                __m512 weights[4];
+                for (int v = 0; v < 4; ++v)
+                    weights[v] = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(wk + 16 * v))));
+                for (int64_t r = 0; r < ROWS; ++r) {
+                    const __m512 xv = _mm512_set1_ps(x[r * in + k]);
+                    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(weights[v], xv, acc[r][v]);
+                }
+            }
+            if (group > 0) {
+                const int64_t g = k0 / group;
+                const float* sk = scales + g * stride;
+                for (int v = 0; v < 4; ++v) {
+                    const __m512 scale = _mm512_loadu_ps(sk + 16 * v);
+                    for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
+                    if (lows) {
+                        const __m512 low = _mm512_loadu_ps(sk + OUT_BLOCK + 16 * v);
+                        for (int64_t r = 0; r < ROWS; ++r)
+                            total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
+                    }
+                }
+            } else {
+                for (int64_t r = 0; r < ROWS; ++r)
+                    for (int v = 0; v < 4; ++v) total[r][v] = acc[r][v];
             }
         }
         for (int64_t r = 0; r < ROWS; ++r)
-            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, acc[r][v]);
+            for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, total[r][v]);
         return;
     }
 #endif
     for (int64_t r = 0; r < ROWS; ++r)  // a partial block (or no AVX-512): the same order, one output at a time
         for (int64_t j = 0; j < count; ++j) {
-            float acc = 0.0f;
-            for (int64_t k = 0; k < in; ++k) acc = std::fma(static_cast<float>(w[k * OUT_BLOCK + j]), x[r * in + k], acc);
-            sums[r * OUT_BLOCK + j] = acc;
+            float total = 0.0f;
+            for (int64_t k0 = 0; k0 < in; k0 += span) {
+                float acc = 0.0f;
+                for (int64_t k = k0; k < k0 + span; ++k)
+                    acc = std::fma(static_cast<float>(w[k * OUT_BLOCK + j]), x[r * in + k], acc);
+                const float* sk = group > 0 ? scales + (k0 / group) * stride : nullptr;
+                total = group > 0 ? std::fma(acc, sk[j], total) : acc;
+                if (lows) total = std::fma(sk[OUT_BLOCK + j], xsums[r * (in / group) + k0 / group], total);
+            }
+            sums[r * OUT_BLOCK + j] = total;
         }
 }
 
-// y = x @ W.T * scale: x [rows, in] bfloat16; w int8 [ceil(out / 64), in, 64], W [out, in] in blocks
-// of 64 output rows, each block transposed (layers/quant.py `int8_blocks`: zeros past `out`); scale
-// [out] bfloat16 -> [rows, out] bfloat16. ATen's int8 kernel took
-// 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and returned garbage at 100 inputs).
+// y = x @ W.T: x [rows, in] float32 or bfloat16; w int8 [ceil(out / 64), in, 64], W's codes [out, in] in
+// blocks of 64 output rows, each block transposed (layers/quant.py `int8_blocks`: zeros past `out`);
+// scale either [out] bfloat16, one a row (W = codes * scale, a float weight rounded to int8), or
+// float32 [ceil(out / 64), in / group, 64], one per group of `group` inputs in the same blocks (a
+// GGUF Q8_0 / Q5_0 / Q6_K weight's own codes and scales, `int8_group_scales`), or [ceil(out / 64),
+// in / group, 2, 64]: scales and lows (W = low + codes * scale) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and
+// returned garbage at 100 inputs).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-    TORCH_CHECK_VALUE(x.dim() == 2 && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
-                          x.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kChar &&
-                          scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
-                          (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0) && w.is_contiguous() &&
-                          scale.is_contiguous() && x.is_cpu() && w.is_cpu(),
+    const bool grouped = scale.dim() >= 3, with_lows = scale.dim() == 4;
+    TORCH_CHECK_VALUE(is_activation(x) && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
+                          w.scalar_type() == at::kChar && w.is_contiguous() && scale.is_contiguous() && w.is_cpu() &&
+                          (grouped ? scale.scalar_type() == at::kFloat && scale.size(0) == w.size(0) &&
+                                         scale.size(-1) == OUT_BLOCK && scale.size(1) > 0 &&
+                                         w.size(1) % scale.size(1) == 0 && (!with_lows || scale.size(2) == 2) &&
+                                         scale.dim() <= 4
+                                   : scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
+                                         (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0)),
                       "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
                       " ", w.scalar_type(), ", scale ", scale.sizes(), " ", scale.scalar_type());
-    const int64_t rows = x.size(0), in = x.size(1), out = scale.numel();
-    std::vector<float> xs(rows * in);  // the rows in float32, once
-    const at::Tensor xc = x.contiguous();
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
-    for (int64_t i = 0; i < rows * in; ++i) xs[i] = bf16_to_float(xp[i]);
+    const int64_t rows = x.size(0), in = x.size(1), out = grouped ? w.size(0) * OUT_BLOCK : scale.numel();
+    const int64_t group = grouped ? in / scale.size(1) : 0;
+    const std::vector<float> xs = float_rows(x);  // the rows in float32, once
+    const int64_t groups = grouped ? in / group : 0;
+    std::vector<float> xsums(with_lows ? rows * groups : 0);  // each row's sum per group, for the lows
+    for (int64_t r = 0; r < rows && with_lows; ++r)
+        for (int64_t g = 0; g < groups; ++g) {
+            float sum = 0.0f;
+            for (int64_t k = 0; k < group; ++k) sum += xs[r * in + g * group + k];
+            xsums[r * groups + g] = sum;
+        }
     at::Tensor y = at::empty({rows, out}, x.options());
-    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+    const Output yp(y);
     const int8_t* wp = w.const_data_ptr<int8_t>();
-    const uint16_t* sp = reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+    const uint16_t* sp = grouped ? nullptr : reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
+    const float* gp = grouped ? scale.const_data_ptr<float>() : nullptr;
     const float* xf = xs.data();
     const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         const int64_t o0 = b * OUT_BLOCK, count = std::min(OUT_BLOCK, out - o0);
+        const int64_t parts = with_lows ? 2 : 1;  // scales, then lows, per group
+        const float* bs = grouped ? gp + b * groups * parts * OUT_BLOCK : nullptr;
         float sums[ROWS_TOGETHER * OUT_BLOCK];
         for (int64_t r = 0; r < rows;) {
-            const int64_t group = std::min(ROWS_TOGETHER, rows - r);
-            switch (group) {
-                case 4: int8_block<4>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
-                case 3: int8_block<3>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
-                case 2: int8_block<2>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
-                default: int8_block<1>(xf + r * in, in, wp + b * in * OUT_BLOCK, count, sums); break;
+            const int64_t n = std::min(ROWS_TOGETHER, rows - r);
+            const int8_t* wb = wp + b * in * OUT_BLOCK;
+            switch (n) {
+                case 4: int8_block<4>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                case 3: int8_block<3>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                case 2: int8_block<2>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
+                default: int8_block<1>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
             }
-            for (int64_t i = 0; i < group; ++i)
+            for (int64_t i = 0; i < n; ++i)
                 for (int64_t j = 0; j < count; ++j)
-                    yp[(r + i) * out + o0 + j] = float_to_bf16(sums[i * OUT_BLOCK + j] * bf16_to_float(sp[o0 + j]));
-            r += group;
+                    yp.set((r + i) * out + o0 + j,
+                           grouped ? sums[i * OUT_BLOCK + j] : sums[i * OUT_BLOCK + j] * bf16_to_float(sp[o0 + j]));
+            r += n;
         }
     }
     return y;
@@ -146,8 +230,8 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 // (nearly linear in rows: it converts every weight to float for every row). This one, as llama.cpp
 // does, quantizes each row's activations to int8 in groups of 32 (scale = max |x| / 127) and sums
 // products of 4-bit levels and int8 activations exactly in int32 (AVX-512 VNNI: 64 a instruction),
-// then applies the group's float32 step and adds its low * (exact sum of the row's activations):
-//   y = sum over groups g: step_g * dx_g * sum_k q_k * xq_k + low_g * sum_k x_k      (w = low + q * step)
+// then applies the group's float32 step and adds its low * (the sum of the row's rounded activations):
+//   y = sum over groups g: step_g * dx_g * sum_k q_k * xq_k + low_g * dx_g * sum_k xq_k      (w = low + q * step)
 // Weights: blocks of 16 outputs; in a block, a group is 4 vectors of 64 bytes, byte 4 i + t of vector
 // v holding output i's level at k = 4 v + t (low nibble) and at k = 16 + 4 v + t (high nibble).
 // Scales: float32 [blocks, groups, 2, 16] (steps, then lows). A row's sums do not depend on the
@@ -156,7 +240,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 constexpr int64_t Q4_OUTS = 16;  // outputs a block
 constexpr int64_t Q4_ROWS = 4;  // rows that share one unpacking of a group
 
-struct QuantizedRows {  // the rows' activations as int8 codes, scales and exact sums, per group of 32
+struct QuantizedRows {  // the rows' activations as int8 codes, scales and the codes' sums (scaled), per group of 32
     std::vector<int8_t> codes;
     std::vector<float> scales, sums;
 };
@@ -164,22 +248,25 @@ struct QuantizedRows {  // the rows' activations as int8 codes, scales and exact
 QuantizedRows quantize_rows(const at::Tensor& x) {
     const int64_t rows = x.size(0), in = x.size(1), groups = in / INT4_GROUP;
     QuantizedRows q{std::vector<int8_t>(rows * in), std::vector<float>(rows * groups), std::vector<float>(rows * groups)};
-    const at::Tensor xc = x.contiguous();
-    const uint16_t* xp = reinterpret_cast<const uint16_t*>(xc.const_data_ptr());
+    const std::vector<float> xs = float_rows(x);
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t g = 0; g < groups; ++g) {
-            const uint16_t* group = xp + r * in + g * INT4_GROUP;
-            float largest = 0.0f, sum = 0.0f;
-            for (int64_t k = 0; k < INT4_GROUP; ++k) {
-                const float v = bf16_to_float(group[k]);
-                largest = std::max(largest, std::fabs(v));
-                sum += v;
-            }
+            const float* group = xs.data() + r * in + g * INT4_GROUP;
+            float largest = 0.0f;
+            for (int64_t k = 0; k < INT4_GROUP; ++k) largest = std::max(largest, std::fabs(group[k]));
             const float scale = largest / 127.0f, inverse = largest > 0.0f ? 127.0f / largest : 0.0f;
-            for (int64_t k = 0; k < INT4_GROUP; ++k)
-                q.codes[r * in + g * INT4_GROUP + k] = static_cast<int8_t>(std::nearbyint(bf16_to_float(group[k]) * inverse));
+            int32_t codes = 0;
+            for (int64_t k = 0; k < INT4_GROUP; ++k) {
+                const int8_t code = static_cast<int8_t>(std::nearbyint(group[k] * inverse));
+                q.codes[r * in + g * INT4_GROUP + k] = code;
+                codes += code;
+            }
             q.scales[r * groups + g] = scale;
-            q.sums[r * groups + g] = sum;
+            // The sum of the rounded activations, not of the exact ones (issue 27): then the row is
+            // W x' for one rounded x' (as llama.cpp's Q8_1 sum does), whose error sums against the
+            // centred weights (low + q * step); with the exact sum it summed against q * step alone,
+            // all of one sign: 1.7x the matmul's error, 4.6x llama.cpp's KLD on SmolLM2.
+            q.sums[r * groups + g] = scale * static_cast<float>(codes);
         }
     return q;
 }
@@ -233,10 +320,10 @@ void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t*
 #endif
 }
 
-// y = x @ W.T: x [rows, in] bfloat16; packed uint8 [blocks, in / 32, 4, 64] and scales float32 [blocks,
-// in / 32, 2, 16] in the layout above -> [rows, blocks * 16] bfloat16.
+// y = x @ W.T: x [rows, in] float32 or bfloat16; packed uint8 [blocks, in / 32, 4, 64] and scales float32
+// [blocks, in / 32, 2, 16] in the layout above -> [rows, blocks * 16] in x's dtype.
 at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-    TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kBFloat16 && x.is_cpu() && x.size(1) % INT4_GROUP == 0 &&
+    TORCH_CHECK_VALUE(is_activation(x) && x.size(1) % INT4_GROUP == 0 &&
                           packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
                           packed.is_cpu() && packed.size(1) * INT4_GROUP == x.size(1) && packed.size(2) == 4 &&
                           packed.size(3) == 64 && scales.dim() == 4 && scales.scalar_type() == at::kFloat &&
@@ -247,7 +334,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
     const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0), out = blocks * Q4_OUTS;
     const QuantizedRows quantized = quantize_rows(x);
     at::Tensor y = at::empty({rows, out}, x.options());
-    uint16_t* yp = reinterpret_cast<uint16_t*>(y.mutable_data_ptr());
+    const Output yp(y);
     const uint8_t* wp = packed.const_data_ptr<uint8_t>();
     const float* sp = scales.const_data_ptr<float>();
     const int64_t block_bytes = in / INT4_GROUP * 4 * 64, block_scales = in / INT4_GROUP * 2 * Q4_OUTS;
@@ -265,7 +352,7 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
                 default: int4_block<1>(quantized, r, in, w, s, sums); break;
             }
             for (int64_t i = 0; i < group; ++i)
-                for (int64_t j = 0; j < Q4_OUTS; ++j) yp[(r + i) * out + b * Q4_OUTS + j] = float_to_bf16(sums[i * Q4_OUTS + j]);
+                for (int64_t j = 0; j < Q4_OUTS; ++j) yp.set((r + i) * out + b * Q4_OUTS + j, sums[i * Q4_OUTS + j]);
             r += group;
         }
     }
@@ -277,12 +364,14 @@ at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::
 struct Linear {
     at::Tensor weight, scale, bias;
 
-    // x: [rows, in] bfloat16 -> [rows, out] float32 (the bias added in bfloat16, as QuantLinear does).
+    // x: [rows, in] float32 -> [rows, out] float32, bias added in float32, as QuantLinear does (ATen's
+    // 4-bit kernel takes and gives bfloat16).
     at::Tensor operator()(const at::Tensor& x) const {
         const at::Tensor y = weight.scalar_type() == at::kChar ? int8_linear(x, weight, scale)
-                             : weight.dim() == 4      ? int4_linear(x, weight, scale)
-                                                      : at::_weight_int4pack_mm_for_cpu(x, weight, INT4_GROUP, scale);
-        return (bias.numel() ? at::add(y, bias) : y).to(at::kFloat);
+                             : weight.dim() == 4 ? int4_linear(x, weight, scale)
+                                                 : at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight,
+                                                                                   INT4_GROUP, scale).to(at::kFloat);
+        return bias.numel() ? at::add(y, bias) : y;
     }
 };
 
@@ -298,14 +387,14 @@ struct Dims {
     float eps, scale;
 };
 
-// y = x / rms(x) * weight, in float32, each row on its own; written as bfloat16 (the linears' input).
-void rms_norm(const Dims& d, const float* x, const float* weight, uint16_t* out) {
+// y = x / rms(x) * weight, in float32, each row on its own (the linears' input).
+void rms_norm(const Dims& d, const float* x, const float* weight, float* out) {
     for (int64_t r = 0; r < d.rows; ++r) {
         const float* row = x + r * d.hidden;
         float squares = 0.0f;
         for (int64_t i = 0; i < d.hidden; ++i) squares += row[i] * row[i];
         const float inv = 1.0f / std::sqrt(squares / static_cast<float>(d.hidden) + d.eps);
-        for (int64_t i = 0; i < d.hidden; ++i) out[r * d.hidden + i] = float_to_bf16(row[i] * inv * weight[i]);
+        for (int64_t i = 0; i < d.hidden; ++i) out[r * d.hidden + i] = row[i] * inv * weight[i];
     }
 }
 
@@ -362,10 +451,10 @@ at::Tensor attention(const at::Tensor& q, const Layer& layer, const at::Tensor& 
 
 void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, const float* sin_signed,
                const int64_t* slots, const at::Tensor& key_slots, const at::Tensor& key_pos, const at::Tensor& q_pos,
-               at::Tensor& normed, at::Tensor& attended_bf16) {
+               at::Tensor& normed) {
     const int64_t q_width = d.q_heads * d.head_dim, kv_width = d.kv_heads * d.head_dim;
     const int64_t qkv_width = q_width + 2 * kv_width;
-    uint16_t* np = reinterpret_cast<uint16_t*>(normed.mutable_data_ptr());
+    float* np = normed.mutable_data_ptr<float>();
     rms_norm(d, x, layer.input_norm.const_data_ptr<float>(), np);
     at::Tensor qkv = layer.qkv(normed);  // [rows, q | k | v] float32
     float* qkvp = qkv.mutable_data_ptr<float>();
@@ -378,19 +467,15 @@ void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, co
     write_kv(layer.v_cache, qkvp, slots, d.rows, qkv_width, q_width + kv_width, kv_width);
     const at::Tensor q = qkv.narrow(1, 0, q_width).view({d.rows, d.q_heads, d.head_dim});
     const at::Tensor attended = attention(q, layer, key_slots, key_pos, q_pos, d.scale);  // float32
-    const float* ap = attended.const_data_ptr<float>();
-    uint16_t* abp = reinterpret_cast<uint16_t*>(attended_bf16.mutable_data_ptr());
-    for (int64_t i = 0; i < d.rows * q_width; ++i) abp[i] = float_to_bf16(ap[i]);
-    const at::Tensor projected = layer.o(attended_bf16);
+    const at::Tensor projected = layer.o(attended.reshape({d.rows, q_width}));
     const float* pp = projected.const_data_ptr<float>();
     for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += pp[i];
     rms_norm(d, x, layer.post_norm.const_data_ptr<float>(), np);
     const at::Tensor gate_up = layer.gate_up(normed);  // [rows, gate | up] float32
     // SiLU(gate) * up through ATen's vectorised kernels: the eager path's very ops, so its bits
-    const at::Tensor hidden_bf16 =
-        at::mul(at::silu(gate_up.narrow(1, 0, d.intermediate)), gate_up.narrow(1, d.intermediate, d.intermediate))
-            .to(at::kBFloat16);
-    const at::Tensor down = layer.down(hidden_bf16);
+    const at::Tensor hidden =
+        at::mul(at::silu(gate_up.narrow(1, 0, d.intermediate)), gate_up.narrow(1, d.intermediate, d.intermediate));
+    const at::Tensor down = layer.down(hidden);
     const float* dp = down.const_data_ptr<float>();
     for (int64_t i = 0; i < d.rows * d.hidden; ++i) x[i] += dp[i];
 }
@@ -399,10 +484,12 @@ bool is_long_vector(const at::Tensor& t) { return t.scalar_type() == at::kLong &
 
 void check_linear(const Linear& lin, int64_t in, int64_t out, const char* name, int64_t index) {
     const bool int4 = lin.weight.scalar_type() == at::kByte, int8 = lin.weight.scalar_type() == at::kChar;
-    const bool bias_ok = lin.bias.numel() == 0 || (lin.bias.scalar_type() == at::kBFloat16 &&
+    const bool bias_ok = lin.bias.numel() == 0 || (lin.bias.scalar_type() == at::kFloat &&
                                                    lin.bias.is_contiguous() && lin.bias.numel() == out);
     TORCH_CHECK_VALUE((int4 || int8) && lin.weight.is_cpu() && bias_ok &&
-                          (int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in && lin.scale.numel() == out
+                          (int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in &&
+                                      (lin.scale.dim() >= 3 ? lin.weight.size(0) * OUT_BLOCK == out
+                                                            : lin.scale.numel() == out)
                            : lin.weight.dim() == 4  // ours (int4_linear)
                                ? lin.weight.size(0) * Q4_OUTS == out && lin.weight.size(1) * INT4_GROUP == in
                                : in % INT4_GROUP == 0 && lin.scale.dim() == 3 && lin.scale.size(0) == in / INT4_GROUP &&
@@ -482,11 +569,10 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
         TORCH_CHECK_VALUE(slots[r] >= 0 && slots[r] < num_slots, "decode layers: slot ", slots[r], " of row ", r,
                           " lies outside the cache's ", num_slots, " slots");
     at::Tensor out = x.clone();
-    at::Tensor normed = at::empty({rows, hidden}, x.options().dtype(at::kBFloat16));
-    at::Tensor attended = at::empty({rows, d.q_heads * d.head_dim}, x.options().dtype(at::kBFloat16));
+    at::Tensor normed = at::empty({rows, hidden}, x.options());
     for (const Layer& layer : layers)
         run_layer(d, layer, out.mutable_data_ptr<float>(), cos.const_data_ptr<float>(),
-                  sin_signed.const_data_ptr<float>(), slots, key_slots, key_pos, q_pos, normed, attended);
+                  sin_signed.const_data_ptr<float>(), slots, key_slots, key_pos, q_pos, normed);
     return out;
 }
 

@@ -1,0 +1,146 @@
+"""Issue 27 point 3 on a tiny Llama whose fused q/k/v mixes stored quant types, as Qwen2.5's Q4_K_M
+does (Q4_K q/k, Q6_K v): the fused linear keeps both as int8 codes with a scale and a low per group
+of 16, the native decode step runs it and agrees with the eager step and a float32 reference of the
+very weights, and a prompt's logits are the same bits cold, chunked and after a cached prefix."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from mlxcel.engine.decode_step import DecodeRow, DecodeStep
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers import paged_attention
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
+from mlxcel.layers.quant import Int4Levels, Int8Levels, quantize
+from mlxcel.models import llama
+
+from .conftest import random_llama
+
+BLOCK = 16
+Q6_GROUP = 16  # Q6_K: a scale per 16 weights, codes -32..31
+
+pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C++ compiler for the CPU kernels")
+
+
+def q4_levels(w: torch.Tensor) -> Int4Levels:
+    """`w` on a 4-bit grid per group of 32 (a Q4_K-like weight): w ~ low + q * step."""
+    n, k = w.shape
+    groups = w.view(n, k // 32, 32)
+    low, high = groups.amin(-1), groups.amax(-1)
+    step = (high - low) / 15
+    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
+    return Int4Levels(q.to(torch.uint8).view(n, k), step, low)
+
+
+def q6_levels(w: torch.Tensor) -> Int8Levels:
+    """`w` as 6-bit codes with a scale per group of 16 (a Q6_K-like weight): w ~ code * scale."""
+    n, k = w.shape
+    groups = w.view(n, k // Q6_GROUP, Q6_GROUP)
+    scale = groups.abs().amax(-1) / 31
+    codes = torch.round(groups / scale[..., None]).clamp(-32, 31)
+    return Int8Levels(codes.to(torch.int8).view(n, k), scale)
+
+
+class MixedWeights:
+    """What a Q4_K_M GGUF says it stores (`layers.quant.PackedWeights`): v_proj in 6-bit codes, every
+    other linear on a 4-bit grid; the model's float weights are set to exactly those values."""
+
+    def __init__(self, model: llama.Model) -> None:
+        self.levels: dict[str, Int4Levels | Int8Levels] = {}
+        for name, module in model.named_modules():
+            if isinstance(module, torch.nn.Linear):
+                stored = q6_levels(module.weight.detach()) if name.endswith("v_proj") else q4_levels(module.weight.detach())
+                module.weight.data = stored.dequantize()
+                self.levels[f"{name}.weight"] = stored
+
+    def int4_levels(self, name: str) -> Int4Levels | None:
+        stored = self.levels.get(name)
+        return stored if isinstance(stored, Int4Levels) else None
+
+    def int8_levels(self, name: str) -> Int8Levels | None:
+        stored = self.levels.get(name)
+        return stored if isinstance(stored, Int8Levels) else None
+
+
+@pytest.fixture(scope="module")
+def models() -> tuple[llama.Model, llama.Model]:
+    """(the quantized model, a float32 copy of the same weights)."""
+    model = random_llama(27, num_layers=3, std=0.15)
+    model.packed_weights = MixedWeights(model)  # type: ignore[attr-defined]
+    reference = copy.deepcopy(model)
+    quantize(model)
+    return model, reference
+
+
+def prefill(model: llama.Model, cache: KVCache, prompt: list[int], table: tuple[int, ...],
+            chunks: list[int]) -> torch.Tensor:
+    """`prompt` written into `cache` in chunks of the given sizes (the last takes the rest) -> the last
+    chunk's logits."""
+    done = 0
+    for size in [*chunks, len(prompt)]:
+        end = min(done + size, len(prompt)) if size else len(prompt)
+        if end <= done:
+            continue
+        ctx = AttentionContext([SequenceSlice(0, end - done, end, 0, table)], cache, "cpu", prefill_only=True)
+        hidden = model(torch.tensor(prompt[done:end]), torch.arange(done, end), ctx)
+        done = end
+    return model.compute_logits(hidden).float()
+
+
+def test_mixed_qkv_is_kept_as_stored_int8_codes_with_lows(models: tuple[llama.Model, llama.Model]) -> None:
+    model, reference = models
+    fused = model.model.layers[0].self_attn.fused_q_k_v.linear
+    assert fused.int8_kernel and fused.weight is None and fused.scale.dim() == 4  # scales and lows per group
+    assert fused.scale.shape[1] == 64 // Q6_GROUP  # the smallest group: Q6_K's 16
+    exact = torch.cat([reference.model.layers[0].self_attn.get_submodule(n).weight for n in ("q_proj", "k_proj", "v_proj")])
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(fused(x), x @ exact.t(), atol=2e-5, rtol=1e-5)  # float32 rows: no rounding
+
+
+def test_native_step_on_a_mixed_qkv_agrees_with_eager_and_the_float_weights(models: tuple[llama.Model, llama.Model]) -> None:
+    model, reference = models
+    prompts = [[11, 22, 33, 44, 55, 66, 77], [5, 9] * 20, list(range(4, 90))]
+    steps = {}
+    for mode in ("eager", "native"):
+        cache = KVCache(3, 64, BLOCK, 2, 16, torch.float32, "cpu")
+        steps[mode] = DecodeStep(model, cache, "cpu", mode=mode, max_rows=4, max_positions=512)
+    assert steps["native"].mode == "native"
+    batch = []
+    with torch.inference_mode():
+        for i, prompt in enumerate(prompts):
+            table = tuple(range(i * 8, (i + 1) * 8))
+            for step in steps.values():
+                prefill(model, step.kv_cache, prompt[:-1], table, [])
+            batch.append(DecodeRow(prompt[-1], len(prompt) - 1, 0, table))
+        eager, native = steps["eager"].run(batch), steps["native"].run(batch)
+        floats = torch.stack([reference.compute_logits(reference(
+            torch.tensor(p), torch.arange(len(p)), AttentionContext([SequenceSlice(0, len(p), len(p))]))[-1]) for p in prompts])
+    torch.testing.assert_close(native, eager, atol=2e-3, rtol=1e-3)  # the same kernels, norms summed in another order
+    assert torch.equal(native.argmax(-1), floats.argmax(-1)) and torch.equal(eager.argmax(-1), floats.argmax(-1))
+    # the 4-bit linears round activations to int8 per group of 32: close to the float32 model, not equal
+    torch.testing.assert_close(eager, floats, atol=0.1, rtol=0.02)
+
+
+@pytest.mark.parametrize(("length", "cached"), [(65, 64), (67, 64), (67, 48), (50, 48), (50, 16)])
+def test_a_prompts_logits_are_the_same_cold_chunked_and_after_a_cached_prefix(
+        models: tuple[llama.Model, llama.Model], length: int, cached: int) -> None:
+    """The tail after a prefix hit (the cold run's cached blocks, then 1 to 34 rows) and a chunked
+    prefill give the cold run's bits."""
+    model, _ = models
+    prompt = [(7 * i + 3) % 90 + 4 for i in range(length)]
+    cache = KVCache(3, 32, BLOCK, 2, 16, torch.bfloat16, "cpu")
+    cold_table, hit_table = tuple(range(0, 5)), tuple(range(10, 15))
+    with torch.inference_mode():
+        cold = prefill(model, cache, prompt, cold_table, [])
+        chunked = prefill(model, cache, prompt, tuple(range(5, 10)), [20, 20])
+        for layer in cache.k + cache.v:  # the hit's table starts with the cold run's blocks' contents
+            for src, dst in zip(cold_table[:cached // BLOCK], hit_table):
+                layer[dst * BLOCK:(dst + 1) * BLOCK] = layer[src * BLOCK:(src + 1) * BLOCK]
+        ctx = AttentionContext([SequenceSlice(0, length - cached, length, 0, hit_table)], cache, "cpu",
+                               prefill_only=True)
+        hit = model.compute_logits(model(torch.tensor(prompt[cached:]), torch.arange(cached, length), ctx)).float()
+    assert torch.equal(hit, cold[cached:]), (hit - cold[cached:]).abs().max()
+    assert torch.equal(chunked, cold[-chunked.shape[0]:])
