@@ -239,3 +239,63 @@ def test_issue25_top_p_without_a_sort_draws_what_the_sorted_candidates_draw(devi
     draws = [(sample(logits, flat)[0], sample(logits, sorted_)[0]) for _ in range(50)]
     assert all(a == b for a, b in draws)
     assert all(len({d[0][i] for d in draws}) > 1 for i in range(len(chains)))
+
+
+# ---- the CPU's C++ chain (layers/kernels/sample_rows.cpp) ----
+
+needs_native = pytest.mark.skipif(not sampler.paged_attention.available(), reason="the CPU kernels could not be built")
+NATIVE_CHAINS = [*CHAINS[:9], dict(temperature=1.0, ignore_eos=True, top_p=0.8), dict(temperature=0.9, min_tokens=4),
+                 dict(temperature=0.7, top_k=6000 + 10)]  # a top-k past the vocabulary keeps it all
+
+
+@needs_native
+@pytest.mark.parametrize("chain", NATIVE_CHAINS, ids=str)
+def test_issue25_the_cpu_chain_draws_what_the_tensor_ops_draw(chain: dict, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Same seed, same logits: the C++ chain and the tensor-op chain pick the same tokens (same
+    distribution, same order of the inverse-CDF walk), and the C++ one really runs."""
+    logits = torch.randn(3, 6000, generator=torch.Generator().manual_seed(9)) * 2
+    logits[:, EOS] = 12.0  # the best token, unless the chain removes it
+    calls = []
+    native = torch.ops.mlxcel.sample_rows
+    monkeypatch.setattr(torch.ops.mlxcel, "sample_rows", lambda *a: calls.append(1) or native(*a), raising=False)
+
+    def draws(seed: int) -> list[list[int]]:
+        rows = [row(seed=seed + i, generated=1, **chain) for i in range(3)]
+        return [sample(logits, rows)[0] for _ in range(25)]
+
+    got = draws(3)
+    assert calls
+    monkeypatch.setattr(sampler, "_native_rows", lambda work, rows: [])
+    assert got == draws(3)
+    if chain.get("ignore_eos") or chain.get("min_tokens"):
+        assert EOS not in {t for d in got for t in d}
+
+
+@needs_native
+@pytest.mark.parametrize("chain", [dict(temperature=0.8, top_k=3, top_p=0.95), dict(temperature=1.0),
+                                   dict(temperature=0.7, min_p=0.1), dict(temperature=1.2, top_p=0.7, min_p=0.05)],
+                         ids=str)
+def test_issue25_the_cpu_chain_follows_the_truncated_softmax(chain: dict) -> None:
+    """20,000 draws of one logit vector through the C++ chain: counts within 5 standard deviations
+    of the reference chain's probabilities; removed tokens never come."""
+    logits = torch.tensor([2.0, 1.5, 1.0, 0.5, 0.0, -0.5, -1.0, -3.0, float("-inf")])
+    num = 20_000
+    r = row(**chain)
+    assert sampler._native_rows(logits[None], [r]) == [0]
+    counts = Counter(sample(logits.expand(num, -1).contiguous(), [r] * num)[0])
+    for token, p in enumerate(torch.softmax(reference_final(logits, r), -1).tolist()):
+        if p == 0.0:
+            assert counts[token] == 0, (token, counts[token])
+        else:
+            assert abs(counts[token] - num * p) < 5 * math.sqrt(num * p * (1 - p)) + 1, (token, counts[token], num * p)
+
+
+@needs_native
+def test_issue25_the_cpu_chain_leaves_the_logits_unchanged_and_fails_only_empty_rows() -> None:
+    logits = torch.randn(2, 500, generator=torch.Generator().manual_seed(4))
+    before = logits.clone()
+    sample(logits, [row(temperature=0.8, top_p=0.9, ignore_eos=True), row(temperature=1.0, min_tokens=3)])
+    assert torch.equal(logits, before)
+    logits[1] = float("nan")
+    with pytest.raises(ValueError, match="rows \\[1\\]"):
+        sample(logits, [row(temperature=0.8, top_p=0.9), row(temperature=0.8, top_p=0.9)])

@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from mlxcel.layers import paged_attention
 from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
 
 # Widths of the sorted candidate sets, tried in turn: top_p 0.95 of a language model's
@@ -102,6 +103,10 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if all(_is_plain_greedy(r) for r in rows):
         return logits.argmax(dim=-1).tolist(), [None] * len(rows)
     raw = logits.float()
+    if _all_native(raw, rows):  # the CPU's usual batch: the C++ chain reads the logits as they are
+        token_list = _draw_native(raw, rows, list(range(len(rows))), with_end_tokens=True).tolist()
+        _check_drawn(token_list)
+        return token_list, _logprobs(raw, rows, token_list, [])
     work = raw.clone() if any(_changes_logits(r) for r in rows) else raw  # raw stays the model's own
     _apply_logit_biases(work, rows)
     _apply_penalties(work, rows)
@@ -110,30 +115,68 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow]) -> tuple[list[int], li
     if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs for r in rows):
         tokens, draws = _draw_fused(work, rows)
     else:
-        tokens, draws = _draw_grouped(work, rows)
+        tokens, draws = _draw_grouped(work, rows, _native_rows(work, rows))
     token_list = tokens.tolist()  # the step's one wait for the device
     spilled = [i for i, t in enumerate(token_list) if t == _SPILLED]
     if spilled:
         group = draws.settle(spilled)
         for i, t in zip(group.rows, torch.where(_has_mass(group.final), group.tokens, -1).tolist()):
             token_list[i] = t
-    if -1 in token_list:
-        bad = [i for i, t in enumerate(token_list) if t == -1]
-        raise ValueError(f"rows {bad}: every token was removed or the logits are not finite")
+    _check_drawn(token_list)
     return token_list, _logprobs(raw, rows, token_list, draws.groups)
 
 
-def _draw_grouped(work: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tensor, _Draws]:
-    """Each row drawn with its own group's ops (what post-sampling logprobs read), on the device."""
+def _check_drawn(tokens: list[int]) -> None:
+    if -1 in tokens:
+        bad = [i for i, t in enumerate(tokens) if t == -1]
+        raise ValueError(f"rows {bad}: every token was removed or the logits are not finite")
+
+
+def _draw_grouped(work: torch.Tensor, rows: list[SamplingRow], native: list[int]) -> tuple[torch.Tensor, _Draws]:
+    """Each row drawn with its own group's ops (what post-sampling logprobs read), on the device;
+    the `native` rows (batch indices) by the C++ sampler instead."""
     any_greedy = any(r.params.is_greedy for r in rows)
     tokens = work.argmax(dim=-1) if any_greedy else torch.zeros(len(rows), dtype=torch.long, device=work.device)
-    draws = _draw(work, rows)
+    if native:
+        tokens = tokens.index_copy(0, _on(native, torch.long, tokens.device), _draw_native(work, rows, native))
+    draws = _draw(work, rows, skip=set(native))
     for group in draws.groups:
         chosen = torch.where(_has_mass(group.final), group.tokens, -1)
         if group.fits is not None:
             chosen = torch.where(group.fits, chosen, _SPILLED)
         tokens = tokens.index_copy(0, _on(group.rows, torch.long, tokens.device), chosen)
     return tokens, draws
+
+
+def _native_rows(work: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
+    """The CPU rows the C++ sampler draws (layers/kernels/sample_rows.cpp): sampled rows that do not
+    ask post-sampling logprobs (those read the drawn distribution, which only the tensor ops keep)."""
+    if work.device.type != "cpu" or _gpu_strategy(work.device) or not paged_attention.available():
+        return []
+    return [i for i, r in enumerate(rows) if not r.params.is_greedy and not r.params.is_post_sampling_probs]
+
+
+def _all_native(raw: torch.Tensor, rows: list[SamplingRow]) -> bool:
+    """Every row drawn by the C++ chain, and nothing but end tokens to remove before it (no copy of the logits)."""
+    return (len(_native_rows(raw, rows)) == len(rows)
+            and not any(r.processors or r.params.logit_bias or _has_penalty(r.params) for r in rows))
+
+
+def _draw_native(work: torch.Tensor, rows: list[SamplingRow], picked: list[int], *,
+                 with_end_tokens: bool = False) -> torch.Tensor:
+    """[len(picked)] tokens (-1: no token left) drawn by the C++ chain, each row from its own
+    logits and uniform: the same distribution and draw order as `_draw` (issue 25: on 2 cores a
+    row of 49,152 logits costs ~0.04 ms there against ~0.6 ms of tensor ops, and wakes no
+    intra-op thread). `with_end_tokens`: the chain removes the rows' end tokens itself (not yet
+    done on `work`)."""
+    params = [rows[i].params for i in picked]
+    ends = [sorted(_end_tokens(rows[i])) if with_end_tokens else [] for i in picked]
+    width = max(map(len, ends))
+    return torch.ops.mlxcel.sample_rows(
+        _take(work, picked), torch.tensor([p.temperature for p in params], dtype=torch.float32),
+        torch.tensor([p.top_k for p in params], dtype=torch.long), torch.tensor([p.top_p for p in params], dtype=torch.float32),
+        torch.tensor([p.min_p for p in params], dtype=torch.float32), _uniforms([rows[i].generator for i in picked], work.device),
+        torch.tensor([e + [-1] * (width - len(e)) for e in ends], dtype=torch.long).reshape(len(picked), width))
 
 
 def _is_plain_greedy(row: SamplingRow) -> bool:
@@ -208,22 +251,29 @@ def _apply_processors(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     """ignore_eos, and min_tokens not reached yet: no end-of-sequence or stop token."""
     vocab = work.shape[-1]
-    entries = [(i, t) for i, r in enumerate(rows) if r.params.ignore_eos or r.num_generated < r.params.min_tokens
-               for t in r.eos_token_ids | set(r.params.stop_token_ids) if 0 <= t < vocab]
+    entries = [(i, t) for i, r in enumerate(rows) for t in _end_tokens(r) if 0 <= t < vocab]
     if entries:
         row_ids, token_ids = zip(*entries)
         work.index_put_((_on(row_ids, torch.long, work.device), _on(token_ids, torch.long, work.device)),
                         work.new_full((), float("-inf")))
 
 
+def _end_tokens(row: SamplingRow) -> set[int]:
+    """The tokens this row may not draw now: its end tokens under ignore_eos, or before min_tokens."""
+    p = row.params
+    if p.ignore_eos or row.num_generated < p.min_tokens:
+        return set(row.eos_token_ids) | set(p.stop_token_ids)
+    return set()
+
+
 # ---- temperature, truncation and the draw ----
 
-def _draw(work: torch.Tensor, rows: list[SamplingRow]) -> _Draws:
+def _draw(work: torch.Tensor, rows: list[SamplingRow], skip: set[int] = frozenset()) -> _Draws:
     """Every non-greedy row drawn: rows with no top-k or top-p in vocabulary order; on the CPU top-p
     rows without top-k from the flat nucleus; the rest (and the nucleus's spills) from their best
     logits, sorted, in widening candidate sets up to a full sort. On a GPU the candidate set's
     check is read with the tokens (`_Drawn.fits`), and only the rows that spill are sorted."""
-    drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy]
+    drawn = [i for i, r in enumerate(rows) if not r.params.is_greedy and i not in skip]  # skip: drawn natively
     params = [rows[i].params for i in drawn]
     if not drawn:
         return _Draws([], drawn, params)

@@ -33,8 +33,10 @@ import torch
 
 log = logging.getLogger(__name__)
 
-# Built into one library: the attention kernel, and the decode step's layers that call it.
-SOURCES = tuple(Path(__file__).with_name("kernels") / name for name in ("paged_attention.cpp", "decode_layers.cpp"))
+# Built into one library: the attention kernel, the decode step's layers that call it, and the
+# CPU sampler (engine/sampler.py) that draws from the step's logits.
+SOURCES = tuple(Path(__file__).with_name("kernels") / name
+                for name in ("paged_attention.cpp", "decode_layers.cpp", "sample_rows.cpp"))
 FLAGS = ("-O3", "-march=native", "-fopenmp", "-fno-math-errno", "-fno-trapping-math", "-shared", "-fPIC",
          "-std=c++17", "-w")
 CACHE_TYPES = (torch.float32, torch.bfloat16, torch.float16)

@@ -63,8 +63,8 @@ class KVCache:
     def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at cache slots `index` (any shape) -> [*index.shape, Hkv, D] in `dtype`
         (turbo4 sides still turned: see `turn_query` / `turn_back_output`)."""
-        keys = kv_quant.decode(self.k_type, self.k[layer][index], _gather(self.k_scales, layer, index), dtype)
-        values = kv_quant.decode(self.v_type, self.v[layer][index], _gather(self.v_scales, layer, index), dtype)
+        keys = kv_quant.decode(self.k_type, _rows(self.k[layer], index), _gather(self.k_scales, layer, index), dtype)
+        values = kv_quant.decode(self.v_type, _rows(self.v[layer], index), _gather(self.v_scales, layer, index), dtype)
         return keys, values
 
     def turn_query(self, q: torch.Tensor) -> torch.Tensor:
@@ -120,7 +120,14 @@ def _side(scales: list[torch.Tensor] | None, layer: int) -> torch.Tensor | None:
 
 
 def _gather(scales: list[torch.Tensor] | None, layer: int, index: torch.Tensor) -> torch.Tensor | None:
-    return None if scales is None else scales[layer][index]
+    return None if scales is None else _rows(scales[layer], index)
+
+
+def _rows(tensor: torch.Tensor, index: torch.Tensor) -> torch.Tensor:
+    """tensor[index] (slots of any shape), through index_select: the same values, but on the CPU a
+    prefill over 2,000 cached keys gathered them ~4x faster than advanced indexing (issue 25 point 3:
+    a partial prefix hit reads every cached key in every layer)."""
+    return tensor.index_select(0, index.reshape(-1)).view(*index.shape, *tensor.shape[1:])
 
 
 def _store(element: str, cache: torch.Tensor, scales: torch.Tensor | None, slots: torch.Tensor,
