@@ -386,7 +386,7 @@ SETTINGS: tuple[Setting, ...] = (
     # issue 29 point 5: on a GPU, device evictions park in pinned host RAM before the disk tier
     # NOTE: off by default: its saves still run on the engine thread (half of the engine process's time under
     # 256 fresh streams on an H200), so it is for workloads that come back to long prefixes
-    _s("prefix_cache_host_size", auto_size(), "0", "most bytes of KV blocks the prefix cache keeps in host memory "
+    _s("prefix_cache_host_size", auto_size(), 0, "most bytes of KV blocks the prefix cache keeps in host memory "
        "between the GPU's KV pool and the disk tier, least recently used spilled to disk (0 = off; auto = a quarter "
        "of RAM on CUDA, 0 on the CPU, where the KV pool already is host memory)", ("--prefix-cache-host-size",),
        "MLXCEL_PREFIX_CACHE_HOST_SIZE", metavar="SIZE", group="engine"),

@@ -178,3 +178,9 @@ def test_a_bad_sampling_default_exits_2() -> None:
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.splitlines() == [
         "mlxcel serve: error: default_temperature (--temp): '-1' is not valid; expected a finite number >= 0"]
+
+
+@pytest.mark.parametrize("setting", [s for s in SETTINGS if isinstance(s.default, str) and s.default], ids=lambda s: s.name)
+def test_a_text_default_is_what_its_own_parser_gives(setting: Setting) -> None:
+    """Defaults are used unparsed: a size default written as "0" reached the engine as a string (issue 29)."""
+    assert setting.kind.parse(setting.default) == setting.default
