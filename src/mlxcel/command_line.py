@@ -191,8 +191,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
         max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
         max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
         prefix_cache_dir=str(values["prefix_cache_dir"] or prefix_cache_dir(values["models_dir"])),
-        prefix_cache_disk_bytes=values["prefix_cache_disk_size"],
-        prefix_cache_host_bytes=-1 if values["prefix_cache_host_size"] == "auto" else values["prefix_cache_host_size"],
+        prefix_cache_disk_bytes=_auto_bytes(values["prefix_cache_disk_size"]),
+        prefix_cache_host_bytes=_auto_bytes(values["prefix_cache_host_size"]),
         max_kv_size=values["max_kv_size"], decode_timeout_s=values["decode_timeout"],
         kv_cache_bytes=values["kv_cache_memory"], request_memory_budget_bytes=values["request_memory_budget"] or 0,
         slot_save_path=values["slot_save_path"],
@@ -254,6 +254,11 @@ def diffusion_options(values: dict[str, Any]) -> DiffusionOptions:
 
     return DiffusionOptions(values["diffusion_sampler"], values["diffusion_threshold"], values["max_denoising_steps"],
                             values["diffusion_request_timeout"])
+
+
+def _auto_bytes(value: str | int) -> int:
+    """A size setting that may be `auto` (-1: the engine picks by device)."""
+    return -1 if value == "auto" else int(value)
 
 
 def lora_adapters(values: dict[str, Any]) -> tuple[tuple[Path, float], ...]:

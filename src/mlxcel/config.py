@@ -62,7 +62,7 @@ class EngineConfig:
     max_queue_depth: int = 64  # --max-queue-depth
     enable_prefix_caching: bool = True  # --no-prompt-cache / --apc-enabled=false turn it off
     prefix_cache_dir: str | None = None  # --prefix-cache-dir: the disk tier's folder (issue 29)
-    prefix_cache_disk_bytes: int = 0  # --prefix-cache-disk-size: its LRU bound; 0 = no disk tier
+    prefix_cache_disk_bytes: int = 0  # --prefix-cache-disk-size: its LRU bound; 0 = no disk tier, -1 = auto (CPU only)
     prefix_cache_host_bytes: int = 0  # --prefix-cache-host-size: host KV tier bound; 0 = off, -1 = auto (CUDA only)
     max_kv_size: int = 0  # --max-kv-size (spec N); 0 = off
     decode_timeout_s: float = 600.0  # --decode-timeout (A8)

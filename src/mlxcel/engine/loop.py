@@ -556,15 +556,21 @@ def _check_memory(request: Request, slot_context: int, budget: MemoryBudget) -> 
     budget.check(request.request_id, num_prompt, num_output)
 
 
+DEFAULT_DISK_BYTES = 20 * 2**30  # --prefix-cache-disk-size auto on the CPU
+
+
 def _open_disk_tier(config: EngineConfig, cache: KVCache, kv: KVCacheManager, identity: str) -> DiskBlockStore | None:
     """The prefix cache's disk tier (issue 29) when asked for and prefix caching is on; None otherwise."""
-    if not (config.prefix_cache_dir and config.prefix_cache_disk_bytes > 0 and kv.is_enabled):
+    capacity = config.prefix_cache_disk_bytes
+    if capacity < 0:  # auto: on the CPU only (an H200 recomputed a prompt faster than it loaded it from disk)
+        capacity = DEFAULT_DISK_BYTES if cache.k[0].device.type == "cpu" else 0
+    if not (config.prefix_cache_dir and capacity > 0 and kv.is_enabled):
         return None
     if not identity:  # NOTE: without the model's identity, KV of another model could be read back
         log.warning("disk prefix cache: off (no KV identity: the engine was built without a model file)")
         return None
     key = f"{identity}|K {cache.k_type}|V {cache.v_type}|block {cache.block_size}|step {config.decode_step}|v1"
-    tier = DiskTierConfig(Path(config.prefix_cache_dir).expanduser(), config.prefix_cache_disk_bytes,
+    tier = DiskTierConfig(Path(config.prefix_cache_dir).expanduser(), capacity,
                           hashlib.sha256(key.encode()).hexdigest())
     try:
         store = open_disk_tier(tier, cache, kv.pool)
