@@ -37,6 +37,7 @@ import os
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -207,8 +208,11 @@ def run_server_peer(name: str, cmd: list[str], port: int, tokenizer: Tokenizer, 
 
 
 def mlxcel_cmd(model: Path, port: int, threads: int) -> list[str]:
+    # NOTE: the disk tier stays on (the default) but starts empty: a folder of an earlier run would turn
+    # the cold figures into restart hits
     return [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(model), "--port", str(port),
-            "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT)]
+            "--threads", str(threads), "--n-parallel", str(SLOTS), "--ctx-size", str(SLOTS * SLOT_CONTEXT),
+            "--prefix-cache-dir", tempfile.mkdtemp(prefix="mlxcel-bench-prefix-")]
 
 
 ENGINE_PROCESS_PEERS = {"mlxcel-single": "off", "mlxcel-split": "on"}  # --engine-process (issue 25)
