@@ -65,12 +65,11 @@ class RuntimeOptions:
         return self.quantize == "auto" and self.device == "cpu" and can_quantize()
 
     def runs_engine_process(self) -> bool:
-        """Issue 25: auto is on for CUDA (the GIL shared with HTTP held the GPU back) and off for the CPU
-        (on 2 cores a second process competes with the engine for them); see docs/structure.md."""
+        """Issue 25: auto is off for now: on an H200 the split gained at 256 streams and lost at some 64-stream
+        shapes, and one SIGTERM there overran the 120 s drain; on 2 CPU cores a second busy process competes
+        with the engine for them (docs/structure.md, bench/RESULTS.md)."""
         if self.engine_process not in ("auto", "on", "off"):
             raise ValueError(f"--engine-process must be auto, on or off; not {self.engine_process!r}")
-        if self.engine_process == "auto":
-            return self.device.startswith("cuda")
         return self.engine_process == "on"
 
     def torch_dtype(self) -> torch.dtype:

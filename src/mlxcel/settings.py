@@ -336,8 +336,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("warmup", BOOL, True, "skip the warmup before listening (decode-step compile or capture, a short prompt and "
        "8 tokens)", ("--no-warmup",), group="model", action="off"),
     _s("engine_process", choice("auto", "on", "off"), "auto", "run the engine core (model, scheduler, KV cache, "
-       "sampler) in its own process, apart from HTTP, templates and detokenization (issue 25): auto = on for "
-       "CUDA, off for the CPU", ("--engine-process",), "MLXCEL_ENGINE_PROCESS", group="model"),
+       "sampler) in its own process, apart from HTTP, templates and detokenization (issue 25): auto = off for "
+       "now (measured on an H200: see bench/RESULTS.md)", ("--engine-process",), "MLXCEL_ENGINE_PROCESS", group="model"),
     _s("threads", NON_NEGATIVE, 0, "CPU threads for the model (0 = torch's default: every core)",
        ("-t", "--threads"), "LLAMA_ARG_THREADS", metavar="N", group="model"),
     _s("quantize", choice("auto", "off"), "auto", "CPU decode matmuls: auto = weight-only 4-bit (where the "
