@@ -12,6 +12,8 @@ from mlxcel.engine.kv.disk import DiskBlockStore, DiskTierConfig, LoadPolicy, op
 from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.kv.tensors import KVCache
 
+from .kv_tiers import block_rows, compute
+
 BLOCK = 4
 NUM_BLOCKS = 8
 IDENTITY = "ab" * 32
@@ -29,19 +31,10 @@ class Engine:
         self.kv.lower_tier = self.store
 
     def compute(self, request_id: str, tokens: list[int]) -> list[int]:
-        """Admit a prompt, write random KV for it (as a forward pass would) and finish it."""
-        cached, num_cached = self.kv.find_cached_prefix(tokens, cache_prompt=True)
-        self.kv.allocate(request_id, tokens, num_cached, len(tokens) - num_cached, cached)
-        table = self.kv.block_table(request_id)
-        slots = torch.tensor(self.kv.slot_mapping(request_id, num_cached, len(tokens)))
-        for layer in range(len(self.cache.k)):
-            self.cache.write(layer, slots, torch.randn(len(slots), 2, 32), torch.randn(len(slots), 2, 32))
-        self.kv.free(request_id)
-        return table
+        return compute(self.kv, self.cache, request_id, tokens)
 
     def rows(self, block_ids: list[int]) -> list[torch.Tensor]:
-        slots = torch.tensor([b * BLOCK + i for b in block_ids for i in range(BLOCK)])
-        return [t[slots].clone() for tensors in self.cache.named_tensors().values() for t in tensors]
+        return block_rows(self.cache, block_ids)
 
 
 def prompt(seed: int, num_tokens: int = 3 * BLOCK + 1) -> list[int]:
