@@ -28,6 +28,7 @@ import torch
 from mlxcel.engine import native_step
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.native_step import NativeLayers
+from mlxcel.engine.sampler import on_device
 from mlxcel.layers.attention import DecodeAttention
 from mlxcel.layers.lora import model_lora_rows
 
@@ -80,9 +81,9 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
     count = len(rows)
     num_keys = num_keys or -(-max(r.position + 1 - r.kv_start for r in rows) // KEY_ALIGN) * KEY_ALIGN
     width = max(len(r.block_table) for r in rows)
-    tables = _on(device, [r.block_table + (0,) * (width - len(r.block_table)) for r in rows])
-    starts = _on(device, [r.kv_start for r in rows])
-    last = _on(device, [r.position for r in rows])
+    tables = on_device([r.block_table + (0,) * (width - len(r.block_table)) for r in rows], torch.long, device)
+    starts = on_device([r.kv_start for r in rows], torch.long, device)
+    last = on_device([r.position for r in rows], torch.long, device)
     pos = starts.unsqueeze(1) + torch.arange(num_keys, device=device).unsqueeze(0)  # [rows, keys]
     live = pos <= last.unsqueeze(1)
     blocks = tables.gather(1, pos.div(block_size, rounding_mode="floor").clamp(max=width - 1))  # past the end: masked
@@ -93,22 +94,17 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
     ids = torch.zeros(num_rows, dtype=torch.long, device=device)
     positions = torch.zeros(num_rows, dtype=torch.long, device=device)
     slots = torch.full((num_rows,), scratch_slot, dtype=torch.long, device=device)
-    ids[:count] = _on(device, [r.token_id for r in rows])
+    ids[:count] = on_device([r.token_id for r in rows], torch.long, device)
     positions[:count] = last
     slots[:count] = (tables.gather(1, last.div(block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1) * block_size
                      + last.remainder(block_size))
     if not all(r.writes_kv for r in rows):
-        writes = _on(device, [r.writes_kv for r in rows], torch.bool)
+        writes = on_device([r.writes_kv for r in rows], torch.bool, device)
         slots[:count] = torch.where(writes, slots[:count], scratch_slot)
     lora = torch.zeros(num_rows, num_adapters, device=device)  # padding rows and rows without scales: the base model
     if any(r.lora_scales for r in rows):
-        lora[:count] = _on(device, [r.lora_scales or (0.0,) * num_adapters for r in rows], torch.float32)
+        lora[:count] = on_device([r.lora_scales or (0.0,) * num_adapters for r in rows], torch.float32, device)
     return DecodeInputs(ids, positions, slots, key_slots, key_pos, lora)
-
-
-def _on(device: torch.device | str, values: list, dtype: torch.dtype = torch.long) -> torch.Tensor:
-    """A small host list as a tensor on `device`; a non-blocking copy, so a GPU's queue is not waited for."""
-    return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
 
 
 class DecodeStep:

@@ -138,13 +138,13 @@ def _draw_grouped(work: torch.Tensor, rows: list[SamplingRow], native: list[int]
     any_greedy = any(r.params.is_greedy for r in rows)
     tokens = work.argmax(dim=-1) if any_greedy else torch.zeros(len(rows), dtype=torch.long, device=work.device)
     if native:
-        tokens = tokens.index_copy(0, _on(native, torch.long, tokens.device), _draw_native(work, rows, native))
+        tokens = tokens.index_copy(0, on_device(native, torch.long, tokens.device), _draw_native(work, rows, native))
     draws = _draw(work, rows, skip=set(native))
     for group in draws.groups:
         chosen = torch.where(_has_mass(group.final), group.tokens, -1)
         if group.fits is not None:
             chosen = torch.where(group.fits, chosen, _SPILLED)
-        tokens = tokens.index_copy(0, _on(group.rows, torch.long, tokens.device), chosen)
+        tokens = tokens.index_copy(0, on_device(group.rows, torch.long, tokens.device), chosen)
     return tokens, draws
 
 
@@ -205,8 +205,8 @@ def _apply_logit_biases(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     entries = [(i, t, v) for i, r in enumerate(rows) for t, v in r.params.logit_bias if 0 <= t < vocab]
     if entries:
         row_ids, token_ids, values = zip(*entries)
-        index = (_on(row_ids, torch.long, work.device), _on(token_ids, torch.long, work.device))
-        work.index_put_(index, _on(values, work.dtype, work.device), accumulate=True)
+        index = (on_device(row_ids, torch.long, work.device), on_device(token_ids, torch.long, work.device))
+        work.index_put_(index, on_device(values, work.dtype, work.device), accumulate=True)
 
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
@@ -220,7 +220,7 @@ def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     if not width:
         return
     vocab, device = work.shape[-1], work.device
-    ids = _on([w + [vocab] * (width - len(w)) for w in windows], torch.long, device).clamp_(0, vocab)
+    ids = on_device([w + [vocab] * (width - len(w)) for w in windows], torch.long, device).clamp_(0, vocab)
     counts = torch.zeros(len(picked), vocab + 1, device=device).scatter_add_(1, ids, torch.ones_like(ids, dtype=torch.float32))
     counts = counts[:, :vocab]  # [picked, vocab]; the last column took the padding
     params = [rows[i].params for i in picked]
@@ -230,7 +230,7 @@ def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     chosen = _take(work, picked)
     seen = counts > 0
     shrunk = torch.where(chosen > 0, chosen / repetition, chosen * repetition)
-    work.index_copy_(0, _on(picked, torch.long, device), torch.where(seen, shrunk, chosen) - counts * frequency - seen * presence)
+    work.index_copy_(0, on_device(picked, torch.long, device), torch.where(seen, shrunk, chosen) - counts * frequency - seen * presence)
 
 
 def _penalty_window(history: Sequence[int], repeat_last_n: int) -> Sequence[int]:
@@ -254,7 +254,7 @@ def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
     entries = [(i, t) for i, r in enumerate(rows) for t in _end_tokens(r) if 0 <= t < vocab]
     if entries:
         row_ids, token_ids = zip(*entries)
-        work.index_put_((_on(row_ids, torch.long, work.device), _on(token_ids, torch.long, work.device)),
+        work.index_put_((on_device(row_ids, torch.long, work.device), on_device(token_ids, torch.long, work.device)),
                         work.new_full((), float("-inf")))
 
 
@@ -341,7 +341,7 @@ def _draw_nucleus(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sam
     kept_mass = torch.zeros(n, device=device).index_add_(0, row, prob * keep)
     last_kept = starts + torch.bincount(row, weights=keep.float(), minlength=n).long() - 1
     total = torch.zeros(n, device=device).index_add_(0, row, prob)
-    cut_by_min_p = _on([p.min_p >= NUCLEUS_FLOOR for p in chosen], torch.bool, device)
+    cut_by_min_p = on_device([p.min_p >= NUCLEUS_FLOOR for p in chosen], torch.bool, device)
     fits = ((total >= top_p) | cut_by_min_p) & (counts > 0)  # top-p's or min-p's cut falls among the candidates
     fits &= is_narrow
     target = before + _take(uniforms, picked) * kept_mass
@@ -389,8 +389,8 @@ class _Truncation:
     @classmethod
     def of(cls, params: list[SamplingParams], width: int, device: torch.device) -> _Truncation:
         has_top_k = [0 < p.top_k <= width for p in params]
-        return cls(_on([p.top_k if k else width for p, k in zip(params, has_top_k)], torch.long, device),
-                   _on(has_top_k, torch.bool, device), _column([p.top_p for p in params], device),
+        return cls(on_device([p.top_k if k else width for p, k in zip(params, has_top_k)], torch.long, device),
+                   on_device(has_top_k, torch.bool, device), _column([p.top_p for p in params], device),
                    _column([_log_min_p(p.min_p) for p in params], device), not all(has_top_k))
 
 
@@ -431,14 +431,14 @@ def _draw_fused(work: torch.Tensor, rows: list[SamplingRow]) -> tuple[torch.Tens
         final = scaled.masked_fill(scaled < scaled.max(dim=-1, keepdim=True).values
                                    + _column([_log_min_p(p.min_p) for p in params], device), float("-inf"))
         drawn = torch.where(_has_mass(final), _inverse_cdf(final, uniforms), -1)
-        tokens = torch.where(_on(in_order, torch.bool, device), drawn, tokens)
+        tokens = torch.where(on_device(in_order, torch.bool, device), drawn, tokens)
     if any(ranked):
         values, ids = torch.topk(scaled, width, dim=-1)
         final, fits = _truncate_ranked(scaled, values, ids, _Truncation.of(params, width, device))
         drawn = torch.where(_has_mass(final), ids.gather(1, _inverse_cdf(final, uniforms)[:, None]).squeeze(1), -1)
-        is_wide = _on([p.top_k > width for p in params], torch.bool, device)  # a top-k past the candidates
+        is_wide = on_device([p.top_k > width for p in params], torch.bool, device)  # a top-k past the candidates
         drawn = torch.where(fits & ~is_wide, drawn, _SPILLED)
-        tokens = torch.where(_on(ranked, torch.bool, device), drawn, tokens)
+        tokens = torch.where(on_device(ranked, torch.bool, device), drawn, tokens)
     return tokens, _Draws([], list(range(len(rows))), params, scaled, uniforms)
 
 
@@ -451,10 +451,10 @@ def _take(tensor: torch.Tensor, index: list[int]) -> torch.Tensor:
     """tensor[index] along the first dimension, without a copy when the index takes every row in order."""
     if index == list(range(tensor.shape[0])):
         return tensor
-    return tensor.index_select(0, _on(index, torch.long, tensor.device))
+    return tensor.index_select(0, on_device(index, torch.long, tensor.device))
 
 
-def _on(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+def on_device(values: list, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
     """A small host list as a tensor on `device`, copied without waiting for the device's queue
     (a plain `torch.tensor(..., device=cuda)` waits for every kernel launched before it)."""
     return torch.tensor(values, dtype=dtype).to(device, non_blocking=True)
@@ -480,14 +480,14 @@ def _uniforms(generators: list[torch.Generator | None], device: torch.device) ->
     """One uniform per row: a seeded row's from its own generator, the rest from the device's."""
     uniforms = torch.rand(len(generators), device=device)
     if any(g is not None for g in generators):
-        seeded = _on([torch.rand(1, generator=g).item() if g is not None else math.nan for g in generators],
+        seeded = on_device([torch.rand(1, generator=g).item() if g is not None else math.nan for g in generators],
                      torch.float32, device)
         uniforms = torch.where(seeded.isnan(), uniforms, seeded)
     return uniforms
 
 
 def _column(values: list[float], device: torch.device) -> torch.Tensor:
-    return _on(values, torch.float32, device)[:, None]
+    return on_device(values, torch.float32, device)[:, None]
 
 
 # ---- logprobs ----
@@ -523,7 +523,7 @@ def _top_logprobs(logprobs: torch.Tensor, ids: torch.Tensor | None, rows: list[S
     chosen token and its best alternatives; removed tokens (-inf) are never alternatives."""
     device = logprobs.device
     if positions is None:
-        positions = _on([tokens[i] for i in picked], torch.long, device)
+        positions = on_device([tokens[i] for i in picked], torch.long, device)
     chosen = logprobs.gather(1, positions[:, None]).squeeze(1).tolist()
     num_top = max(rows[i].params.logprobs or 0 for i in picked)
     top_values, top_cols = torch.topk(logprobs, min(num_top, logprobs.shape[-1]), dim=-1)
