@@ -25,23 +25,40 @@ Q6_GROUP = 16  # Q6_K: a scale per 16 weights, codes -32..31
 pytestmark = pytest.mark.skipif(not paged_attention.available(), reason="no C++ compiler for the CPU kernels")
 
 
+def k_quant(values: torch.Tensor, per: int, top: int, lowest: int) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """Group scales [N, G] as a K-quant stores them: a float16 unit per `per` groups (256 inputs) times an
+    integer in lowest..top per group -> (the scales so stored, the units [N, G / per, 1]); as they are,
+    with no units, where the inputs are not whole superblocks."""
+    n, groups = values.shape
+    if groups % per:
+        return values, None
+    sub = values.view(n, groups // per, per)
+    unit = (sub.abs().amax(-1, keepdim=True) / top).half().float().clamp(min=2**-14)
+    if lowest == 0 and bool((sub <= 0).all()):  # lows: -dmin times a 6-bit min
+        unit = -unit
+    return (unit * torch.round(sub / unit).clamp(lowest, top)).view(n, groups), unit
+
+
 def q4_levels(w: torch.Tensor) -> Int4Levels:
-    """`w` on a 4-bit grid per group of 32 (a Q4_K-like weight): w ~ low + q * step."""
+    """`w` on a 4-bit grid per group of 32 as Q4_K stores it: w ~ low + q * step, steps and lows integer
+    multiples (0..63) of float16 units per 256 inputs."""
     n, k = w.shape
     groups = w.view(n, k // 32, 32)
-    low, high = groups.amin(-1), groups.amax(-1)
-    step = (high - low) / 15
-    q = torch.round((groups - low[..., None]) / step[..., None]).clamp(0, 15)
-    return Int4Levels(q.to(torch.uint8).view(n, k), step, low)
+    step, step_unit = k_quant((groups.amax(-1) - groups.amin(-1)) / 15, 8, 63, 0)
+    low, low_unit = k_quant(groups.amin(-1).clamp(max=0), 8, 63, 0)
+    q = torch.round((groups - low[..., None]) / step[..., None].clamp(min=1e-12)).clamp(0, 15)
+    units = None if step_unit is None or low_unit is None else torch.cat((step_unit, low_unit), -1)
+    return Int4Levels(q.to(torch.uint8).view(n, k), step, low, units)
 
 
 def q6_levels(w: torch.Tensor) -> Int8Levels:
-    """`w` as 6-bit codes with a scale per group of 16 (a Q6_K-like weight): w ~ code * scale."""
+    """`w` as 6-bit codes with a scale per group of 16 as Q6_K stores it: w ~ code * scale, the scales
+    int8 multiples of float16 units per 256 inputs."""
     n, k = w.shape
     groups = w.view(n, k // Q6_GROUP, Q6_GROUP)
-    scale = groups.abs().amax(-1) / 31
-    codes = torch.round(groups / scale[..., None]).clamp(-32, 31)
-    return Int8Levels(codes.to(torch.int8).view(n, k), scale)
+    scale, unit = k_quant(groups.abs().amax(-1) / 31, Q6_GROUP, 127, -128)
+    codes = torch.round(groups / scale[..., None].clamp(min=1e-12)).clamp(-32, 31)
+    return Int8Levels(codes.to(torch.int8).view(n, k), scale, None, unit)
 
 
 class MixedWeights:
@@ -68,7 +85,7 @@ class MixedWeights:
 @pytest.fixture(scope="module")
 def models() -> tuple[llama.Model, llama.Model]:
     """(the quantized model, a float32 copy of the same weights)."""
-    model = random_llama(27, num_layers=3, std=0.15)
+    model = random_llama(27, hidden_size=256, num_layers=3, std=0.15)  # K = 256: whole superblocks
     model.packed_weights = MixedWeights(model)  # type: ignore[attr-defined]
     reference = copy.deepcopy(model)
     quantize(model)
@@ -93,10 +110,12 @@ def prefill(model: llama.Model, cache: KVCache, prompt: list[int], table: tuple[
 def test_mixed_qkv_is_kept_as_stored_int8_codes_with_lows(models: tuple[llama.Model, llama.Model]) -> None:
     model, reference = models
     fused = model.model.layers[0].self_attn.fused_q_k_v.linear
-    assert fused.int8_kernel and fused.weight is None and fused.scale.dim() == 4  # scales and lows per group
-    assert fused.scale.shape[1] == 64 // Q6_GROUP  # the smallest group: Q6_K's 16
+    assert fused.int8_kernel and fused.weight is None
+    # Scales and lows per group of the smallest group (Q6_K's 16), as float32 units per 256 inputs and
+    # int8 multiples (kernels/decode_layers.cpp `Scales`, Units): [blocks of 64, 1, 2, 64 floats + 16 x 64].
+    assert fused.scale.dtype == torch.uint8 and fused.scale.shape[1:] == (1, 2, 4 * 64 + 256 // Q6_GROUP * 64)
     exact = torch.cat([reference.model.layers[0].self_attn.get_submodule(n).weight for n in ("q_proj", "k_proj", "v_proj")])
-    x = torch.randn(3, 64)
+    x = torch.randn(3, 256)
     torch.testing.assert_close(fused(x), x @ exact.t(), atol=2e-5, rtol=1e-5)  # float32 rows: no rounding
 
 
@@ -105,7 +124,7 @@ def test_native_step_on_a_mixed_qkv_agrees_with_eager_and_the_float_weights(mode
     prompts = [[11, 22, 33, 44, 55, 66, 77], [5, 9] * 20, list(range(4, 90))]
     steps = {}
     for mode in ("eager", "native"):
-        cache = KVCache(3, 64, BLOCK, 2, 16, torch.float32, "cpu")
+        cache = KVCache(3, 64, BLOCK, 2, 64, torch.float32, "cpu")
         steps[mode] = DecodeStep(model, cache, "cpu", mode=mode, max_rows=4, max_positions=512)
     assert steps["native"].mode == "native"
     batch = []
@@ -131,7 +150,7 @@ def test_a_prompts_logits_are_the_same_cold_chunked_and_after_a_cached_prefix(
     prefill give the cold run's bits."""
     model, _ = models
     prompt = [(7 * i + 3) % 90 + 4 for i in range(length)]
-    cache = KVCache(3, 32, BLOCK, 2, 16, torch.bfloat16, "cpu")
+    cache = KVCache(3, 32, BLOCK, 2, 64, torch.bfloat16, "cpu")
     cold_table, hit_table = tuple(range(0, 5)), tuple(range(10, 15))
     with torch.inference_mode():
         cold = prefill(model, cache, prompt, cold_table, [])

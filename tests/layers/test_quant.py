@@ -269,3 +269,65 @@ def test_issue27_mixed_stored_types_fuse_as_int8_codes_with_lows() -> None:
     assert linear.int8_kernel and linear.weight is None and linear.scale.shape == (3, k // 16, 2, 64)
     x = torch.randn(3, k)
     torch.testing.assert_close(linear(x), x @ exact.t(), atol=2e-5, rtol=1e-5)
+
+
+def _k_quant(values: torch.Tensor, group: int, top: int, sign: int = 1) -> tuple[torch.Tensor, torch.Tensor]:
+    """Values [N, G] per group of `group` inputs as a K-quant stores them: a float16 unit per 256 inputs
+    [N, G * group / 256, 1] (times `sign`) times an integer per group in 0..top (-top..top when sign is 0)
+    -> (the values so stored, the units)."""
+    n, groups = values.shape
+    sub = values.view(n, -1, 256 // group)
+    unit = (sub.abs().amax(-1, keepdim=True) / top).half().float().clamp(min=2**-14) * (sign or 1)
+    multiples = torch.round(sub / unit).clamp(0 if sign else -top, top)
+    return (unit * multiples).view(n, groups), unit
+
+
+@pytest.mark.parametrize("rows", [1, 3, 6])
+def test_issue27_compact_scale_forms_give_the_float32_forms_bits(rows: int) -> None:
+    """Issue 27: decode reads every group scale once a token, and float32 scales were half of a 4-bit
+    weight's bytes (0.75 a weight against Q4_K's 0.56). Scales the file stores as float16 (Q4_1, Q8_0) are
+    kept as float16, and a K-quant's (Q4_K: d x 6-bit scale, -dmin x 6-bit min; Q6_K: d x int8 scale;
+    Qwen's fused Q4_K + Q6_K q/k/v) as float32 units per 256 inputs times integers. Each compact form gives
+    the float32 form's outputs bit for bit, in the kernels alone and through QuantLinear."""
+    from mlxcel.layers import paged_attention
+    from mlxcel.layers.quant import INT4_BLOCK, INT8_BLOCK, Int8Levels, _cat_weights, int4_blocks
+
+    if not paged_attention.available():
+        pytest.skip("no C++ compiler for the CPU kernels")
+    torch.manual_seed(27)
+    n, k = 128, 512
+    x = torch.randn(rows, k) * torch.exp(torch.randn(rows, k))
+
+    def float32_form(width: int, parts: list[torch.Tensor]) -> torch.Tensor:  # [N / width, groups, (parts,) width]
+        stacked = torch.stack(parts, dim=-1)
+        blocks = stacked.view(-1, width, *stacked.shape[1:]).permute(0, 2, 3, 1).contiguous()
+        return blocks if len(parts) == 2 else blocks[:, :, 0]
+
+    # Q4_K: steps and lows integer multiples of float16 units.
+    step, step_unit = _k_quant(torch.rand(n, k // 32) * 0.02, 32, 63)
+    low, low_unit = _k_quant(-torch.rand(n, k // 32) * 0.1, 32, 63, sign=-1)  # -dmin x 6-bit min
+    q4k = Int4Levels(torch.randint(0, 16, (n, k), dtype=torch.uint8), step, low, torch.cat((step_unit, low_unit), -1))
+    packed, scales = int4_blocks(*q4k)
+    assert scales.dtype == torch.uint8 and scales.numel() / (n * k) == 0.09375  # bytes a weight; float32: 0.25
+    reference = torch.ops.mlxcel.int4_linear(x, packed, float32_form(INT4_BLOCK, [step, low]))
+    assert torch.equal(torch.ops.mlxcel.int4_linear(x, packed, scales), reference)
+    assert torch.equal(QuantLinear(q4k, None)(x), reference)
+
+    # Q4_1: float16 steps and lows.
+    q41 = Int4Levels(q4k.q, (torch.rand(n, k // 32) * 0.02).half().float(), (-torch.rand(n, k // 32) * 0.1).half().float())
+    packed, scales = int4_blocks(*q41)
+    assert scales.dtype == torch.float16
+    assert torch.equal(torch.ops.mlxcel.int4_linear(x, packed, scales),
+                       torch.ops.mlxcel.int4_linear(x, packed, scales.float()))
+
+    # Q6_K: int8 codes, scales d x int8 per 16; and Qwen's fused Q4_K q/k with a Q6_K v (lows, per 16).
+    scale, unit = _k_quant(torch.randn(n, k // 16) * 0.01, 16, 127, sign=0)
+    q6k = Int8Levels(torch.randint(-32, 32, (n, k), dtype=torch.int8), scale, None, unit)
+    for levels in (q6k, _cat_weights([q4k, q6k])):
+        assert isinstance(levels, Int8Levels)
+        linear = QuantLinear(levels, None)
+        assert linear.int8_kernel and linear.scale.dtype == torch.uint8
+        float_scales = float32_form(INT8_BLOCK, [levels.scale] + ([] if levels.low is None else [levels.low]))
+        reference = torch.ops.mlxcel.int8_linear(x, linear.qweight, float_scales)
+        assert torch.equal(linear(x), reference)
+        torch.testing.assert_close(reference, x @ levels.dequantize().t(), atol=1e-3, rtol=1e-4)

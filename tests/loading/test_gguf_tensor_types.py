@@ -95,11 +95,21 @@ def test_a2_4bit_types_give_their_stored_levels_and_others_none(
     if type_name not in ("Q4_0", "Q4_1", "Q4_K"):
         assert levels is None
         return
-    q, step, low = levels
+    q, step, low, units = levels
     assert q.dtype == np.uint8 and q.shape == (ROWS, COLS) and int(q.max()) <= 15
     assert step.shape == low.shape == (ROWS, COLS // 32) and step.dtype == np.float32
     rebuilt = (low[..., None] + q.reshape(ROWS, COLS // 32, 32) * step[..., None]).reshape(ROWS, COLS)
     np.testing.assert_array_equal(rebuilt, file.dequantize(name))
+    if type_name != "Q4_K":
+        assert units is None
+        return
+    # Issue 27: Q4_K's steps and lows are d and -dmin of their superblock times 6-bit integers, exactly.
+    assert units.shape == (ROWS, COLS // 256, 2)
+    for part, values in enumerate((step, low)):
+        unit = np.repeat(units[..., part], 8, axis=1)
+        multiples = np.rint(np.divide(values, unit, out=np.zeros_like(values), where=unit != 0))
+        assert multiples.min() >= 0 and multiples.max() <= 63
+        np.testing.assert_array_equal(unit * multiples, values)
 
 
 @pytest.mark.parametrize("type_name", TYPES)
@@ -114,7 +124,7 @@ def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
     if type_name not in groups:
         assert stored is None
         return
-    codes, scale = stored
+    codes, scale, units = stored
     group = groups[type_name]
     assert codes.dtype == np.int8 and codes.shape == (ROWS, COLS)
     assert scale.dtype == np.float32 and scale.shape == (ROWS, COLS // group)
@@ -122,6 +132,15 @@ def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
     assert int(np.abs(codes.astype(np.int32)).max()) <= bound
     rebuilt = (codes.reshape(ROWS, -1, group) * scale[..., None]).reshape(ROWS, COLS)
     np.testing.assert_allclose(rebuilt, file.dequantize(name), rtol=2e-7, atol=0)  # float32 product order only
+    if type_name != "Q6_K":
+        assert units is None
+        return
+    # Issue 27: Q6_K's scales are its superblock's d times int8 integers, exactly.
+    assert units.shape == (ROWS, COLS // 256, 1)
+    unit = np.repeat(units[..., 0], 16, axis=1)
+    multiples = np.rint(np.divide(scale, unit, out=np.zeros_like(scale), where=unit != 0))
+    assert np.abs(multiples).max() <= 127
+    np.testing.assert_array_equal(unit * multiples, scale)
 
 
 def test_a2_large_tensors_dequantize_in_slices_with_the_same_values(tmp_path: Path,

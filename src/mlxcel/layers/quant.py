@@ -50,6 +50,9 @@ class Int4Levels(NamedTuple):
     q: torch.Tensor  # uint8 [N, K], 0..15
     step: torch.Tensor  # float32 [N, K / 32]
     low: torch.Tensor  # float32 [N, K / 32]
+    # float32 [N, K / 256, 2] or None: a K-quant's superblock scales (d, -dmin), of which each step and low
+    # is an integer multiple (`group_scales` then keeps the small integers, not the float32 products).
+    units: torch.Tensor | None = None
 
     def dequantize(self) -> torch.Tensor:
         n, k = self.q.shape
@@ -58,7 +61,8 @@ class Int4Levels(NamedTuple):
 
     @staticmethod
     def cat(parts: list[Int4Levels]) -> Int4Levels:
-        return Int4Levels(*(torch.cat(tensors) for tensors in zip(*parts)))
+        units = None if any(p.units is None for p in parts) else torch.cat([p.units for p in parts])
+        return Int4Levels(*(torch.cat(tensors) for tensors in zip(*(p[:3] for p in parts))), units)
 
 
 class Int8Levels(NamedTuple):
@@ -69,6 +73,9 @@ class Int8Levels(NamedTuple):
     codes: torch.Tensor  # int8 [N, K]
     scale: torch.Tensor  # float32 [N, K / group]
     low: torch.Tensor | None = None  # float32 [N, K / group]
+    # float32 [N, K / 256, 1 or 2 (with lows)] or None: a K-quant's superblock scales, of which each group's
+    # scale (and low) is an integer multiple (Q6_K: d times an int8 scale).
+    units: torch.Tensor | None = None
 
     @property
     def group(self) -> int:
@@ -83,15 +90,18 @@ class Int8Levels(NamedTuple):
         """The same weight with scales (and lows) repeated for groups of `group` (dividing this one's)."""
         times = self.group // group
         return Int8Levels(self.codes, self.scale.repeat_interleave(times, dim=1),
-                          None if self.low is None else self.low.repeat_interleave(times, dim=1))
+                          None if self.low is None else self.low.repeat_interleave(times, dim=1), self.units)
 
     @staticmethod
     def of(weight: Int4Levels | Int8Levels, group: int) -> Int8Levels:
         """`weight` as int8 codes with scales and lows per `group` (4-bit levels become codes 0..15)."""
         if isinstance(weight, Int4Levels):
-            weight = Int8Levels(weight.q.to(torch.int8), weight.step, weight.low)
-        low = weight.low if weight.low is not None else torch.zeros_like(weight.scale)
-        return Int8Levels(weight.codes, weight.scale, low).regrouped(group)
+            weight = Int8Levels(weight.q.to(torch.int8), weight.step, weight.low, weight.units)
+        low, units = weight.low, weight.units
+        if low is None:  # no lows: zero ones, whose unit is 0
+            low = torch.zeros_like(weight.scale)
+            units = None if units is None else torch.cat((units, torch.zeros_like(units)), dim=-1)
+        return Int8Levels(weight.codes, weight.scale, low, units).regrouped(group)
 
     @staticmethod
     def cat(parts: list[Int4Levels | Int8Levels]) -> Int8Levels:
@@ -99,8 +109,14 @@ class Int8Levels(NamedTuple):
         group = min(INT4_GROUP if isinstance(p, Int4Levels) else p.group for p in parts)
         if all(isinstance(p, Int8Levels) and p.low is None for p in parts):
             same = [p.regrouped(group) for p in parts]  # type: ignore[union-attr]
-            return Int8Levels(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]))
-        return Int8Levels(*(torch.cat(tensors) for tensors in zip(*(Int8Levels.of(p, group) for p in parts))))
+            return Int8Levels(torch.cat([p.codes for p in same]), torch.cat([p.scale for p in same]), None,
+                              _cat_units(same))
+        same = [Int8Levels.of(p, group) for p in parts]
+        return Int8Levels(*(torch.cat(tensors) for tensors in zip(*(p[:3] for p in same))), _cat_units(same))
+
+
+def _cat_units(parts: list[Int8Levels]) -> torch.Tensor | None:
+    return None if any(p.units is None for p in parts) else torch.cat([p.units for p in parts])
 
 
 # A linear's weight as `quantize` gets it: float [N, K], or the codes a quantized checkpoint stores
@@ -154,7 +170,7 @@ class QuantLinear(nn.Module):
         # row of every step takes the same one.
         self.int4_kernel = grid is not None and self.out_features % INT4_BLOCK == 0 and paged_attention.available()
         int4 = (None if grid is None else int4_blocks(*grid) if self.int4_kernel
-                else aten_int4_pack(*grid) if can_pack_int4() else None)
+                else aten_int4_pack(*grid[:3]) if can_pack_int4() else None)
         self.bits = 4 if int4 is not None else 8
         # Issue 27: a checkpoint's int8 codes with group scales (Q8_0 / Q5_0 / Q6_K) stay as stored, on our
         # int8 kernel (whole blocks of 64 outputs); elsewhere they are dequantized and rounded per row.
@@ -175,7 +191,7 @@ class QuantLinear(nn.Module):
         elif stored is not None:
             self.int8_kernel = True
             self.register_buffer("qweight", int8_blocks(stored.codes))
-            self.register_buffer("scale", int8_group_scales(stored.scale, stored.low))
+            self.register_buffer("scale", int8_group_scales(stored))
         else:
             scale, codes = int8_codes(w if w is not None else weight.dequantize())  # type: ignore[union-attr]
             # Our kernel (kernels/decode_layers.cpp, where the CPU kernels build) reads the weight in
@@ -241,15 +257,51 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
 
 
-def int8_group_scales(scale: torch.Tensor, low: torch.Tensor | None = None) -> torch.Tensor:
-    """Group scales [N, K / group] (N a multiple of 64) -> float32 [N / 64, K / group, 64], the blocks of
-    `int8_blocks`: each group's 64 scales contiguous, as the kernel reads them; with lows, [N / 64,
-    K / group, 2, 64] (a group's scales, then its lows)."""
-    n, groups = scale.shape
-    parts = [scale] if low is None else [scale, low]
-    stacked = torch.stack([p.float().view(n // INT8_BLOCK, INT8_BLOCK, groups) for p in parts], dim=2)
-    blocks = stacked.permute(0, 3, 2, 1)  # [N / 64, groups, parts, 64]
-    return (blocks[:, :, 0] if low is None else blocks).contiguous()
+def int8_group_scales(levels: Int8Levels) -> torch.Tensor:
+    """A stored int8 weight's group scales (and lows) as `group_scales` keeps them for the blocks of
+    `int8_blocks` (without lows and not in Units, one dimension less: [N / 64, K / group, 64])."""
+    parts = [levels.scale] if levels.low is None else [levels.scale, levels.low]
+    scales = group_scales(parts, INT8_BLOCK, levels.units, torch.int8)
+    return scales[:, :, 0] if levels.low is None and scales.dtype != torch.uint8 else scales
+
+
+SUPERBLOCK = 256  # inputs a K-quant superblock: one float16 unit for its sub-blocks' integer scales
+
+
+def group_scales(parts: list[torch.Tensor], width: int, units: torch.Tensor | None,
+                 sub_dtype: torch.dtype) -> torch.Tensor:
+    """Group scales (and lows) `parts`, each float32 [N, G], for blocks of `width` outputs in the smallest of
+    the kernels' three forms that keeps them exactly (kernels/decode_layers.cpp `Scales`):
+    Units, uint8 [N / width, G / per_unit, parts, 4 width + per_unit width]: per superblock of 256 inputs
+    and part, `width` float32 units then `per_unit` x `width` integer sub-scales (`sub_dtype`), when
+    `units` [N, K / 256, parts] divide every value into such integers (a K-quant's d and 6- or 8-bit
+    scales); else float16 [N / width, G, parts, width] when every value is a float16 (Q4_0, Q4_1, Q8_0,
+    Q5_0); else float32, the same. A 4-bit weight's scales are half of its bytes in float32 (Q4_K: 0.75
+    bytes a weight against its 0.56 in the file), a quarter in Units."""
+    n, groups = parts[0].shape
+    blocks = n // width
+    stacked = torch.stack([p.float() for p in parts], dim=-1)  # [N, G, parts]
+    subs = _integer_multiples(stacked, units, sub_dtype)
+    if subs is not None:
+        per_unit = groups // units.shape[1]
+        unit_bytes = units.float().view(blocks, width, -1, len(parts)).permute(0, 2, 3, 1).contiguous()
+        sub_bytes = subs.view(blocks, width, -1, per_unit, len(parts)).permute(0, 2, 4, 3, 1).contiguous()
+        return torch.cat((unit_bytes.view(torch.uint8).flatten(3), sub_bytes.view(torch.uint8).flatten(3)), dim=3)
+    in_blocks = stacked.view(blocks, width, groups, len(parts)).permute(0, 2, 3, 1).contiguous()
+    half = in_blocks.half()
+    return half if bool(torch.equal(half.float(), in_blocks)) else in_blocks
+
+
+def _integer_multiples(values: torch.Tensor, units: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor | None:
+    """values [N, G, parts] as integers of `dtype` times `units` [N, G / per_unit, parts] (each value exactly
+    unit * integer); None when some value is not."""
+    if units is None or values.shape[1] % units.shape[1] or units.shape[2] != values.shape[2]:
+        return None
+    unit = units.float().repeat_interleave(values.shape[1] // units.shape[1], dim=1)
+    multiples = torch.where(unit != 0, values / unit, torch.zeros_like(values)).round()
+    info = torch.iinfo(dtype)
+    exact = torch.equal(unit * multiples, values) and bool(((multiples >= info.min) & (multiples <= info.max)).all())
+    return multiples.to(dtype) if exact else None
 
 
 def int4_grid(w: torch.Tensor) -> Int4Levels | None:
@@ -270,7 +322,7 @@ def int4_grid(w: torch.Tensor) -> Int4Levels | None:
 def pack_int4_if_lossless(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor] | None:
     """ATen's 4-bit CPU packing of `w` [N, K] (see `int4_grid`), with bfloat16 scales."""
     grid = int4_grid(w) if can_pack_int4() else None
-    return None if grid is None else aten_int4_pack(*grid)
+    return None if grid is None else aten_int4_pack(*grid[:3])
 
 
 def aten_int4_pack(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
@@ -284,18 +336,18 @@ def aten_int4_pack(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tu
 INT4_BLOCK = 16  # output rows a block of `int4_blocks`
 
 
-def int4_blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """The layout of our int4 kernel (kernels/decode_layers.cpp `int4_linear`) from `int4_grid`'s
+def int4_blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
+                units: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """The layout of our int4 kernel (kernels/decode_layers.cpp `int4_linear`) from `Int4Levels`'
     levels [N, K], steps and lows [N, K / 32] (N a multiple of 16): packed uint8 [N / 16, K / 32, 4, 64],
     byte 4 i + t of vector v holding output i's level at k = 4 v + t of the group (low nibble) and at
-    16 + 4 v + t (high nibble); scales float32 [N / 16, K / 32, 2, 16] (steps, lows)."""
+    16 + 4 v + t (high nibble); steps and lows as `group_scales` stores them for blocks of 16."""
     n, k = q.shape
     blocks, groups = n // INT4_BLOCK, k // INT4_GROUP
     levels = q.view(blocks, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
     levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
     packed = (levels[..., 0] | (levels[..., 1] << 4)).contiguous().view(blocks, groups, 4, 64)
-    scales = torch.stack((step, low), dim=-1).view(blocks, INT4_BLOCK, groups, 2).permute(0, 2, 3, 1)
-    return packed, scales.contiguous().float()
+    return packed, group_scales([step, low], INT4_BLOCK, units, torch.uint8)
 
 
 def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> torch.Tensor | None:

@@ -16,6 +16,7 @@ from pathlib import Path
 from types import ModuleType
 from typing import Any, Callable
 
+import numpy as np
 import torch
 
 from mlxcel.layers.quant import Int4Levels, Int8Levels
@@ -151,15 +152,22 @@ class GGUFPackedWeights:
         stored = self.gguf.int4_levels(self.names[name]) if name in self.names else None
         if stored is None:
             return None
-        parts = [torch.from_numpy(array) for array in stored]
-        return Int4Levels(*(self.fix({name: p}, self.config)[name] if self.fix else p for p in parts))
+        q, step, low, units = (self._fixed(name, array) for array in stored)
+        return Int4Levels(q, step, low, units)
 
     def int8_levels(self, name: str) -> Int8Levels | None:
         stored = self.gguf.int8_levels(self.names[name]) if name in self.names else None
         if stored is None:
             return None
-        parts = [torch.from_numpy(array) for array in stored]
-        return Int8Levels(*(self.fix({name: p}, self.config)[name] if self.fix else p for p in parts))
+        codes, scale, units = (self._fixed(name, array) for array in stored)
+        return Int8Levels(codes, scale, None, units)
+
+    def _fixed(self, name: str, array: np.ndarray | None) -> torch.Tensor | None:
+        """One part of parameter `name` as a tensor, its rows moved as the family's fix moves the weight's."""
+        if array is None:
+            return None
+        part = torch.from_numpy(array)
+        return self.fix({name: part}, self.config)[name] if self.fix else part
 
 
 def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:

@@ -89,25 +89,29 @@ class GGUFFile:
             out[start:start + step] = gguf.quants.dequantize(rows[start:start + step], qtype)
         return out.reshape(tensor.shape)
 
-    def int4_levels(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray] | None:
+    def int4_levels(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None] | None:
         """A tensor stored in a 4-bit type (Q4_0, Q4_1, Q4_K) as its stored levels q (uint8 [N, K]),
         steps and lows (float32 [N, K / 32]): w = low + q * step, the values `dequantize` gives, read
-        straight from the blocks (nothing rounded twice, no search for the grid); None for other types."""
+        straight from the blocks (nothing rounded twice, no search for the grid), and for Q4_K the
+        superblocks' d and -dmin (float32 [N, K / 256, 2]) of which they are integer multiples; None for
+        other types."""
         tensor = self.tensors[name]
         decode = _INT4_DECODERS.get(tensor.type_name)
         if decode is None or len(tensor.shape) != 2:
             return None
         rows, cols = tensor.shape
         try:
-            q, step, low = decode(np.asarray(tensor.raw).view(np.uint8).reshape(-1, _INT4_BLOCK_BYTES[tensor.type_name]))
+            q, step, low, units = decode(np.asarray(tensor.raw).view(np.uint8).reshape(-1, _INT4_BLOCK_BYTES[tensor.type_name]))
         finally:
             self.release_pages()
-        return q.reshape(rows, cols), step.reshape(rows, cols // 32), low.reshape(rows, cols // 32)
+        return (q.reshape(rows, cols), step.reshape(rows, cols // 32), low.reshape(rows, cols // 32),
+                None if units is None else units.reshape(rows, cols // 256, 2))
 
-    def int8_levels(self, name: str) -> tuple[np.ndarray, np.ndarray] | None:
+    def int8_levels(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
         """A tensor stored as int8 codes times a scale per group (Q8_0, Q5_0: groups of 32; Q6_K: of 16) as
         its codes (int8 [N, K]) and scales (float32 [N, K / group]): w = code * scale, the values
-        `dequantize` gives; None for other types (issue 27: such a weight is kept as stored)."""
+        `dequantize` gives, and for Q6_K its superblocks' d (float32 [N, K / 256, 1]), of which the scales
+        are integer multiples; None for other types (issue 27: such a weight is kept as stored)."""
         tensor = self.tensors[name]
         group_scales = _INT8_SCALES.get(tensor.type_name)
         if group_scales is None or len(tensor.shape) != 2:
@@ -118,6 +122,7 @@ class GGUFFile:
         qtype, block_bytes = gguf.GGMLQuantizationType[tensor.type_name], _INT8_BLOCK_BYTES[tensor.type_name]
         codes = np.empty((rows, cols), dtype=np.int8)
         scales: list[np.ndarray] = []
+        units: list[np.ndarray] = []
         try:
             raw = np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1)
             step = max(1, DEQUANTIZE_CHUNK // raw.shape[1])
@@ -132,9 +137,11 @@ class GGUFFile:
                 part_codes = np.where(scale[..., None] != 0, part_codes, 0).clip(-128, 127)
                 codes[start:start + step] = part_codes.reshape(len(part), cols)
                 scales.append(scale.astype(np.float32))
+                if tensor.type_name == "Q6_K":
+                    units.append(_f16(part.reshape(-1, block_bytes), 208).reshape(len(part), -1, 1))
         finally:
             self.release_pages()
-        return codes, np.concatenate(scales)
+        return codes, np.concatenate(scales), np.concatenate(units) if units else None
 
     def _check_tensor_types(self) -> None:
         for tensor in self.tensors.values():
@@ -154,22 +161,26 @@ def _f16(blocks: np.ndarray, start: int) -> np.ndarray:
     return blocks[:, start:start + 2].copy().view(np.float16).astype(np.float32)  # [blocks, 1]
 
 
-def _q4_0(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+Int4Blocks = tuple[np.ndarray, np.ndarray, np.ndarray, "np.ndarray | None"]  # levels, steps, lows, units
+
+
+def _q4_0(blocks: np.ndarray) -> Int4Blocks:
     d = _f16(blocks, 0)  # w = d * (q - 8)
-    return _halves(blocks[:, 2:]), d, -8 * d
+    return _halves(blocks[:, 2:]), d, -8 * d, None
 
 
-def _q4_1(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    return _halves(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2)  # w = d * q + m
+def _q4_1(blocks: np.ndarray) -> Int4Blocks:
+    return _halves(blocks[:, 4:]), _f16(blocks, 0), _f16(blocks, 2), None  # w = d * q + m
 
 
-def _q4_k(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _q4_k(blocks: np.ndarray) -> Int4Blocks:
     """256 weights a block in 8 sub-blocks of 32: w = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j)."""
     import gguf
 
     scales, mins = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
     levels = _halves(blocks[:, 16:].reshape(-1, 4, 32))  # [blocks, 4, 64]: sub-blocks 2i and 2i + 1
-    return levels, _f16(blocks, 0) * scales.astype(np.float32), -(_f16(blocks, 2) * mins.astype(np.float32))
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    return levels, d * scales.astype(np.float32), -(dmin * mins.astype(np.float32)), np.stack((d, -dmin), axis=-1)
 
 
 _INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}

@@ -26,6 +26,7 @@
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
 #include <ATen/ops/empty.h>
+#include <c10/util/Half.h>
 #include <torch/library.h>
 
 #if defined(__x86_64__)
@@ -36,6 +37,7 @@
 #include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 namespace {
@@ -89,6 +91,86 @@ struct Output {
     }
 };
 
+// ---- group scales, in one of three stored forms (layers/quant.py `group_scales`) ----
+//
+// A block of W outputs (a kernel's work item) has, for each group of `group` inputs, `parts` vectors
+// of W float32 values: the scales (w = code * scale) and, with parts = 2, the lows (w = low + code *
+// scale). They are stored
+//   F32:   float32 [groups, parts, W];
+//   F16:   float16, the same (exact where the file's scales are float16: Q4_0, Q4_1, Q8_0, Q5_0);
+//   Units: per superblock of 256 inputs and part, W float32 units, then [256 / group, W] integer
+//          sub-scales (uint8 beside 4-bit levels, int8 beside int8 codes): value = unit * sub. A K-quant
+//          stores its scales so (Q4_K: d times a 6-bit scale, dmin times a 6-bit min; Q6_K: d times an
+//          int8 scale), and the float32 product is exact (at most 19 significant bits).
+// Every form gives the F32 form's float32 values bit for bit, so a linear's sums do not depend on it;
+// F16 and Units only read fewer bytes (issue 27: decode reads every scale once a token).
+enum class Form { F32, F16, Units };
+
+inline float half_to_float(uint16_t bits) { return static_cast<float>(c10::Half(bits, c10::Half::from_bits())); }
+
+template <Form F, int64_t W, typename Sub = uint8_t, int64_t PER_UNIT = 8>
+struct Scales {
+    static constexpr int64_t per_unit = PER_UNIT;  // groups a superblock (Units): 8 of 32, 16 of 16
+    const uint8_t* block;  // this block's scales
+    int64_t parts;
+
+    static constexpr int64_t part_bytes() { return W * 4 + PER_UNIT * W * static_cast<int64_t>(sizeof(Sub)); }
+
+    // Bytes of one block's scales for `groups` groups.
+    int64_t block_bytes(int64_t groups) const {
+        return F == Form::Units ? groups / per_unit * parts * part_bytes()
+                                : groups * parts * W * (F == Form::F16 ? 2 : 4);
+    }
+
+    float at(int64_t g, int64_t part, int64_t i) const {
+        if constexpr (F == Form::F32) {
+            return reinterpret_cast<const float*>(block)[(g * parts + part) * W + i];
+        } else if constexpr (F == Form::F16) {
+            return half_to_float(reinterpret_cast<const uint16_t*>(block)[(g * parts + part) * W + i]);
+        } else {
+            const uint8_t* base = block + ((g / per_unit) * parts + part) * part_bytes();
+            float unit;
+            std::memcpy(&unit, base + 4 * i, sizeof unit);
+            return unit * static_cast<float>(reinterpret_cast<const Sub*>(base + 4 * W)[(g % per_unit) * W + i]);
+        }
+    }
+
+#if defined(__AVX512F__)
+    // Outputs 16 v .. 16 v + 15 of group g's part.
+    __m512 vec(int64_t g, int64_t part, int64_t v) const {
+        if constexpr (F == Form::F32) {
+            return _mm512_loadu_ps(reinterpret_cast<const float*>(block) + (g * parts + part) * W + 16 * v);
+        } else if constexpr (F == Form::F16) {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(block) + (g * parts + part) * W + 16 * v;
+            return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(h)));
+        } else {
+            const uint8_t* base = block + ((g / per_unit) * parts + part) * part_bytes();
+            const __m128i subs = _mm_loadu_si128(reinterpret_cast<const __m128i*>(base + 4 * W + (g % per_unit) * W + 16 * v));
+            const __m512i wide = std::is_signed_v<Sub> ? _mm512_cvtepi8_epi32(subs) : _mm512_cvtepu8_epi32(subs);
+            return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(base) + 16 * v), _mm512_cvtepi32_ps(wide));
+        }
+    }
+#endif
+};
+
+// Calls body(scales) with the Scales view of `scale`'s form: float32 and float16 tensors are F32 and F16;
+// uint8 ones [blocks, superblocks, parts, 4 W + per_unit W sizeof(Sub)] are Units, with 8 or 16 groups a
+// superblock (groups of 32 or 16 inputs; a compile-time count: a division per group cost 10 %).
+template <int64_t W, typename Sub, typename Body>
+void with_scales(const at::Tensor& scale, int64_t parts, Body&& body) {
+    const uint8_t* p = reinterpret_cast<const uint8_t*>(scale.const_data_ptr());
+    if (scale.scalar_type() == at::kFloat) {
+        body(Scales<Form::F32, W, Sub>{p, parts});
+    } else if (scale.scalar_type() == at::kHalf) {
+        body(Scales<Form::F16, W, Sub>{p, parts});
+    } else {
+        const int64_t per_unit = (scale.size(3) - 4 * W) / (W * static_cast<int64_t>(sizeof(Sub)));
+        TORCH_CHECK_VALUE(per_unit == 8 || per_unit == 16, "scales: ", per_unit, " groups a superblock (8 or 16)");
+        if (per_unit == 8) body(Scales<Form::Units, W, Sub, 8>{p, parts});
+        else body(Scales<Form::Units, W, Sub, 16>{p, parts});
+    }
+}
+
 constexpr int64_t ROWS_TOGETHER = 4;  // rows that share one conversion of the weights
 constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 
@@ -103,9 +185,9 @@ constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 // its 64 scales (`stride` floats a group) and w = low + code * scale: low * the group's sum of x (`xsums`,
 // [ROWS, in / group]) is added too (4-bit levels fused with int8 codes: Qwen's Q4_K q/k with its Q6_K
 // v). Without (group 0): one sum over k.
-template <int64_t ROWS>
-void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int64_t group, const float* scales,
-                int64_t stride, bool lows, const float* xsums, float* sums) {
+template <int64_t ROWS, typename S>
+void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int64_t group, const S& scales,
+                bool lows, const float* xsums, float* sums) {
     const int64_t span = group > 0 ? group : in;
 #if defined(__AVX512F__)
     if (count == OUT_BLOCK) {
@@ -127,12 +209,11 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
             }
             if (group > 0) {
                 const int64_t g = k0 / group;
-                const float* sk = scales + g * stride;
                 for (int v = 0; v < 4; ++v) {
-                    const __m512 scale = _mm512_loadu_ps(sk + 16 * v);
+                    const __m512 scale = scales.vec(g, 0, v);
                     for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
                     if (lows) {
-                        const __m512 low = _mm512_loadu_ps(sk + OUT_BLOCK + 16 * v);
+                        const __m512 low = scales.vec(g, 1, v);
                         for (int64_t r = 0; r < ROWS; ++r)
                             total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
                     }
@@ -154,39 +235,78 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
                 float acc = 0.0f;
                 for (int64_t k = k0; k < k0 + span; ++k)
                     acc = std::fma(static_cast<float>(w[k * OUT_BLOCK + j]), x[r * in + k], acc);
-                const float* sk = group > 0 ? scales + (k0 / group) * stride : nullptr;
-                total = group > 0 ? std::fma(acc, sk[j], total) : acc;
-                if (lows) total = std::fma(sk[OUT_BLOCK + j], xsums[r * (in / group) + k0 / group], total);
+                const int64_t g = k0 / span;
+                total = group > 0 ? std::fma(acc, scales.at(g, 0, j), total) : acc;
+                if (lows) total = std::fma(scales.at(g, 1, j), xsums[r * (in / group) + g], total);
             }
             sums[r * OUT_BLOCK + j] = total;
         }
 }
 
+// Every block of an int8 linear: x's rows in float32 (`xf`, with their sums per group for the lows) times
+// the blocks' codes, into y.
+template <typename S>
+void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, const int8_t* wp, int64_t out,
+                 int64_t group, const S& scales, const uint16_t* row_scales, const Output& yp) {
+    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK, groups = group > 0 ? in / group : 0;
+    const bool lows = scales.parts == 2;
+    const int64_t block_bytes = group > 0 ? scales.block_bytes(groups) : 0;
+#pragma omp parallel for schedule(static)
+    for (int64_t b = 0; b < blocks; ++b) {
+        const int64_t o0 = b * OUT_BLOCK, count = std::min(OUT_BLOCK, out - o0);
+        S bs = scales;
+        bs.block = group > 0 ? scales.block + b * block_bytes : nullptr;
+        float sums[ROWS_TOGETHER * OUT_BLOCK];
+        for (int64_t r = 0; r < rows;) {
+            const int64_t n = std::min(ROWS_TOGETHER, rows - r);
+            const int8_t* wb = wp + b * in * OUT_BLOCK;
+            const float* xr = xf + r * in;
+            const float* sr = lows ? xsums + r * groups : nullptr;
+            switch (n) {
+                case 4: int8_block<4>(xr, in, wb, count, group, bs, lows, sr, sums); break;
+                case 3: int8_block<3>(xr, in, wb, count, group, bs, lows, sr, sums); break;
+                case 2: int8_block<2>(xr, in, wb, count, group, bs, lows, sr, sums); break;
+                default: int8_block<1>(xr, in, wb, count, group, bs, lows, sr, sums); break;
+            }
+            for (int64_t i = 0; i < n; ++i)
+                for (int64_t j = 0; j < count; ++j)
+                    yp.set((r + i) * out + o0 + j,
+                           group > 0 ? sums[i * OUT_BLOCK + j] : sums[i * OUT_BLOCK + j] * bf16_to_float(row_scales[o0 + j]));
+            r += n;
+        }
+    }
+}
+
 // y = x @ W.T: x [rows, in] float32 or bfloat16; w int8 [ceil(out / 64), in, 64], W's codes [out, in] in
 // blocks of 64 output rows, each block transposed (layers/quant.py `int8_blocks`: zeros past `out`);
-// scale either [out] bfloat16, one a row (W = codes * scale, a float weight rounded to int8), or
-// float32 [ceil(out / 64), in / group, 64], one per group of `group` inputs in the same blocks (a
-// GGUF Q8_0 / Q5_0 / Q6_K weight's own codes and scales, `int8_group_scales`), or [ceil(out / 64),
-// in / group, 2, 64]: scales and lows (W = low + codes * scale) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for SmolLM2's 49,152 x 576 head at one row (and
-// returned garbage at 100 inputs).
+// scale either [out] bfloat16, one a row (W = codes * scale, a float weight rounded to int8), or the
+// scales of a GGUF Q8_0 / Q5_0 / Q6_K weight's own codes per group of `group` inputs in the same blocks
+// (`group_scales`): float32 or float16 [ceil(out / 64), in / group, 64] or [.., in / group, 2, 64] with
+// lows (W = low + codes * scale), or uint8 [ceil(out / 64), in / 256, parts, 256 + 64 * 256 / group]
+// (Units, int8 sub-scales) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for
+// SmolLM2's 49,152 x 576 head at one row (and returned garbage at 100 inputs).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
-    const bool grouped = scale.dim() >= 3, with_lows = scale.dim() == 4;
+    const bool grouped = scale.dim() >= 3, units = scale.scalar_type() == at::kByte;
+    const int64_t parts = !grouped ? 1 : units ? scale.size(2) : scale.dim() == 4 ? 2 : 1;
+    const int64_t group = !grouped ? 0 : units ? 256 * OUT_BLOCK / (scale.size(3) - 4 * OUT_BLOCK) : w.size(1) / scale.size(1);
     TORCH_CHECK_VALUE(is_activation(x) && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
                           w.scalar_type() == at::kChar && w.is_contiguous() && scale.is_contiguous() && w.is_cpu() &&
-                          (grouped ? scale.scalar_type() == at::kFloat && scale.size(0) == w.size(0) &&
-                                         scale.size(-1) == OUT_BLOCK && scale.size(1) > 0 &&
-                                         w.size(1) % scale.size(1) == 0 && (!with_lows || scale.size(2) == 2) &&
-                                         scale.dim() <= 4
+                          (grouped ? (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf || units) &&
+                                         scale.size(0) == w.size(0) && scale.dim() <= 4 && group > 0 &&
+                                         w.size(1) % group == 0 && parts <= 2 &&
+                                         (units ? scale.dim() == 4 && scale.size(1) * 256 == w.size(1) &&
+                                                      (scale.size(3) - 4 * OUT_BLOCK) * group == 256 * OUT_BLOCK
+                                                : scale.size(-1) == OUT_BLOCK && scale.size(1) * group == w.size(1) &&
+                                                      (scale.dim() == 3 || scale.size(2) == 2))
                                    : scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
                                          (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0)),
                       "int8 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", weight ", w.sizes(),
                       " ", w.scalar_type(), ", scale ", scale.sizes(), " ", scale.scalar_type());
     const int64_t rows = x.size(0), in = x.size(1), out = grouped ? w.size(0) * OUT_BLOCK : scale.numel();
-    const int64_t group = grouped ? in / scale.size(1) : 0;
     const std::vector<float> xs = float_rows(x);  // the rows in float32, once
     const int64_t groups = grouped ? in / group : 0;
-    std::vector<float> xsums(with_lows ? rows * groups : 0);  // each row's sum per group, for the lows
-    for (int64_t r = 0; r < rows && with_lows; ++r)
+    std::vector<float> xsums(parts == 2 ? rows * groups : 0);  // each row's sum per group, for the lows
+    for (int64_t r = 0; r < rows && parts == 2; ++r)
         for (int64_t g = 0; g < groups; ++g) {
             float sum = 0.0f;
             for (int64_t k = 0; k < group; ++k) sum += xs[r * in + g * group + k];
@@ -195,31 +315,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
     at::Tensor y = at::empty({rows, out}, x.options());
     const Output yp(y);
     const int8_t* wp = w.const_data_ptr<int8_t>();
-    const uint16_t* sp = grouped ? nullptr : reinterpret_cast<const uint16_t*>(scale.const_data_ptr());
-    const float* gp = grouped ? scale.const_data_ptr<float>() : nullptr;
-    const float* xf = xs.data();
-    const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK;
-#pragma omp parallel for schedule(static)
-    for (int64_t b = 0; b < blocks; ++b) {
-        const int64_t o0 = b * OUT_BLOCK, count = std::min(OUT_BLOCK, out - o0);
-        const int64_t parts = with_lows ? 2 : 1;  // scales, then lows, per group
-        const float* bs = grouped ? gp + b * groups * parts * OUT_BLOCK : nullptr;
-        float sums[ROWS_TOGETHER * OUT_BLOCK];
-        for (int64_t r = 0; r < rows;) {
-            const int64_t n = std::min(ROWS_TOGETHER, rows - r);
-            const int8_t* wb = wp + b * in * OUT_BLOCK;
-            switch (n) {
-                case 4: int8_block<4>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
-                case 3: int8_block<3>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
-                case 2: int8_block<2>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
-                default: int8_block<1>(xf + r * in, in, wb, count, group, bs, parts * OUT_BLOCK, with_lows, with_lows ? xsums.data() + r * groups : nullptr, sums); break;
-            }
-            for (int64_t i = 0; i < n; ++i)
-                for (int64_t j = 0; j < count; ++j)
-                    yp.set((r + i) * out + o0 + j,
-                           grouped ? sums[i * OUT_BLOCK + j] : sums[i * OUT_BLOCK + j] * bf16_to_float(sp[o0 + j]));
-            r += n;
-        }
+    if (!grouped) {
+        const Scales<Form::F32, OUT_BLOCK> none{nullptr, 1};
+        int8_blocks(xs.data(), nullptr, rows, in, wp, out, 0, none, reinterpret_cast<const uint16_t*>(scale.const_data_ptr()), yp);
+    } else {
+        with_scales<OUT_BLOCK, int8_t>(scale, parts, [&](const auto& scales) {
+            int8_blocks(xs.data(), xsums.data(), rows, in, wp, out, group, scales, nullptr, yp);
+        });
     }
     return y;
 }
@@ -234,7 +336,7 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
 //   y = sum over groups g: step_g * dx_g * sum_k q_k * xq_k + low_g * dx_g * sum_k xq_k      (w = low + q * step)
 // Weights: blocks of 16 outputs; in a block, a group is 4 vectors of 64 bytes, byte 4 i + t of vector
 // v holding output i's level at k = 4 v + t (low nibble) and at k = 16 + 4 v + t (high nibble).
-// Scales: float32 [blocks, groups, 2, 16] (steps, then lows). A row's sums do not depend on the
+// Steps and lows: a `Scales` form for blocks of 16 (parts 2). A row's sums do not depend on the
 // other rows, so its bits are the same alone and in any batch.
 
 constexpr int64_t Q4_OUTS = 16;  // outputs a block
@@ -272,8 +374,8 @@ QuantizedRows quantize_rows(const at::Tensor& x) {
 }
 
 // out[r * Q4_OUTS + i] for ROWS rows and one block of 16 outputs.
-template <int64_t ROWS>
-void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t* w, const float* scales, float* out) {
+template <int64_t ROWS, typename S>
+void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t* w, const S& scales, float* out) {
     const int64_t groups = in / INT4_GROUP;
 #if defined(__AVX512VNNI__) && defined(__AVX512BW__)
     __m512 total[ROWS];
@@ -286,12 +388,15 @@ void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t*
             levels[v] = _mm512_and_si512(bytes, low_nibbles);
             levels[4 + v] = _mm512_and_si512(_mm512_srli_epi16(bytes, 4), low_nibbles);
         }
-        const __m512 step = _mm512_loadu_ps(scales + g * 2 * Q4_OUTS), low = _mm512_loadu_ps(scales + (g * 2 + 1) * Q4_OUTS);
+        const __m512 step = scales.vec(g, 0, 0), low = scales.vec(g, 1, 0);
         for (int64_t r = 0; r < ROWS; ++r) {
             const int64_t row = row0 + r;
             const int32_t* codes = reinterpret_cast<const int32_t*>(x.codes.data() + row * in + g * INT4_GROUP);
-            __m512i dot = _mm512_setzero_si512();
-            for (int quad = 0; quad < 8; ++quad) dot = _mm512_dpbusd_epi32(dot, levels[quad], _mm512_set1_epi32(codes[quad]));
+            // Two chains of four (integer sums: exact in any order), so one row does not wait on eight in a row.
+            __m512i dots[2] = {_mm512_setzero_si512(), _mm512_setzero_si512()};
+            for (int quad = 0; quad < 8; ++quad)
+                dots[quad & 1] = _mm512_dpbusd_epi32(dots[quad & 1], levels[quad], _mm512_set1_epi32(codes[quad]));
+            const __m512i dot = _mm512_add_epi32(dots[0], dots[1]);
             const __m512 scaled = _mm512_mul_ps(step, _mm512_set1_ps(x.scales[row * groups + g]));
             total[r] = _mm512_fmadd_ps(scaled, _mm512_cvtepi32_ps(dot), total[r]);
             total[r] = _mm512_fmadd_ps(low, _mm512_set1_ps(x.sums[row * groups + g]), total[r]);
@@ -311,51 +416,64 @@ void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t*
                         const int level = quad < 4 ? byte & 15 : byte >> 4;
                         dot += level * x.codes[row * in + g * INT4_GROUP + quad * 4 + t];
                     }
-                const float scaled = scales[g * 2 * Q4_OUTS + i] * x.scales[row * groups + g];
+                const float scaled = scales.at(g, 0, i) * x.scales[row * groups + g];
                 total = std::fma(scaled, static_cast<float>(dot), total);
-                total = std::fma(scales[(g * 2 + 1) * Q4_OUTS + i], x.sums[row * groups + g], total);
+                total = std::fma(scales.at(g, 1, i), x.sums[row * groups + g], total);
             }
             out[r * Q4_OUTS + i] = total;
         }
 #endif
 }
 
-// y = x @ W.T: x [rows, in] float32 or bfloat16; packed uint8 [blocks, in / 32, 4, 64] and scales float32
-// [blocks, in / 32, 2, 16] in the layout above -> [rows, blocks * 16] in x's dtype.
-at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
-    TORCH_CHECK_VALUE(is_activation(x) && x.size(1) % INT4_GROUP == 0 &&
-                          packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
-                          packed.is_cpu() && packed.size(1) * INT4_GROUP == x.size(1) && packed.size(2) == 4 &&
-                          packed.size(3) == 64 && scales.dim() == 4 && scales.scalar_type() == at::kFloat &&
-                          scales.is_contiguous() && scales.size(0) == packed.size(0) &&
-                          scales.size(1) == packed.size(1) && scales.size(2) == 2 && scales.size(3) == Q4_OUTS,
-                      "int4 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", packed ",
-                      packed.sizes(), " ", packed.scalar_type(), ", scales ", scales.sizes(), " ", scales.scalar_type());
-    const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0), out = blocks * Q4_OUTS;
-    const QuantizedRows quantized = quantize_rows(x);
-    at::Tensor y = at::empty({rows, out}, x.options());
-    const Output yp(y);
-    const uint8_t* wp = packed.const_data_ptr<uint8_t>();
-    const float* sp = scales.const_data_ptr<float>();
-    const int64_t block_bytes = in / INT4_GROUP * 4 * 64, block_scales = in / INT4_GROUP * 2 * Q4_OUTS;
+// Every block of a 4-bit linear, the rows' activations quantized once.
+template <typename S>
+void int4_blocks(const QuantizedRows& quantized, int64_t rows, int64_t in, const uint8_t* wp, int64_t blocks,
+                 const S& scales, const Output& yp) {
+    const int64_t out = blocks * Q4_OUTS, block_bytes = in / INT4_GROUP * 4 * 64;
+    const int64_t scale_bytes = scales.block_bytes(in / INT4_GROUP);
 #pragma omp parallel for schedule(static)
     for (int64_t b = 0; b < blocks; ++b) {
         float sums[Q4_ROWS * Q4_OUTS];
+        S bs = scales;
+        bs.block = scales.block + b * scale_bytes;
+        const uint8_t* w = wp + b * block_bytes;
         for (int64_t r = 0; r < rows;) {
             const int64_t group = std::min(Q4_ROWS, rows - r);
-            const uint8_t* w = wp + b * block_bytes;
-            const float* s = sp + b * block_scales;
             switch (group) {
-                case 4: int4_block<4>(quantized, r, in, w, s, sums); break;
-                case 3: int4_block<3>(quantized, r, in, w, s, sums); break;
-                case 2: int4_block<2>(quantized, r, in, w, s, sums); break;
-                default: int4_block<1>(quantized, r, in, w, s, sums); break;
+                case 4: int4_block<4>(quantized, r, in, w, bs, sums); break;
+                case 3: int4_block<3>(quantized, r, in, w, bs, sums); break;
+                case 2: int4_block<2>(quantized, r, in, w, bs, sums); break;
+                default: int4_block<1>(quantized, r, in, w, bs, sums); break;
             }
             for (int64_t i = 0; i < group; ++i)
                 for (int64_t j = 0; j < Q4_OUTS; ++j) yp.set((r + i) * out + b * Q4_OUTS + j, sums[i * Q4_OUTS + j]);
             r += group;
         }
     }
+}
+
+// y = x @ W.T: x [rows, in] float32 or bfloat16; packed uint8 [blocks, in / 32, 4, 64] in the layout above
+// and its steps and lows (`group_scales`: float32 or float16 [blocks, in / 32, 2, 16], or uint8 [blocks,
+// in / 256, 2, 64 + 8 x 16], Units with uint8 sub-scales) -> [rows, blocks * 16] in x's dtype.
+at::Tensor int4_linear(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scales) {
+    const bool units = scales.scalar_type() == at::kByte;
+    TORCH_CHECK_VALUE(is_activation(x) && x.size(1) % INT4_GROUP == 0 &&
+                          packed.dim() == 4 && packed.scalar_type() == at::kByte && packed.is_contiguous() &&
+                          packed.is_cpu() && packed.size(1) * INT4_GROUP == x.size(1) && packed.size(2) == 4 &&
+                          packed.size(3) == 64 && scales.dim() == 4 && scales.is_contiguous() &&
+                          scales.size(0) == packed.size(0) && scales.size(2) == 2 &&
+                          (units ? scales.size(1) * 256 == x.size(1) && scales.size(3) == 4 * Q4_OUTS + 8 * Q4_OUTS
+                                 : (scales.scalar_type() == at::kFloat || scales.scalar_type() == at::kHalf) &&
+                                       scales.size(1) == packed.size(1) && scales.size(3) == Q4_OUTS),
+                      "int4 linear: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", packed ",
+                      packed.sizes(), " ", packed.scalar_type(), ", scales ", scales.sizes(), " ", scales.scalar_type());
+    const int64_t rows = x.size(0), in = x.size(1), blocks = packed.size(0);
+    const QuantizedRows quantized = quantize_rows(x);
+    at::Tensor y = at::empty({rows, blocks * Q4_OUTS}, x.options());
+    const Output yp(y);
+    with_scales<Q4_OUTS, uint8_t>(scales, 2, [&](const auto& s) {
+        int4_blocks(quantized, rows, in, packed.const_data_ptr<uint8_t>(), blocks, s, yp);
+    });
     return y;
 }
 
