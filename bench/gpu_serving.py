@@ -88,7 +88,7 @@ def prompts(width: int, vocab: int, mode: str) -> list[list[int]]:
 
 # ---- the engine alone ----
 
-def engine_figures(path: Path, widths: list[int]) -> dict:
+def engine_figures(path: Path, widths: list[int], ubatch: int) -> dict:
     from mlxcel.config import EngineConfig
     from mlxcel.engine.client import EngineClient
     from mlxcel.engine.loop import EngineCore, ModelShape
@@ -100,7 +100,8 @@ def engine_figures(path: Path, widths: list[int]) -> dict:
     fuse_projections(loaded.model)
     slots = max(widths)
     # the server's own settings: its default token budget a step, CUDA graphs on a GPU
-    config = EngineConfig(max_num_seqs=slots, ctx_size=slots * 512, decode_step=DECODE_STEP[DEVICE])
+    config = EngineConfig(max_num_seqs=slots, ctx_size=slots * 512, decode_step=DECODE_STEP[DEVICE],
+                          **({"max_num_prefill_tokens": ubatch} if ubatch else {}))
     eos = Tokenizer.from_pretrained_dir(path).eos_token_ids
     core = EngineCore(loaded.model, ModelShape.of(loaded.model.args), config, eos_token_ids=eos,
                       device=DEVICE, dtype=DTYPE[DEVICE])
@@ -145,11 +146,11 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def start_server(path: Path, slots: int, log: Path, engine_process: str) -> tuple[subprocess.Popen, str]:
+def start_server(path: Path, slots: int, log: Path, engine_process: str, ubatch: int) -> tuple[subprocess.Popen, str]:
     port = free_port()
     cmd = [sys.executable, "-m", "mlxcel.cli", "serve", "-m", str(path), "--device", DEVICE, "--port", str(port),
            "--n-parallel", str(slots), "--ctx-size", str(slots * 512), "--max-queue-depth", str(slots),
-           "--engine-process", engine_process]
+           "--engine-process", engine_process, *(["--ubatch-size", str(ubatch)] if ubatch else [])]
     proc = subprocess.Popen(cmd, stdout=log.open("w"), stderr=subprocess.STDOUT)
     base = f"http://127.0.0.1:{port}"
     import httpx
@@ -205,8 +206,9 @@ def server_run(pool, base: str, batch: list[list[int]], fields: dict) -> float: 
 
 
 def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int, profile_out: Path | None,
-                   engine_process: str = "auto") -> dict:
-    proc, base = start_server(path, max(widths), Path(f"/tmp/gpu_serving_server_{engine_process}.log"), engine_process)
+                   engine_process: str = "auto", ubatch: int = 0) -> dict:
+    proc, base = start_server(path, max(widths), Path(f"/tmp/gpu_serving_server_{engine_process}.log"), engine_process,
+                              ubatch)
     out: dict = {}
     try:
         with multiprocessing.get_context("spawn").Pool(CLIENT_PROCESSES) as pool:
@@ -224,8 +226,12 @@ def server_figures(path: Path, widths: list[int], vocab: int, profile_width: int
                     server_run(pool, base, prompts(profile_width, vocab, mode), MODES[mode])
                 spy.wait(60)
     finally:
-        proc.terminate()
-        proc.wait(30)
+        stop = time.monotonic()
+        proc.terminate()  # SIGTERM: the server drains and exits
+        proc.wait(150)
+        out["shutdown_s"] = round(time.monotonic() - stop, 1)
+        print(f"server[engine-process {engine_process}] exited {proc.returncode} {out['shutdown_s']} s after SIGTERM",
+              flush=True)
     return out
 
 
@@ -246,6 +252,8 @@ def main() -> None:
     parser.add_argument("--engine-process", default="auto",
                         help="the server's --engine-process values to measure, comma-separated (e.g. on,off: both, one "
                              "after the other, each its own server)")
+    parser.add_argument("--ubatch", type=int, default=0,
+                        help="prompt tokens a step (--ubatch-size) for the engine and the servers; 0: the default")
     args = parser.parse_args()
     global DEVICE
     DEVICE = args.device
@@ -260,11 +268,11 @@ def main() -> None:
     for shape in args.shapes.split(","):
         path = checkpoint(shape, args.tokenizer, args.logit_scale)
         vocab = json.loads((path / "config.json").read_text())["vocab_size"]
-        report[shape] = {"engine": engine_figures(path, widths)}
+        report[shape] = {"engine": engine_figures(path, widths, args.ubatch)}
         for engine_process in [] if args.no_server else args.engine_process.split(","):
             key = "server" if engine_process == "auto" else f"server[engine-process {engine_process}]"
             report[shape][key] = server_figures(path, widths, vocab, args.profile_width if shape == "smol" else 0,
-                                                args.profile_out, engine_process)
+                                                args.profile_out, engine_process, args.ubatch)
     text = json.dumps(report, indent=1)
     print(text)
     args.out.mkdir(parents=True, exist_ok=True)

@@ -188,7 +188,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
                              diffusion=diffusion_options(values), engine_process=values["engine_process"])
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
-        max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
+        **_step_budget(values["batch_size"], values["ubatch_size"]),
         max_queue_depth=values["max_queue_depth"], enable_prefix_caching=values["prompt_cache"],
         prefix_cache_dir=str(values["prefix_cache_dir"] or prefix_cache_dir(values["models_dir"])),
         prefix_cache_disk_bytes=_auto_bytes(values["prefix_cache_disk_size"]),
@@ -240,7 +240,7 @@ def perplexity_settings(values: dict[str, Any], n_ctx: int) -> tuple[RuntimeOpti
                              threads=values["threads"], quantize=values["quantize"],
                              weight_materialization=values["weight_materialization"])
     engine = EngineConfig(max_num_seqs=1, ctx_size=n_ctx + 1, enable_prefix_caching=False,
-                          max_num_batched_tokens=_step_budget(values["batch_size"], values["ubatch_size"]),
+                          **_step_budget(values["batch_size"], values["ubatch_size"]),
                           cache_type_k=values["cache_type_k"], cache_type_v=values["cache_type_v"],
                           kv_cache_mode=values["kv_cache_mode"], kv_quant_scheme=values["kv_quant_scheme"],
                           decode_step=_decode_step(values),
@@ -388,10 +388,11 @@ def prefix_cache_dir(models_dir: Path | None) -> Path:
     return compile_cache_dir(models_dir).with_name("prefix-cache")
 
 
-def _step_budget(batch_size: int, ubatch_size: int) -> int:
+def _step_budget(batch_size: int, ubatch_size: int) -> dict[str, int]:
+    """EngineConfig's step budget: tokens in all (decode rows too) and prompt tokens (at most as many)."""
     if batch_size < 1 or ubatch_size < 1:
         raise ValueError(f"--batch-size and --ubatch-size must be at least 1 (got {batch_size}, {ubatch_size})")
-    return min(batch_size, ubatch_size)
+    return {"max_num_batched_tokens": batch_size, "max_num_prefill_tokens": min(batch_size, ubatch_size)}
 
 
 def configure_logging(verbose: bool, log_file: Path | None) -> None:

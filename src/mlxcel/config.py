@@ -57,7 +57,10 @@ class EngineConfig:
 
     max_num_seqs: int = 4  # --parallel
     ctx_size: int = 0  # --ctx-size: total tokens over all slots; 0 = model context per slot
-    max_num_batched_tokens: int = 512  # --ubatch-size: tokens one step may compute
+    max_num_batched_tokens: int = 2048  # --batch-size: tokens one step may compute
+    # --ubatch-size: prompt tokens one step may compute (at most max_num_batched_tokens). Decode rows do
+    # not count against it: 256 decode rows left a 512-token step room for two 128-token prompts (issue 25).
+    max_num_prefill_tokens: int = 512
     block_size: int = 16
     max_queue_depth: int = 64  # --max-queue-depth
     enable_prefix_caching: bool = True  # --no-prompt-cache / --apc-enabled=false turn it off

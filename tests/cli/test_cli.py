@@ -109,6 +109,9 @@ def test_engine_flags() -> None:
     s = settings(["-c", "4096", "-b", "256", "-ub", "512", "--max-queue-depth", "3", "--decode-timeout", "9",
                   "--slot-save-path", "/tmp/s"])
     assert s.engine.ctx_size == 4096 and s.engine.max_num_batched_tokens == 256
+    assert s.engine.max_num_prefill_tokens == 256  # the prompt budget is at most the step's
+    defaults = settings([]).engine  # llama-server's: 2,048 tokens a step, of them 512 prompt tokens
+    assert (defaults.max_num_batched_tokens, defaults.max_num_prefill_tokens) == (2048, 512)
     assert s.engine.max_queue_depth == 3 and s.engine.decode_timeout_s == 9 and s.engine.slot_save_path == "/tmp/s"
     with pytest.raises(ValueError, match="max-kv-size"):
         settings(["--max-kv-size", "10"])

@@ -60,6 +60,29 @@ def test_chunked_prefill_equals_reference(tiny_model) -> None:
     assert tokens == reference_greedy(tiny_model, PROMPTS[7], 8)
 
 
+def test_issue25_decode_rows_do_not_spend_the_prompt_budget(tiny_model) -> None:
+    """--batch-size bounds a step's tokens, --ubatch-size its prompt tokens; decode rows count against the
+    first only. (Both were one 512-token budget: 256 decode rows on a GPU left room for two 128-token
+    prompts a step, and prefill steps took most of the engine's time.) A prompt that arrives while
+    another request decodes still gets whole 16-token chunks, and both answers equal the references."""
+    client = make_engine(tiny_model, max_num_batched_tokens=64, max_num_prefill_tokens=16)
+
+    async def main() -> tuple[list[int], list[TokenEvent]]:
+        decoding = client.generate(Request("a", PROMPTS[1], greedy(40)))
+        first = await anext(decoding)  # "a" decodes from here on
+        later = [event async for event in client.generate(Request("b", PROMPTS[7], greedy(3), report_progress=True))]
+        rest = [token for event in [first, *[e async for e in decoding]] for token in event.token_ids]
+        return rest, later
+
+    try:
+        a_tokens, b_events = run(main())
+    finally:
+        client.core.stop(10)
+    assert [e.progress.processed for e in b_events if e.progress is not None] == [0, 16, 32, 48, 57]
+    assert a_tokens == reference_greedy(tiny_model, PROMPTS[1], 40)
+    assert [t for e in b_events for t in e.token_ids] == reference_greedy(tiny_model, PROMPTS[7], 3)
+
+
 def test_report_progress_sends_one_event_per_prefill_chunk_before_the_tokens(tiny_model) -> None:
     """llama-server return_progress: a "0 %" event (processed == cache) before the first chunk, then one
     per chunk; `processed` counts the cached tokens too and ends at `total`."""

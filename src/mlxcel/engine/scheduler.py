@@ -101,6 +101,29 @@ class ScheduledSeq:
 
 
 @dataclass(slots=True)
+class _StepBudget:
+    """What one step may still compute: tokens in all (--batch-size) and prompt tokens (--ubatch-size)."""
+
+    tokens: int
+    prompt_tokens: int
+
+    def __post_init__(self) -> None:
+        self.prompt_tokens = min(self.prompt_tokens, self.tokens)
+
+    def take(self, wanted: int, *, is_prompt: bool) -> int:
+        """Up to `wanted` tokens (a prompt's only from the prompt budget) -> how many were granted."""
+        granted = max(0, min(wanted, self.tokens, self.prompt_tokens if is_prompt else wanted))
+        self.tokens -= granted
+        self.prompt_tokens = min(self.prompt_tokens - (granted if is_prompt else 0), self.tokens)
+        return granted
+
+    def give_back(self, granted: int, *, is_prompt: bool) -> None:
+        self.tokens += granted
+        if is_prompt:
+            self.prompt_tokens += granted
+
+
+@dataclass(slots=True)
 class SchedulerOutput:
     scheduled: list[ScheduledSeq] = field(default_factory=list)
     preempted: list[Sequence] = field(default_factory=list)
@@ -207,24 +230,27 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
-        budget = self.config.max_num_batched_tokens
-        budget = self._schedule_running(out, budget)
+        budget = _StepBudget(self.config.max_num_batched_tokens, self.config.max_num_prefill_tokens)
+        self._schedule_running(out, budget)
         if not out.preempted:
             self._schedule_waiting(out, budget)
         return out
 
-    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+    def _schedule_running(self, out: SchedulerOutput, budget: _StepBudget) -> None:
         for seq in list(self.running):
-            if budget <= 0:
+            if budget.tokens <= 0:
                 break
             if seq.status is not SeqStatus.RUNNING:
                 continue  # preempted earlier in this loop
-            num_new = min(seq.num_tokens - seq.num_computed_tokens, budget)
+            num_left = seq.num_tokens - seq.num_computed_tokens
+            is_prompt = num_left > 1 or seq.num_computed_tokens < seq.num_prompt_tokens  # not one decode row
+            num_new = budget.take(num_left, is_prompt=is_prompt)
+            if num_new == 0:
+                continue  # a prompt's next chunk, with the step's prompt tokens spent
             if not self._allocate_or_preempt(seq, num_new, out):
+                budget.give_back(num_new, is_prompt=is_prompt)
                 continue
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
-        return budget
 
     def attach_drafts(self, out: SchedulerOutput) -> None:
         """Give the step's decode rows their drafts (B4), in the budget the schedule left.
@@ -279,8 +305,8 @@ class Scheduler:
         out.preempted.append(seq)
         self._push_waiting(seq)
 
-    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+    def _schedule_waiting(self, out: SchedulerOutput, budget: _StepBudget) -> None:
+        while self.waiting and budget.prompt_tokens > 0 and len(self.running) < self.config.max_num_seqs:
             seq = self.waiting[0][3]
             slot = self._free_slot(seq.request.slot_id)
             if slot is None:
@@ -289,7 +315,7 @@ class Scheduler:
             is_reading = seq.request.cache_prompt and not seq.request.wants_prompt_logits
             cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=is_reading,
                                                             extra=seq.request.cache_extra, include_last_block=True)
-            num_new = min(seq.num_tokens - num_cached, budget)
+            num_new = min(seq.num_tokens - num_cached, budget.prompt_tokens)
             new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
                                           cache_prompt=seq.request.cache_prompt, extra=seq.request.cache_extra)
             if new_blocks is None:
@@ -297,7 +323,7 @@ class Scheduler:
             heapq.heappop(self.waiting)
             self._admit(seq, slot, num_cached)
             out.scheduled.append(ScheduledSeq(seq, num_new))
-            budget -= num_new
+            budget.take(num_new, is_prompt=True)
 
     def _admit(self, seq: Sequence, slot: int, num_cached: int) -> None:
         if seq.num_preemptions == 0:

@@ -82,7 +82,7 @@ class _PrefillGroup:
     slots: torch.Tensor  # [B, Lk] cache slot of each key (the scratch slot for padding)
     mask: torch.Tensor  # [B, 1, Lq, Lk] bool: may attend
     rows: torch.Tensor  # [real queries] their rows in the flat batch, in [B, Lq] order
-    is_query: torch.Tensor  # [B, Lq] bool: a real query
+    query_flat: torch.Tensor  # [real queries] their places in [B * Lq], the same order (no boolean index: a sync)
 
 
 class AttentionContext:
@@ -115,15 +115,19 @@ class AttentionContext:
     # ---- index building (once per step) ----
 
     def _slots_for(self, seq: SequenceSlice, start: int, stop: int) -> torch.Tensor:
+        return self._host_slots(seq, start, stop).to(self.device)
+
+    def _host_slots(self, seq: SequenceSlice, start: int, stop: int) -> torch.Tensor:
+        """The cache slots of positions start..stop of `seq`, on the host."""
         assert self.kv is not None
         bs = self.kv.block_size
         pos = torch.arange(start, stop)
         table = torch.tensor(seq.block_table, dtype=torch.long)
-        return (table[pos // bs] * bs + pos % bs).to(self.device)
+        return table[pos // bs] * bs + pos % bs
 
     def _slot_mapping(self) -> torch.Tensor:
-        parts = [self._slots_for(s, s.kv_len - s.q_len, s.kv_len) for s in self.seqs]
-        return torch.cat(parts) if parts else torch.empty(0, dtype=torch.long, device=self.device)
+        parts = [self._host_slots(s, s.kv_len - s.q_len, s.kv_len) for s in self.seqs]
+        return torch.cat(parts).to(self.device) if parts else torch.empty(0, dtype=torch.long, device=self.device)
 
     def _prepare_decode_group(self) -> None:
         if not self.decode_rows:
@@ -134,7 +138,7 @@ class AttentionContext:
         key_pos = torch.full((len(seqs), max_len), -1, dtype=torch.long)
         for b, s in enumerate(seqs):
             n = s.kv_len - s.kv_start
-            gather[b, :n] = self._slots_for(s, s.kv_start, s.kv_len).cpu()
+            gather[b, :n] = self._host_slots(s, s.kv_start, s.kv_len)
             key_pos[b, :n] = torch.arange(s.kv_start, s.kv_len)
         self._decode_gather = gather.to(self.device)
         self._decode_key_pos = key_pos.to(self.device)
@@ -220,14 +224,17 @@ class AttentionContext:
             q_index[b, :s.q_len] = torch.arange(s.q_start, s.q_start + s.q_len)
             q_pos[b, :s.q_len] = torch.arange(first, s.kv_len)
             is_query[b, :s.q_len] = True
-            slots[b, :s.kv_len - s.kv_start] = self._slots_for(s, s.kv_start, s.kv_len).cpu()
+            slots[b, :s.kv_len - s.kv_start] = self._host_slots(s, s.kv_start, s.kv_len)  # no device round trip
             key_pos[b, :s.kv_len - s.kv_start] = torch.arange(s.kv_start, s.kv_len)
-        mask = (key_pos[:, None, :] >= 0) & (key_pos[:, None, :] <= q_pos[:, :, None])
-        if window is not None:
-            mask &= key_pos[:, None, :] > q_pos[:, :, None] - window
-        mask[:, :, 0] |= ~is_query  # a padding row attends one key (no NaN); its output is dropped
+        # The mask is built where it is used: on a GPU, from [B, Lq] and [B, Lk] positions, not uploaded whole.
         to = self.device
-        return _PrefillGroup(q_index.to(to), slots.to(to), mask[:, None].to(to), q_index[is_query].to(to), is_query.to(to))
+        key_pos, q_pos, is_query_on = key_pos.to(to)[:, None, :], q_pos.to(to)[:, :, None], is_query.to(to)
+        mask = (key_pos >= 0) & (key_pos <= q_pos)
+        if window is not None:
+            mask &= key_pos > q_pos - window
+        mask[:, :, 0] |= ~is_query_on  # a padding row attends one key (no NaN); its output is dropped
+        return _PrefillGroup(q_index.to(to), slots.to(to), mask[:, None], q_index[is_query].to(to),
+                             is_query.flatten().nonzero().squeeze(1).to(to))
 
     def _attend_prefill_group(self, layer: int, q: torch.Tensor, group: _PrefillGroup, scale: float) -> torch.Tensor:
         """One attention call for every prefill chunk of the step: -> [rows, Hq, D] in `group.rows` order.
@@ -239,7 +246,7 @@ class AttentionContext:
         keys, values = self.kv.read(layer, group.slots, q.dtype)  # [B, keys, Hkv, D]
         qb, kb, vb = (t.transpose(1, 2) for t in (q[group.q_index], keys, values))
         out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
-        return out.transpose(1, 2)[group.is_query]
+        return out.transpose(1, 2).flatten(0, 1).index_select(0, group.query_flat)
 
     def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
                             window: int | None) -> torch.Tensor:
