@@ -65,12 +65,12 @@ class RuntimeOptions:
         return self.quantize == "auto" and self.device == "cpu" and can_quantize()
 
     def runs_engine_process(self) -> bool:
-        """Issue 25: auto is off for now: on an H200 the split gained at 256 streams and lost at some 64-stream
-        shapes, and one SIGTERM there overran the 120 s drain; on 2 CPU cores a second busy process competes
-        with the engine for them (docs/structure.md, bench/RESULTS.md)."""
+        """Issue 25: auto is on with a GPU, where the server with the split reached 1.3-1.6x the one-process
+        server's tokens a second at 64 and 256 streams on an H200 (three runs), and off on the CPU, where on 2
+        cores a second busy process competes with the engine for them (docs/structure.md, bench/RESULTS.md)."""
         if self.engine_process not in ("auto", "on", "off"):
             raise ValueError(f"--engine-process must be auto, on or off; not {self.engine_process!r}")
-        return self.engine_process == "on"
+        return self.engine_process == "on" or (self.engine_process == "auto" and self.device.startswith("cuda"))
 
     def torch_dtype(self) -> torch.dtype:
         if self.dtype == "auto":
@@ -170,7 +170,7 @@ def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_
     if options.threads > 0:
         torch.set_num_threads(options.threads)
     if is_block_diffusion_checkpoint(resolved.path):
-        if options.engine_process == "on":  # its serial worker is not an EngineCore (issue 25)
+        if options.engine_process == "on":  # its serial worker is not an EngineCore (issue 25); auto stays here
             raise ValueError(f"--engine-process on: {resolved.path} is a block-diffusion model, served by its own "
                              f"worker in this process; use --engine-process auto or off")
         return start_block_diffusion(resolved, options, engine_config)

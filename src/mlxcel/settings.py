@@ -336,8 +336,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("warmup", BOOL, True, "skip the warmup before listening (decode-step compile or capture, a short prompt and "
        "8 tokens)", ("--no-warmup",), group="model", action="off"),
     _s("engine_process", choice("auto", "on", "off"), "auto", "run the engine core (model, scheduler, KV cache, "
-       "sampler) in its own process, apart from HTTP, templates and detokenization (issue 25): auto = off for "
-       "now (measured on an H200: see bench/RESULTS.md)", ("--engine-process",), "MLXCEL_ENGINE_PROCESS", group="model"),
+       "sampler) in its own process, apart from HTTP, templates and detokenization (issue 25): auto = on with "
+       "a GPU, off on the CPU (measured: see bench/RESULTS.md)", ("--engine-process",), "MLXCEL_ENGINE_PROCESS", group="model"),
     _s("threads", NON_NEGATIVE, 0, "CPU threads for the model (0 = torch's default: every core)",
        ("-t", "--threads"), "LLAMA_ARG_THREADS", metavar="N", group="model"),
     _s("quantize", choice("auto", "off"), "auto", "CPU decode matmuls: auto = weight-only 4-bit (where the "
@@ -367,7 +367,8 @@ SETTINGS: tuple[Setting, ...] = (
        ("-c", "--ctx-size"), "LLAMA_ARG_CTX_SIZE", metavar="N", group="engine"),
     _s("batch_size", COUNT, 2048, "most tokens one engine step may compute", ("-b", "--batch-size"),
        "LLAMA_ARG_BATCH", metavar="N", group="engine"),
-    _s("ubatch_size", COUNT, 512, "prefill chunk: most prompt tokens per step", ("-ub", "--ubatch-size"),
+    _s("ubatch_size", NON_NEGATIVE, 0, "prefill chunk: most prompt tokens per step (0 = 512 on the CPU, 2048 on a "
+       "GPU, where eager prefill steps are bound by their launches)", ("-ub", "--ubatch-size"),
        "LLAMA_ARG_UBATCH", metavar="N", group="engine"),
     _s("max_queue_depth", NON_NEGATIVE, 64, "waiting requests before 503 + Retry-After (a Florence-2 worker's too)",
        ("--max-queue-depth",),

@@ -110,11 +110,27 @@ def test_engine_flags() -> None:
                   "--slot-save-path", "/tmp/s"])
     assert s.engine.ctx_size == 4096 and s.engine.max_num_batched_tokens == 256
     assert s.engine.max_num_prefill_tokens == 256  # the prompt budget is at most the step's
-    defaults = settings([]).engine  # llama-server's: 2,048 tokens a step, of them 512 prompt tokens
+    defaults = settings([]).engine  # llama-server's on the CPU: 2,048 tokens a step, of them 512 prompt tokens
     assert (defaults.max_num_batched_tokens, defaults.max_num_prefill_tokens) == (2048, 512)
     assert s.engine.max_queue_depth == 3 and s.engine.decode_timeout_s == 9 and s.engine.slot_save_path == "/tmp/s"
     with pytest.raises(ValueError, match="max-kv-size"):
         settings(["--max-kv-size", "10"])
+
+
+def test_issue25_auto_choices_follow_the_device() -> None:
+    """--ubatch-size 0 and --engine-process auto: 512 prompt tokens a step and one process on the CPU;
+    2,048 and the engine core in its own process with a GPU (measured on an H200: bench/RESULTS.md)."""
+    from mlxcel.command_line import _step_budget
+    from mlxcel.runtime import RuntimeOptions
+
+    assert _step_budget(2048, 0, "cpu")["max_num_prefill_tokens"] == 512
+    assert _step_budget(2048, 0, "cuda:0")["max_num_prefill_tokens"] == 2048
+    assert _step_budget(1024, 0, "cuda")["max_num_prefill_tokens"] == 1024  # never more than the step
+    assert _step_budget(2048, 300, "cuda")["max_num_prefill_tokens"] == 300
+    assert not RuntimeOptions(device="cpu", engine_process="auto").runs_engine_process()
+    assert RuntimeOptions(device="cuda", engine_process="auto").runs_engine_process()
+    assert not RuntimeOptions(device="cuda", engine_process="off").runs_engine_process()
+    assert RuntimeOptions(device="cpu", engine_process="on").runs_engine_process()
 
 
 def test_c1_api_key_file(tmp_path: Path) -> None:
