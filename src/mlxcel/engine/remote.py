@@ -214,7 +214,7 @@ class RemoteCore:
             pass
         except Exception:  # noqa: BLE001 - a message that cannot be read ends the link
             log.exception("engine process: a message could not be read")
-        self._process.join(2)
+        self._process.join(30 if self._is_stopping else 2)  # a stopping process may still be tearing down
         self._gone()
 
     def _deliver(self, events: list[TokenEvent]) -> None:
@@ -241,7 +241,9 @@ class RemoteCore:
         code = self._process.exitcode
         reason = f"the engine process (pid {self._process.pid}) exited with code {code}"
         if not (self._is_stopping and code == 0):
-            if not self._is_stopping:
+            if self._is_stopping:  # a drain that did not end cleanly: the server's exit code says so (1)
+                log.error("%s while stopping", reason)
+            else:
                 log.critical("%s; failing every request in flight", reason)
             with self._lock:
                 self.failure = EngineProcessError(reason)
