@@ -55,20 +55,21 @@ def test_a_burst_of_evictions_in_one_step_is_one_gather_into_the_host_tier() -> 
     assert isinstance(host, HostBlockTier)
     kv.lower_tier = host
     saved = {}
-    for seed in range(5):  # 15 cached blocks
-        tokens = prompt(seed)
-        saved[seed] = block_rows(cache, compute(kv, cache, f"r{seed}", tokens))
-    gathers = host.pending.num_gathers
+    for seed in range(3):  # 9 cached blocks (and each prompt's partial last one)
+        saved[seed] = block_rows(cache, compute(kv, cache, f"r{seed}", prompt(seed, 3 * BLOCK + 1))[:3])
+    gathers, evictions = host.pending.num_gathers, pool.num_evictions
     # one scheduling pass: several requests allocate (each evicting cached blocks) before the step writes
     for seed in range(10, 14):
         kv.allocate(f"burst{seed}", prompt(seed), 0, 3 * BLOCK)
-    assert len(host.pending.blocks) == 12 and host.stats().num_blocks == 0  # noted only, nothing copied yet
+    evicted = pool.num_evictions - evictions
+    assert evicted >= 6 and len(host.pending.blocks) == evicted
+    assert host.stats().num_blocks == 0  # noted only, nothing copied yet
     pool.flush_evictions()
-    assert host.pending.num_gathers == gathers + 1  # twelve blocks, four allocations: one gather
-    assert host.stats().num_blocks == 12 and not host.pending.blocks
+    assert host.pending.num_gathers == gathers + 1  # two prompts' blocks, four allocations: one gather
+    assert host.stats().num_blocks == evicted and not host.pending.blocks
     for seed in range(10, 14):
         kv.free(f"burst{seed}")
-    blocks, num_cached = kv.find_cached_prefix(prompt(0), cache_prompt=True)  # evicted in the burst: from host
+    blocks, num_cached = kv.find_cached_prefix(prompt(0, 3 * BLOCK + 1), cache_prompt=True)  # evicted in the burst: from host
     assert num_cached == 3 * BLOCK and all(torch.equal(a, b) for a, b in zip(saved[0], block_rows(cache, blocks)))
 
 
@@ -86,7 +87,7 @@ def test_a_burst_of_evictions_is_one_gather_into_the_disk_writer(tmp_path: Path)
     pool.flush_evictions()
     assert store.pending.num_gathers == gathers + 1
     store.close(pool)  # the writer finishes: every evicted block has its file
-    assert store.stats().num_blocks_written >= 12 and store.stats().num_blocks_dropped == 0
+    assert store.stats().num_blocks_written >= 11 and store.stats().num_blocks_dropped == 0
 
 
 def test_a_writer_that_falls_behind_drops_saves_instead_of_blocking(tmp_path: Path) -> None:
