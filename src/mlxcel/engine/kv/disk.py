@@ -212,7 +212,8 @@ class DiskBlockStore:
         if self._stream is None:  # CPU: gathered straight into the ring's rows
             index = 0
             for first, count in runs:
-                gather_into(self.cache, block_ids[index:index + count], self._ring.rows[first:first + count])
+                gather_into(self.cache, block_ids[index:index + count], self._ring.rows[first:first + count],
+                            self.pending.cpu_scratch())
                 index += count
             self.pending.num_gathers += 1
             self._enqueue_rows([h for _, h in blocks], runs, None)

@@ -24,24 +24,29 @@ def payload_bytes(cache: KVCache) -> int:
                for t in cache.stacked_tensors().values())
 
 
-def gather_into(cache: KVCache, block_ids: list[int], out: torch.Tensor) -> None:
+def gather_into(cache: KVCache, block_ids: list[int], out: torch.Tensor,
+                scratch: dict[str, torch.Tensor] | None = None) -> None:
     """The blocks' payloads into `out` [len(block_ids), payload bytes] (same device as the cache): per cache
-    tensor one index_select over all layers (and a copy into its columns when the cache has several)."""
+    tensor one index_select over all layers (and a copy into its columns when the cache has several; through
+    `scratch`, name -> a reusable byte buffer, when given: a fresh one page-faults on the CPU)."""
     if not block_ids:
         return
     device, size = out.device, cache.block_size
     ids = torch.tensor(block_ids, device=device)
     offset = 0
-    for stacked in cache.stacked_tensors().values():
-        num_layers, num_slots = stacked.shape[0], stacked.shape[1]
-        rows = stacked.view(torch.uint8).reshape(num_layers * num_slots, -1)  # one row of bytes per (layer, slot)
-        # index[b, layer, i] = layer * num_slots + block b's slot i: a block's layers one after another
-        slots = ids[:, None] * size + torch.arange(size, device=device)
-        index = (torch.arange(num_layers, device=device)[None, :, None] * num_slots + slots[:, None, :]).reshape(-1)
-        width = num_layers * size * rows.shape[1]
+    for name, stacked in cache.stacked_tensors().items():
+        num_layers, num_rows = stacked.shape[0], stacked.shape[1] // size  # (the cache's slots are whole blocks)
+        rows = stacked.view(torch.uint8).reshape(num_layers * num_rows, -1)  # one row of bytes per (layer, block)
+        # index[b, layer] = layer * num_rows + block b: a block's layers one after another
+        index = (torch.arange(num_layers, device=device)[None, :] * num_rows + ids[:, None]).reshape(-1)
+        width = num_layers * rows.shape[1]
         part = out[:, offset:offset + width]
         if part.is_contiguous():
             torch.index_select(rows, 0, index, out=part.view(-1, rows.shape[1]))
+        elif scratch is not None and scratch[name].numel() >= index.numel() * rows.shape[1]:
+            picked = scratch[name][:index.numel() * rows.shape[1]].view(-1, rows.shape[1])
+            torch.index_select(rows, 0, index, out=picked)
+            part.copy_(picked.view(len(block_ids), width))
         else:
             part.copy_(rows.index_select(0, index).view(len(block_ids), width))
         offset += width
@@ -59,6 +64,7 @@ class PendingEvictions:
         self.num_gathers = 0  # index_select batches issued (tests: one per flush of a burst)
         self.chunk_rows = max(1, _STAGING_BYTES // self.row_bytes)
         self._staging: list[torch.Tensor] = []  # allocated on first use: a tier that never evicts costs nothing
+        self.scratch: dict[str, torch.Tensor] | None = None  # the CPU's per-tensor gather buffers (`gather_into`)
         self._reads: list[list[torch.cuda.Event]] = [[], []]  # the side streams' copies still reading each
         self._turn = 0
 
@@ -84,9 +90,17 @@ class PendingEvictions:
             torch.cuda.current_stream(self.device).wait_event(read)  # two gathers ago, long done in practice
         self._reads[self._turn] = []
         out = self._staging[self._turn][:len(block_ids)]
-        gather_into(self.cache, block_ids, out)
+        gather_into(self.cache, block_ids, out, self.cpu_scratch())
         self.num_gathers += 1
         return out
+
+    def cpu_scratch(self) -> dict[str, torch.Tensor] | None:
+        """Reusable per-tensor buffers of one chunk (CPU only: on CUDA the caching allocator reuses memory)."""
+        if self.scratch is None and self.device.type == "cpu":
+            self.scratch = {name: torch.empty(self.chunk_rows * t.shape[0] * self.cache.block_size * t[0, 0].numel()
+                                              * t.element_size(), dtype=torch.uint8)
+                            for name, t in self.cache.stacked_tensors().items()}
+        return self.scratch
 
     def staged_read(self, event: torch.cuda.Event) -> None:
         """A side stream's copy out of the latest gather ends at `event`: its buffer waits for it."""

@@ -26,7 +26,7 @@ import torch
 
 from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, scatter_payloads
-from mlxcel.engine.kv.evict import PendingEvictions, chunks
+from mlxcel.engine.kv.evict import PendingEvictions, chunks, gather_into
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.types import HostCacheStats
 
@@ -116,7 +116,9 @@ class HostBlockTier:
                 fresh.append((block_id, block_hash))
         if not fresh:
             return
-        staged = self.pending.gather([block_id for block_id, _ in fresh])  # one batch, on the compute stream
+        block_ids = [block_id for block_id, _ in fresh]
+        # one batch on the compute stream (CUDA); on the CPU gathered below straight into the rows
+        staged = self.pending.gather(block_ids) if self._stream is not None else None
         # rows free, not yet used, or held by older entries (not those a load is copying out right now)
         room = len(self._free_rows) + self._row_limit() - self._num_rows + len(self._entries)
         overflow = len(fresh) - room
@@ -125,12 +127,14 @@ class HostBlockTier:
                 self._count(num_blocks_dropped=overflow)
             else:
                 self._count(num_blocks_spilled=overflow)
-                self.disk.save_staged([h for _, h in fresh[:overflow]], staged[:overflow], self.pending)
-            fresh, staged = fresh[overflow:], staged[overflow:]
+                over = staged[:overflow] if staged is not None else self.pending.gather(block_ids[:overflow])
+                self.disk.save_staged([h for _, h in fresh[:overflow]], over, self.pending)
+            fresh, block_ids = fresh[overflow:], block_ids[overflow:]
+            staged = staged[overflow:] if staged is not None else None
         if not fresh:
             return
         rows = self._rows_for(len(fresh))
-        ready = self._copy_out(rows, staged)
+        ready = self._copy_out(rows, staged) if staged is not None else self._gather_into_rows(rows, block_ids)
         for (_, block_hash), row in zip(fresh, rows):
             self._entries[block_hash] = _Entry(row, ready)
         self._count(num_blocks_stored=len(fresh), num_bytes_stored=len(fresh) * self.row_bytes)
@@ -188,12 +192,15 @@ class HostBlockTier:
             runs.append((index, row, 1))
         return runs
 
-    def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event | None:
-        """[num_rows, row bytes] `data` (gathered on the compute stream) into host `rows`."""
-        if self._stream is None:
-            for index, row, num in self._runs(rows):
-                self._rows(row, num).copy_(data[index:index + num])
-            return None
+    def _gather_into_rows(self, rows: list[int], block_ids: list[int]) -> None:
+        """CPU: the blocks' payloads gathered straight into host `rows` (one gather a run of rows)."""
+        for index, row, num in self._runs(rows):
+            gather_into(self.cache, block_ids[index:index + num], self._rows(row, num), self.pending.cpu_scratch())
+        self.pending.num_gathers += 1
+
+    def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event:
+        """CUDA: [num_rows, row bytes] `data` (gathered on the compute stream) into host `rows` on the side stream."""
+        assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gather, not the step
         with torch.cuda.stream(self._stream):
             for busy in {id(e): e for e in (self._busy.pop(row, None) for row in rows) if e is not None}.values():
