@@ -48,7 +48,8 @@ _HEADER_LEN = struct.Struct("<I")
 _QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
 _EMA = 0.3  # weight of the newest measurement in the load / prefill rates
 _STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
-_RING_BYTES = 256 << 20  # host rows for blocks on their way to the writer (pinned on CUDA, allocated up front)
+_RING_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # host rows for blocks on their way to the writer (pinned on
+# CUDA, allocated up front; on the CPU its pages count in the server's resident memory once touched)
 
 
 class _HostRing:
@@ -149,7 +150,8 @@ class DiskBlockStore:
         self._queue: queue.Queue[_WriteBatch | _Reset | None] = queue.Queue(_QUEUE_BATCHES)
         self.pending = PendingEvictions(cache)
         self.is_pinned = cache.k[0].device.type == "cuda"
-        self._ring = _HostRing(max(1, min(_RING_BYTES, config.capacity_bytes) // self.pending.row_bytes),
+        ring_bytes = _RING_BYTES["cuda" if self.is_pinned else "cpu"]
+        self._ring = _HostRing(max(1, min(ring_bytes, config.capacity_bytes) // self.pending.row_bytes),
                                self.pending.row_bytes, self.is_pinned)
         self._stream = torch.cuda.Stream(cache.k[0].device) if self.is_pinned else None
         self._is_writable = self._prepare_folder()

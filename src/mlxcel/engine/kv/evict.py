@@ -16,6 +16,7 @@ import torch
 from mlxcel.engine.kv.tensors import KVCache
 
 _STAGING_BYTES = 64 << 20  # device staging of one gather (two on CUDA, used in turn); a bigger burst is chunked
+_CPU_CHUNK_BYTES = 16 << 20  # on the CPU the gather's scratch is resident memory: a smaller chunk
 
 
 def payload_bytes(cache: KVCache) -> int:
@@ -62,7 +63,7 @@ class PendingEvictions:
         self.blocks: list[tuple[int, int]] = []
         self.hashes: set[int] = set()
         self.num_gathers = 0  # index_select batches issued (tests: one per flush of a burst)
-        self.chunk_rows = max(1, _STAGING_BYTES // self.row_bytes)
+        self.chunk_rows = max(1, (_STAGING_BYTES if self.device.type == "cuda" else _CPU_CHUNK_BYTES) // self.row_bytes)
         self._staging: list[torch.Tensor] = []  # allocated on first use: a tier that never evicts costs nothing
         self.scratch: dict[str, torch.Tensor] | None = None  # the CPU's per-tensor gather buffers (`gather_into`)
         self._reads: list[list[torch.cuda.Event]] = [[], []]  # the side streams' copies still reading each
