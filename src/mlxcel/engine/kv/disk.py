@@ -89,6 +89,7 @@ class _Reset:
     """POST /v1/cache/reset for the writer: it deletes this identity's files, then sets `done`."""
 
     done: threading.Event = field(default_factory=threading.Event)
+    num_ring_rows: int = 0  # of the dropped batches: given back by the writer, after the batch it is writing
     num_files: int = 0
     num_bytes: int = 0
 
@@ -291,14 +292,14 @@ class DiskBlockStore:
         Pending writes are dropped first, then the writer itself deletes, so no block saved before the
         reset can land after it; the engine thread waits for it (up to `timeout`)."""
         self.pending.take()
+        request = _Reset()
         while True:
             try:
                 item = self._queue.get_nowait()  # (never the stop sentinel: close runs on this thread too)
             except queue.Empty:
                 break
-            if isinstance(item, _WriteBatch):
-                self._ring.give_back(item.num_ring_rows)
-        request = _Reset()
+            if isinstance(item, _WriteBatch):  # NOTE: the ring gives rows back in order: not before the writer's
+                request.num_ring_rows += item.num_ring_rows
         self._queue.put(request)
         if not request.done.wait(timeout):
             log.warning("disk prefix cache: the reset did not finish in %.0f s", timeout)
@@ -429,6 +430,7 @@ class DiskBlockStore:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Reset):
+                self._ring.give_back(item.num_ring_rows)
                 self._delete_all(item)
                 continue
             if item.ready is not None:
