@@ -245,6 +245,7 @@ class HostCacheStats:
     num_blocks_stored: int = 0  # device evictions copied in
     num_blocks_loaded: int = 0  # copied back into the device pool
     num_blocks_spilled: int = 0  # evicted from host memory to the disk tier
+    num_blocks_dropped: int = 0  # device evictions not kept (no host row ready yet): recomputed if asked again
     num_bytes_stored: int = 0
     num_bytes_loaded: int = 0
     load_seconds: float = 0.0  # engine-thread time issuing the loads (on CUDA the copies themselves are async)
@@ -268,7 +269,8 @@ class DiskCacheStats:
     num_bytes_read: int = 0
     load_seconds: float = 0.0
     num_bad_files: int = 0  # checksum, header or key mismatches: skipped and deleted
-    num_write_errors: int = 0  # failed or dropped writes (queue full, disk full, read-only)
+    num_write_errors: int = 0  # failed writes (disk full, read-only)
+    num_blocks_dropped: int = 0  # evicted blocks not saved because the writer was behind (never waited for)
     num_files: int = 0
     size_bytes: int = 0
 

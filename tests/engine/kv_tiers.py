@@ -12,6 +12,7 @@ def compute(kv: KVCacheManager, cache: KVCache, request_id: str, tokens: list[in
     """Admit a prompt, write random KV for what is not cached (as a forward pass would) and finish it; its blocks."""
     cached, num_cached = kv.find_cached_prefix(tokens, cache_prompt=True)
     kv.allocate(request_id, tokens, num_cached, len(tokens) - num_cached, cached)
+    kv.pool.flush_evictions()  # as the engine loop does before a step: the tiers gather what was evicted
     table = kv.block_table(request_id)
     slots = torch.tensor(kv.slot_mapping(request_id, num_cached, len(tokens)))
     heads, dim = cache.num_kv_heads, cache.head_dim

@@ -367,6 +367,7 @@ class EngineCore:
         reporting = _reporting_progress(out)
         self._queue_progress([s for s in reporting if s.num_computed_tokens == s.num_cached_tokens])  # the 0 % event
         self._hand_over()
+        self.kv.pool.flush_evictions()  # the prefix cache's tiers gather this step's evicted blocks before it writes
         try:
             results = self._forward_and_sample(out)
         except Exception:  # noqa: BLE001 - one bad step must not kill the server

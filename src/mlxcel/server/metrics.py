@@ -124,6 +124,8 @@ def _host_cache_metrics(host: HostCacheStats) -> Iterator[Metric]:
                    host.num_blocks_loaded)
     yield _counter("mlxcel_prefix_cache_host_blocks_spilled", "KV blocks evicted from host memory to the disk tier",
                    host.num_blocks_spilled)
+    yield _counter("mlxcel_prefix_cache_host_blocks_dropped", "Device evictions not kept (no host row ready)",
+                   host.num_blocks_dropped)
     yield _counter("mlxcel_prefix_cache_host_stored_bytes", "Bytes copied to host memory", host.num_bytes_stored)
     yield _counter("mlxcel_prefix_cache_host_loaded_bytes", "Bytes copied back to the device", host.num_bytes_loaded)
     yield _counter("mlxcel_prefix_cache_host_load_seconds", "Engine time issuing host-to-device loads",
@@ -145,7 +147,9 @@ def _disk_cache_metrics(disk: DiskCacheStats) -> Iterator[Metric]:
     yield _counter("mlxcel_prefix_cache_disk_load_seconds", "Time spent loading KV blocks from disk", disk.load_seconds)
     yield _counter("mlxcel_prefix_cache_disk_bad_files", "Block files skipped and deleted (checksum, header, key)",
                    disk.num_bad_files)
-    yield _counter("mlxcel_prefix_cache_disk_write_errors", "Block writes failed or dropped", disk.num_write_errors)
+    yield _counter("mlxcel_prefix_cache_disk_write_errors", "Block writes failed", disk.num_write_errors)
+    yield _counter("mlxcel_prefix_cache_disk_blocks_dropped", "Evicted blocks not saved: the writer was behind",
+                   disk.num_blocks_dropped)
     yield _gauge("mlxcel_prefix_cache_disk_bytes", "Bytes of block files in the disk tier's folder", disk.size_bytes)
     yield _gauge("mlxcel_prefix_cache_disk_capacity_bytes", "--prefix-cache-disk-size", disk.capacity_bytes)
     yield _gauge("mlxcel_prefix_cache_disk_writable", "0 once writes failed (RAM-only)", int(disk.is_writable))

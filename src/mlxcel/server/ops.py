@@ -268,7 +268,8 @@ def host_cache_json(host: HostCacheStats | None) -> dict[str, Any] | None:
         return None
     return {"pinned": host.is_pinned, "hits": host.num_hits, "misses": host.num_misses,
             "blocks_stored": host.num_blocks_stored, "blocks_loaded": host.num_blocks_loaded,
-            "blocks_spilled": host.num_blocks_spilled, "bytes_stored": host.num_bytes_stored,
+            "blocks_spilled": host.num_blocks_spilled, "blocks_dropped": host.num_blocks_dropped,
+            "bytes_stored": host.num_bytes_stored,
             "bytes_loaded": host.num_bytes_loaded, "load_seconds": round(host.load_seconds, 6),
             "blocks": host.num_blocks, "size_bytes": host.size_bytes, "capacity_bytes": host.capacity_bytes}
 
@@ -281,7 +282,8 @@ def disk_cache_json(disk: DiskCacheStats | None) -> dict[str, Any] | None:
             "misses": disk.num_misses, "skipped": disk.num_skipped, "blocks_written": disk.num_blocks_written,
             "blocks_read": disk.num_blocks_read, "bytes_written": disk.num_bytes_written,
             "bytes_read": disk.num_bytes_read, "load_seconds": round(disk.load_seconds, 6),
-            "bad_files": disk.num_bad_files, "write_errors": disk.num_write_errors, "files": disk.num_files,
+            "bad_files": disk.num_bad_files, "write_errors": disk.num_write_errors,
+            "blocks_dropped": disk.num_blocks_dropped, "files": disk.num_files,
             "size_bytes": disk.size_bytes, "capacity_bytes": disk.capacity_bytes}
 
 

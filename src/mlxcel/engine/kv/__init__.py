@@ -6,6 +6,8 @@
   caching (chain hashes of full blocks, spec A3, M, N);
 - `tensors.py`: `KVCache`, the key and value tensors of every layer indexed by cache slot
   (`block_id * block_size + offset`), in the element formats of layers/kv_quant.py;
+- `evict.py`: evicted blocks noted by the pool's hook and gathered once per flush (one batch) for the
+  host and disk tiers (`host.py`, `disk.py`);
 - `slot_files.py`: a slot's cached prefix saved to a file and restored into the prefix cache (F12).
 """
 

@@ -56,6 +56,7 @@ class BlockPool:
         self._num_free_cached = 0
         self.num_evictions = 0
         self.on_evict: EvictionHook | None = None  # the disk tier's writer (issue 29); None = evictions vanish
+        self.on_flush: Callable[[], None] | None = None  # gathers what on_evict noted (engine/kv/evict.py)
 
     @property
     def num_free_blocks(self) -> int:
@@ -95,6 +96,12 @@ class BlockPool:
         if evicted and self.on_evict is not None:
             self.on_evict(evicted)
         return block_ids
+
+    def flush_evictions(self) -> None:
+        """Call before writing KV into blocks this pool handed out: the eviction hook's tier gathers the
+        evicted blocks' old KV first (one batch for all evictions since the last flush)."""
+        if self.on_flush is not None:
+            self.on_flush()
 
     def _pop_free_block(self, evicted: list[tuple[int, int]]) -> int:
         block_id, _ = self._free_queue.popitem(last=False)

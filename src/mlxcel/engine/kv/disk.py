@@ -10,9 +10,12 @@ the KV manager asks `load`, which reads the stored run into free blocks when loa
 faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
 A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
 
-On CUDA `_gather` copies evicted rows to the host synchronously; with the host-memory tier on (host.py,
-issue 29 point 5, the default there) device evictions go to it instead and only its spills come here
-(`save_payloads`, the same byte layout: a block = its file payload).
+The eviction hook only notes the blocks; at the pool's flush (before any KV write, evict.py) they are
+gathered in one batch into rows of a bounded host ring allocated up front (pinned on CUDA, copied there by a
+side stream), and the writer builds, checksums and writes each file, then hands the rows back. When the
+ring or the writer's queue is full the blocks are dropped (counted), never waited for. With the host-memory
+tier on (host.py, issue 29 point 5) device evictions go to it instead and only its spills come here
+(`save_payloads` / `save_staged`, the same byte layout: a block = its file payload).
 """
 
 from __future__ import annotations
@@ -32,6 +35,7 @@ from pathlib import Path
 import torch
 
 from mlxcel.engine.kv.blocks import BlockPool
+from mlxcel.engine.kv.evict import PendingEvictions, chunks, gather_into
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.types import DiskCacheStats
 
@@ -44,21 +48,40 @@ _HEADER_LEN = struct.Struct("<I")
 _QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
 _EMA = 0.3  # weight of the newest measurement in the load / prefill rates
 _STALE_TEMP_S = 3600.0  # a temp file this old belongs to a writer that died
+_RING_BYTES = {"cuda": 256 << 20, "cpu": 64 << 20}  # host rows for blocks on their way to the writer (pinned on
+# CUDA, allocated up front; on the CPU its pages count in the server's resident memory once touched)
+
+
+class _HostRing:
+    """A ring of host rows, one block payload each: the engine thread takes rows at the head, the writer
+    gives them back in the same (queue) order."""
+
+    def __init__(self, num_rows: int, row_bytes: int, pinned: bool) -> None:
+        self.rows = torch.empty((num_rows, row_bytes), dtype=torch.uint8, pin_memory=pinned)
+        self._taken = 0  # rows ever taken (engine thread)
+        self._given_back = 0  # rows ever given back (writer thread; an int store is atomic)
+
+    def take(self, num: int) -> list[tuple[int, int]]:
+        """Up to `num` rows as (first, count) runs (two where the ring wraps); fewer when the writer is behind."""
+        size = len(self.rows)
+        num = min(num, size - (self._taken - self._given_back))
+        first = self._taken % size
+        self._taken += num
+        return [(first, num)] if first + num <= size else [(first, size - first), (0, first + num - size)]
+
+    def give_back(self, num: int) -> None:
+        self._given_back += num
 
 
 @dataclass(slots=True)
 class _WriteBatch:
-    """Blocks for the writer: rows gathered from the pool (`_gather`), or whole payloads (host-tier spills)."""
+    """Blocks for the writer: their payloads (uint8 CPU rows: of the ring, or host-tier spills), the event of
+    the device->host copy into them (CUDA) and how many ring rows to give back once written."""
 
     hashes: list[int]
-    rows: dict[str, torch.Tensor] | None = None
-    payloads: list[torch.Tensor] | None = None
-
-    def payload(self, index: int) -> bytes:
-        if self.payloads is not None:
-            return self.payloads[index].numpy().tobytes()
-        assert self.rows is not None
-        return _block_payload(self.rows, index)
+    payloads: list[torch.Tensor]
+    ready: torch.cuda.Event | None = None
+    num_ring_rows: int = 0
 
 
 @dataclass(slots=True)
@@ -66,6 +89,7 @@ class _Reset:
     """POST /v1/cache/reset for the writer: it deletes this identity's files, then sets `done`."""
 
     done: threading.Event = field(default_factory=threading.Event)
+    num_ring_rows: int = 0  # of the dropped batches: given back by the writer, after the batch it is writing
     num_files: int = 0
     num_bytes: int = 0
 
@@ -125,6 +149,12 @@ class DiskBlockStore:
         self._known: set[int] = set()  # chain hashes with a file here (this process's view)
         self._size_bytes = 0
         self._queue: queue.Queue[_WriteBatch | _Reset | None] = queue.Queue(_QUEUE_BATCHES)
+        self.pending = PendingEvictions(cache)
+        self.is_pinned = cache.k[0].device.type == "cuda"
+        ring_bytes = _RING_BYTES["cuda" if self.is_pinned else "cpu"]
+        self._ring = _HostRing(max(1, min(ring_bytes, config.capacity_bytes) // self.pending.row_bytes),
+                               self.pending.row_bytes, self.is_pinned)
+        self._stream = torch.cuda.Stream(cache.k[0].device) if self.is_pinned else None
         self._is_writable = self._prepare_folder()
         self._writer = threading.Thread(target=self._write_loop, name="mlxcel-kv-disk", daemon=True)
         self._writer.start()
@@ -164,19 +194,88 @@ class DiskBlockStore:
     # ---- engine thread: saving ----
 
     def save(self, blocks: list[tuple[int, int]]) -> None:
-        """Hand blocks leaving RAM to the writer: their rows are copied now, before their KV is overwritten."""
-        fresh = [(block_id, block_hash) for block_id, block_hash in blocks if block_hash not in self._known]
+        """The pool's eviction hook: note the blocks leaving RAM; `flush` gathers them before their KV is
+        overwritten."""
+        if self._is_writable:
+            self.pending.add([(b, h) for b, h in blocks if h not in self._known])
+
+    def flush(self) -> None:
+        """The pool's flush: the blocks noted since the last one, gathered in one batch and handed to the writer."""
+        blocks = self.pending.take()
+        for chunk in chunks(blocks, self.pending.chunk_rows):
+            self._save_chunk(chunk)
+
+    def _save_chunk(self, blocks: list[tuple[int, int]]) -> None:
+        runs = self._take_rows(len(blocks))
+        num = sum(count for _, count in runs)
+        blocks = blocks[:num]  # the rest: dropped by _take_rows
+        if not blocks:
+            return
+        block_ids = [block_id for block_id, _ in blocks]
+        if self._stream is None:  # CPU: gathered straight into the ring's rows
+            index = 0
+            for first, count in runs:
+                gather_into(self.cache, block_ids[index:index + count], self._ring.rows[first:first + count],
+                            self.pending.cpu_scratch())
+                index += count
+            self.pending.num_gathers += 1
+            self._enqueue_rows([h for _, h in blocks], runs, None)
+        else:
+            self._copy_staged([h for _, h in blocks], self.pending.gather(block_ids), runs, self.pending)
+
+    def save_staged(self, block_hashes: list[int], staged: torch.Tensor, pending: PendingEvictions) -> None:
+        """Payloads `pending` gathered on the device ([n, row bytes], current stream) to the writer (the host
+        tier's overflow); those the ring has no room for are dropped."""
+        fresh = [i for i, h in enumerate(block_hashes) if h not in self._known]
         if not fresh or not self._is_writable:
             return
-        rows = _gather(self.cache, [block_id for block_id, _ in fresh])
-        self._enqueue(_WriteBatch([block_hash for _, block_hash in fresh], rows=rows))
+        runs = self._take_rows(len(fresh))
+        num = sum(count for _, count in runs)
+        staged = staged[fresh[:num]] if len(fresh) < len(block_hashes) else staged[:num]
+        hashes = [block_hashes[i] for i in fresh[:num]]
+        if self._stream is None:
+            index = 0
+            for first, count in runs:
+                self._ring.rows[first:first + count].copy_(staged[index:index + count])
+                index += count
+            self._enqueue_rows(hashes, runs, None)
+        elif hashes:
+            self._copy_staged(hashes, staged, runs, pending)
+
+    def _take_rows(self, num: int) -> list[tuple[int, int]]:
+        """Ring rows for `num` blocks when the writer's queue has room; what is not granted is counted dropped."""
+        runs = [] if self._queue.full() else [run for run in self._ring.take(num) if run[1] > 0]
+        dropped = num - sum(count for _, count in runs)
+        if dropped:
+            self._count(num_blocks_dropped=dropped)  # the writer is behind: recomputed later, never waited for
+        return runs
+
+    def _copy_staged(self, hashes: list[int], staged: torch.Tensor, runs: list[tuple[int, int]],
+                     pending: PendingEvictions) -> None:
+        """CUDA: the side stream copies the staged rows into the ring after the gather; the writer waits on it."""
+        assert self._stream is not None
+        self._stream.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather, not the step
+        with torch.cuda.stream(self._stream):
+            index = 0
+            for first, count in runs:
+                self._ring.rows[first:first + count].copy_(staged[index:index + count], non_blocking=True)
+                index += count
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        pending.staged_read(ready)  # the staging buffer is reused only after this copy
+        staged.record_stream(self._stream)  # (a subset of it is a fresh tensor: kept until the copy is done)
+        self._enqueue_rows(hashes, runs, ready)
+
+    def _enqueue_rows(self, hashes: list[int], runs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
+        rows = [self._ring.rows[first + i] for first, count in runs for i in range(count)]
+        self._queue.put_nowait(_WriteBatch(hashes, rows, ready, len(rows)))  # room checked by _take_rows
 
     def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False) -> None:
         """Hand whole block payloads (chain hash, uint8 CPU tensor the writer may keep) to the writer: the
         host tier's spills (`wait`: at the graceful stop, for room in the queue rather than drop)."""
         fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
         if fresh and self._is_writable:
-            self._enqueue(_WriteBatch([h for h, _ in fresh], payloads=[p for _, p in fresh]), wait=wait)
+            self._enqueue(_WriteBatch([h for h, _ in fresh], [p for _, p in fresh]), wait=wait)
 
     def _enqueue(self, batch: _WriteBatch, *, wait: bool = False) -> None:
         if wait:
@@ -185,19 +284,22 @@ class DiskBlockStore:
         try:
             self._queue.put_nowait(batch)
         except queue.Full:
-            self._count(num_write_errors=len(batch.hashes))  # the writer is behind: recomputed later
+            self._count(num_blocks_dropped=len(batch.hashes))  # the writer is behind: recomputed later
 
     def reset(self, timeout: float = 60.0) -> tuple[int, int]:
         """Delete this identity's block files (POST /v1/cache/reset): files and bytes deleted.
 
         Pending writes are dropped first, then the writer itself deletes, so no block saved before the
         reset can land after it; the engine thread waits for it (up to `timeout`)."""
+        self.pending.take()
+        request = _Reset()
         while True:
             try:
-                self._queue.get_nowait()  # (never the stop sentinel: close runs on this thread too)
+                item = self._queue.get_nowait()  # (never the stop sentinel: close runs on this thread too)
             except queue.Empty:
                 break
-        request = _Reset()
+            if isinstance(item, _WriteBatch):  # NOTE: the ring gives rows back in order: not before the writer's
+                request.num_ring_rows += item.num_ring_rows
         self._queue.put(request)
         if not request.done.wait(timeout):
             log.warning("disk prefix cache: the reset did not finish in %.0f s", timeout)
@@ -206,11 +308,13 @@ class DiskBlockStore:
     def close(self, pool: BlockPool, timeout: float = 60.0) -> None:
         """Graceful stop: save the blocks still cached, most recently used first and no more than the capacity
         holds, then let the writer finish (up to `timeout`)."""
+        self.flush()
         most = self.config.capacity_bytes // self._most_file_bytes()  # headers too: else the bound drops the oldest
         fresh = [(b, h) for b, h in pool.cached_blocks()[:most] if h not in self._known]
-        for start in range(0, len(fresh) if self._is_writable else 0, 64):
-            batch = fresh[start:start + 64]
-            self._queue.put(_WriteBatch([h for _, h in batch], rows=_gather(self.cache, [b for b, _ in batch])))
+        for batch in chunks(fresh, 64) if self._is_writable else []:
+            data = torch.empty((len(batch), self.pending.row_bytes), dtype=torch.uint8, device=self.cache.k[0].device)
+            gather_into(self.cache, [b for b, _ in batch], data)
+            self._queue.put(_WriteBatch([h for _, h in batch], list(data.cpu())))
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():
@@ -248,6 +352,7 @@ class DiskBlockStore:
             return []
         pool.touch(hit_blocks)  # NOTE: the allocation below must not evict the RAM hits before them
         block_ids = pool.allocate(len(payloads))
+        pool.flush_evictions()  # what that allocation evicted is gathered before the scatter overwrites it
         pool.free(hit_blocks[::-1])
         _scatter(self.cache, block_ids, payloads, self.layout)
         for block_id, block_hash in zip(block_ids, run):
@@ -325,11 +430,15 @@ class DiskBlockStore:
     def _write_loop(self) -> None:
         while (item := self._queue.get()) is not None:
             if isinstance(item, _Reset):
+                self._ring.give_back(item.num_ring_rows)
                 self._delete_all(item)
                 continue
-            for index, block_hash in enumerate(item.hashes):
+            if item.ready is not None:
+                item.ready.synchronize()  # the side stream's copy into the ring rows
+            for block_hash, payload in zip(item.hashes, item.payloads):
                 if self._is_writable:
-                    self._write(block_hash, item.payload(index))
+                    self._write(block_hash, payload.numpy().tobytes())
+            self._ring.give_back(item.num_ring_rows)
             if self._size_bytes > self.config.capacity_bytes:
                 self._enforce_capacity()
 
@@ -426,43 +535,13 @@ def block_layout(cache: KVCache) -> list[tuple[str, int]]:
             for name, tensors in cache.named_tensors().items()]
 
 
-def _gather(cache: KVCache, block_ids: list[int]) -> dict[str, torch.Tensor]:
-    """The blocks' rows of every cache tensor as bytes: name -> [num_layers, num_blocks, block bytes] on the CPU."""
-    size = cache.block_size
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)])
-    rows: dict[str, torch.Tensor] = {}
-    for name, tensors in cache.named_tensors().items():
-        picked = torch.stack([layer.index_select(0, slots.to(layer.device)) for layer in tensors])
-        rows[name] = picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).cpu()
-    return rows
-
-
-def _block_payload(rows: dict[str, torch.Tensor], index: int) -> bytes:
-    """One block's file payload: for each tensor in layout order, its layers' rows one after another."""
-    return b"".join(tensor[:, index].contiguous().numpy().tobytes() for tensor in rows.values())
-
-
 def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
              layout: list[tuple[str, int]]) -> None:
-    """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of _gather + _block_payload)."""
+    """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of evict.gather_into)."""
     data = torch.empty(len(payloads), len(payloads[0]), dtype=torch.uint8)
     for index, payload in enumerate(payloads):
         data[index] = torch.frombuffer(payload, dtype=torch.uint8)
     scatter_payloads(cache, block_ids, data, layout)
-
-
-def gather_payloads(cache: KVCache, block_ids: list[int]) -> torch.Tensor:
-    """The blocks' file payloads as one [num_blocks, payload bytes] uint8 tensor on the cache's device (the
-    host tier's copy source; kernels on the current stream, no host sync)."""
-    size = cache.block_size
-    slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
-    parts = []
-    for tensors in cache.named_tensors().values():
-        picked = torch.stack([layer.index_select(0, slots) for layer in tensors])
-        # [num_layers, num_blocks * size, ...] -> [num_blocks, num_layers * block bytes] (layers one after another)
-        parts.append(picked.view(torch.uint8).reshape(len(tensors), len(block_ids), -1).transpose(0, 1)
-                     .reshape(len(block_ids), -1))
-    return torch.cat(parts, dim=1)
 
 
 def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
@@ -506,5 +585,5 @@ def _remove_stale_temps(folder: Path) -> None:
 def open_disk_tier(config: DiskTierConfig, cache: KVCache, pool: BlockPool) -> DiskBlockStore:
     """The disk tier wired under a pool: evictions are saved through it."""
     store = DiskBlockStore(config, cache)
-    pool.on_evict = store.save
+    pool.on_evict, pool.on_flush = store.save, store.flush
     return store

@@ -2,8 +2,11 @@
 host RAM under an LRU bound, between the device pool and the disk tier.
 
 A block here is its disk-file payload (disk.py's byte layout), one row of a pinned slab. The pool's eviction
-hook gathers the evicted blocks on the compute stream (so before the kernels that overwrite them) and a side
-stream copies them to host memory, an event marking the rows ready: the engine thread never waits for a copy.
+hook only notes the evicted blocks; the pool's flush (before any KV write) gathers them in one batch on the
+compute stream (so before the kernels that overwrite them, evict.py) and a side stream copies them to host
+memory, an event marking the rows ready: the engine thread never waits for a copy. On CUDA the pinned slabs
+are allocated by a grower thread ahead of need, never by the engine thread; a block with no row ready is
+dropped (counted).
 A device miss asks `load`: the longest run held here is copied back with non-blocking copies on the compute
 stream (which first waits on the rows' events) and scattered into freshly allocated blocks, all queued before
 the step that reads them; the rest of the prompt is asked of the disk tier. Rows evicted from here spill to the
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections import OrderedDict
 from dataclasses import dataclass, replace
@@ -21,14 +25,15 @@ from dataclasses import dataclass, replace
 import torch
 
 from mlxcel.engine.kv.blocks import BlockPool
-from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, gather_payloads, scatter_payloads
+from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, scatter_payloads
+from mlxcel.engine.kv.evict import PendingEvictions, chunks, gather_into
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.types import HostCacheStats
 
 log = logging.getLogger(__name__)
 
-_SLAB_BYTES = 64 << 20  # pinned rows are allocated in slabs as the tier fills: pinning a share of RAM up front
-# would cost seconds at startup
+_SLAB_BYTES = 64 << 20  # pinned rows are allocated in slabs as the tier fills (by the grower thread on CUDA):
+# pinning a share of RAM up front would cost seconds at startup
 _SPILL_BATCH = 64  # blocks per disk-writer batch at the graceful stop
 
 
@@ -78,6 +83,12 @@ class HostBlockTier:
         self._busy: dict[int, torch.cuda.Event] = {}  # free row -> the host->device copy still reading it
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> row, least recently used first
         self._stats = HostCacheStats(self.capacity_rows * self.row_bytes, self.is_pinned)
+        self.pending = PendingEvictions(cache)
+        self._num_allocated = 0  # rows of the slabs allocated so far (the grower thread's, on CUDA)
+        self._want_rows = threading.Event()
+        if self.is_pinned and self.capacity_rows > 0:
+            self._want_rows.set()  # the first slab now, off the engine thread
+            threading.Thread(target=self._grow_loop, name="mlxcel-kv-host-grower", daemon=True).start()
         log.info("host prefix cache: up to %d blocks (%.1f GiB%s) between the KV pool and %s", self.capacity_rows,
                  self.capacity_rows * self.row_bytes / 2**30, ", pinned" if self.is_pinned else "",
                  "the disk tier" if disk is not None else "nothing (no disk tier)")
@@ -85,45 +96,80 @@ class HostBlockTier:
     # ---- saving (the pool's eviction hook) ----
 
     def save(self, blocks: list[tuple[int, int]]) -> None:
-        """Blocks leaving the device pool: copied here (asynchronously on CUDA); past the bound the least
-        recently used rows spill to the disk tier."""
+        """The pool's eviction hook: note the blocks leaving the device pool (`flush` copies them here)."""
+        self.pending.add(blocks)
+
+    def flush(self) -> None:
+        """The pool's flush: the blocks noted since the last one, gathered in one batch and copied here
+        (asynchronously on CUDA); past the bound the least recently used rows spill to the disk tier."""
+        for chunk in chunks(self.pending.take(), self.pending.chunk_rows):
+            self._save_chunk(chunk)
+        if self.is_pinned and self._num_allocated - self._num_rows + len(self._free_rows) < self._slab_rows:
+            self._want_rows.set()  # less than a slab of spare rows: the grower pins the next one
+
+    def _save_chunk(self, blocks: list[tuple[int, int]]) -> None:
         fresh: list[tuple[int, int]] = []
         for block_id, block_hash in blocks:
             if block_hash in self._entries:
                 self._entries.move_to_end(block_hash)
             else:
                 fresh.append((block_id, block_hash))
-        # rows free, not yet allocated, or held by older entries (not those a load is copying out right now)
-        room = len(self._free_rows) + self.capacity_rows - self._num_rows + len(self._entries)
+        if not fresh:
+            return
+        block_ids = [block_id for block_id, _ in fresh]
+        # one batch on the compute stream (CUDA); on the CPU gathered below straight into the rows
+        staged = self.pending.gather(block_ids) if self._stream is not None else None
+        # rows free, not yet used, or held by older entries (not those a load is copying out right now)
+        room = len(self._free_rows) + self._row_limit() - self._num_rows + len(self._entries)
         overflow = len(fresh) - room
-        if overflow > 0:  # more than this tier can take at once: the oldest go straight to disk
-            self._count(num_blocks_spilled=overflow)
-            if self.disk is not None:
-                self.disk.save(fresh[:overflow])
-            fresh = fresh[overflow:]
+        if overflow > 0:  # more than this tier can take now: the oldest go straight to disk
+            if self.disk is None:
+                self._count(num_blocks_dropped=overflow)
+            else:
+                self._count(num_blocks_spilled=overflow)
+                over = staged[:overflow] if staged is not None else self.pending.gather(block_ids[:overflow])
+                self.disk.save_staged([h for _, h in fresh[:overflow]], over, self.pending)
+            fresh, block_ids = fresh[overflow:], block_ids[overflow:]
+            staged = staged[overflow:] if staged is not None else None
         if not fresh:
             return
         rows = self._rows_for(len(fresh))
-        ready = self._copy_out(rows, gather_payloads(self.cache, [block_id for block_id, _ in fresh]))
+        ready = self._copy_out(rows, staged) if staged is not None else self._gather_into_rows(rows, block_ids)
         for (_, block_hash), row in zip(fresh, rows):
             self._entries[block_hash] = _Entry(row, ready)
         self._count(num_blocks_stored=len(fresh), num_bytes_stored=len(fresh) * self.row_bytes)
 
     def _rows_for(self, num_rows: int) -> list[int]:
         rows = [self._free_rows.pop() for _ in range(min(num_rows, len(self._free_rows)))]
-        while len(rows) < num_rows and self._num_rows < self.capacity_rows:
+        while len(rows) < num_rows and self._num_rows < self._row_limit():
             rows.append(self._new_row())
         victims = [self._entries.popitem(last=False) for _ in range(num_rows - len(rows))]
         self._spill(victims, copy=True)
         return rows + [entry.row for _, entry in victims]
 
+    def _row_limit(self) -> int:
+        """Rows that may be used: on CUDA those of the slabs pinned so far; on the CPU (cheap, unpinned
+        slabs allocated here as needed) the capacity."""
+        return self._num_allocated if self.is_pinned else self.capacity_rows
+
     def _new_row(self) -> int:
         row = self._num_rows
-        if row // self._slab_rows == len(self._slabs):
-            num = min(self._slab_rows, self.capacity_rows - row)
-            self._slabs.append(torch.empty((num, self.row_bytes), dtype=torch.uint8, pin_memory=self.is_pinned))
+        if row // self._slab_rows == len(self._slabs):  # CPU only: on CUDA the grower allocated it
+            self._add_slab()
         self._num_rows += 1
         return row
+
+    def _add_slab(self) -> None:
+        num = min(self._slab_rows, self.capacity_rows - len(self._slabs) * self._slab_rows)
+        self._slabs.append(torch.empty((num, self.row_bytes), dtype=torch.uint8, pin_memory=self.is_pinned))
+        self._num_allocated += num  # (after the append: the engine thread reads it to bound its rows)
+
+    def _grow_loop(self) -> None:
+        """CUDA: pin the next slab when the engine thread runs short of spare rows, up to the capacity."""
+        while self._num_allocated < self.capacity_rows:
+            self._want_rows.wait()
+            self._want_rows.clear()
+            self._add_slab()
 
     def _row(self, row: int) -> torch.Tensor:
         return self._slabs[row // self._slab_rows][row % self._slab_rows]
@@ -146,12 +192,15 @@ class HostBlockTier:
             runs.append((index, row, 1))
         return runs
 
-    def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event | None:
-        """[num_rows, row bytes] `data` (gathered on the compute stream) into host `rows`."""
-        if self._stream is None:
-            for index, row, num in self._runs(rows):
-                self._rows(row, num).copy_(data[index:index + num])
-            return None
+    def _gather_into_rows(self, rows: list[int], block_ids: list[int]) -> None:
+        """CPU: the blocks' payloads gathered straight into host `rows` (one gather a run of rows)."""
+        for index, row, num in self._runs(rows):
+            gather_into(self.cache, block_ids[index:index + num], self._rows(row, num), self.pending.cpu_scratch())
+        self.pending.num_gathers += 1
+
+    def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event:
+        """CUDA: [num_rows, row bytes] `data` (gathered on the compute stream) into host `rows` on the side stream."""
+        assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream(self.device))  # after the gather, not the step
         with torch.cuda.stream(self._stream):
             for busy in {id(e): e for e in (self._busy.pop(row, None) for row in rows) if e is not None}.values():
@@ -160,7 +209,7 @@ class HostBlockTier:
                 self._rows(row, num).copy_(data[index:index + num], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
-        data.record_stream(self._stream)  # the allocator keeps `data` until the side stream is done with it
+        self.pending.staged_read(ready)  # the staging buffer is gathered into again only after this copy
         return ready
 
     def _spill(self, victims: list[tuple[int, _Entry]], *, copy: bool) -> None:
@@ -181,6 +230,8 @@ class HostBlockTier:
     def load(self, pool: BlockPool, block_hashes: list[int], hit_blocks: list[int], num_rest_tokens: int) -> list[int]:
         """The longest run of `block_hashes` held here copied into free, cached device blocks; the disk tier is
         asked for the blocks after it."""
+        if not self.pending.hashes.isdisjoint(block_hashes):
+            self.flush()  # evicted earlier in this step: held here once copied
         held = 0
         while held < len(block_hashes) and block_hashes[held] in self._entries:
             held += 1
@@ -198,6 +249,7 @@ class HostBlockTier:
         entries = [self._entries.pop(block_hash) for block_hash in run]  # out of the LRU: evictions spare them
         pool.touch(hit_blocks)  # NOTE: the allocation below must not evict the device hits before them
         block_ids = pool.allocate(len(entries))  # its evictions come back here through `save`
+        pool.flush_evictions()  # ... and are gathered before the scatter below overwrites them
         pool.free(hit_blocks[::-1])
         scatter_payloads(self.cache, block_ids, self._copy_in(entries), self.layout)
         for block_id, block_hash in zip(block_ids, run):
@@ -232,6 +284,7 @@ class HostBlockTier:
     def reset(self) -> int:
         """POST /v1/cache/reset: forget every block held here; how many."""
         num = len(self._entries)
+        self.pending.take()
         self._free_rows += [entry.row for entry in self._entries.values()]
         self._entries.clear()
         return num
@@ -239,6 +292,7 @@ class HostBlockTier:
     def close(self) -> None:
         """Graceful stop: the most recently used blocks (as many as the disk tier holds) go to its writer,
         before the device pool's own blocks so those count as the newer."""
+        self.flush()
         if self.disk is None or not self._entries:
             return
         most = self.disk.config.capacity_bytes // self.row_bytes
@@ -263,5 +317,5 @@ def open_host_tier(capacity_bytes: int, cache: KVCache, pool: BlockPool,
     tier = HostBlockTier(capacity_bytes, cache, disk)
     if tier.capacity_rows == 0:
         return None
-    pool.on_evict = tier.save
+    pool.on_evict, pool.on_flush = tier.save, tier.flush
     return tier

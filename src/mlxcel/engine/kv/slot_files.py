@@ -86,6 +86,7 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
     if not kv.can_allocate(num_blocks):
         raise SlotError("not enough free KV blocks to restore the slot now; try again when idle")
     block_ids = kv.pool.allocate(num_blocks)
+    kv.pool.flush_evictions()  # the lower tiers gather what that evicted before it is overwritten
     _write_blocks(cache, block_ids, payload)
     _register(kv, block_ids, tokens, cache.block_size, lora_cache_extra(scales))
     kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted

@@ -33,8 +33,18 @@ class KVCache:
         self.k_type = k_type or _dense_name(dtype)
         self.v_type = v_type or _dense_name(v_dtype or dtype)
         num_slots = (num_blocks + 1) * block_size
-        self.k, self.k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        self.v, self.v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        # every layer's tensor is a view of one [num_layers, num_slots, ...] tensor: evicted blocks of all
+        # layers are then gathered with one index_select (engine/kv/evict.py)
+        self._stacked: dict[str, torch.Tensor] = {}
+        self._stacked["k"], k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        self._stacked["v"], v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        if k_scales is not None:
+            self._stacked["k_scales"] = k_scales
+        if v_scales is not None:
+            self._stacked["v_scales"] = v_scales
+        self.k, self.v = list(self._stacked["k"].unbind(0)), list(self._stacked["v"].unbind(0))
+        self.k_scales = list(k_scales.unbind(0)) if k_scales is not None else None
+        self.v_scales = list(v_scales.unbind(0)) if v_scales is not None else None
         turbo = "turbo4" in (self.k_type, self.v_type)
         self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
         self.block_size = block_size
@@ -54,6 +64,10 @@ class KVCache:
         if self.v_scales is not None:
             tensors["v_scales"] = self.v_scales
         return tensors
+
+    def stacked_tensors(self) -> dict[str, torch.Tensor]:
+        """`named_tensors` as one [num_layers, num_slots, ...] tensor each (the layers are views of it)."""
+        return dict(self._stacked)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
@@ -89,7 +103,7 @@ def _dense_name(dtype: torch.dtype) -> str:
 
 
 def _allocate(element: str, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
-              device: torch.device | str) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+              device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor | None]:
     if not kv_quant.supports(element, head_dim):
         raise ValueError(f"KV cache type {element} needs a head size divisible by {kv_quant.QBLOCK}, not {head_dim}")
     shape = (num_slots, num_kv_heads, kv_quant.storage_dim(element, head_dim))
@@ -100,19 +114,19 @@ def _allocate(element: str, num_layers: int, num_slots: int, num_kv_heads: int, 
     return codes, _zeros(num_layers, scale_shape, torch.float16, device)
 
 
-def _zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> list[torch.Tensor]:
-    """One zeroed tensor of `shape` a layer.
+def _zeros(num_layers: int, shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zeroed [num_layers, *shape] tensor (one `shape` a layer).
 
     NOTE: on the CPU all layers are views of one anonymous memory map, whose pages the OS zeroes
     on first touch: resident memory then grows with the blocks the pool has handed out (as
     llama-server's does), not with the pool's size. `torch.zeros` writes every page up front.
     """
     if torch.device(device).type != "cpu":
-        return [torch.zeros(shape, dtype=dtype, device=device) for _ in range(num_layers)]
+        return torch.zeros((num_layers, *shape), dtype=dtype, device=device)
     count = num_layers * math.prod(shape)
     region = mmap.mmap(-1, max(count * dtype.itemsize, 1))
     flat = torch.frombuffer(region, dtype=dtype, count=count)  # holds a reference to the map
-    return list(flat.view(num_layers, *shape).unbind(0))
+    return flat.view(num_layers, *shape)
 
 
 def _side(scales: list[torch.Tensor] | None, layer: int) -> torch.Tensor | None:
