@@ -85,14 +85,15 @@ def main() -> None:
                       (runner.Runner, "_prefill")):
         time_method(cls, name)
     torch.set_num_threads(2)
-    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 8192, prefix_cache_dir=tempfile.mkdtemp(),
-                          prefix_cache_disk_bytes=parse_size(args.disk_size))
-    served = start_served_model(resolve_model(None), RuntimeOptions(threads=2), config)
-    try:
-        prefix = served.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 300)[:2000]
-        rows = asyncio.run(measure(served.engine, prefix, args.new, args.repeats, args.pause))
-    finally:
-        served.close()
+    with tempfile.TemporaryDirectory() as folder:  # an empty disk tier, removed afterwards
+        config = EngineConfig(max_num_seqs=4, ctx_size=4 * 8192, prefix_cache_dir=folder,
+                              prefix_cache_disk_bytes=parse_size(args.disk_size))
+        served = start_served_model(resolve_model(None), RuntimeOptions(threads=2), config)
+        try:
+            prefix = served.tokenizer.encode("The quick brown fox jumps over the lazy dog. " * 300)[:2000]
+            rows = asyncio.run(measure(served.engine, prefix, args.new, args.repeats, args.pause))
+        finally:
+            served.close()
     for seconds, parts in sorted(rows, key=lambda row: row[0])[:max(3, len(rows) // 2)]:
         print(f"TTFT {seconds * 1e3:6.1f} ms | " + " ".join(f"{k} {v * 1e3:5.1f}" for k, v in sorted(parts.items())))
     print(f"+{args.new}, disk {args.disk_size}: TTFT min {rows and min(r[0] for r in rows) * 1e3:.1f} ms, "
