@@ -20,6 +20,7 @@ tier on (host.py, issue 29 point 5) device evictions go to it instead and only i
 
 from __future__ import annotations
 
+import itertools
 import json
 import logging
 import os
@@ -213,12 +214,7 @@ class DiskBlockStore:
             return
         block_ids = [block_id for block_id, _ in blocks]
         if self._stream is None:  # CPU: gathered straight into the ring's rows
-            index = 0
-            for first, count in runs:
-                gather_into(self.cache, block_ids[index:index + count], self._ring.rows[first:first + count],
-                            self.pending.cpu_scratch())
-                index += count
-            self.pending.num_gathers += 1
+            self.pending.gather_into_rows(block_ids, self._ring_parts(runs))
             self._enqueue_rows([h for _, h in blocks], runs, None)
         else:
             self._copy_staged([h for _, h in blocks], self.pending.gather(block_ids), runs, self.pending)
@@ -234,10 +230,8 @@ class DiskBlockStore:
         staged = staged[fresh[:num]] if len(fresh) < len(block_hashes) else staged[:num]
         hashes = [block_hashes[i] for i in fresh[:num]]
         if self._stream is None:
-            index = 0
-            for first, count in runs:
-                self._ring.rows[first:first + count].copy_(staged[index:index + count])
-                index += count
+            for index, rows in self._ring_parts(runs):
+                rows.copy_(staged[index:index + len(rows)])
             self._enqueue_rows(hashes, runs, None)
         elif hashes:
             self._copy_staged(hashes, staged, runs, pending)
@@ -256,15 +250,18 @@ class DiskBlockStore:
         assert self._stream is not None
         self._stream.wait_stream(torch.cuda.current_stream(staged.device))  # after the gather, not the step
         with torch.cuda.stream(self._stream):
-            index = 0
-            for first, count in runs:
-                self._ring.rows[first:first + count].copy_(staged[index:index + count], non_blocking=True)
-                index += count
+            for index, rows in self._ring_parts(runs):
+                rows.copy_(staged[index:index + len(rows)], non_blocking=True)
             ready = torch.cuda.Event()
             ready.record(self._stream)
         pending.staged_read(ready)  # the staging buffer is reused only after this copy
         staged.record_stream(self._stream)  # (a subset of it is a fresh tensor: kept until the copy is done)
         self._enqueue_rows(hashes, runs, ready)
+
+    def _ring_parts(self, runs: list[tuple[int, int]]) -> list[tuple[int, torch.Tensor]]:
+        """The ring's rows of `runs` as (index of their first block in the batch, rows [count, row bytes])."""
+        starts = itertools.accumulate((count for _, count in runs), initial=0)
+        return [(start, self._ring.rows[first:first + count]) for start, (first, count) in zip(starts, runs)]
 
     def _enqueue_rows(self, hashes: list[int], runs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
         rows = [self._ring.rows[first + i] for first, count in runs for i in range(count)]

@@ -95,6 +95,13 @@ class PendingEvictions:
         self.num_gathers += 1
         return out
 
+    def gather_into_rows(self, block_ids: list[int], parts: list[tuple[int, torch.Tensor]]) -> None:
+        """CPU: the blocks' payloads gathered straight into host rows, one batch: `parts` are (index of the
+        first of `block_ids`, rows [n, row bytes] for it and the next n - 1), in order."""
+        for start, rows in parts:
+            gather_into(self.cache, block_ids[start:start + len(rows)], rows, self.cpu_scratch())
+        self.num_gathers += 1
+
     def cpu_scratch(self) -> dict[str, torch.Tensor] | None:
         """Reusable per-tensor buffers of one chunk (CPU only: on CUDA the caching allocator reuses memory)."""
         if self.scratch is None and self.device.type == "cpu":

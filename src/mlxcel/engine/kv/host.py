@@ -26,7 +26,7 @@ import torch
 
 from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, scatter_payloads
-from mlxcel.engine.kv.evict import PendingEvictions, chunks, gather_into
+from mlxcel.engine.kv.evict import PendingEvictions, chunks
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.types import HostCacheStats
 
@@ -194,9 +194,8 @@ class HostBlockTier:
 
     def _gather_into_rows(self, rows: list[int], block_ids: list[int]) -> None:
         """CPU: the blocks' payloads gathered straight into host `rows` (one gather a run of rows)."""
-        for index, row, num in self._runs(rows):
-            gather_into(self.cache, block_ids[index:index + num], self._rows(row, num), self.pending.cpu_scratch())
-        self.pending.num_gathers += 1
+        parts = [(index, self._rows(row, num)) for index, row, num in self._runs(rows)]
+        self.pending.gather_into_rows(block_ids, parts)
 
     def _copy_out(self, rows: list[int], data: torch.Tensor) -> torch.cuda.Event:
         """CUDA: [num_rows, row bytes] `data` (gathered on the compute stream) into host `rows` on the side stream."""
