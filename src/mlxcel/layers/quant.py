@@ -61,8 +61,7 @@ class Int4Levels(NamedTuple):
 
     @staticmethod
     def cat(parts: list[Int4Levels]) -> Int4Levels:
-        units = None if any(p.units is None for p in parts) else torch.cat([p.units for p in parts])
-        return Int4Levels(*(torch.cat(tensors) for tensors in zip(*(p[:3] for p in parts))), units)
+        return Int4Levels(*(torch.cat(tensors) for tensors in zip(*(p[:3] for p in parts))), _cat_units(parts))
 
 
 class Int8Levels(NamedTuple):
@@ -115,7 +114,8 @@ class Int8Levels(NamedTuple):
         return Int8Levels(*(torch.cat(tensors) for tensors in zip(*(p[:3] for p in same))), _cat_units(same))
 
 
-def _cat_units(parts: list[Int8Levels]) -> torch.Tensor | None:
+def _cat_units(parts: list[Int4Levels] | list[Int8Levels]) -> torch.Tensor | None:
+    """Stacked parts' superblock units, where every part has them."""
     return None if any(p.units is None for p in parts) else torch.cat([p.units for p in parts])
 
 
@@ -263,9 +263,6 @@ def int8_group_scales(levels: Int8Levels) -> torch.Tensor:
     parts = [levels.scale] if levels.low is None else [levels.scale, levels.low]
     scales = group_scales(parts, INT8_BLOCK, levels.units, torch.int8)
     return scales[:, :, 0] if levels.low is None and scales.dtype != torch.uint8 else scales
-
-
-SUPERBLOCK = 256  # inputs a K-quant superblock: one float16 unit for its sub-blocks' integer scales
 
 
 def group_scales(parts: list[torch.Tensor], width: int, units: torch.Tensor | None,
