@@ -14,7 +14,7 @@ from mlxcel.engine.decode_step import DecodeRow, DecodeStep
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.layers import paged_attention
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
-from mlxcel.layers.quant import Int4Levels, Int8Levels, quantize
+from mlxcel.layers.quant import Int4Levels, Int8Levels, QuantLinear, int6_codes, int8_blocks, quantize
 from mlxcel.models import llama
 
 from .conftest import random_llama
@@ -141,6 +141,34 @@ def test_native_step_on_a_mixed_qkv_agrees_with_eager_and_the_float_weights(mode
     assert torch.equal(native.argmax(-1), floats.argmax(-1)) and torch.equal(eager.argmax(-1), floats.argmax(-1))
     # the 4-bit linears round activations to int8 per group of 32: close to the float32 model, not equal
     torch.testing.assert_close(eager, floats, atol=0.1, rtol=0.02)
+
+
+def test_6bit_codes_give_the_int8_codes_bits_through_the_native_step(models: tuple[llama.Model, llama.Model]) -> None:
+    """Issue 27 point 3 (speed): the fused q/k/v's codes (Q4_K levels 0..15 with Q6_K's -32..31) are kept in 6
+    bits, and the native decode step and the eager one give the very bits of the same model with its codes
+    as int8 (the form decode read before: a byte a weight)."""
+    model, _ = models
+    packed = [m for m in model.modules() if isinstance(m, QuantLinear) and m.qweight.dtype == torch.int32]
+    assert len(packed) == 3  # each layer's q/k/v
+    as_int8 = copy.deepcopy(model)
+    for linear in as_int8.modules():
+        if isinstance(linear, QuantLinear) and linear.qweight.dtype == torch.int32:
+            linear.qweight = int8_blocks(int6_codes(linear.qweight))
+    prompts = [[11, 22, 33, 44, 55, 66, 77], [5, 9] * 20, list(range(4, 90))]
+    logits = {}
+    with torch.inference_mode():
+        for name, variant in (("6-bit", model), ("int8", as_int8)):
+            for mode in ("native", "eager"):
+                step = DecodeStep(variant, KVCache(3, 64, BLOCK, 2, 64, torch.float32, "cpu"), "cpu", mode=mode,
+                                  max_rows=4, max_positions=512)
+                batch = []
+                for i, prompt in enumerate(prompts):
+                    table = tuple(range(i * 8, (i + 1) * 8))
+                    prefill(variant, step.kv_cache, prompt[:-1], table, [20])
+                    batch.append(DecodeRow(prompt[-1], len(prompt) - 1, 0, table))
+                logits[name, mode] = step.run(batch)
+    for mode in ("native", "eager"):
+        assert torch.equal(logits["6-bit", mode], logits["int8", mode]), mode
 
 
 @pytest.mark.parametrize(("length", "cached"), [(65, 64), (67, 64), (67, 48), (50, 48), (50, 16)])

@@ -108,9 +108,10 @@ def _register_fakes() -> None:
     """Shapes of the ops decode_layers.cpp defines, for a traced step (torch.compile) that calls them."""
     @torch.library.register_fake("mlxcel::int8_linear", lib=_LIBRARY)
     def _int8_linear_fake(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-        # w: [blocks, in, 64] (layers/quant.py int8_blocks); scale [out] (a scale a row) or, grouped (a
-        # GGUF's own codes, int8_group_scales), [blocks, groups, (2,) 64]: then every block is whole.
-        out = w.shape[0] * w.shape[2] if scale.dim() >= 3 else scale.shape[0]
+        # w: [blocks, in, 64] (layers/quant.py int8_blocks) or 6-bit [blocks, in / 16, 3, 64] (int6_blocks);
+        # scale [out] (a scale a row) or, grouped (a GGUF's own codes, int8_group_scales), [blocks, groups,
+        # (2,) 64]: then every block is whole.
+        out = w.shape[0] * w.shape[-1] if scale.dim() >= 3 else scale.shape[0]
         return x.new_empty(x.shape[0], out)
 
     @torch.library.register_fake("mlxcel::int4_linear", lib=_LIBRARY)

@@ -190,7 +190,8 @@ class QuantLinear(nn.Module):
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
         elif stored is not None:
             self.int8_kernel = True
-            self.register_buffer("qweight", int8_blocks(stored.codes))
+            # Issue 27: 6-bit codes (Q6_K, Q5_0, 4-bit levels fused with them) in 0.75 bytes, not 1.
+            self.register_buffer("qweight", int6_blocks(stored.codes) if fits_int6(stored) else int8_blocks(stored.codes))
             self.register_buffer("scale", int8_group_scales(stored))
         else:
             scale, codes = int8_codes(w if w is not None else weight.dequantize())  # type: ignore[union-attr]
@@ -255,6 +256,41 @@ def int8_blocks(codes: torch.Tensor) -> torch.Tensor:
     padded = torch.zeros(-(-out // INT8_BLOCK) * INT8_BLOCK, inputs, dtype=codes.dtype)
     padded[:out] = codes
     return padded.view(-1, INT8_BLOCK, inputs).transpose(1, 2).contiguous()
+
+
+INT6_CHUNK = 16  # inputs a chunk of `int6_blocks`: 3 dwords an output
+
+
+def fits_int6(levels: Int8Levels) -> bool:
+    """Whether stored codes pack in 6 bits for the int8 kernel: all in -32..31, groups whole chunks of 16."""
+    codes = levels.codes
+    return (levels.group % INT6_CHUNK == 0 and codes.numel() > 0 and int(codes.min()) >= -32
+            and int(codes.max()) <= 31)
+
+
+def int6_blocks(codes: torch.Tensor) -> torch.Tensor:
+    """int8 codes [out, in] in -32..31 (out a multiple of 64, in of 16) -> int32 [out / 64, in / 16, 3, 64]:
+    per block of 64 outputs and chunk of 16 inputs, 3 dwords an output, dword j holding the codes of inputs
+    5 j .. 5 j + 4 as code + 32 in bits 0, 6, 12, 18, 24 and bits 2 j, 2 j + 1 of input 15's code (two's
+    complement) in bits 30-31 (kernels/decode_layers.cpp `int6_block`, which unpacks them exactly)."""
+    out, inputs = codes.shape
+    chunks = codes.to(torch.int64).view(out // INT8_BLOCK, INT8_BLOCK, inputs // INT6_CHUNK, INT6_CHUNK)
+    chunks = chunks.permute(0, 2, 3, 1)  # [block, chunk, k, output]
+    fields = (chunks[:, :, :15] + 32).reshape(*chunks.shape[:2], 3, 5, INT8_BLOCK)
+    words = (fields << (6 * torch.arange(5).view(5, 1))).sum(3)  # [block, chunk, 3, output]
+    last = chunks[:, :, 15:] & 63  # [block, chunk, 1, output]
+    words |= ((last >> (2 * torch.arange(3).view(3, 1))) & 3) << 30
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+
+
+def int6_codes(packed: torch.Tensor) -> torch.Tensor:
+    """`int6_blocks`' inverse: the int8 codes [out, in]."""
+    words = packed.to(torch.int64) & 0xFFFFFFFF  # [block, chunk, 3, output]
+    fields = ((words[:, :, :, None] >> (6 * torch.arange(5).view(5, 1))) & 63) - 32  # [block, chunk, 3, 5, output]
+    last = ((words >> 30) << (2 * torch.arange(3).view(3, 1))).sum(2, keepdim=True)  # [block, chunk, 1, output]
+    chunks = torch.cat((fields.flatten(2, 3), torch.where(last >= 32, last - 64, last)), dim=2)
+    blocks, num_chunks = packed.shape[:2]
+    return chunks.permute(0, 3, 1, 2).reshape(blocks * INT8_BLOCK, num_chunks * INT6_CHUNK).to(torch.int8)
 
 
 def int8_group_scales(levels: Int8Levels) -> torch.Tensor:

@@ -38,6 +38,7 @@
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
+#include <utility>
 #include <vector>
 
 namespace {
@@ -243,11 +244,114 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
         }
 }
 
+// ---- 6-bit codes: a GGUF Q6_K / Q5_0 weight's codes as the file's bits, not a byte each (issue 27) ----
+//
+// Q6_K's codes are -32..31 (Q5_0's -16..15; 4-bit levels fused with them 0..15): as int8 they cost a byte
+// a weight where the file has 0.75, and decode reads every one a token. Packed (layers/quant.py
+// `int6_blocks`), a block of 64 outputs keeps, per chunk of 16 inputs, 3 dwords an output ([chunk, 3, 64]):
+// dword j holds the codes of k = 5 j .. 5 j + 4 as u = code + 32 in bits 0, 6, 12, 18 and 24, and its
+// bits 30-31 bits 2 j and 2 j + 1 of k = 15's code (two's complement). A code becomes its float without a
+// conversion: (dword & 63 << s) | the exponent bits of 2^(23 - s) is the float 2^(23 - s) + u, exactly, and
+// minus (2^(23 - s) + 32) the code (fields past bit 17 shifted down first); k = 15's three bit pairs are
+// moved to bits 26-31 and shifted down arithmetically. The sums then run as `int8_block`'s, in the same
+// order: the same bits as the int8 codes give.
+constexpr int64_t INT6_CHUNK = 16;  // inputs a chunk: 3 dwords an output
+constexpr int64_t INT6_DWORDS = 3;
+
+inline int int6_code(const uint32_t* chunk, int64_t k, int64_t j) {  // output j's code at chunk input k
+    if (k < INT6_CHUNK - 1) return static_cast<int>((chunk[(k / 5) * OUT_BLOCK + j] >> (6 * (k % 5))) & 63) - 32;
+    int code = 0;
+    for (int64_t d = 0; d < INT6_DWORDS; ++d) code |= static_cast<int>(chunk[d * OUT_BLOCK + j] >> 30) << (2 * d);
+    return code >= 32 ? code - 64 : code;
+}
+
+#if defined(__AVX512F__)
+// The codes at chunk input K of 16 outputs (their 3 dwords) as floats.
+template <int K>
+inline __m512 int6_values(const __m512i* d) {
+    if constexpr (K == INT6_CHUNK - 1) {
+        // bitselect(a, b, mask) = mask ? a : b (ternary logic 0xE4)
+        const __m512i top = _mm512_ternarylogic_epi32(d[2], _mm512_ror_epi32(d[1], 2),
+                                                      _mm512_set1_epi32(static_cast<int>(0xC0000000u)), 0xE4);
+        const __m512i all = _mm512_ternarylogic_epi32(top, _mm512_ror_epi32(d[0], 4),
+                                                      _mm512_set1_epi32(static_cast<int>(0xF0000000u)), 0xE4);
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32(all, 26));
+    } else {
+        constexpr int field = K % 5, shift = 6 * (field % 3);  // fields 3 and 4 after a shift by 18
+        const __m512i source = field < 3 ? d[K / 5] : _mm512_srli_epi32(d[K / 5], 18);
+        const __m512i bits = _mm512_ternarylogic_epi32(source, _mm512_set1_epi32(63 << shift),
+                                                       _mm512_set1_epi32((127 + 23 - shift) << 23), 0xEA);  // (a & b) | c
+        return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(static_cast<float>((1 << (23 - shift)) + 32)));
+    }
+}
+
+template <typename Body, int... K>
+inline void each_input(Body&& body, std::integer_sequence<int, K...>) {
+    (body(std::integral_constant<int, K>{}), ...);
+}
+#endif
+
+// `int8_block` over a block of 64 outputs in 6-bit codes (`w`: its chunks), grouped (`group` a multiple of 16).
+template <int64_t ROWS, typename S>
+void int6_block(const float* x, int64_t in, const uint32_t* w, int64_t group, const S& scales, bool lows,
+                const float* xsums, float* sums) {
+#if defined(__AVX512F__)
+    __m512 acc[ROWS][4], total[ROWS][4];
+    for (int64_t r = 0; r < ROWS; ++r)
+        for (int v = 0; v < 4; ++v) total[r][v] = _mm512_setzero_ps();
+    for (int64_t k0 = 0; k0 < in; k0 += group) {
+        for (int64_t r = 0; r < ROWS; ++r)
+            for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
+        for (int64_t kc = k0; kc < k0 + group; kc += INT6_CHUNK) {
+            const uint32_t* chunk = w + kc / INT6_CHUNK * INT6_DWORDS * OUT_BLOCK;
+            for (int v = 0; v < 4; ++v) {  // each accumulator still adds k in order
+                __m512i d[INT6_DWORDS];
+                for (int64_t j = 0; j < INT6_DWORDS; ++j) d[j] = _mm512_loadu_si512(chunk + j * OUT_BLOCK + 16 * v);
+                each_input([&](auto input) {
+                    constexpr int K = decltype(input)::value;
+                    const __m512 weights = int6_values<K>(d);
+                    for (int64_t r = 0; r < ROWS; ++r)
+                        acc[r][v] = _mm512_fmadd_ps(weights, _mm512_set1_ps(x[r * in + kc + K]), acc[r][v]);
+                }, std::make_integer_sequence<int, INT6_CHUNK>{});
+            }
+        }
+        const int64_t g = k0 / group;
+        for (int v = 0; v < 4; ++v) {
+            const __m512 scale = scales.vec(g, 0, v);
+            for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
+            if (lows) {
+                const __m512 low = scales.vec(g, 1, v);
+                for (int64_t r = 0; r < ROWS; ++r)
+                    total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+        for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, total[r][v]);
+#else
+    for (int64_t r = 0; r < ROWS; ++r)  // int8_block's order, one output at a time
+        for (int64_t j = 0; j < OUT_BLOCK; ++j) {
+            float total = 0.0f;
+            for (int64_t k0 = 0; k0 < in; k0 += group) {
+                float acc = 0.0f;
+                for (int64_t k = k0; k < k0 + group; ++k) {
+                    const uint32_t* chunk = w + k / INT6_CHUNK * INT6_DWORDS * OUT_BLOCK;
+                    acc = std::fma(static_cast<float>(int6_code(chunk, k % INT6_CHUNK, j)), x[r * in + k], acc);
+                }
+                const int64_t g = k0 / group;
+                total = std::fma(acc, scales.at(g, 0, j), total);
+                if (lows) total = std::fma(scales.at(g, 1, j), xsums[r * (in / group) + g], total);
+            }
+            sums[r * OUT_BLOCK + j] = total;
+        }
+#endif
+}
+
 // Every block of an int8 linear: x's rows in float32 (`xf`, with their sums per group for the lows) times
-// the blocks' codes, into y.
+// the blocks' codes (int8, or 6-bit where `packed`), into y.
 template <typename S>
-void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, const int8_t* wp, int64_t out,
-                 int64_t group, const S& scales, const uint16_t* row_scales, const Output& yp) {
+void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, const void* wp, bool packed,
+                 int64_t out, int64_t group, const S& scales, const uint16_t* row_scales, const Output& yp) {
     const int64_t blocks = (out + OUT_BLOCK - 1) / OUT_BLOCK, groups = group > 0 ? in / group : 0;
     const bool lows = scales.parts == 2;
     const int64_t block_bytes = group > 0 ? scales.block_bytes(groups) : 0;
@@ -259,10 +363,15 @@ void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, 
         float sums[ROWS_TOGETHER * OUT_BLOCK];
         for (int64_t r = 0; r < rows;) {
             const int64_t n = std::min(ROWS_TOGETHER, rows - r);
-            const int8_t* wb = wp + b * in * OUT_BLOCK;
+            const int8_t* wb = static_cast<const int8_t*>(wp) + b * in * OUT_BLOCK;
+            const uint32_t* w6 = static_cast<const uint32_t*>(wp) + b * (in / INT6_CHUNK) * INT6_DWORDS * OUT_BLOCK;
             const float* xr = xf + r * in;
             const float* sr = lows ? xsums + r * groups : nullptr;
-            switch (n) {
+            switch (packed ? n + 4 : n) {
+                case 8: int6_block<4>(xr, in, w6, group, bs, lows, sr, sums); break;
+                case 7: int6_block<3>(xr, in, w6, group, bs, lows, sr, sums); break;
+                case 6: int6_block<2>(xr, in, w6, group, bs, lows, sr, sums); break;
+                case 5: int6_block<1>(xr, in, w6, group, bs, lows, sr, sums); break;
                 case 4: int8_block<4>(xr, in, wb, count, group, bs, lows, sr, sums); break;
                 case 3: int8_block<3>(xr, in, wb, count, group, bs, lows, sr, sums); break;
                 case 2: int8_block<2>(xr, in, wb, count, group, bs, lows, sr, sums); break;
@@ -287,16 +396,22 @@ void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, 
 // SmolLM2's 49,152 x 576 head at one row (and returned garbage at 100 inputs).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
     const bool grouped = scale.dim() >= 3, units = scale.scalar_type() == at::kByte;
+    // 6-bit codes: int32 [ceil(out / 64), in / 16, 3, 64] (`int6_block`), grouped only
+    const bool packed = w.scalar_type() == at::kInt && w.dim() == 4;
+    const int64_t inputs = packed ? w.size(1) * INT6_CHUNK : w.dim() >= 2 ? w.size(1) : -1;
     const int64_t parts = !grouped ? 1 : units ? scale.size(2) : scale.dim() == 4 ? 2 : 1;
-    const int64_t group = !grouped ? 0 : units ? 256 * OUT_BLOCK / (scale.size(3) - 4 * OUT_BLOCK) : w.size(1) / scale.size(1);
-    TORCH_CHECK_VALUE(is_activation(x) && w.dim() == 3 && w.size(2) == OUT_BLOCK && x.size(1) == w.size(1) &&
-                          w.scalar_type() == at::kChar && w.is_contiguous() && scale.is_contiguous() && w.is_cpu() &&
+    const int64_t group = !grouped ? 0 : units ? 256 * OUT_BLOCK / std::max<int64_t>(1, scale.size(3) - 4 * OUT_BLOCK)
+                                                    : inputs / std::max<int64_t>(1, scale.size(1));
+    TORCH_CHECK_VALUE(is_activation(x) && x.size(1) == inputs &&
+                          (packed ? w.size(2) == INT6_DWORDS && grouped && group % INT6_CHUNK == 0
+                                  : w.dim() == 3 && w.scalar_type() == at::kChar) && w.size(-1) == OUT_BLOCK &&
+                          w.is_contiguous() && scale.is_contiguous() && w.is_cpu() &&
                           (grouped ? (scale.scalar_type() == at::kFloat || scale.scalar_type() == at::kHalf || units) &&
                                          scale.size(0) == w.size(0) && scale.dim() <= 4 && group > 0 &&
-                                         w.size(1) % group == 0 && parts <= 2 &&
-                                         (units ? scale.dim() == 4 && scale.size(1) * 256 == w.size(1) &&
+                                         inputs % group == 0 && parts <= 2 &&
+                                         (units ? scale.dim() == 4 && scale.size(1) * 256 == inputs &&
                                                       (scale.size(3) - 4 * OUT_BLOCK) * group == 256 * OUT_BLOCK
-                                                : scale.size(-1) == OUT_BLOCK && scale.size(1) * group == w.size(1) &&
+                                                : scale.size(-1) == OUT_BLOCK && scale.size(1) * group == inputs &&
                                                       (scale.dim() == 3 || scale.size(2) == 2))
                                    : scale.scalar_type() == at::kBFloat16 && scale.dim() == 1 &&
                                          (scale.numel() + OUT_BLOCK - 1) / OUT_BLOCK == w.size(0)),
@@ -314,13 +429,13 @@ at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tenso
         }
     at::Tensor y = at::empty({rows, out}, x.options());
     const Output yp(y);
-    const int8_t* wp = w.const_data_ptr<int8_t>();
+    const void* wp = w.const_data_ptr();
     if (!grouped) {
         const Scales<Form::F32, OUT_BLOCK> none{nullptr, 1};
-        int8_blocks(xs.data(), nullptr, rows, in, wp, out, 0, none, reinterpret_cast<const uint16_t*>(scale.const_data_ptr()), yp);
+        int8_blocks(xs.data(), nullptr, rows, in, wp, false, out, 0, none, reinterpret_cast<const uint16_t*>(scale.const_data_ptr()), yp);
     } else {
         with_scales<OUT_BLOCK, int8_t>(scale, parts, [&](const auto& scales) {
-            int8_blocks(xs.data(), xsums.data(), rows, in, wp, out, group, scales, nullptr, yp);
+            int8_blocks(xs.data(), xsums.data(), rows, in, wp, packed, out, group, scales, nullptr, yp);
         });
     }
     return y;
@@ -485,7 +600,8 @@ struct Linear {
     // x: [rows, in] float32 -> [rows, out] float32, bias added in float32, as QuantLinear does (ATen's
     // 4-bit kernel takes and gives bfloat16).
     at::Tensor operator()(const at::Tensor& x) const {
-        const at::Tensor y = weight.scalar_type() == at::kChar ? int8_linear(x, weight, scale)
+        const at::Tensor y = weight.scalar_type() == at::kChar || weight.scalar_type() == at::kInt
+                                 ? int8_linear(x, weight, scale)
                              : weight.dim() == 4 ? int4_linear(x, weight, scale)
                                                  : at::_weight_int4pack_mm_for_cpu(x.to(at::kBFloat16), weight,
                                                                                    INT4_GROUP, scale).to(at::kFloat);
@@ -601,11 +717,14 @@ void run_layer(const Dims& d, const Layer& layer, float* x, const float* cos, co
 bool is_long_vector(const at::Tensor& t) { return t.scalar_type() == at::kLong && t.is_contiguous() && t.is_cpu(); }
 
 void check_linear(const Linear& lin, int64_t in, int64_t out, const char* name, int64_t index) {
-    const bool int4 = lin.weight.scalar_type() == at::kByte, int8 = lin.weight.scalar_type() == at::kChar;
+    const bool int4 = lin.weight.scalar_type() == at::kByte, int6 = lin.weight.scalar_type() == at::kInt;
+    const bool int8 = lin.weight.scalar_type() == at::kChar || int6;
     const bool bias_ok = lin.bias.numel() == 0 || (lin.bias.scalar_type() == at::kFloat &&
                                                    lin.bias.is_contiguous() && lin.bias.numel() == out);
     TORCH_CHECK_VALUE((int4 || int8) && lin.weight.is_cpu() && bias_ok &&
-                          (int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in &&
+                          (int6 ? lin.weight.dim() == 4 && lin.weight.size(1) * INT6_CHUNK == in &&
+                                      lin.scale.dim() >= 3 && lin.weight.size(0) * OUT_BLOCK == out
+                           : int8 ? lin.weight.dim() == 3 && lin.weight.size(1) == in &&
                                       (lin.scale.dim() >= 3 ? lin.weight.size(0) * OUT_BLOCK == out
                                                             : lin.scale.numel() == out)
                            : lin.weight.dim() == 4  // ours (int4_linear)
@@ -660,8 +779,9 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
                     v_caches[i],
                     windows[i]};
         if (i == 0)
-            d.intermediate = layer.down.weight.scalar_type() == at::kChar ? layer.down.weight.size(1)
-                             : layer.down.weight.dim() == 4               ? layer.down.weight.size(1) * INT4_GROUP
+            d.intermediate = layer.down.weight.scalar_type() == at::kChar  ? layer.down.weight.size(1)
+                             : layer.down.weight.scalar_type() == at::kInt ? layer.down.weight.size(1) * INT6_CHUNK
+                             : layer.down.weight.dim() == 4                ? layer.down.weight.size(1) * INT4_GROUP
                                                                           : layer.down.scale.size(0) * INT4_GROUP;
         const int64_t kv_width = d.kv_heads * d.head_dim;
         check_linear(layer.qkv, hidden, d.q_heads * d.head_dim + 2 * kv_width, "q/k/v", i);
