@@ -6,7 +6,7 @@ for prefill, where oneDNN's bfloat16 matmul wins from about 8 rows (PERF.md) ove
 kernels. The packed form is 4-bit (groups of 32) when
 that is lossless, i.e. when the weight came from a 4-bit GGUF type (Q4_0, Q4_1, Q4_K: every group
 of 32 lies on a 16-level grid), the file's own int8 codes and group scales for Q8_0 / Q5_0 / Q6_K
-(issue 27), and per-channel int8 otherwise: no second rounding of already-quantized weights, and
+(issue 27; packed in 6 bits where they fit, `int6_blocks`), and per-channel int8 otherwise: no second rounding of already-quantized weights, and
 half the bytes where the checkpoint allows it. The kernels take and give float32 rows.
 
 The decode kernels are ours (kernels/decode_layers.cpp) where the CPU kernels build: `int4_linear`

@@ -392,7 +392,8 @@ void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, 
 // scales of a GGUF Q8_0 / Q5_0 / Q6_K weight's own codes per group of `group` inputs in the same blocks
 // (`group_scales`): float32 or float16 [ceil(out / 64), in / group, 64] or [.., in / group, 2, 64] with
 // lows (W = low + codes * scale), or uint8 [ceil(out / 64), in / 256, parts, 256 + 64 * 256 / group]
-// (Units, int8 sub-scales) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for
+// (Units, int8 sub-scales); with group scales, w may instead be the codes in 6 bits, int32
+// [out / 64, in / 16, 3, 64] (`int6_block`: the same sums) -> [rows, out] in x's dtype. ATen's int8 kernel took 2.6-3.9 ms for
 // SmolLM2's 49,152 x 576 head at one row (and returned garbage at 100 inputs).
 at::Tensor int8_linear(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scale) {
     const bool grouped = scale.dim() >= 3, units = scale.scalar_type() == at::kByte;
