@@ -274,13 +274,16 @@ def int6_blocks(codes: torch.Tensor) -> torch.Tensor:
     5 j .. 5 j + 4 as code + 32 in bits 0, 6, 12, 18, 24 and bits 2 j, 2 j + 1 of input 15's code (two's
     complement) in bits 30-31 (kernels/decode_layers.cpp `int6_block`, which unpacks them exactly)."""
     out, inputs = codes.shape
-    chunks = codes.to(torch.int64).view(out // INT8_BLOCK, INT8_BLOCK, inputs // INT6_CHUNK, INT6_CHUNK)
-    chunks = chunks.permute(0, 2, 3, 1)  # [block, chunk, k, output]
-    fields = (chunks[:, :, :15] + 32).reshape(*chunks.shape[:2], 3, 5, INT8_BLOCK)
-    words = (fields << (6 * torch.arange(5).view(5, 1))).sum(3)  # [block, chunk, 3, output]
-    last = chunks[:, :, 15:] & 63  # [block, chunk, 1, output]
-    words |= ((last >> (2 * torch.arange(3).view(3, 1))) & 3) << 30
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32).contiguous()
+    packed = torch.empty(out // INT8_BLOCK, inputs // INT6_CHUNK, 3, INT8_BLOCK, dtype=torch.int32)
+    per_slice = max(1, CODES_ROWS // INT8_BLOCK)  # int64 temporaries a slice's size (a 151,936-row head)
+    for first in range(0, packed.shape[0], per_slice):
+        part = codes[first * INT8_BLOCK:(first + per_slice) * INT8_BLOCK].to(torch.int64)
+        chunks = part.view(-1, INT8_BLOCK, inputs // INT6_CHUNK, INT6_CHUNK).permute(0, 2, 3, 1)  # [block, chunk, k, out]
+        fields = (chunks[:, :, :15] + 32).reshape(*chunks.shape[:2], 3, 5, INT8_BLOCK)
+        words = (fields << (6 * torch.arange(5).view(5, 1))).sum(3)  # [block, chunk, 3, output]
+        words |= ((chunks[:, :, 15:] & 63) >> (2 * torch.arange(3).view(3, 1)) & 3) << 30
+        packed[first:first + per_slice] = torch.where(words >= 2**31, words - 2**32, words)
+    return packed
 
 
 def int6_codes(packed: torch.Tensor) -> torch.Tensor:
