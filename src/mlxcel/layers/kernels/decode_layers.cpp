@@ -249,36 +249,45 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
 // Q6_K's codes are -32..31 (Q5_0's -16..15; 4-bit levels fused with them 0..15): as int8 they cost a byte
 // a weight where the file has 0.75, and decode reads every one a token. Packed (layers/quant.py
 // `int6_blocks`), a block of 64 outputs keeps, per chunk of 16 inputs, 3 dwords an output ([chunk, 3, 64]):
-// dword j holds the codes of k = 5 j .. 5 j + 4 as u = code + 32 in bits 0, 6, 12, 18 and 24, and its
-// bits 30-31 bits 2 j and 2 j + 1 of k = 15's code (two's complement). A code becomes its float without a
-// conversion: (dword & 63 << s) | the exponent bits of 2^(23 - s) is the float 2^(23 - s) + u, exactly, and
-// minus (2^(23 - s) + 32) the code (fields past bit 17 shifted down first); k = 15's three bit pairs are
-// moved to bits 26-31 and shifted down arithmetically. The sums then run as `int8_block`'s, in the same
-// order: the same bits as the int8 codes give.
+// dword j holds the codes of k = 5 j .. 5 j + 4 as u = code + 32, 6 bits each from bit `base` (0, 0, 2),
+// and the two other bits bits 2 j, 2 j + 1 of k = 15's code (two's complement): dwords 0 and 1 in bits
+// 30-31, dword 2 in bits 0-1. A code becomes its float without a conversion: (dword & 63 << s) | the
+// exponent bits of 2^(23 - s) is the float 2^(23 - s) + u, exactly, and minus (2^(23 - s) + 32) the code
+// (fields past bit 17 shifted down first); k = 15's bits are funnel-shifted to bits 26-31 and shifted down
+// arithmetically. The sums then run as `int8_block`'s, in the same order: the int8 codes' bits.
 constexpr int64_t INT6_CHUNK = 16;  // inputs a chunk: 3 dwords an output
 constexpr int64_t INT6_DWORDS = 3;
 
+constexpr int int6_base(int64_t dword) { return dword == 2 ? 2 : 0; }  // bit of a dword's first code
+
 inline int int6_code(const uint32_t* chunk, int64_t k, int64_t j) {  // output j's code at chunk input k
-    if (k < INT6_CHUNK - 1) return static_cast<int>((chunk[(k / 5) * OUT_BLOCK + j] >> (6 * (k % 5))) & 63) - 32;
-    int code = 0;
-    for (int64_t d = 0; d < INT6_DWORDS; ++d) code |= static_cast<int>(chunk[d * OUT_BLOCK + j] >> 30) << (2 * d);
-    return code >= 32 ? code - 64 : code;
+    if (k < INT6_CHUNK - 1)
+        return static_cast<int>((chunk[(k / 5) * OUT_BLOCK + j] >> (int6_base(k / 5) + 6 * (k % 5))) & 63) - 32;
+    const uint32_t code = (chunk[j] >> 30) | (chunk[OUT_BLOCK + j] >> 30) << 2 | (chunk[2 * OUT_BLOCK + j] & 3) << 4;
+    return code >= 32 ? static_cast<int>(code) - 64 : static_cast<int>(code);
 }
 
 #if defined(__AVX512F__)
+// (a >> n) | (b << (32 - n)) a lane: VBMI2's funnel shift where the CPU has it.
+template <int N>
+inline __m512i shift_right_from(__m512i a, __m512i b) {
+#if defined(__AVX512VBMI2__)
+    return _mm512_shrdi_epi32(a, b, N);
+#else
+    return _mm512_or_si512(_mm512_srli_epi32(a, N), _mm512_slli_epi32(b, 32 - N));
+#endif
+}
+
 // The codes at chunk input K of 16 outputs (their 3 dwords) as floats.
 template <int K>
 inline __m512 int6_values(const __m512i* d) {
-    if constexpr (K == INT6_CHUNK - 1) {
-        // bitselect(a, b, mask) = mask ? a : b (ternary logic 0xE4)
-        const __m512i top = _mm512_ternarylogic_epi32(d[2], _mm512_ror_epi32(d[1], 2),
-                                                      _mm512_set1_epi32(static_cast<int>(0xC0000000u)), 0xE4);
-        const __m512i all = _mm512_ternarylogic_epi32(top, _mm512_ror_epi32(d[0], 4),
-                                                      _mm512_set1_epi32(static_cast<int>(0xF0000000u)), 0xE4);
-        return _mm512_cvtepi32_ps(_mm512_srai_epi32(all, 26));
+    if constexpr (K == INT6_CHUNK - 1) {  // bits 0-1 atop dword 0, 2-3 atop dword 1, 4-5 at the foot of dword 2
+        const __m512i top = shift_right_from<4>(d[0], shift_right_from<30>(d[1], d[2]));
+        return _mm512_cvtepi32_ps(_mm512_srai_epi32(top, 26));
     } else {
-        constexpr int field = K % 5, shift = 6 * (field % 3);  // fields 3 and 4 after a shift by 18
-        const __m512i source = field < 3 ? d[K / 5] : _mm512_srli_epi32(d[K / 5], 18);
+        constexpr int field = K % 5, base = int6_base(K / 5);
+        constexpr int shift = field < 3 ? base + 6 * field : 6 * (field - 3);  // fields 3 and 4 shifted down
+        const __m512i source = field < 3 ? d[K / 5] : _mm512_srli_epi32(d[K / 5], base + 18);
         const __m512i bits = _mm512_ternarylogic_epi32(source, _mm512_set1_epi32(63 << shift),
                                                        _mm512_set1_epi32((127 + 23 - shift) << 23), 0xEA);  // (a & b) | c
         return _mm512_sub_ps(_mm512_castsi512_ps(bits), _mm512_set1_ps(static_cast<float>((1 << (23 - shift)) + 32)));
@@ -304,16 +313,18 @@ void int6_block(const float* x, int64_t in, const uint32_t* w, int64_t group, co
             for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_setzero_ps();
         for (int64_t kc = k0; kc < k0 + group; kc += INT6_CHUNK) {
             const uint32_t* chunk = w + kc / INT6_CHUNK * INT6_DWORDS * OUT_BLOCK;
-            for (int v = 0; v < 4; ++v) {  // each accumulator still adds k in order
-                __m512i d[INT6_DWORDS];
-                for (int64_t j = 0; j < INT6_DWORDS; ++j) d[j] = _mm512_loadu_si512(chunk + j * OUT_BLOCK + 16 * v);
-                each_input([&](auto input) {
-                    constexpr int K = decltype(input)::value;
-                    const __m512 weights = int6_values<K>(d);
-                    for (int64_t r = 0; r < ROWS; ++r)
-                        acc[r][v] = _mm512_fmadd_ps(weights, _mm512_set1_ps(x[r * in + kc + K]), acc[r][v]);
-                }, std::make_integer_sequence<int, INT6_CHUNK>{});
-            }
+            __m512i d[4][INT6_DWORDS];  // the chunk's 64 outputs: one broadcast of x an input and row
+            for (int v = 0; v < 4; ++v)
+                for (int64_t j = 0; j < INT6_DWORDS; ++j) d[v][j] = _mm512_loadu_si512(chunk + j * OUT_BLOCK + 16 * v);
+            each_input([&](auto input) {  // each accumulator adds k in order
+                constexpr int K = decltype(input)::value;
+                __m512 weights[4];
+                for (int v = 0; v < 4; ++v) weights[v] = int6_values<K>(d[v]);
+                for (int64_t r = 0; r < ROWS; ++r) {
+                    const __m512 xv = _mm512_set1_ps(x[r * in + kc + K]);
+                    for (int v = 0; v < 4; ++v) acc[r][v] = _mm512_fmadd_ps(weights[v], xv, acc[r][v]);
+                }
+            }, std::make_integer_sequence<int, INT6_CHUNK>{});
         }
         const int64_t g = k0 / group;
         for (int v = 0; v < 4; ++v) {
