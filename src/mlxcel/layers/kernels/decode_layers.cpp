@@ -358,6 +358,29 @@ void int6_block(const float* x, int64_t in, const uint32_t* w, int64_t group, co
 #endif
 }
 
+// A block's 6-bit codes [in / 16 chunks] as `int8_block` reads int8 ones ([in, 64], into `codes`): for more
+// rows than one call of `int6_block` takes, the block is unpacked once and its int8 form, from L2, serves
+// every group of rows (the unpacking, not the bytes, bounds `int6_block` when it reruns for each group).
+void int6_to_int8(const uint32_t* w, int64_t in, int8_t* codes) {
+    for (int64_t kc = 0; kc < in; kc += INT6_CHUNK) {
+        const uint32_t* chunk = w + kc / INT6_CHUNK * INT6_DWORDS * OUT_BLOCK;
+#if defined(__AVX512F__)
+        for (int v = 0; v < 4; ++v) {
+            __m512i d[INT6_DWORDS];
+            for (int64_t j = 0; j < INT6_DWORDS; ++j) d[j] = _mm512_loadu_si512(chunk + j * OUT_BLOCK + 16 * v);
+            each_input([&](auto input) {
+                constexpr int K = decltype(input)::value;
+                const __m512i code = _mm512_cvtps_epi32(int6_values<K>(d));  // small integers: exact
+                _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (kc + K) * OUT_BLOCK + 16 * v), _mm512_cvtepi32_epi8(code));
+            }, std::make_integer_sequence<int, INT6_CHUNK>{});
+        }
+#else
+        for (int64_t k = 0; k < INT6_CHUNK; ++k)
+            for (int64_t j = 0; j < OUT_BLOCK; ++j) codes[(kc + k) * OUT_BLOCK + j] = static_cast<int8_t>(int6_code(chunk, k, j));
+#endif
+    }
+}
+
 // Every block of an int8 linear: x's rows in float32 (`xf`, with their sums per group for the lows) times
 // the blocks' codes (int8, or 6-bit where `packed`), into y.
 template <typename S>
@@ -372,13 +395,20 @@ void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, 
         S bs = scales;
         bs.block = group > 0 ? scales.block + b * block_bytes : nullptr;
         float sums[ROWS_TOGETHER * OUT_BLOCK];
+        const int8_t* wb = static_cast<const int8_t*>(wp) + b * in * OUT_BLOCK;
+        const uint32_t* w6 = static_cast<const uint32_t*>(wp) + b * (in / INT6_CHUNK) * INT6_DWORDS * OUT_BLOCK;
+        const bool unpack = packed && rows > ROWS_TOGETHER;
+        if (unpack) {
+            thread_local std::vector<int8_t> unpacked;
+            unpacked.resize(in * OUT_BLOCK);
+            int6_to_int8(w6, in, unpacked.data());
+            wb = unpacked.data();
+        }
         for (int64_t r = 0; r < rows;) {
             const int64_t n = std::min(ROWS_TOGETHER, rows - r);
-            const int8_t* wb = static_cast<const int8_t*>(wp) + b * in * OUT_BLOCK;
-            const uint32_t* w6 = static_cast<const uint32_t*>(wp) + b * (in / INT6_CHUNK) * INT6_DWORDS * OUT_BLOCK;
             const float* xr = xf + r * in;
             const float* sr = lows ? xsums + r * groups : nullptr;
-            switch (packed ? n + 4 : n) {
+            switch (packed && !unpack ? n + 4 : n) {
                 case 8: int6_block<4>(xr, in, w6, group, bs, lows, sr, sums); break;
                 case 7: int6_block<3>(xr, in, w6, group, bs, lows, sr, sums); break;
                 case 6: int6_block<2>(xr, in, w6, group, bs, lows, sr, sums); break;
