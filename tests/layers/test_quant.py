@@ -314,6 +314,8 @@ def test_issue27_6bit_codes_are_kept_in_6_bits_and_give_the_int8_codes_bits(rows
         torch.ops.mlxcel.int8_linear(x, packed, torch.ones(n, dtype=torch.bfloat16))
     with pytest.raises(ValueError, match="inconsistent inputs"):
         torch.ops.mlxcel.int8_linear(x[:, :-16], packed, int8_group_scales(q6k))
+    with pytest.raises(ValueError, match="outside -32..31"):
+        int6_blocks(q80.codes)
 
 
 def _k_quant(values: torch.Tensor, group: int, top: int, sign: int = 1) -> tuple[torch.Tensor, torch.Tensor]:

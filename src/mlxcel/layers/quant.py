@@ -273,30 +273,22 @@ def int6_blocks(codes: torch.Tensor) -> torch.Tensor:
     per block of 64 outputs and chunk of 16 inputs, 3 dwords an output, dword j holding the codes of inputs
     5 j .. 5 j + 4 as code + 32, 6 bits each from bit 0, 0, 2 (`INT6_BASES`), and bits 2 j, 2 j + 1 of input
     15's code (two's complement) in its other two bits, 30-31, 30-31, 0-1 (kernels/decode_layers.cpp
-    `int6_block`, which unpacks them exactly)."""
-    out, inputs = codes.shape
-    packed = torch.empty(out // INT8_BLOCK, inputs // INT6_CHUNK, 3, INT8_BLOCK, dtype=torch.int32)
-    per_slice = max(1, CODES_ROWS // INT8_BLOCK)  # int64 temporaries a slice's size (a 151,936-row head)
-    for first in range(0, packed.shape[0], per_slice):
-        part = codes[first * INT8_BLOCK:(first + per_slice) * INT8_BLOCK].to(torch.int64)
-        chunks = part.view(-1, INT8_BLOCK, inputs // INT6_CHUNK, INT6_CHUNK).permute(0, 2, 3, 1)  # [block, chunk, k, out]
-        fields = (chunks[:, :, :15] + 32).reshape(*chunks.shape[:2], 3, 5, INT8_BLOCK)
-        words = (fields << _INT6_SHIFTS).sum(3)  # [block, chunk, 3, output]
-        words |= ((chunks[:, :, 15:] & 63) >> (2 * torch.arange(3).view(3, 1)) & 3) << _INT6_SPARE
-        packed[first:first + per_slice] = torch.where(words >= 2**31, words - 2**32, words)
-    return packed
+    `int6_block`, which unpacks them exactly; `int6_pack` packs them)."""
+    if not paged_attention.available():
+        raise RuntimeError("6-bit codes need the CPU kernels (no C++ compiler)")
+    return torch.ops.mlxcel.int6_pack(codes)
 
 
 INT6_BASES = (0, 0, 2)  # bit of each dword's first code (`int6_blocks`)
+_INT6_SPARE = (30, 30, 0)  # where each dword keeps 2 bits of input 15's code
 _INT6_SHIFTS = torch.tensor([[b + 6 * f for f in range(5)] for b in INT6_BASES]).view(3, 5, 1)
-_INT6_SPARE = torch.tensor([30, 30, 0]).view(3, 1)  # where each dword keeps 2 bits of input 15's code
 
 
 def int6_codes(packed: torch.Tensor) -> torch.Tensor:
     """`int6_blocks`' inverse: the int8 codes [out, in]."""
     words = packed.to(torch.int64) & 0xFFFFFFFF  # [block, chunk, 3, output]
     fields = ((words[:, :, :, None] >> _INT6_SHIFTS) & 63) - 32  # [block, chunk, 3, 5, output]
-    last = (((words >> _INT6_SPARE) & 3) << (2 * torch.arange(3).view(3, 1))).sum(2, keepdim=True)
+    last = (((words >> torch.tensor(_INT6_SPARE).view(3, 1)) & 3) << (2 * torch.arange(3).view(3, 1))).sum(2, keepdim=True)
     chunks = torch.cat((fields.flatten(2, 3), torch.where(last >= 32, last - 64, last)), dim=2)
     blocks, num_chunks = packed.shape[:2]
     return chunks.permute(0, 3, 1, 2).reshape(blocks * INT8_BLOCK, num_chunks * INT6_CHUNK).to(torch.int8)

@@ -358,6 +358,41 @@ void int6_block(const float* x, int64_t in, const uint32_t* w, int64_t group, co
 #endif
 }
 
+// codes int8 [out, in] in -32..31 (out a multiple of 64, in of 16) -> int32 [out / 64, in / 16, 3, 64] in the
+// layout above (layers/quant.py `int6_blocks`; in C++: as tensor ops it took 8 s for Qwen's head at load).
+at::Tensor int6_pack(const at::Tensor& codes) {
+    TORCH_CHECK_VALUE(codes.dim() == 2 && codes.scalar_type() == at::kChar && codes.is_cpu() &&
+                          codes.size(0) % OUT_BLOCK == 0 && codes.size(1) % INT6_CHUNK == 0,
+                      "int6 pack: codes ", codes.sizes(), " ", codes.scalar_type(), " are not int8 [64 n, 16 m]");
+    const at::Tensor contiguous = codes.contiguous();
+    const int64_t out = codes.size(0), in = codes.size(1), blocks = out / OUT_BLOCK, chunks = in / INT6_CHUNK;
+    at::Tensor packed = at::empty({blocks, chunks, INT6_DWORDS, OUT_BLOCK}, codes.options().dtype(at::kInt));
+    const int8_t* cp = contiguous.const_data_ptr<int8_t>();
+    uint32_t* pp = reinterpret_cast<uint32_t*>(packed.mutable_data_ptr<int32_t>());
+    int64_t outside = 0;
+#pragma omp parallel for schedule(static) reduction(+ : outside)
+    for (int64_t row = 0; row < out; ++row) {
+        const int64_t b = row / OUT_BLOCK, i = row % OUT_BLOCK;
+        for (int64_t c = 0; c < chunks; ++c) {
+            const int8_t* k = cp + row * in + c * INT6_CHUNK;
+            uint32_t* words = pp + (b * chunks + c) * INT6_DWORDS * OUT_BLOCK + i;
+            const uint32_t last = static_cast<uint32_t>(k[INT6_CHUNK - 1]) & 63;
+            outside += k[INT6_CHUNK - 1] < -32 || k[INT6_CHUNK - 1] > 31;
+            for (int64_t j = 0; j < INT6_DWORDS; ++j) {
+                uint32_t word = ((last >> (2 * j)) & 3) << (j == 2 ? 0 : 30);
+                for (int64_t f = 0; f < 5; ++f) {
+                    const int code = k[5 * j + f];
+                    outside += code < -32 || code > 31;
+                    word |= static_cast<uint32_t>(code + 32) << (int6_base(j) + 6 * f);
+                }
+                words[j * OUT_BLOCK] = word;
+            }
+        }
+    }
+    TORCH_CHECK_VALUE(outside == 0, "int6 pack: ", outside, " codes lie outside -32..31");
+    return packed;
+}
+
 // A block's 6-bit codes [in / 16 chunks] as `int8_block` reads int8 ones ([in, 64], into `codes`): for more
 // rows than one call of `int6_block` takes, the block is unpacked once and its int8 form, from L2, serves
 // every group of rows (the unpacking, not the bytes, bounds `int6_block` when it reruns for each group).
@@ -864,10 +899,12 @@ TORCH_LIBRARY_FRAGMENT(mlxcel, m) {
           "int[] windows, int[] dims, float eps, float scale) -> Tensor");
     m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
+    m.def("int6_pack(Tensor codes) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlxcel, CPU, m) {
     m.impl("decode_layers", &decode_layers);
     m.impl("int8_linear", &int8_linear);
     m.impl("int4_linear", &int4_linear);
+    m.impl("int6_pack", &int6_pack);
 }
