@@ -24,12 +24,12 @@ import httpx
 import numpy as np
 import soundfile
 
-from mlxcel.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
+from mlxcel.serving.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
 from mlxcel.loading import resolve_model
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
-from mlxcel.side_models import SideModels
+from mlxcel.serving.side_models import SideModels
 
 SENTENCES = [
     "Turn left at the next corner and walk two blocks to the bank.",

@@ -156,7 +156,7 @@ def main() -> None:
     path = args.gguf or random_checkpoint(Path("/tmp/smol-random"))
     report: dict = {"checkpoint": str(path), "device": torch.cuda.get_device_name()}
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
-    fuse_projections(loaded.model)  # as runtime.py does on CUDA
+    fuse_projections(loaded.model)  # as serving.served_model does on CUDA
     ref = hf_model(path, torch.bfloat16)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 64, 200, 731)]
@@ -191,7 +191,7 @@ def qwen15_speed() -> dict:
 
     path = random_checkpoint(Path("/tmp/qwen15-random"), QWEN15_SHAPE, family="qwen2")
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
-    fuse_projections(loaded.model)  # as runtime.py does on CUDA
+    fuse_projections(loaded.model)  # as serving.served_model does on CUDA
     weight_bytes = sum(p.numel() * p.element_size() for p in loaded.model.parameters())
     out = engine_speeds(loaded, "cuda-graph", (1,), gen=256)
     out.pop("client").core.stop()

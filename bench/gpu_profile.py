@@ -105,7 +105,7 @@ def main() -> None:
             else random_checkpoint(Path("/tmp/smol-random")))
     loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
     if os.environ.get("MLXCEL_FUSE", "1") == "1":
-        print("fused projections:", fuse_projections(loaded.model), flush=True)  # as runtime.py does on CUDA
+        print("fused projections:", fuse_projections(loaded.model), flush=True)  # as serving.served_model does on CUDA
     for config in args.configs.split(","):
         slots, ctx = map(int, config.split("x"))
         core = make_core(loaded, slots, ctx)

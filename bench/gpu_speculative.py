@@ -40,7 +40,7 @@ def engine(loaded, speculative, draft=None, device: str = "cuda") -> object:  # 
     config = EngineConfig(max_num_seqs=2, ctx_size=2 * 1024, decode_step="auto", speculative=speculative)
     dtype = torch.bfloat16 if device == "cuda" else torch.float32
     drafts = None
-    if draft is not None:  # as runtime._draft_policy builds it
+    if draft is not None:  # as serving.served_model._draft_policy builds it
         shape = ModelShape.of(draft.model.args)
         drafter = ModelDrafter(draft.model, shape, num_blocks=2 * 1024 // config.block_size + 8,
                                block_size=config.block_size, device=device, dtype=dtype,

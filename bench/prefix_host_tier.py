@@ -92,6 +92,7 @@ def evict_all(core) -> tuple[float, float]:  # noqa: ANN001
     pool = core.kv.pool
     start = time.perf_counter()
     pool.free(pool.allocate(pool.num_free_blocks))
+    pool.flush_evictions()  # as the engine does before a step: the tiers gather and copy what was evicted
     issued = time.perf_counter() - start
     if torch.cuda.is_available():
         torch.cuda.synchronize()

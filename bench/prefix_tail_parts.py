@@ -26,7 +26,8 @@ from mlxcel.engine import runner
 from mlxcel.engine.kv import tensors
 from mlxcel.layers import attention
 from mlxcel.loading import resolve_model
-from mlxcel.runtime import RuntimeOptions, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions
 from mlxcel.types import Request, SamplingParams
 
 PARTS: collections.Counter[str] = collections.Counter()

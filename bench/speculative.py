@@ -93,7 +93,8 @@ COMPLETION_TASKS = {
 def serve(model: str | None, decode_step: str, speculative: object, draft: str | None, device: str = "cpu") -> object:
     from mlxcel.config import EngineConfig
     from mlxcel.loading import resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
 
     config = EngineConfig(max_num_seqs=2, ctx_size=2 * 4096, decode_step=decode_step, speculative=speculative,
                           compile_cache_dir="/tmp/mlxcel-bench-compile-cache")
@@ -133,7 +134,7 @@ def run_engine(args: argparse.Namespace, spec: object, draft: str | None, tasks:
 def render_prompts(model: str | None, tasks: dict[str, str]) -> dict[str, list[int]]:
     """Each task through the model's chat template and tokenizer, without loading its weights."""
     from mlxcel.loading import open_checkpoint, resolve_model
-    from mlxcel.runtime import load_tokenizer
+    from mlxcel.serving.served_model import load_tokenizer
     from mlxcel.text.chat_template import load_chat_template
 
     checkpoint = open_checkpoint(resolve_model(model).path)

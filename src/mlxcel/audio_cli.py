@@ -25,7 +25,7 @@ log = logging.getLogger("mlxcel")
 
 
 def run_audio_generate(values: dict[str, Any], environment: Environment) -> int:
-    from mlxcel.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
+    from mlxcel.serving.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
     from mlxcel.loading import ModelLoadError, resolve_model
     from mlxcel.workers.audio_io import AudioInputError
 
@@ -105,9 +105,10 @@ def _voice_turn(values: dict[str, Any], resolve: Any, options: Any) -> int:
     from mlxcel.api.context import ApiContext
     from mlxcel.api.realtime import SAMPLE_RATE, AudioDelta, InputTranscript, TextDelta, Turn
     from mlxcel.api.realtime_cascade import CascadeEngine, resample
-    from mlxcel.audio_models import find_audio_checkpoint, load_audio_models
+    from mlxcel.serving.audio_models import find_audio_checkpoint, load_audio_models
     from mlxcel.config import EngineConfig
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
     from mlxcel.workers.audio_io import WHISPER_SAMPLE_RATE
 
     if not (values["realtime_stt"] and values["realtime_tts"] and values["audio"] and values["output_audio"]):

@@ -2,7 +2,7 @@
 `mlxcel perplexity` (issue 27).
 
 The commands only: their options are read by `command_line.py` (the settings table's flags and
-mirrors into frozen configs); `serve` hands them to `startup.run`, `cluster` to
+mirrors into frozen configs); `serve` hands them to `serving.startup.run`, `cluster` to
 `cluster.command`, `generate --audio` to `audio_cli`. `mlxcel serve` shows `--n-parallel` /
 `--draft-model` first, `mlxcel-server` shows `--parallel` / `--model-draft`; both accept every
 spelling.
@@ -27,7 +27,7 @@ from mlxcel.env import Environment
 
 if TYPE_CHECKING:
     from mlxcel.api.generation import Prompt
-    from mlxcel.runtime import ServedModel
+    from mlxcel.serving.served_model import ServedModel
 
 log = logging.getLogger("mlxcel")
 
@@ -36,7 +36,7 @@ log = logging.getLogger("mlxcel")
 
 def run_serve(settings: ServeSettings) -> int:
     """`mlxcel serve` once its settings are valid: the one startup path (A6), then serve (A7)."""
-    from mlxcel.startup import run
+    from mlxcel.serving.startup import run
 
     return run(settings)
 
@@ -89,7 +89,8 @@ def run_generate(values: dict[str, Any], environment: Environment) -> int:
         return 2
     from mlxcel.api.errors import ApiError
     from mlxcel.loading import ModelLoadError, resolve_model
-    from mlxcel.runtime import AdapterError, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import AdapterError
 
     try:
         resolved = resolve_model(values["model"], models_dir=values["models_dir"], default_org=values["default_org"])
@@ -117,7 +118,7 @@ def run_perplexity(values: dict[str, Any]) -> int:
     logging.basicConfig(level=logging.DEBUG if values["verbose"] else logging.WARNING, format=LOG_FORMAT, force=True)
     from mlxcel.loading import ModelLoadError, resolve_model
     from mlxcel.perplexity import PerplexityError, PerplexityRun, engine_chunk_logits, perplexity_main, run_context
-    from mlxcel.runtime import start_served_model
+    from mlxcel.serving.chat_model import start_served_model
 
     run = PerplexityRun(n_ctx=values["ppl_ctx"], num_chunks=values["chunks"], base_file=values["kl_divergence_base"],
                         is_kl_divergence=values["kl_divergence"])

@@ -6,7 +6,7 @@ only collects text; `resolve_values` parses every value through its setting, so 
 a bad variable get the same message. A flag on the command line wins over its mirror, which
 wins over the default. `serve_settings` turns the values into the frozen configs of one serve
 (`ServeSettings`: `RuntimeOptions`, `EngineConfig`, `ServerConfig`, `MediaPolicy`, ...). The
-commands (`cli.py`), the startup path (`startup.py`) and the cluster (`cluster/`) read their
+commands (`cli.py`), the startup path (`serving/startup.py`) and the cluster (`cluster/`) read their
 options here; this module imports none of them.
 """
 
@@ -29,9 +29,9 @@ from mlxcel.server.config import ServerConfig, default_responses_db
 if TYPE_CHECKING:  # torch-heavy modules load lazily, so --help stays fast
     from mlxcel.chat.plan import FeatureSettings
     from mlxcel.media.limits import MediaPolicy
-    from mlxcel.runtime import DiffusionOptions, RuntimeOptions
-    from mlxcel.side_models import ImageOptions, SideModelOptions
-    from mlxcel.audio_models import AudioOptions
+    from mlxcel.serving.served_model import DiffusionOptions, RuntimeOptions
+    from mlxcel.serving.side_models import ImageOptions, SideModelOptions
+    from mlxcel.serving.audio_models import AudioOptions
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
 OPTIONS: tuple[Setting, ...] = SETTINGS  # the serve table (its old name, for the cluster and tests)
@@ -176,7 +176,7 @@ def _api_keys(values: dict[str, Any]) -> tuple[tuple[str, ...], str]:
 
 def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSettings:
     """Validate option values into configs; raises ValueError with a message naming the flag."""
-    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.serving.served_model import RuntimeOptions
 
     keys, source = _api_keys(values)
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"],
@@ -220,7 +220,7 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
 def generate_settings(values: dict[str, Any]) -> tuple[RuntimeOptions, EngineConfig]:
     """What `generate` loads and runs with: serve's settings for the model, its adapters (F8) and the decode
     step (MLXCEL_DECODE_STEP / MLXCEL_NO_COMPILE), one slot, no warmup."""
-    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.serving.served_model import RuntimeOptions
 
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
                              chat_template=values["chat_template"], chat_template_file=values["chat_template_file"],
@@ -234,7 +234,7 @@ def generate_settings(values: dict[str, Any]) -> tuple[RuntimeOptions, EngineCon
 def perplexity_settings(values: dict[str, Any], n_ctx: int) -> tuple[RuntimeOptions, EngineConfig]:
     """What `perplexity` loads and runs with: serve's model, weights rewrite, KV types and step budget, one
     slot of `n_ctx` tokens and no prefix cache (each chunk stands alone), no warmup."""
-    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.serving.served_model import RuntimeOptions
 
     runtime = RuntimeOptions(device=resolve_device(values["device"]), dtype=values["dtype"], warmup=False,
                              threads=values["threads"], quantize=values["quantize"],
@@ -250,7 +250,7 @@ def perplexity_settings(values: dict[str, Any], n_ctx: int) -> tuple[RuntimeOpti
 
 def diffusion_options(values: dict[str, Any]) -> DiffusionOptions:
     """Spec U's flags; a ValueError names the flag (the confidence sampler's threshold is a probability)."""
-    from mlxcel.runtime import DiffusionOptions
+    from mlxcel.serving.served_model import DiffusionOptions
 
     return DiffusionOptions(values["diffusion_sampler"], values["diffusion_threshold"], values["max_denoising_steps"],
                             values["diffusion_request_timeout"])
@@ -317,7 +317,7 @@ def chat_settings(values: dict[str, Any], environment: Environment) -> FeatureSe
 
 
 def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelOptions:
-    from mlxcel.side_models import side_model_options
+    from mlxcel.serving.side_models import side_model_options
 
     return side_model_options(
         embedding_model=values["embedding_model"], reranker_model=values["reranker_model"],
@@ -329,7 +329,7 @@ def _side_options(values: dict[str, Any], runtime: RuntimeOptions) -> SideModelO
 
 
 def _image_options(values: dict[str, Any], runtime: RuntimeOptions) -> ImageOptions | None:
-    from mlxcel.side_models import image_options
+    from mlxcel.serving.side_models import image_options
 
     if not values["image_model"]:
         return None
@@ -339,7 +339,7 @@ def _image_options(values: dict[str, Any], runtime: RuntimeOptions) -> ImageOpti
 
 def _audio_options(values: dict[str, Any], runtime: RuntimeOptions) -> AudioOptions:
     from mlxcel.api.audio import AudioLimits
-    from mlxcel.audio_models import AudioOptions
+    from mlxcel.serving.audio_models import AudioOptions
 
     upload = values["audio_max_upload_size"]
     limits = AudioLimits(AudioLimits().max_upload_bytes if upload is None else upload, values["audio_max_duration"])

@@ -7,6 +7,7 @@ Every protocol adapter translates its JSON into `Request` and builds its replies
 from __future__ import annotations
 
 import enum
+import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -159,6 +160,14 @@ class TokenEvent:
     # With SamplingParams.prompt_logprobs: one entry per prompt token (None for the first, which has no
     # context), carried once, by the request's first event with a token or its finish.
     prompt_logprobs: tuple[TokenLogprob | None, ...] | None = None
+
+    def __reduce__(self) -> tuple[type[TokenEvent], tuple]:
+        # Pickled for every token between the engine process and the API process (issue 25): the fields
+        # as constructor arguments load 2x faster than dataclasses' per-field state of a slotted class.
+        return TokenEvent, _token_event_fields(self)
+
+
+_token_event_fields = operator.attrgetter(*TokenEvent.__slots__)
 
 
 @dataclass(frozen=True, slots=True)

@@ -55,3 +55,19 @@ def test_closing_early_closes_the_source() -> None:
         await stream.aclose()  # the pending 10 s frame is cancelled, the source closed
     asyncio.run(asyncio.wait_for(main(), 5))
     assert closed == [True]
+
+
+def test_an_error_in_the_source_reaches_the_reader_after_its_frames() -> None:
+    async def failing() -> AsyncIterator[str]:
+        yield sse_frame({"i": 0})
+        raise ValueError("the source failed")
+
+    async def main() -> list[str]:
+        frames = []
+        try:
+            async for frame in with_keepalive(failing(), 5.0):
+                frames.append(frame)
+        except ValueError as exc:
+            frames.append(str(exc))
+        return frames
+    assert asyncio.run(main()) == [sse_frame({"i": 0}), "the source failed"]

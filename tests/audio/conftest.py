@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.audio_models import AudioModels, AudioOptions, find_audio_checkpoint, load_audio_models
+from mlxcel.serving.audio_models import AudioModels, AudioOptions, find_audio_checkpoint, load_audio_models
 from mlxcel.loading import resolve_model
 
 SENTENCES = (

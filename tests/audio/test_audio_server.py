@@ -20,12 +20,12 @@ import openai
 import pytest
 import soundfile
 
-from mlxcel.audio_models import AudioModels, audio_only_mode
+from mlxcel.serving.audio_models import AudioModels, audio_only_mode
 from mlxcel.api.audio import AudioLimits
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
-from mlxcel.side_models import SideModels
+from mlxcel.serving.side_models import SideModels
 from mlxcel.workers.base import WorkerConfig
 from mlxcel.workers.whisper import WhisperConfig, WhisperTranscriber
 from tests.audio.conftest import MAX_WER, SENTENCES, word_error_rate

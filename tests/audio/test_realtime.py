@@ -26,12 +26,12 @@ from websockets.exceptions import ConnectionClosed, InvalidStatus
 from mlxcel.api.modes import ModelEntry, SinglePurposeMode
 from mlxcel.api.realtime import RealtimeLimits, RealtimeService
 from mlxcel.api.realtime_cascade import CascadeEngine, resample
-from mlxcel.audio_models import AudioModels
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.audio_models import AudioModels
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
-from mlxcel.side_models import SideModels
+from mlxcel.serving.side_models import SideModels
 from tests.audio.conftest import MAX_WER, word_error_rate
 from tests.server.conftest import served  # noqa: F401 - the session's SmolLM2 engine
 

@@ -121,7 +121,7 @@ def test_issue25_auto_choices_follow_the_device() -> None:
     """--ubatch-size 0 and --engine-process auto: 512 prompt tokens a step and one process on the CPU;
     2,048 and the engine core in its own process with a GPU (measured on an H200: bench/RESULTS.md)."""
     from mlxcel.command_line import _step_budget
-    from mlxcel.runtime import RuntimeOptions
+    from mlxcel.serving.served_model import RuntimeOptions
 
     assert _step_budget(2048, 0, "cpu")["max_num_prefill_tokens"] == 512
     assert _step_budget(2048, 0, "cuda:0")["max_num_prefill_tokens"] == 2048

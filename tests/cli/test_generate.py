@@ -48,7 +48,8 @@ def test_f8_generate_output_equals_the_servers_with_the_same_adapter_and_scale(t
 
     from mlxcel.config import EngineConfig
     from mlxcel.loading import ResolvedModel
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
     from mlxcel.server.config import ServerConfig
     from mlxcel.server.lifecycle import ServerThread
     from mlxcel.server.state import ServerState

@@ -12,7 +12,7 @@ from mlxcel.command_line import OPTIONS, resolve_values, serve_parser, serve_set
 from mlxcel.env import Environment
 from mlxcel.loading import resolve_model
 from mlxcel.media import MediaConfigError
-from mlxcel.side_models import CheckpointKind, ProcessPlan, SideModelOptions, plan_process, side_model_options
+from mlxcel.serving.side_models import CheckpointKind, ProcessPlan, SideModelOptions, plan_process, side_model_options
 from mlxcel.workers.embedding import PoolingType
 from tests.workers.tiny_checkpoints import write_sentence_transformers_files, write_tiny_bert
 

@@ -378,7 +378,7 @@ def test_models_with_their_own_sliding_window_ignore_max_kv_size() -> None:
     from mlxcel.config import EngineConfig
     from mlxcel.loading import LoadedModel
     from mlxcel.models import gemma3, llama
-    from mlxcel.runtime import _fit_engine_config
+    from mlxcel.serving.served_model import _fit_engine_config
 
     config = EngineConfig(max_kv_size=128)
     with torch.device("meta"):

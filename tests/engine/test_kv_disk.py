@@ -179,7 +179,7 @@ def test_load_policy_crossover() -> None:
 
 def test_kv_identity_names_everything_that_makes_kv_differ(tmp_path: Path, smollm2_path: Path) -> None:
     from mlxcel.loading import LoadedModel, open_checkpoint
-    from mlxcel.runtime import RuntimeOptions, kv_identity, load_tokenizer
+    from mlxcel.serving.served_model import RuntimeOptions, kv_identity, load_tokenizer
 
     checkpoint = open_checkpoint(smollm2_path)
     tokenizer = load_tokenizer(checkpoint)

@@ -3,6 +3,7 @@ it keeps exact bytes, respects its LRU bound, spills to the disk tier and forget
 
 from __future__ import annotations
 
+import threading
 from pathlib import Path
 
 import torch
@@ -76,22 +77,51 @@ def test_device_eviction_then_host_hit_restores_the_exact_blocks() -> None:
     assert not set(engine.host._entries) & {engine.pool.blocks[b].block_hash for b in blocks}
 
 
-def test_lru_bound_spills_the_oldest_to_disk(tmp_path: Path) -> None:
-    engine = Engine(tmp_path, 4)
+def hashes(engine: Engine, block_ids: list[int]) -> list[int]:
+    return [engine.pool.blocks[b].block_hash for b in block_ids]
+
+
+def test_lru_bound_keeps_a_spare_row_by_spilling_the_oldest_to_disk(tmp_path: Path) -> None:
+    engine = Engine(tmp_path, 4)  # with a disk tier one row (an eighth of the bound, at least one) is kept spare
     first = prompt(1)
-    saved = engine.rows(engine.compute("a", first)[:3])
-    engine.evict_all(98)  # a's 3 blocks to host
-    engine.evict_all(97)  # the 8 blocks of 98 push past the 4-block bound: a's blocks spill to disk
+    table = engine.compute("a", first)[:3]
+    saved, first_hashes = engine.rows(table), hashes(engine, table)
+    engine.evict_all(98)  # a's 3 blocks to host memory; the fourth row is the spare one
+    assert engine.host.stats().num_blocks == 3 and engine.host.stats().num_blocks_spilled == 0
+    engine.evict_all(97)  # 98's 8 blocks: the newest takes the spare row, the 7 older go straight to disk, and
+    # the least recently used entry (a's first evicted block) goes to the writer: a row is on its way back
     stats = engine.host.stats()
-    assert stats.num_blocks == 4 and stats.size_bytes == 4 * ROW_BYTES <= stats.capacity_bytes
-    assert stats.num_blocks_spilled >= 3
+    assert stats.num_blocks == 3 and stats.size_bytes == 3 * ROW_BYTES <= stats.capacity_bytes
+    assert stats.num_blocks_spilled == 8 and len(set(first_hashes) & set(engine.host._entries)) == 2
+    engine.host.close()  # the graceful stop: what host memory holds goes to disk too
     assert engine.disk is not None
     engine.disk.close(engine.pool, timeout=30)  # drain the writer (it also saves the pool's blocks)
-    assert len(list(engine.disk.folder.glob("*.kvb"))) >= 3
-    fresh = Engine(tmp_path, 4)  # a restart: the spilled blocks come back from disk, through the host tier
+    fresh = Engine(tmp_path, 4)  # a restart: a's blocks come back from disk, through the host tier
     blocks, num_cached = fresh.kv.find_cached_prefix(first, cache_prompt=True)
     assert num_cached == 3 * BLOCK and same(saved, fresh.rows(blocks))
     assert fresh.host.stats().num_misses == 1 and fresh.disk is not None and fresh.disk.stats().num_hits == 1
+
+
+def test_a_row_on_its_way_to_disk_is_not_reused_before_it_is_written(tmp_path: Path, monkeypatch) -> None:  # noqa: ANN001
+    """The writer reads a spilled entry's row itself (no copy on the engine thread): until it has, later
+    evictions must not land in that row."""
+    engine = Engine(tmp_path, 4)
+    assert engine.disk is not None
+    gate, write = threading.Event(), engine.disk._write
+    monkeypatch.setattr(engine.disk, "_write", lambda block_hash, payload: (gate.wait(30), write(block_hash, payload)))
+    first = prompt(1)
+    saved = engine.rows(engine.compute("a", first)[:3])
+    engine.evict_all(98)
+    engine.evict_all(97)  # as above: one of a's blocks queued for the writer, which is stuck on 98's
+    held = dict(engine.host._entries)
+    engine.evict_all(96)  # 97's 8 blocks: no row is spare (one is the writer's), so all go straight to disk
+    assert engine.host._entries == held and engine.host.stats().num_blocks_spilled == 16
+    gate.set()
+    engine.host.close()
+    engine.disk.close(engine.pool, timeout=30)
+    fresh = Engine(tmp_path, 4)
+    blocks, num_cached = fresh.kv.find_cached_prefix(first, cache_prompt=True)
+    assert num_cached == 3 * BLOCK and same(saved, fresh.rows(blocks))  # the spilled row kept a's bytes
 
 
 def test_a_run_from_host_then_from_disk(tmp_path: Path) -> None:
@@ -99,13 +129,14 @@ def test_a_run_from_host_then_from_disk(tmp_path: Path) -> None:
     engine = Engine(tmp_path, 4)
     tokens = prompt(1, 6 * BLOCK + 1)
     saved = engine.rows(engine.compute("a", tokens)[:6])
-    engine.evict_all()  # 6 blocks leave at once: the 2 evicted first (the tail, freed first) go to disk
+    engine.evict_all()  # 6 blocks leave at once (the tail first): 2 go straight to disk, 4 to host memory,
+    # of which the least recently used then goes to the writer to keep a row spare
     assert engine.disk is not None
-    assert engine.host.stats().num_blocks == 4 and engine.host.stats().num_blocks_spilled == 2
-    wait_for_files(engine.disk, 2)
+    assert engine.host.stats().num_blocks == 3 and engine.host.stats().num_blocks_spilled == 3
+    wait_for_files(engine.disk, 3)
     blocks, num_cached = engine.kv.find_cached_prefix(tokens, cache_prompt=True)
     assert num_cached == 6 * BLOCK and same(saved, engine.rows(blocks))
-    assert engine.host.stats().num_hits == 1 and engine.disk.stats().num_blocks_read == 2
+    assert engine.host.stats().num_hits == 1 and engine.disk.stats().num_blocks_read == 3
 
 
 def wait_for_files(disk: DiskBlockStore, count: int) -> None:

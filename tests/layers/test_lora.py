@@ -26,7 +26,8 @@ from mlxcel.engine.kv.slot_files import SlotError
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter, token_scales
 from mlxcel.loading import load_model
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.types import Request, SamplingParams
 from tests.layers.peft_adapters import make_adapter, peft_greedy, set_peft_scale
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files

@@ -43,7 +43,8 @@ def test_a6_lazy_gguf_equals_eager_on_smollm2(smollm2_path: Path) -> None:
 def test_a6_engine_serves_lazy_weights_like_eager(tmp_path: Path, decode_step: str) -> None:
     from mlxcel.config import EngineConfig
     from mlxcel.loading import ResolvedModel
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
     from mlxcel.types import Request, SamplingParams
 
     folder = write_files(tmp_path / "tiny", tiny_llama_files(seed=5))
@@ -54,7 +55,7 @@ def test_a6_engine_serves_lazy_weights_like_eager(tmp_path: Path, decode_step: s
                                     EngineConfig(max_num_seqs=2, ctx_size=256, decode_step=decode_step,
                                                  compile_cache_dir=str(tmp_path / "compile")))
         try:
-            from mlxcel.runtime import _run_blocking
+            from mlxcel.serving.served_model import _run_blocking
 
             params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
             outputs.append(_run_blocking(served, Request(f"lazy-{mode}-{decode_step}", PROMPT, params)))

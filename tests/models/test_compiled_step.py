@@ -19,7 +19,8 @@ import pytest
 import torch
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.types import Request, SamplingParams
 
 

@@ -45,7 +45,8 @@ class LiveServer:
 @pytest.fixture(scope="module")
 def live_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LiveServer]:
     from mlxcel.loading import resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
 
     torch.set_num_threads(1)
     slots = tmp_path_factory.mktemp("slots")

@@ -13,7 +13,7 @@ from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
 from mlxcel.engine.loop import EngineCore
 from mlxcel.chat.plan import FeatureSettings
-from mlxcel.runtime import ServedModel, build_chat_features, model_shape
+from mlxcel.serving.served_model import ServedModel, build_chat_features, model_shape
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
@@ -25,7 +25,8 @@ SERVER = ServerConfig(port=0, endpoint_metrics=True, endpoint_props=True)
 @pytest.fixture(scope="session")
 def served() -> Iterator[ServedModel]:
     from mlxcel.loading import resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
 
     torch.set_num_threads(1)
     model = start_served_model(resolve_model(None), RuntimeOptions(warmup=False), ENGINE)

@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 
 from .conftest import chat_body, engine_like

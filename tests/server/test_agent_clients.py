@@ -27,7 +27,8 @@ import pytest
 from pydantic import BaseModel
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from tests.server.scripted_model import write_scripted_model
 from tests.server.test_declared_tools import UNDECLARED_CALL

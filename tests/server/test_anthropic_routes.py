@@ -20,7 +20,7 @@ import httpx
 import pytest
 from PIL import Image
 
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 

@@ -18,7 +18,8 @@ import pytest
 from safetensors.torch import load_file, save_file
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from tests.server.scripted_model import REASONING, write_scripted_model

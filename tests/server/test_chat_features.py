@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.chat.plan import FeatureSettings
 from tests.server.scripted_model import ARGUMENTS, CALL, REASONING, REASONING_TEXT, WEATHER_TOOL, write_scripted_model

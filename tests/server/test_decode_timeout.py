@@ -22,7 +22,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient, RequestStream
 from mlxcel.engine.loop import EngineCore
-from mlxcel.runtime import ServedModel, model_shape
+from mlxcel.serving.served_model import ServedModel, model_shape
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.types import FinishReason, Request
 

@@ -14,10 +14,10 @@ import httpx
 import pytest
 
 from mlxcel.loading import resolve_model
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
-from mlxcel.side_models import SideModels, load_side_models, plan_process, side_model_options
+from mlxcel.serving.side_models import SideModels, load_side_models, plan_process, side_model_options
 from tests.server.conftest import SERVER, chat_body, wait_until
 from tests.workers.tiny_checkpoints import minilm_dir  # noqa: F401 - a fixture
 

@@ -17,8 +17,8 @@ import mlxcel
 PACKAGE = Path(mlxcel.__file__).parent
 WEB = ("fastapi", "uvicorn", "starlette")
 
-# Each unit of src/mlxcel (a package, or a top-level module) and the units it may import.
-# docs/structure.md draws the same table; change both together.
+# Each unit of src/mlxcel (a package, a top-level module, or a module of a SPLIT package) and the units
+# it may import. docs/structure.md draws the same table; change both together.
 ALLOWED: dict[str, set[str]] = {
     "types": set(),
     "lora_registry": set(),  # F8: adapter ids and global scales, torch-free
@@ -34,24 +34,40 @@ ALLOWED: dict[str, set[str]] = {
     "chat": {"text", "types"},
     "workers": {"layers", "loading", "types", "config"},
     "api": {"chat", "text", "engine", "lora_registry", "media", "workers", "types", "config"},
-    "runtime": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types", "workers"},
-    "audio_models": {"api", "loading", "workers", "types", "config"},
-    "process": {"api", "audio_models", "runtime", "workers", "types", "config"},
-    "side_models": {"api", "audio_models", "loading", "process", "runtime", "workers", "types", "config"},
-    "server": {"api", "chat", "config", "env", "loading", "media", "process", "runtime", "settings", "side_models",
-               "text", "types", "workers", "audio_models"},
+    # serving/ (issue 25): what builds the serving process, one unit per module. A served model is built the
+    # same way in either process (served_model); the engine child's entry point and its spawn (engine_process);
+    # the API process's chat model start (chat_model), side models, audio models and their products (process).
+    "serving": set(),  # the package's __init__: the map of the split, importing nothing
+    "serving.served_model": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types",
+                             "workers"},
+    "serving.engine_process": {"chat", "config", "engine", "loading", "lora_registry", "serving.served_model", "text",
+                               "types"},
+    "serving.chat_model": {"config", "engine", "loading", "serving.engine_process", "serving.served_model", "text",
+                           "types", "workers"},
+    "serving.audio_models": {"api", "loading", "workers", "types", "config"},
+    "serving.process": {"api", "serving.audio_models", "serving.served_model", "workers", "types", "config"},
+    "serving.side_models": {"api", "serving.audio_models", "loading", "serving.process", "serving.served_model",
+                            "workers", "types", "config"},
+    "server": {"api", "chat", "config", "env", "loading", "media", "serving.process", "serving.served_model",
+               "settings", "serving.side_models", "text", "types", "workers", "serving.audio_models"},
     # The command line read into the frozen configs every command starts from (above server: the
     # listener rules and key files it checks live there).
-    "command_line": {"api", "audio_models", "chat", "config", "env", "media", "runtime", "server", "settings",
-                     "side_models", "types"},
-    "startup": {"api", "audio_models", "command_line", "config", "layers", "loading", "process", "runtime", "server",
-                "settings", "side_models", "workers", "types"},
-    "audio_cli": {"api", "audio_models", "config", "env", "loading", "runtime", "workers", "types", "text"},
-    "cluster": {"api", "command_line", "env", "server", "startup", "config", "types"},
+    "command_line": {"api", "serving.audio_models", "chat", "config", "env", "media", "serving.served_model", "server",
+                     "settings", "serving.side_models", "types"},
+    # The API process's startup path, above the command line and the server it builds the state of.
+    "serving.startup": {"api", "serving.audio_models", "serving.chat_model", "command_line", "config", "layers",
+                        "loading", "serving.process", "serving.served_model", "server", "settings",
+                        "serving.side_models", "workers", "types"},
+    "audio_cli": {"api", "serving.audio_models", "serving.chat_model", "config", "env", "loading",
+                  "serving.served_model", "workers", "types", "text"},
+    "cluster": {"api", "command_line", "env", "server", "serving.startup", "config", "types"},
     "perplexity": {"text", "types"},  # issue 27: llama-perplexity's numbers over an engine handed in
-    "cli": {"api", "audio_cli", "cluster", "command_line", "config", "env", "loading", "perplexity", "runtime",
-            "startup", "types"},
+    "cli": {"api", "audio_cli", "cluster", "command_line", "config", "env", "loading", "perplexity",
+            "serving.chat_model", "serving.served_model", "serving.startup", "types"},
 }
+# Packages whose modules sit on different layers (serving's products below server/, its startup above the
+# command line): each of their modules is a unit of its own, named "package.module".
+SPLIT = {"serving"}
 
 
 def module_files() -> dict[str, Path]:
@@ -80,7 +96,10 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def unit_of(module: str) -> str:
-    return module.split(".")[1] if module.count(".") else ""
+    parts = module.split(".")[1:]
+    if len(parts) > 1 and parts[0] in SPLIT:
+        return ".".join(parts[:2])
+    return parts[0] if parts else ""
 
 
 def internal_edges() -> Iterator[tuple[str, str]]:
@@ -196,7 +215,8 @@ def runtime_imports(path: Path) -> set[str]:
     return names
 
 
-LOADERS = ("mlxcel.runtime", "mlxcel.side_models", "mlxcel.workers", "mlxcel.audio_models")
+LOADERS = ("mlxcel.serving.served_model", "mlxcel.serving.chat_model", "mlxcel.serving.engine_process",
+           "mlxcel.serving.side_models", "mlxcel.serving.audio_models", "mlxcel.workers")
 
 
 def test_issue13_server_holds_what_startup_built_and_never_imports_the_loaders() -> None:

@@ -16,7 +16,7 @@ from typing import Any
 import httpx
 import pytest
 
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 
@@ -247,7 +247,8 @@ def fim_server(tmp_path_factory: pytest.TempPathFactory, served: ServedModel,
 
     from mlxcel.config import EngineConfig
     from mlxcel.loading import resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
     from tests.models.harness import save_tiny_hf
 
     folder = tmp_path_factory.mktemp("fim-llama")

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 
 from .test_prompt_logprobs import engine_logprobs
 

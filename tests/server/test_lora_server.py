@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 
 from .conftest import engine_like
@@ -66,7 +66,8 @@ def slot_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def lora_server(reference: tuple[Path, Any, Any], slot_dir: Path,
                 start_server: Callable[..., ServerThread]) -> Iterator[tuple[ServerThread, ServedModel]]:
     from mlxcel.loading import resolve_model
-    from mlxcel.runtime import RuntimeOptions, start_served_model
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
 
     options = RuntimeOptions(warmup=False, quantize="off", adapters=((reference[0], 1.0),))
     served = start_served_model(resolve_model(None), options, EngineConfig(

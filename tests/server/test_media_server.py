@@ -23,7 +23,7 @@ from PIL import Image
 
 from mlxcel.env import media_policy
 from mlxcel.media import MediaPolicy, MediaRoot
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
 from tests.media import media_net

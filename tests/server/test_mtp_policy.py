@@ -15,7 +15,8 @@ import openai
 import pytest
 
 from mlxcel.config import EngineConfig, SpeculativeConfig
-from mlxcel.runtime import RuntimeOptions, ServedModel, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions, ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from tests.server.mimo_model import write_mimo_model

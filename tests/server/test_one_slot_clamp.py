@@ -12,7 +12,8 @@ import pytest
 import mlxcel.models.llama as llama_family
 from mlxcel.config import EngineConfig
 from mlxcel.loading import resolve_model
-from mlxcel.runtime import RuntimeOptions, start_served_model
+from mlxcel.serving.chat_model import start_served_model
+from mlxcel.serving.served_model import RuntimeOptions
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState
@@ -23,7 +24,7 @@ def test_a3_family_that_cannot_batch_gets_one_slot(tmp_path: Path, monkeypatch: 
                                                    caplog: pytest.LogCaptureFixture) -> None:
     folder = write_files(tmp_path / "tiny", tiny_llama_files())
     monkeypatch.setattr(llama_family, "SUPPORTS_BATCHING", False, raising=False)  # the family flag
-    with caplog.at_level(logging.WARNING, logger="mlxcel.runtime"):
+    with caplog.at_level(logging.WARNING, logger="mlxcel.serving.served_model"):
         served = start_served_model(resolve_model(str(folder)), RuntimeOptions(warmup=False),
                                     EngineConfig(max_num_seqs=4, ctx_size=512))
     try:

@@ -12,7 +12,7 @@ import openai
 import pytest
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 

@@ -13,7 +13,7 @@ import openai
 import pytest
 import torch
 
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.types import Request, SamplingParams
 
 pytestmark = pytest.mark.slow

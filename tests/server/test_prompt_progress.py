@@ -22,7 +22,7 @@ import httpx
 import pytest
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 

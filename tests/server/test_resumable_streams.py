@@ -15,7 +15,7 @@ import httpx
 import openai
 import pytest
 
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 

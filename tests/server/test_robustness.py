@@ -23,7 +23,7 @@ import pytest
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine import loop as engine_loop
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread, bind_socket, serve
 from mlxcel.server.state import ServerState

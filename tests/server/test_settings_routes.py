@@ -13,7 +13,7 @@ import pytest
 from mlxcel.command_line import OPTIONS, resolve_values, serve_parser
 from mlxcel.config import EngineConfig
 from mlxcel.env import Environment
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.state import ServerState

@@ -20,7 +20,7 @@ import pytest
 import torch
 
 from mlxcel.loading import load_model, resolve_model
-from mlxcel.runtime import load_tokenizer
+from mlxcel.serving.served_model import load_tokenizer
 from mlxcel.workers.causal_lm import last_position_logits
 from mlxcel.workers.rerank import RerankPrompt
 from tests.server.test_process import read_address

@@ -16,7 +16,7 @@ import jsonschema
 import pytest
 
 from mlxcel.config import SpeculativeConfig
-from mlxcel.runtime import ServedModel
+from mlxcel.serving.served_model import ServedModel
 from mlxcel.server.lifecycle import ServerThread
 from tests.server.conftest import ENGINE, chat_body, engine_like
 
@@ -130,7 +130,7 @@ def drafting_server(served: ServedModel, start_server: Callable[..., ServerThrea
     from mlxcel.engine.loop import EngineCore
     from mlxcel.engine.spec import DraftPolicy
     from mlxcel.engine.spec.draft_model import ModelDrafter
-    from mlxcel.runtime import model_shape
+    from mlxcel.serving.served_model import model_shape
 
     spec = SpeculativeConfig(draft_kind="full-model", draft_model="SmolLM2 (itself)", draft_max=4)
     config = replace(ENGINE, speculative=spec)  # the plain server's decode step too

@@ -14,11 +14,11 @@ import httpx
 import pytest
 
 from mlxcel.config import EngineConfig
-from mlxcel.runtime import RuntimeOptions
+from mlxcel.serving.served_model import RuntimeOptions
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.model_control import ModelControl
-from mlxcel.startup import ModelLoader
+from mlxcel.serving.startup import ModelLoader
 from mlxcel.server.state import ServerState
 from tests.loading.fake_hub import FakeHub, FakeRepo, hub_serving
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files

@@ -29,7 +29,7 @@ from mlxcel.types import TokenProcessor
 
 
 def features_of(ctx: ApiContext) -> ChatFeatures:
-    """The served model's chat features (built with the model, runtime.start_served_model)."""
+    """The served model's chat features (built with the model, serving.served_model.build_served)."""
     return ctx.features
 
 

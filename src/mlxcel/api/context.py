@@ -104,7 +104,7 @@ class ApiContext:
     chat_template: ChatTemplate | None
     context_size: int  # per slot
     created: int  # unix time the model was loaded (the `created` of /v1/models)
-    features: ChatFeatures  # reasoning, tools, grammar, budget, echo (S-V), built with the model (runtime.py)
+    features: ChatFeatures  # reasoning, tools, grammar, budget, echo (S-V), built with the model (serving.served_model)
     telemetry: Telemetry = field(default_factory=NullTelemetry)
     sse_keepalive_s: float = KEEPALIVE_INTERVAL_S
     media_policy: MediaPolicy = field(default_factory=MediaPolicy)  # C2-C5: api.media.validate_media reads it

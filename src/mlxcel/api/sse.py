@@ -10,6 +10,7 @@ import asyncio
 import contextlib
 import json
 from collections.abc import AsyncIterator
+from dataclasses import dataclass
 from typing import Any
 
 KEEPALIVE_INTERVAL_S = 15.0
@@ -34,34 +35,59 @@ async def with_keepalive(frames: AsyncIterator[str], interval_s: float = KEEPALI
     """Yield `frames`, inserting `keepalive_frame` (a comment by default; Anthropic sends a ping
     event) whenever none came for `interval_s`.
 
-    The pending `__anext__` is kept across timeouts (never cancelled by the timer), so no frame
-    is lost; closing this generator cancels it and closes `frames`.
+    One task pulls `frames` for the stream's whole life and hands each over through a one-place queue (so a
+    slow client still holds the source back), and one timer, set again only when it fires, adds the
+    keepalives: a frame costs no task and no timer (issue 25: this runs once per token of every stream).
+    Closing this generator cancels the pull, so no frame is lost before it and `frames` is closed.
     """
+    loop = asyncio.get_running_loop()
     iterator = aiter(frames)
-    pending: asyncio.Task[str] | None = None
+    handoff: asyncio.Queue[str | _Ended] = asyncio.Queue(maxsize=1)
+    last_frame_at = loop.time()
+
+    async def pull() -> None:
+        try:
+            async for frame in iterator:
+                await handoff.put(frame)
+            await handoff.put(_Ended(None))
+        except Exception as exc:  # noqa: BLE001 - the reader re-raises it
+            await handoff.put(_Ended(exc))
+
+    def tick() -> None:
+        nonlocal timer
+        now, deadline = loop.time(), last_frame_at + interval_s
+        if now >= deadline:
+            if handoff.empty():  # (else a frame is waiting for a slow reader: no keepalive needed)
+                handoff.put_nowait(keepalive_frame)
+            deadline = now + interval_s
+        timer = loop.call_at(deadline, tick)
+
+    puller = asyncio.ensure_future(pull())
+    timer = loop.call_at(last_frame_at + interval_s, tick)
     try:
-        while True:
-            if pending is None:
-                pending = asyncio.ensure_future(anext(iterator))
-            done, _ = await asyncio.wait({pending}, timeout=interval_s)
-            if not done:
-                yield keepalive_frame
-                continue
-            try:
-                frame = pending.result()
-            except StopAsyncIteration:
-                return
-            pending = None
-            yield frame
+        while not isinstance(item := await handoff.get(), _Ended):
+            if item is not keepalive_frame:
+                last_frame_at = loop.time()
+            yield item
+        if item.error is not None:
+            raise item.error
     finally:
-        await _cancel(pending)
+        timer.cancel()
+        await _cancel(puller)
         with contextlib.suppress(Exception):
             await iterator.aclose()  # type: ignore[attr-defined]
 
 
-async def _cancel(task: asyncio.Task[str] | None) -> None:
-    if task is None or task.done():
+@dataclass(frozen=True, slots=True)
+class _Ended:
+    """The end of `with_keepalive`'s source: its exception, if it raised one."""
+
+    error: Exception | None
+
+
+async def _cancel(task: asyncio.Future[None]) -> None:
+    if task.done():
         return
     task.cancel()
-    with contextlib.suppress(asyncio.CancelledError, StopAsyncIteration, Exception):
+    with contextlib.suppress(asyncio.CancelledError, Exception):
         await task

@@ -60,16 +60,22 @@ class Mailbox:
 
 
 class RequestStream:
-    """Async iterator over one request's TokenEvents; closing it early aborts the request."""
+    """Async iterator over one request's TokenEvents; closing it early aborts the request.
+
+    The decode timeout (A8) is one timer a stream, re-armed lazily when it fires, not a timeout around each
+    wait: a token costs no timer (issue 25)."""
 
     def __init__(self, core: EngineCore, request: Request, decode_timeout_s: float) -> None:
         self._core = core
         self.request_id = request.request_id
-        self._queue: asyncio.Queue[TokenEvent] = asyncio.Queue()
+        self._queue: asyncio.Queue[TokenEvent | None] = asyncio.Queue()  # None: the decode timeout fired
         self._decode_timeout_s = decode_timeout_s
         self._is_decoding = False
         self._is_done = False
-        mailbox = Mailbox.of(asyncio.get_running_loop())
+        self._loop = asyncio.get_running_loop()
+        self._last_event_at = 0.0  # loop time the latest event was taken, once decoding
+        self._timer: asyncio.TimerHandle | None = None
+        mailbox = Mailbox.of(self._loop)
         queue = self._queue
         core.submit(request, lambda event: mailbox.post(queue, event))
 
@@ -79,24 +85,42 @@ class RequestStream:
     async def __anext__(self) -> TokenEvent:
         if self._is_done:
             raise StopAsyncIteration
-        event = await self._next_event()
-        if event.progress is None:  # prompt progress is still prefill: the decode timeout waits (A8)
-            self._is_decoding = True
+        event = await self._queue.get()
+        if event is None:
+            await self.aclose()
+            raise DecodeTimeoutError(f"no token for {self._decode_timeout_s:.0f} s; request aborted")
         if event.finish_reason is not None:
             self._is_done = True
+            self._stop_timer()
+        elif event.progress is None:  # prompt progress is still prefill: the decode timeout waits (A8)
+            self._last_event_at = self._loop.time()
+            if not self._is_decoding:
+                self._is_decoding = True
+                self._timer = self._loop.call_at(self._last_event_at + self._decode_timeout_s, self._check_timeout)
         return event
 
-    async def _next_event(self) -> TokenEvent:
-        if not self._is_decoding:
-            return await self._queue.get()  # prefill may take long: no timeout (A8)
-        try:
-            return await asyncio.wait_for(self._queue.get(), self._decode_timeout_s)
-        except asyncio.TimeoutError:
-            await self.aclose()
-            raise DecodeTimeoutError(f"no token for {self._decode_timeout_s:.0f} s; request aborted") from None
+    def _check_timeout(self) -> None:
+        """The timer: no event taken for the whole timeout and none waiting means the engine stalled;
+        otherwise it is set again for the new deadline."""
+        if self._is_done:
+            return
+        now, deadline = self._loop.time(), self._last_event_at + self._decode_timeout_s
+        if not self._queue.empty():  # events wait for a slow reader: the engine is not the one stalled
+            deadline = now + self._decode_timeout_s
+        elif now >= deadline:
+            self._timer = None
+            self._queue.put_nowait(None)
+            return
+        self._timer = self._loop.call_at(deadline, self._check_timeout)
+
+    def _stop_timer(self) -> None:
+        if self._timer is not None:
+            self._timer.cancel()
+            self._timer = None
 
     async def aclose(self) -> None:
         """Abort the request unless it already finished (client disconnect, stop string hit)."""
+        self._stop_timer()
         if not self._is_done:
             self._is_done = True
             self._core.abort(self.request_id)

@@ -89,7 +89,7 @@ class EngineCore:
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
-        # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (runtime.py)
+        # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (serving.served_model)
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk

@@ -19,7 +19,7 @@ from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED, CompletionFields
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
-from mlxcel.process import FLORENCE2_CAPABILITY, SideModels
+from mlxcel.serving.process import FLORENCE2_CAPABILITY, SideModels
 from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DiskCacheStats, DraftStats, EngineStats,
                           HostCacheStats, MtpDecision, PrefixCacheReset, PrefixCacheStats, SlotStats)
 

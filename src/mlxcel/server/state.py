@@ -22,13 +22,13 @@ from mlxcel.api.responses import ResponsesService
 from mlxcel.api.resumable import StreamBufferLimits, StreamStore
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.settings import LiveSettings
-from mlxcel.process import SideModels
+from mlxcel.serving.process import SideModels
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.types import EngineStats
 
-if TYPE_CHECKING:  # what the startup path built (mlxcel.startup); the server holds it, never loads it
-    from mlxcel.runtime import ServedModel
+if TYPE_CHECKING:  # what the startup path built (mlxcel.serving.startup); the server holds it, never loads it
+    from mlxcel.serving.served_model import ServedModel
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider
     from mlxcel.workers.image import ImageGenerator

@@ -30,6 +30,7 @@ import struct
 import threading
 import time
 import zlib
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -83,6 +84,7 @@ class _WriteBatch:
     payloads: list[torch.Tensor]
     ready: torch.cuda.Event | None = None
     num_ring_rows: int = 0
+    done: Callable[[], None] | None = None  # the payloads are no longer read: written, or dropped (host-tier rows)
 
 
 @dataclass(slots=True)
@@ -267,12 +269,16 @@ class DiskBlockStore:
         rows = [self._ring.rows[first + i] for first, count in runs for i in range(count)]
         self._queue.put_nowait(_WriteBatch(hashes, rows, ready, len(rows)))  # room checked by _take_rows
 
-    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False) -> None:
-        """Hand whole block payloads (chain hash, uint8 CPU tensor the writer may keep) to the writer: the
-        host tier's spills (`wait`: at the graceful stop, for room in the queue rather than drop)."""
+    def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False,
+                      ready: torch.cuda.Event | None = None, done: Callable[[], None] | None = None) -> None:
+        """Hand whole block payloads (chain hash, uint8 CPU tensor) to the writer: the host tier's spills, read
+        after `ready` (the copies into them) and given back by calling `done` once written or dropped (`wait`: at
+        the graceful stop, for room in the queue rather than drop)."""
         fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
         if fresh and self._is_writable:
-            self._enqueue(_WriteBatch([h for h, _ in fresh], [p for _, p in fresh]), wait=wait)
+            self._enqueue(_WriteBatch([h for h, _ in fresh], [p for _, p in fresh], ready, done=done), wait=wait)
+        elif done is not None:
+            done()
 
     def _enqueue(self, batch: _WriteBatch, *, wait: bool = False) -> None:
         if wait:
@@ -282,6 +288,8 @@ class DiskBlockStore:
             self._queue.put_nowait(batch)
         except queue.Full:
             self._count(num_blocks_dropped=len(batch.hashes))  # the writer is behind: recomputed later
+            if batch.done is not None:
+                batch.done()
 
     def reset(self, timeout: float = 60.0) -> tuple[int, int]:
         """Delete this identity's block files (POST /v1/cache/reset): files and bytes deleted.
@@ -297,6 +305,8 @@ class DiskBlockStore:
                 break
             if isinstance(item, _WriteBatch):  # NOTE: the ring gives rows back in order: not before the writer's
                 request.num_ring_rows += item.num_ring_rows
+                if item.done is not None:  # (the writer never saw it: its rows are not read)
+                    item.done()
         self._queue.put(request)
         if not request.done.wait(timeout):
             log.warning("disk prefix cache: the reset did not finish in %.0f s", timeout)
@@ -431,10 +441,14 @@ class DiskBlockStore:
                 self._delete_all(item)
                 continue
             if item.ready is not None:
-                item.ready.synchronize()  # the side stream's copy into the ring rows
-            for block_hash, payload in zip(item.hashes, item.payloads):
-                if self._is_writable:
-                    self._write(block_hash, payload.numpy().tobytes())
+                item.ready.synchronize()  # the side stream's copy into the ring (or host-tier) rows
+            try:
+                for block_hash, payload in zip(item.hashes, item.payloads):
+                    if self._is_writable:
+                        self._write(block_hash, payload.numpy().tobytes())
+            finally:
+                if item.done is not None:
+                    item.done()
             self._ring.give_back(item.num_ring_rows)
             if self._size_bytes > self.config.capacity_bytes:
                 self._enforce_capacity()

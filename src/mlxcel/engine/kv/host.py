@@ -5,12 +5,14 @@ A block here is its disk-file payload (disk.py's byte layout), one row of a pinn
 hook only notes the evicted blocks; the pool's flush (before any KV write) gathers them in one batch on the
 compute stream (so before the kernels that overwrite them, evict.py) and a side stream copies them to host
 memory, an event marking the rows ready: the engine thread never waits for a copy. On CUDA the pinned slabs
-are allocated by a grower thread ahead of need, never by the engine thread; a block with no row ready is
-dropped (counted).
+are allocated by a grower thread ahead of need, never by the engine thread; a block with no row ready goes
+straight to the disk tier's writer (or is dropped, counted, without one).
 A device miss asks `load`: the longest run held here is copied back with non-blocking copies on the compute
 stream (which first waits on the rows' events) and scattered into freshly allocated blocks, all queued before
-the step that reads them; the rest of the prompt is asked of the disk tier. Rows evicted from here spill to the
-disk tier's writer. On the CPU (the flag forces the tier on, for tests) the same code copies synchronously.
+the step that reads them; the rest of the prompt is asked of the disk tier. With a disk tier, the least recently
+used rows are handed to its writer ahead of need, keeping a reserve of spare rows: the writer reads the rows
+themselves (no copy on the engine thread) and gives each back once written. On the CPU (the flag forces the
+tier on, for tests) the same code copies synchronously.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import logging
 import os
 import threading
 import time
-from collections import OrderedDict
+from collections import OrderedDict, deque
 from dataclasses import dataclass, replace
 
 import torch
@@ -34,7 +36,9 @@ log = logging.getLogger(__name__)
 
 _SLAB_BYTES = 64 << 20  # pinned rows are allocated in slabs as the tier fills (by the grower thread on CUDA):
 # pinning a share of RAM up front would cost seconds at startup
-_SPILL_BATCH = 64  # blocks per disk-writer batch at the graceful stop
+_SPILL_BATCH = 64  # blocks per disk-writer batch (spills ahead, and at the graceful stop)
+_RESERVE_SHARE = 8  # with a disk tier, spare rows kept: an eighth of the capacity, at most _RESERVE_CHUNKS gathers'
+_RESERVE_CHUNKS = 4
 
 
 def default_host_bytes(device: torch.device | str) -> int:
@@ -84,6 +88,10 @@ class HostBlockTier:
         self._entries: OrderedDict[int, _Entry] = OrderedDict()  # chain hash -> row, least recently used first
         self._stats = HostCacheStats(self.capacity_rows * self.row_bytes, self.is_pinned)
         self.pending = PendingEvictions(cache)
+        # spare rows kept ready for evictions, by spilling the oldest ahead of need (with a disk tier only)
+        self._reserve = max(1, min(self.capacity_rows // _RESERVE_SHARE, _RESERVE_CHUNKS * self.pending.chunk_rows))
+        self._written: deque[int] = deque()  # rows the disk writer has written out and given back (its thread)
+        self._num_writing = 0  # rows handed to the writer and not yet taken back from `_written`
         self._num_allocated = 0  # rows of the slabs allocated so far (the grower thread's, on CUDA)
         self._want_rows = threading.Event()
         if self.is_pinned and self.capacity_rows > 0:
@@ -102,8 +110,12 @@ class HostBlockTier:
     def flush(self) -> None:
         """The pool's flush: the blocks noted since the last one, gathered in one batch and copied here
         (asynchronously on CUDA); past the bound the least recently used rows spill to the disk tier."""
+        while self._written:
+            self._free_rows.append(self._written.popleft())
+            self._num_writing -= 1
         for chunk in chunks(self.pending.take(), self.pending.chunk_rows):
             self._save_chunk(chunk)
+        self._spill_ahead()
         if self.is_pinned and self._num_allocated - self._num_rows + len(self._free_rows) < self._slab_rows:
             self._want_rows.set()  # less than a slab of spare rows: the grower pins the next one
 
@@ -119,8 +131,8 @@ class HostBlockTier:
         block_ids = [block_id for block_id, _ in fresh]
         # one batch on the compute stream (CUDA); on the CPU gathered below straight into the rows
         staged = self.pending.gather(block_ids) if self._stream is not None else None
-        # rows free, not yet used, or held by older entries (not those a load is copying out right now)
-        room = len(self._free_rows) + self._row_limit() - self._num_rows + len(self._entries)
+        # rows free or not yet used; without a disk tier also those of older entries (nothing to write out first)
+        room = self._spare_rows(self._row_limit()) + (len(self._entries) if self.disk is None else 0)
         overflow = len(fresh) - room
         if overflow > 0:  # more than this tier can take now: the oldest go straight to disk
             if self.disk is None:
@@ -140,12 +152,28 @@ class HostBlockTier:
         self._count(num_blocks_stored=len(fresh), num_bytes_stored=len(fresh) * self.row_bytes)
 
     def _rows_for(self, num_rows: int) -> list[int]:
+        """`num_rows` rows (as many as `_save_chunk` found room for): free ones, new ones, and without a disk
+        tier those of the least recently used entries."""
+        short = num_rows - self._spare_rows(self._row_limit())
+        if short > 0:
+            self._spill([self._entries.popitem(last=False) for _ in range(short)])
         rows = [self._free_rows.pop() for _ in range(min(num_rows, len(self._free_rows)))]
-        while len(rows) < num_rows and self._num_rows < self._row_limit():
+        while len(rows) < num_rows:
             rows.append(self._new_row())
-        victims = [self._entries.popitem(last=False) for _ in range(num_rows - len(rows))]
-        self._spill(victims, copy=True)
-        return rows + [entry.row for _, entry in victims]
+        return rows
+
+    def _spare_rows(self, limit: int) -> int:
+        """Rows usable without evicting an entry: free, or not yet used up to `limit`."""
+        return len(self._free_rows) + limit - self._num_rows
+
+    def _spill_ahead(self) -> None:
+        """With a disk tier: the least recently used entries go to its writer until `_reserve` rows are spare
+        or on their way back (not yet pinned capacity counts as spare: the grower pins it)."""
+        if self.disk is None:
+            return
+        num = min(self._reserve - self._spare_rows(self.capacity_rows) - self._num_writing, len(self._entries))
+        for start in range(0, max(num, 0), _SPILL_BATCH):
+            self._spill([self._entries.popitem(last=False) for _ in range(min(_SPILL_BATCH, num - start))])
 
     def _row_limit(self) -> int:
         """Rows that may be used: on CUDA those of the slabs pinned so far; on the CPU (cheap, unpinned
@@ -211,18 +239,23 @@ class HostBlockTier:
         self.pending.staged_read(ready)  # the staging buffer is gathered into again only after this copy
         return ready
 
-    def _spill(self, victims: list[tuple[int, _Entry]], *, copy: bool) -> None:
-        """Rows leaving this tier go to the disk tier's writer (copied out when the row is reused at once)."""
+    def _spill(self, victims: list[tuple[int, _Entry]], *, wait: bool = False) -> None:
+        """Entries leaving this tier: their rows go to the disk tier's writer, which gives each back once written
+        (`wait`: at the graceful stop, for room in its queue rather than drop); without one they are free now."""
         if not victims:
             return
         self._count(num_blocks_spilled=len(victims))
+        rows = [entry.row for _, entry in victims]
         if self.disk is None:
+            self._free_rows += rows
             return
-        for _, entry in victims:
-            if entry.ready is not None:
-                entry.ready.synchronize()  # long done in practice: it was queued an eviction ago
-        self.disk.save_payloads([(block_hash, self._row(entry.row).clone() if copy else self._row(entry.row))
-                                 for block_hash, entry in victims], wait=not copy)
+        self._num_writing += len(rows)
+        ready = None
+        if self._stream is not None:  # after every copy queued into these rows (the side stream runs in order)
+            ready = torch.cuda.Event()
+            ready.record(self._stream)
+        self.disk.save_payloads([(block_hash, self._row(entry.row)) for block_hash, entry in victims], wait=wait,
+                                ready=ready, done=lambda: self._written.extend(rows))
 
     # ---- loading (the KV manager's lower tier) ----
 
@@ -297,7 +330,7 @@ class HostBlockTier:
         most = self.disk.config.capacity_bytes // self.row_bytes
         victims = list(self._entries.items())[-most:] if most > 0 else []
         for start in range(0, len(victims), _SPILL_BATCH):
-            self._spill(victims[start:start + _SPILL_BATCH], copy=False)
+            self._spill(victims[start:start + _SPILL_BATCH], wait=True)
         self._entries.clear()
 
     def stats(self) -> HostCacheStats:

@@ -5,8 +5,10 @@
 engine and warmup; side workers; or an audio-only / realtime process), bind the socket, then
 `server_state(process, settings)`: the `ServerState` with the live settings (F9), the realtime
 service (H) and the web UI's model control (A5), whose run-time loads go through `ModelLoader`,
-this same path. `server/` never imports the loaders (`runtime`, `side_models`, `workers`); it
-holds what this module built (`mlxcel.process`).
+this same path. It runs in the API process; the chat model's engine runs here or in the engine
+process (`chat_model`, `engine_process`). `server/` never imports the loaders (`served_model`,
+`chat_model`, `engine_process`, `side_models`, `audio_models`, `workers`); it holds what this module
+built (`mlxcel.serving.process`).
 """
 
 from __future__ import annotations
@@ -19,18 +21,18 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mlxcel.process import Process, SideModels, Stopper
+from mlxcel.serving.process import Process, SideModels, Stopper
 
 if TYPE_CHECKING:
     from mlxcel.api.realtime import RealtimeService
-    from mlxcel.audio_models import AudioOptions
+    from mlxcel.serving.audio_models import AudioOptions
     from mlxcel.command_line import ServeSettings
     from mlxcel.config import EngineConfig
     from mlxcel.loading import ResolvedModel
-    from mlxcel.runtime import RuntimeOptions, ServedModel
+    from mlxcel.serving.served_model import RuntimeOptions, ServedModel
     from mlxcel.server.lifecycle import Worker
     from mlxcel.server.state import ServerState
-    from mlxcel.side_models import ProcessPlan, SideModelOptions
+    from mlxcel.serving.side_models import ProcessPlan, SideModelOptions
 
 log = logging.getLogger("mlxcel")
 Resolve = Callable[[str | None], "ResolvedModel"]
@@ -45,7 +47,7 @@ def run(settings: ServeSettings) -> int:
     configure_logging(settings.verbose, settings.log_file)
     log.info("API key authentication: %s", f"on ({settings.api_key_source})" if settings.server.api_keys else "off")
     from mlxcel.command_line import draft_refusal
-    from mlxcel.runtime import DraftMismatchError, MemoryBudgetError
+    from mlxcel.serving.served_model import DraftMismatchError, MemoryBudgetError
 
     if (refusal := draft_refusal(settings.engine.speculative)) is not None:
         log.error("cannot start: %s", refusal)
@@ -92,7 +94,7 @@ def server_state(process: Process, settings: ServeSettings) -> tuple[ServerState
 
 def build_process(settings: ServeSettings) -> Process:
     """The chat model (unless single-purpose), then the embedding and rerank providers beside it (spec I)."""
-    from mlxcel.side_models import SideModelOptions, load_side_models, plan_process
+    from mlxcel.serving.side_models import SideModelOptions, load_side_models, plan_process
 
     resolve = _resolver(settings.models_dir, settings.default_org)
     if settings.realtime_stt or settings.realtime_tts:
@@ -133,7 +135,7 @@ def start_chat_model(resolved: ResolvedModel, runtime: RuntimeOptions, engine: E
                      draft: ResolvedModel | None = None) -> ServedModel:
     """A6 for the chat model: template, weights (logging the materialization), decode path, engine, warmup;
     with `draft`, the draft model of full-model speculative decoding (B1) beside it."""
-    from mlxcel.runtime import start_served_model
+    from mlxcel.serving.chat_model import start_served_model
 
     return start_served_model(resolved, runtime, engine, draft=draft)
 
@@ -149,7 +151,7 @@ def _resolver(models_dir: Path | None, default_org: str, *, allow_download: bool
 
 def _model_less_plan(options: SideModelOptions, resolve: Resolve) -> ProcessPlan:
     """--webui without -m: no chat model (not even the default is looked for), side models as flagged."""
-    from mlxcel.side_models import ProcessPlan, checkpoint_kind, resolve_side_model
+    from mlxcel.serving.side_models import ProcessPlan, checkpoint_kind, resolve_side_model
 
     embedding = resolve_side_model(options.embedding_model, resolve) if options.embedding_model else None
     reranker = resolve_side_model(options.reranker_model, resolve) if options.reranker_model else None
@@ -158,7 +160,7 @@ def _model_less_plan(options: SideModelOptions, resolve: Resolve) -> ProcessPlan
 
 def _start_audio_process(settings: ServeSettings, resolve: Resolve) -> SideModels | None:
     """An audio-only process when -m names a Whisper, Kokoro or Piper checkpoint (spec G)."""
-    from mlxcel.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
+    from mlxcel.serving.audio_models import AudioOptions, audio_only_mode, find_audio_checkpoint, load_audio_models
 
     found = find_audio_checkpoint(settings.model, resolve)
     if found is None:
@@ -172,7 +174,7 @@ def _start_audio_process(settings: ServeSettings, resolve: Resolve) -> SideModel
 def _start_florence2_process(settings: ServeSettings, resolve: Resolve) -> SideModels | None:
     """A Florence-2 process when -m names a Florence-2 checkpoint (spec T): its single-stream worker,
     bounded by --max-queue-depth, each request by --decode-timeout."""
-    from mlxcel.side_models import find_florence2, load_florence2
+    from mlxcel.serving.side_models import find_florence2, load_florence2
     from mlxcel.workers.florence2 import Florence2Config
 
     found = find_florence2(settings.model, resolve)
@@ -191,7 +193,7 @@ def _start_florence2_process(settings: ServeSettings, resolve: Resolve) -> SideM
 
 def _add_image_model(side: SideModels, settings: ServeSettings, name: str | None = None) -> None:
     """--image-model beside the other models (spec J); a load failure stops what started and is fatal."""
-    from mlxcel.side_models import load_image_model
+    from mlxcel.serving.side_models import load_image_model
 
     if settings.image is None:
         return
@@ -238,7 +240,7 @@ def _start_image_process(settings: ServeSettings) -> SideModels:
 def _start_realtime_process(settings: ServeSettings, resolve: Resolve) -> tuple[ServedModel, SideModels]:
     """-m the chat model, --realtime-stt / --realtime-tts its ears and voice: /v1/realtime only (spec H)."""
     from mlxcel.api.modes import ModelEntry, SinglePurposeMode
-    from mlxcel.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
+    from mlxcel.serving.audio_models import AudioOptions, find_audio_checkpoint, load_audio_models
     from mlxcel.workers.audio_checkpoints import AudioKind
 
     if not (settings.realtime_stt and settings.realtime_tts):
@@ -327,7 +329,7 @@ class ModelLoader:
 
     def resolve(self, model_id: str) -> ResolvedModel:
         """A catalog id: "" (the embedded default), a packaged name, a path, or a repo id in the store."""
-        from mlxcel.side_models import resolve_side_model
+        from mlxcel.serving.side_models import resolve_side_model
 
         in_store = self.models_dir / model_id if self.models_dir and model_id else None
         if in_store is not None and "/" not in model_id and in_store.exists():  # a folder or file of the store
@@ -340,7 +342,7 @@ class ModelLoader:
 
     def load_side(self, role: str, resolved: ResolvedModel) -> SideModels:
         """One embedding or rerank provider on its own worker thread, as startup loads it (spec I)."""
-        from mlxcel.side_models import ProcessPlan, SideModelOptions, checkpoint_kind, load_side_models
+        from mlxcel.serving.side_models import ProcessPlan, SideModelOptions, checkpoint_kind, load_side_models
 
         is_rerank = role == "rerank"
         plan = ProcessPlan(None, embedding=None if is_rerank else resolved, reranker=resolved if is_rerank else None,

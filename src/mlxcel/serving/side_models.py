@@ -26,8 +26,8 @@ from mlxcel.api.modes import SinglePurposeMode
 from mlxcel.loading import ModelLoadError, ResolvedModel, load_model
 from mlxcel.loading.packaged import is_packaged_name, resolve_packaged
 from mlxcel.loading.encoder import is_embedding_checkpoint, is_rerank_checkpoint
-from mlxcel.process import NamedProvider, SideModels  # the products; re-exported for callers of this module
-from mlxcel.runtime import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
+from mlxcel.serving.process import NamedProvider, SideModels  # the products; re-exported for callers of this module
+from mlxcel.serving.served_model import load_tokenizer  # the chat model's tokenizer path (GGUF or HF folder)
 from mlxcel.workers.base import WorkerConfig
 from mlxcel.workers.causal_lm import last_position_logits
 from mlxcel.workers.embedding import (

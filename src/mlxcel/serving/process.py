@@ -1,10 +1,10 @@
-"""What one process serves: the products of the startup path (`mlxcel.startup`), as plain data.
+"""What one process serves: the products of the startup path (`mlxcel.serving.startup`), as plain data.
 
 `Process` is the one object the builder hands the server: the served chat model (or None), the
 side models (`SideModels`: embedding and rerank providers, an audio-only or realtime process's
 models, a Florence-2 process's worker, the single-purpose mode) and the settings they were built
 from. Nothing loads here, so `server/` can hold and read these without importing the loaders
-(`runtime`, `side_models`, `workers`).
+(`served_model`, `chat_model`, `side_models`, `workers`).
 """
 
 from __future__ import annotations
@@ -16,8 +16,8 @@ from typing import TYPE_CHECKING, Any
 from mlxcel.api.modes import ModelEntry, SinglePurposeMode
 
 if TYPE_CHECKING:
-    from mlxcel.audio_models import AudioModels
-    from mlxcel.runtime import ServedModel
+    from mlxcel.serving.audio_models import AudioModels
+    from mlxcel.serving.served_model import ServedModel
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider
     from mlxcel.workers.florence2 import Florence2Provider

@@ -1,7 +1,9 @@
-"""One served chat model: weights, tokenizer, chat template and a running engine.
-
-This is the startup path shared by `mlxcel serve`, `mlxcel-server` and `mlxcel generate`
-(A1, A6): resolve -> load weights fully -> tokenizer and template -> engine -> warmup.
+"""One served chat model: weights, tokenizer, chat template and its engine, built the same way in
+either process (issue 25): in the API process when the engine runs there (`chat_model`), or in the
+engine process (`engine_process.engine_process_main`). `RuntimeOptions` and `ServedModel` are what
+both sides hold; `build_served` loads the weights, applies the decode rewrite and LoRA adapters,
+builds the drafter and the `EngineCore` (A1, A6: resolve -> tokenizer and template -> weights -> engine
+-> warmup).
 """
 
 from __future__ import annotations
@@ -9,11 +11,8 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
-import os
-import threading
 import time
 import uuid
-from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 
@@ -26,18 +25,16 @@ from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
 from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
-from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: start_served_model raises it
+from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
-from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, open_checkpoint
+from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
 from mlxcel.lora_registry import LoraRegistry
-from mlxcel.text.chat_template import ChatTemplate, load_chat_template
+from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import MtpDecision, Request, SamplingParams
-from mlxcel.workers.diffusion import (
-    BlockDiffusionWorker, DiffusionOptions, is_block_diffusion_checkpoint, load_block_diffusion, vision_inputs,
-)
+from mlxcel.workers.diffusion import DiffusionOptions
 
 log = logging.getLogger(__name__)
 
@@ -159,74 +156,7 @@ def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, dr
             f"model {target_path} ({target.vocab_size} tokens); a drafter needs the target's tokenizer")
 
 
-def start_served_model(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,
-                       draft: ResolvedModel | None = None) -> ServedModel:
-    """A6 order: tokenizer and chat template (from the checkpoint's metadata) before the weights,
-    so a bad template fails fast; then weights fully loaded, decode path, engine, warmup.
-
-    The weights are loaded on the thread that then runs the engine loop, so one thread does
-    all of the model's parallel work (see EngineCore.run_on_this_thread).
-    """
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
-    if is_block_diffusion_checkpoint(resolved.path):
-        if options.engine_process == "on":  # its serial worker is not an EngineCore (issue 25); auto stays here
-            raise ValueError(f"--engine-process on: {resolved.path} is a block-diffusion model, served by its own "
-                             f"worker in this process; use --engine-process auto or off")
-        return start_block_diffusion(resolved, options, engine_config)
-    checkpoint = open_checkpoint(resolved.path)
-    tokenizer = load_tokenizer(checkpoint)
-    draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
-    if draft is not None and draft_checkpoint is not None:
-        check_draft_vocab(resolved.path, tokenizer, draft.path, load_tokenizer(draft_checkpoint))
-    template = load_chat_template(
-        override_source=options.chat_template, override_file=options.chat_template_file,
-        gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
-    log.info("chat template: %s", "from the model" if template and not (options.chat_template or options.chat_template_file)
-             else ("override" if template else "none (chat routes answer 400; pass --chat-template)"))
-    if options.runs_engine_process():
-        return _start_engine_process(resolved, checkpoint, tokenizer, template, options, engine_config, draft)
-    served = _on_engine_thread(lambda: _build_served(resolved, checkpoint, tokenizer, template, options, engine_config,
-                                                     draft_checkpoint))
-    if options.warmup:
-        warmup(served)
-    return served
-
-
-def start_block_diffusion(resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig) -> ServedModel:
-    """Spec U: a DiffusionGemma folder, served by its serial worker instead of the batch engine; the
-    tokenizer, template and chat features are built as for any chat model."""
-    path = resolved.path
-    try:
-        tokenizer = Tokenizer.from_pretrained_dir(path)
-    except ModelLoadError as exc:
-        raise ModelLoadError(f"{path}: {exc}") from exc
-    template = load_chat_template(override_source=options.chat_template, override_file=options.chat_template_file,
-                                  gguf_metadata=None, model_dir=path)
-    if engine_config.speculative.is_enabled or options.adapters:
-        raise ValueError(f"{path} is a block-diffusion model: speculative decoding and LoRA adapters do not apply")
-    started = time.monotonic()
-    model = load_block_diffusion(path, options.diffusion, device=options.device, dtype=options.torch_dtype())
-    text_config = model.config.text_config
-    loaded = LoadedModel(model, model.config.to_dict(), path, None, path)
-    log.info("Model loaded: %s (block diffusion, %s, canvas %d tokens, sampler %s) in %.1f s", resolved.name,
-             options.torch_dtype(), model.config.canvas_length, options.diffusion.sampler, time.monotonic() - started)
-    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
-    engine_config = replace(engine_config, max_num_seqs=1, enable_prefix_caching=False)
-    vision = vision_inputs(path, model)
-    worker = BlockDiffusionWorker(model, engine_config, options.diffusion,
-                                  context_length=int(text_config.max_position_embeddings),
-                                  eos_token_ids=tokenizer.eos_token_ids, device=options.device, vision=vision)
-    if options.warmup:
-        log.info("warmup done in %.2f s (one block, one denoising step)", worker.warm())
-    worker.start()
-    marker = tokenizer.decode([vision.image_token_id], skip_special_tokens=False) if vision is not None else None
-    log.info("block diffusion: image input %s", f"on (marker {marker!r})" if marker else "off (no vision tower)")
-    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(worker), engine_config,  # type: ignore[arg-type]
-                       features, image_marker=marker)
-
-
-def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
+def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
                   template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig,
                   draft_checkpoint: Checkpoint | None = None) -> ServedModel:
     dtype = options.torch_dtype()
@@ -258,79 +188,6 @@ def _build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: To
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
                        mtp)
-
-
-def _start_engine_process(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tokenizer,
-                          template: ChatTemplate | None, options: RuntimeOptions, engine_config: EngineConfig,
-                          draft: ResolvedModel | None) -> ServedModel:
-    """Issue 25: the engine core (weights, scheduler, KV, sampler) in a spawned child process that loads
-    and warms up the model; this process keeps the tokenizer, template and chat features."""
-    import multiprocessing
-
-    from mlxcel.engine.remote import wait_ready
-
-    context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
-    root = logging.getLogger()
-    log_format = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
-    log_files = [h.baseFilename for h in root.handlers if isinstance(h, logging.FileHandler)]  # --log-file
-    process = context.Process(target=engine_process_main, name="mlxcel-engine",
-                              args=(theirs, resolved, options, engine_config, draft, (root.level, log_format, log_files)))
-    process.start()
-    theirs.close()
-    log.info("engine process: pid %d, loading the model", process.pid)
-    try:
-        core = wait_ready(process, ours)
-    except BaseException:  # a load error, or an interrupt while loading: the engine process goes too
-        process.kill()
-        process.join(5)
-        raise
-    info = core.info
-    loaded = LoadedModel(None, checkpoint.config, checkpoint.path, checkpoint.gguf, checkpoint.model_dir)  # type: ignore[arg-type]
-    features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
-    log.info("engine process: pid %d ready (the API process keeps HTTP, templates and detokenization)", info.pid)
-    return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), info.config,  # type: ignore[arg-type]
-                       features, LoraRegistry(list(info.lora_adapters)), info.mtp)
-
-
-def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,
-                        draft: ResolvedModel | None, logs: tuple[int, str | None, list[str]]) -> None:
-    """The engine process (issue 25): load, build the EngineCore and run it; the API process drives it
-    over `conn`. SIGINT is the API process's to handle (it stops us over the pipe)."""
-    import signal
-
-    from mlxcel.chat.grammar import compile_copies_with
-    from mlxcel.engine.remote import EngineInfo, exit_now, run_engine_process
-
-    signal.signal(signal.SIGINT, signal.SIG_IGN)
-    level, log_format, log_files = logs
-    handlers: list[logging.Handler] = [logging.StreamHandler(), *(logging.FileHandler(f, encoding="utf-8") for f in log_files)]
-    logging.basicConfig(level=level, format=log_format or "%(levelname)s %(name)s: %(message)s", handlers=handlers,
-                        force=True)
-    if options.threads > 0:
-        torch.set_num_threads(options.threads)
-    box: list[ServedModel] = []
-
-    def build() -> tuple[EngineCore, EngineInfo]:
-        checkpoint = open_checkpoint(resolved.path)
-        tokenizer = load_tokenizer(checkpoint)
-        draft_checkpoint = open_checkpoint(draft.path) if draft is not None else None
-        template = load_chat_template(
-            override_source=options.chat_template, override_file=options.chat_template_file,
-            gguf_metadata=checkpoint.gguf.metadata if checkpoint.gguf else None, model_dir=checkpoint.model_dir)
-        served = _build_served(resolved, checkpoint, tokenizer, template, options, engine_config, draft_checkpoint)
-        compile_copies_with(served.features.grammar)  # grammar processors handed over are rebuilt over it
-        box.append(served)
-        core = served.engine.core
-        info = EngineInfo(served.engine_config, core.slot_context, core.memory_budget, core.eos_token_ids,
-                          tuple((e["path"], e["scale"]) for e in served.lora.list()), served.mtp, os.getpid())
-        return core, info
-
-    def warm() -> None:
-        if options.warmup:
-            warmup(box[0])
-
-    exit_now(run_engine_process(conn, build, warm))  # type: ignore[arg-type]
 
 
 _FINGERPRINT_BYTES = 1 << 20
@@ -429,30 +286,6 @@ def _mtp_policy(loaded: LoadedModel, options: RuntimeOptions,
     log.info("MTP drafter loaded: %s* (%d MTP layer(s) declared; --mtp %s)", prefix, num_layers, config.speculative.mtp)
     policy = MtpDraftPolicy(config.speculative, MtpDrafter(layer, loaded.model), num_mtp_layers=num_layers)
     return policy, None
-
-
-def _on_engine_thread(build: Callable[[], ServedModel]) -> ServedModel:
-    """Run `build` on a new thread that then becomes the engine loop; errors come back here."""
-    result: list[ServedModel | BaseException] = []
-    ready = threading.Event()
-
-    def main() -> None:
-        try:
-            served = build()
-            served.engine.core.adopt_current_thread()  # stop() may join it as soon as we return
-            result.append(served)
-        except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
-            result.append(exc)
-            return
-        finally:
-            ready.set()
-        served.engine.core.run_on_this_thread()
-
-    threading.Thread(target=main, name="mlxcel-engine", daemon=True).start()
-    ready.wait()
-    if isinstance(result[0], BaseException):
-        raise result[0]
-    return result[0]
 
 
 def _materialization(options: RuntimeOptions, is_lazy: bool) -> str:
