@@ -186,6 +186,24 @@ constexpr int64_t OUT_BLOCK = 64;  // outputs a work item: four vectors of 16
 // its 64 scales (`stride` floats a group) and w = low + code * scale: low * the group's sum of x (`xsums`,
 // [ROWS, in / group]) is added too (4-bit levels fused with int8 codes: Qwen's Q4_K q/k with its Q6_K
 // v). Without (group 0): one sum over k.
+#if defined(__AVX512F__)
+// A group's sums (per row, 64 outputs as 4 vectors) into the totals: sum * the group's scale, and with
+// `lows` low * the group's sum of x (`xsums`, [ROWS, groups]); int8_block's and int6_block's last step.
+template <int64_t ROWS, typename S>
+inline void add_group(const __m512 (&acc)[ROWS][4], __m512 (&total)[ROWS][4], const S& scales, int64_t g, bool lows,
+                      const float* xsums, int64_t groups) {
+    for (int v = 0; v < 4; ++v) {
+        const __m512 scale = scales.vec(g, 0, v);
+        for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
+        if (lows) {
+            const __m512 low = scales.vec(g, 1, v);
+            for (int64_t r = 0; r < ROWS; ++r)
+                total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * groups + g]), total[r][v]);
+        }
+    }
+}
+#endif
+
 template <int64_t ROWS, typename S>
 void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int64_t group, const S& scales,
                 bool lows, const float* xsums, float* sums) {
@@ -209,16 +227,7 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
                 }
             }
             if (group > 0) {
-                const int64_t g = k0 / group;
-                for (int v = 0; v < 4; ++v) {
-                    const __m512 scale = scales.vec(g, 0, v);
-                    for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
-                    if (lows) {
-                        const __m512 low = scales.vec(g, 1, v);
-                        for (int64_t r = 0; r < ROWS; ++r)
-                            total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
-                    }
-                }
+                add_group<ROWS>(acc, total, scales, k0 / group, lows, xsums, in / group);
             } else {
                 for (int64_t r = 0; r < ROWS; ++r)
                     for (int v = 0; v < 4; ++v) total[r][v] = acc[r][v];
@@ -326,16 +335,7 @@ void int6_block(const float* x, int64_t in, const uint32_t* w, int64_t group, co
                 }
             }, std::make_integer_sequence<int, INT6_CHUNK>{});
         }
-        const int64_t g = k0 / group;
-        for (int v = 0; v < 4; ++v) {
-            const __m512 scale = scales.vec(g, 0, v);
-            for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm512_fmadd_ps(acc[r][v], scale, total[r][v]);
-            if (lows) {
-                const __m512 low = scales.vec(g, 1, v);
-                for (int64_t r = 0; r < ROWS; ++r)
-                    total[r][v] = _mm512_fmadd_ps(low, _mm512_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
-            }
-        }
+        add_group<ROWS>(acc, total, scales, k0 / group, lows, xsums, in / group);
     }
     for (int64_t r = 0; r < ROWS; ++r)
         for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, total[r][v]);
