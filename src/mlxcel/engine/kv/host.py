@@ -172,8 +172,7 @@ class HostBlockTier:
         if self.disk is None:
             return
         num = min(self._reserve - self._spare_rows(self.capacity_rows) - self._num_writing, len(self._entries))
-        for start in range(0, max(num, 0), _SPILL_BATCH):
-            self._spill([self._entries.popitem(last=False) for _ in range(min(_SPILL_BATCH, num - start))])
+        self._spill([self._entries.popitem(last=False) for _ in range(max(num, 0))])
 
     def _row_limit(self) -> int:
         """Rows that may be used: on CUDA those of the slabs pinned so far; on the CPU (cheap, unpinned
@@ -254,8 +253,10 @@ class HostBlockTier:
         if self._stream is not None:  # after every copy queued into these rows (the side stream runs in order)
             ready = torch.cuda.Event()
             ready.record(self._stream)
-        self.disk.save_payloads([(block_hash, self._row(entry.row)) for block_hash, entry in victims], wait=wait,
-                                ready=ready, done=lambda: self._written.extend(rows))
+        for batch in chunks(victims, _SPILL_BATCH):  # rows go back a batch at a time, as each is written
+            batch_rows = [entry.row for _, entry in batch]
+            self.disk.save_payloads([(block_hash, self._row(entry.row)) for block_hash, entry in batch], wait=wait,
+                                    ready=ready, done=lambda rows=batch_rows: self._written.extend(rows))
 
     # ---- loading (the KV manager's lower tier) ----
 
@@ -329,8 +330,7 @@ class HostBlockTier:
             return
         most = self.disk.config.capacity_bytes // self.row_bytes
         victims = list(self._entries.items())[-most:] if most > 0 else []
-        for start in range(0, len(victims), _SPILL_BATCH):
-            self._spill(victims[start:start + _SPILL_BATCH], wait=True)
+        self._spill(victims, wait=True)
         self._entries.clear()
 
     def stats(self) -> HostCacheStats:
