@@ -17,6 +17,7 @@ import torch
 from mlxcel.config import EngineConfig
 from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.engine.kv.slot_files import SlotError
+from mlxcel.engine.client import EngineClient
 from mlxcel.types import (
     ContextOverflowError, EngineShutdownError, FinishReason, Priority, QueueFullError, Request, SamplingParams,
     TokenEvent,
@@ -132,6 +133,49 @@ def test_a_whole_prompt_hit_computes_only_the_last_token_and_leaves_the_cached_k
     assert first == second == reference_greedy(tiny_model, prompt, 6)
     for (k0, v0), k, v in zip(before, core.runner.kv_cache.k, core.runner.kv_cache.v):
         assert torch.equal(k[slots], k0) and torch.equal(v[slots], v0)
+
+
+def test_issue25_a_prompts_partial_last_block_takes_the_decode_step_cold_chunked_and_after_a_hit(tiny_model) -> None:
+    """Issue 25 point 3: on the CPU the positions past a prompt's last whole block go through the decode step
+    as single-token rows, whichever way the prompt came: cold, in chunks, or after a prefix-cache hit (which
+    covers whole blocks only). A hit gives the cold prompt's logprob bits; every way the reference's tokens."""
+    prompt = PROMPTS[7]  # 57 tokens: 3 whole blocks of 16 and a tail of 9
+
+    def generate(engine: EngineClient, request_id: str) -> tuple[list[int], list[float], int, list[list[int]]]:
+        """Tokens, their logprobs, the cached prompt tokens, and the positions of each decode step of several rows."""
+        calls: list[list[int]] = []
+        step = engine.core.runner.decode_step
+        original = step.run
+        step.run = lambda batch: (calls.append([r.position for r in batch]), original(batch))[1]  # type: ignore[method-assign]
+
+        async def go() -> tuple[list[int], list[float], int]:
+            tokens: list[int] = []
+            logprobs: list[float] = []
+            last = None
+            async for event in engine.generate(Request(request_id, prompt, greedy(6, logprobs=0))):
+                tokens.extend(event.token_ids)
+                logprobs.extend(e.logprob for e in event.logprobs or ())
+                last = event
+            return tokens, logprobs, last.num_cached_tokens
+        try:
+            return *run(go()), [c for c in calls if len(c) > 1]
+        finally:
+            step.run = original  # type: ignore[method-assign]
+
+    engine, chunking = make_engine(tiny_model, block_size=16), make_engine(tiny_model, block_size=16,
+                                                                           max_num_batched_tokens=13)
+    try:
+        cold, hit = generate(engine, "cold"), generate(engine, "hit")
+        chunked = generate(chunking, "chunked")  # chunks 0-12, 13-25, 26-38, 39-51, 52-56
+    finally:
+        engine.core.stop(10)
+        chunking.core.stop(10)
+    assert cold[3] == hit[3] == [list(range(48, 57))]
+    assert chunked[3] == [list(range(48, 52)), list(range(52, 57))]  # the tail cut where a chunk ends
+    assert (cold[2], hit[2], chunked[2]) == (0, 48, 0)
+    assert cold[0] == hit[0] == chunked[0] == reference_greedy(tiny_model, prompt, 6)
+    assert cold[1] == hit[1]  # the same bits, not only the argmax (chunks of other sizes: this float32
+    # model's eager matmuls sum a batch of 4 or 5 rows in another order than one of 9)
 
 
 def test_cache_prompt_false_reads_nothing(engine) -> None:

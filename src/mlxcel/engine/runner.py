@@ -4,7 +4,9 @@ A step's single-token rows (decode) go through the decode step (engine/decode_st
 compiled on CPU, CUDA graphs on GPU), its prefill chunks through the model's eager forward.
 A decode row is therefore computed the same way whatever else shares its step. When a whole
 prompt was cached (every block a hit), its last token only needs logits: it goes through the
-decode step too, reading its own cached key and writing no KV.
+decode step too, reading its own cached key and writing no KV. On the CPU, the positions of a
+prompt past its last whole KV block (its "tail") go through the decode step as well, as single-token
+rows, whether the prompt came cold or after a hit (`Runner._split_tails`).
 
 A verify row (a decode row with k draft tokens, B4) becomes k + 1 single-token rows of the
 decode step at positions p..p+k: each writes its key first and attends over the keys up to its
@@ -45,6 +47,16 @@ class StepLogits:
     verify: dict[str, torch.Tensor]
 
 
+@dataclass(frozen=True, slots=True)
+class _Tail:
+    """The part of prefill chunk `item` past its sequence's last whole block: positions first..first+num_rows-1,
+    computed as single-token rows of the decode step (`Runner._split_tails`)."""
+
+    item: ScheduledSeq
+    first: int
+    num_rows: int
+
+
 FeatureSink = Callable[[str, int, torch.Tensor], None]
 PromptLogitsSink = Callable[[Sequence, int, torch.Tensor], None]  # (sequence, first position, logits [n, vocab])
 
@@ -62,33 +74,89 @@ class Runner:
         self.kv = kv
         self.device = torch.device(device)
         self.decode_step = decode_step
+        # A GPU keeps every prompt position in its prefill chunks: its decode step is captured for at most
+        # one row a slot (CUDA graphs), and its batched prefill has no per-layer cost to save.
+        self.decode_tails = self.device.type == "cpu"
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepLogits:
         """Run one step: logits for the rows that sample (plain rows and verify rows apart)."""
         decode = [s for s in out.scheduled if (s.is_decode and not s.draft) or self._is_cached_token(s)]
         verify = [s for s in out.scheduled if s.is_decode and s.draft]
-        prefill = [s for s in out.scheduled if not s.is_decode and not self._is_cached_token(s)]
+        prefill, tails = self._split_tails([s for s in out.scheduled if not s.is_decode and not self._is_cached_token(s)])
         ids: list[str] = []
         parts: list[torch.Tensor] = []
         verified: dict[str, torch.Tensor] = {}
-        if decode or verify:
-            rows = [self._decode_row(s) for s in decode] + [r for s in verify for r in self._verify_rows(s)]
+        if tails:  # the tail rows read the keys this step's prefill chunks write: those first
+            self._run_prefill(prefill, ids, parts)
+        if decode or verify or tails:
+            rows = ([self._decode_row(s) for s in decode] + [r for t in tails for r in self._tail_rows(t)]
+                    + [r for s in verify for r in self._verify_rows(s)])
             logits = self.decode_step.run(rows)
             keep = [i for i, s in enumerate(decode) if s.is_sampling]
             ids += [decode[i].seq.request_id for i in keep]
             if decode:
                 parts.append(logits[:len(decode)] if len(keep) == len(decode) else logits[keep])
-            verified = self._split_verify(verify, logits[len(decode):])
+            start = len(decode)
+            for tail in tails:
+                end = start + tail.num_rows
+                self._send_tail_logits(tail, logits[start:end], ids, parts)
+                start = end
+            verified = self._split_verify(verify, logits[start:])
             if self.features is not None:
-                self._send_step_features(decode, verify)
+                self._send_step_features(decode, tails, verify)
+        if not tails:  # on a GPU (no tail rows) the decode step is launched before the prefill's host work
+            self._run_prefill(prefill, ids, parts)
+        merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0, device=self.device)
+        return StepLogits(ids, merged, verified)
+
+    def _run_prefill(self, prefill: list[ScheduledSeq], ids: list[str], parts: list[torch.Tensor]) -> None:
         if prefill:
             prefill_ids, logits = self._prefill(prefill)
             ids += prefill_ids
             if prefill_ids:  # chunks that do not sample yet add nothing (and no host tensor beside GPU logits)
                 parts.append(logits)
-        merged = (torch.cat(parts) if len(parts) > 1 else parts[0]) if parts else torch.empty(0, device=self.device)
-        return StepLogits(ids, merged, verified)
+
+    def _split_tails(self, chunks: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[_Tail]]:
+        """On the CPU, the positions of each chunk past its sequence's last whole block go to the decode
+        step as single-token rows (a `_Tail`); the rest stays a prefill chunk.
+
+        The split is by position, not by how the prompt arrived: a prompt's whole blocks take the
+        prefill's kernels and its partial last block the decode step's, whether it came cold, in chunks
+        or after a prefix-cache hit (which covers whole blocks only), so each way gives the same bits.
+        And a short tail costs far less so: a prefill chunk of 2 rows after 2,000 cached keys took ~50 ms
+        of eager ops (each layer gathering and converting every cached key for torch's attention), the
+        decode step ~10 ms (issue 25 point 3)."""
+        if not self.decode_tails:
+            return chunks, []
+        prefill: list[ScheduledSeq] = []
+        tails: list[_Tail] = []
+        for item in chunks:
+            seq = item.seq
+            start, stop = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
+            first = max(start, seq.num_tokens - seq.num_tokens % self.kv_cache.block_size)
+            if first > start:
+                prefill.append(item if first >= stop else ScheduledSeq(seq, first - start))
+            if first < stop:
+                tails.append(_Tail(item, first, stop - first))
+        return prefill, tails
+
+    def _tail_rows(self, tail: _Tail) -> list[DecodeRow]:
+        seq = tail.item.seq
+        return self._rows(seq, tail.first, seq.token_ids[tail.first:tail.first + tail.num_rows])
+
+    def _send_tail_logits(self, tail: _Tail, logits: torch.Tensor, ids: list[str], parts: list[torch.Tensor]) -> None:
+        """A tail's logits [rows, vocab]: its prompt positions' to the prompt-logits sink, the last one's to
+        the sampler when the tail ends the sequence."""
+        seq = tail.item.seq
+        if self.prompt_logits is not None and seq.request.wants_prompt_logits:
+            first = max(tail.first, seq.num_prompt_scored)
+            stop = min(tail.first + tail.num_rows, seq.num_prompt_tokens - 1)
+            if first < stop:
+                self.prompt_logits(seq, first, logits[first - tail.first:stop - tail.first])
+        if tail.item.is_sampling:
+            ids.append(seq.request_id)
+            parts.append(logits[-1:])
 
     def _is_cached_token(self, item: ScheduledSeq) -> bool:
         """A prompt's last token whose KV came with a prefix-cache hit (the whole prompt was cached).
@@ -136,11 +204,14 @@ class Runner:
             start += 1 + len(item.draft)
         return out
 
-    def _send_step_features(self, decode: list[ScheduledSeq], verify: list[ScheduledSeq]) -> None:
+    def _send_step_features(self, decode: list[ScheduledSeq], tails: list[_Tail], verify: list[ScheduledSeq]) -> None:
         tapped = self.decode_step.tapped
         for i, item in enumerate(decode):
             self.features(item.seq.request_id, item.seq.num_computed_tokens, tapped[i:i + 1])
         start = len(decode)
+        for tail in tails:
+            self.features(tail.item.seq.request_id, tail.first, tapped[start:start + tail.num_rows])
+            start += tail.num_rows
         for item in verify:
             self.features(item.seq.request_id, item.seq.num_computed_tokens, tapped[start:start + 1 + len(item.draft)])
             start += 1 + len(item.draft)

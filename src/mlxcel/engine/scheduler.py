@@ -92,10 +92,11 @@ class ScheduledSeq:
     def is_decode(self) -> bool:
         """One known generated token (plus any draft): computed by the decode step.
 
-        NOTE: a one-token prompt chunk (the tail left after a prefix-cache hit) is not: through the
-        decode step its KV and logits took other kernels than the same position of a whole prompt,
-        and a cache hit changed the tokens that followed. (The runner still sends the decode step a
-        prompt's last token whose KV is cached, when the whole prompt hit: it writes no KV there.)"""
+        NOTE: a one-token prompt chunk (the tail left after a prefix-cache hit) is not: it takes the
+        kernels the same position of a cold prompt takes (engine/runner.py: on the CPU the decode
+        step's for a prompt's partial last block, else the prefill's), or a cache hit would change
+        the tokens that follow. (The runner still sends the decode step a prompt's last token whose
+        KV is cached, when the whole prompt hit: it writes no KV there.)"""
         return (self.num_new_tokens - len(self.draft) == 1
                 and self.seq.num_computed_tokens >= self.seq.num_prompt_tokens)
 
