@@ -5,8 +5,8 @@ compiled on CPU, CUDA graphs on GPU), its prefill chunks through the model's eag
 A decode row is therefore computed the same way whatever else shares its step. When a whole
 prompt was cached (every block a hit), its last token only needs logits: it goes through the
 decode step too, reading its own cached key and writing no KV. On the CPU, the positions of a
-prompt past its last whole KV block (its "tail") go through the decode step as well, as single-token
-rows, whether the prompt came cold or after a hit (`Runner._split_tails`).
+prompt past its last whole KV block (its "tail", when 1-4 positions) go through the decode step as
+well, as single-token rows, whether the prompt came cold or after a hit (`Runner._split_tails`).
 
 A verify row (a decode row with k draft tokens, B4) becomes k + 1 single-token rows of the
 decode step at positions p..p+k: each writes its key first and attends over the keys up to its
@@ -45,6 +45,13 @@ class StepLogits:
     request_ids: list[str]
     logits: torch.Tensor
     verify: dict[str, torch.Tensor]
+
+
+# The most tail rows the decode step takes (more stay in the prefill): each costs a weight-bound row there,
+# and a cold prompt with a tail pays a second pass over the weights. In-process, 2 threads, native step:
+# SmolLM2 gains at every tail length after a 2,000-token hit (15 rows: 60 vs 84 ms), Qwen2.5-1.5B only
+# up to 4 (4: 75 vs 91 ms; 8: 146 vs 139) and a cold 24-token prompt lost 48 ms with 8 (bench/RESULTS.md).
+MAX_TAIL_ROWS = 4
 
 
 @dataclass(frozen=True, slots=True)
@@ -119,15 +126,16 @@ class Runner:
 
     def _split_tails(self, chunks: list[ScheduledSeq]) -> tuple[list[ScheduledSeq], list[_Tail]]:
         """On the CPU, the positions of each chunk past its sequence's last whole block go to the decode
-        step as single-token rows (a `_Tail`); the rest stays a prefill chunk.
+        step as single-token rows (a `_Tail`) when the sequence has at most MAX_TAIL_ROWS of them; the
+        rest stays a prefill chunk.
 
         The split is by position, not by how the prompt arrived: a prompt's whole blocks take the
         prefill's kernels and its partial last block the decode step's, whether it came cold, in chunks
         or after a prefix-cache hit (which covers whole blocks only), so each way gives the same bits.
         After a hit the tail costs far less so: after 2,000 cached keys (SmolLM2 Q4_1, 2 threads, native
         step) 2 new tokens took 56 ms as a prefill chunk (each layer gathering and converting every
-        cached key for torch's attention) and 15 ms as decode rows; 15 new tokens 84 and 60 ms. A cold
-        prompt pays a second pass over the weights: 2-5 ms on a 20-100-token prompt (issue 25 point 3)."""
+        cached key for torch's attention) and 15 ms as decode rows. A cold prompt with a tail pays a
+        second pass over the weights: SmolLM2 2-5 ms on 20-100 tokens (issue 25 point 3)."""
         if not self.decode_tails:
             return chunks, []
         prefill: list[ScheduledSeq] = []
@@ -135,7 +143,8 @@ class Runner:
         for item in chunks:
             seq = item.seq
             start, stop = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
-            first = max(start, seq.num_tokens - seq.num_tokens % self.kv_cache.block_size)
+            num_tail = seq.num_tokens % self.kv_cache.block_size
+            first = max(start, seq.num_tokens - num_tail) if num_tail <= MAX_TAIL_ROWS else stop
             if first > start:
                 prefill.append(item if first >= stop else ScheduledSeq(seq, first - start))
             if first < stop:
