@@ -157,6 +157,56 @@ def test_a8_slow_body_times_out(open_server: ServerThread) -> None:
     assert reply.startswith("HTTP/1.1 408") and time.monotonic() - started < 5
 
 
+def test_a8_a_client_that_stops_reading_times_out_the_write() -> None:
+    """A8 and issue 25: a write the socket takes at once runs without a deadline of its own; one that waits (the
+    client reads nothing while the response streams) ends in TimeoutError after --timeout, so no slot stays
+    pinned. A real uvicorn server on port 0 behind the Gate, a raw socket that never reads."""
+    import asyncio
+    import threading
+
+    import uvicorn
+
+    from mlxcel.server.gate import Gate
+
+    outcome: list[str] = []
+    chunk = b"x" * 65536
+
+    async def app(scope, receive, send) -> None:  # noqa: ANN001 - a bare ASGI app
+        if scope["type"] != "http":
+            return
+        await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"text/plain")]})
+        sent = 0
+        try:
+            for _ in range(2048):  # 128 MiB: far past what the socket buffers hold
+                await send({"type": "http.response.body", "body": chunk, "more_body": True})
+                sent += len(chunk)
+            outcome.append("finished")
+        except TimeoutError:
+            outcome.append(f"timed out after {sent} bytes")
+            raise
+
+    gate = Gate(app, api_keys=(), public_paths=(), max_body_bytes=1024, timeout_s=0.5)
+    server = uvicorn.Server(uvicorn.Config(gate, host="127.0.0.1", port=0, log_level="critical", lifespan="off"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 20
+    while not server.started:
+        assert time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as sock:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
+            sock.sendall(b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+            while not outcome and time.monotonic() < deadline:
+                time.sleep(0.05)  # reads nothing
+    finally:
+        server.should_exit = True
+        thread.join(10)
+    assert len(outcome) == 1 and outcome[0].startswith("timed out after"), outcome
+    assert 0 < int(outcome[0].split()[3]) < 2048 * len(chunk)  # many writes went through bare first
+
+
 # ---- routing envelopes, F11 ----
 
 def test_unknown_route_and_method_use_openai_envelope(http: httpx.Client) -> None:
