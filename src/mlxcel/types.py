@@ -7,11 +7,12 @@ Every protocol adapter translates its JSON into `Request` and builds its replies
 from __future__ import annotations
 
 import enum
+import functools
 import operator
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Protocol, runtime_checkable
 
 if TYPE_CHECKING:
     import torch
@@ -79,6 +80,44 @@ class TokenProcessor(Protocol):
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None: ...
 
     def accept(self, token_id: int) -> FinishReason | None: ...
+
+
+@runtime_checkable
+class MaskingProcessor(TokenProcessor, Protocol):
+    """A processor whose only change to a row is a mask (a grammar): the sampler asks it for packed bits
+    and masks every such row of the batch at once (engine/sampler.py)."""
+
+    def fill_mask(self, words: torch.Tensor) -> bool:
+        """Fill `words` (int32 [ceil(vocab / 32)], host: token t = bit t % 32 of word t // 32) with the tokens
+        allowed next; False when nothing is masked this step."""
+        ...
+
+
+def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> None:
+    """Rows of `MaskingProcessor` bits (`words` [rows, ceil(vocab / 32)] int32) onto logits [rows, vocab] in place,
+    as one batch: every token not allowed gets -inf.
+
+    Each mask byte indexes a table of its 8 tokens' addends (0 allowed, -inf not), added to the logits: on 2 CPU
+    cores 64 rows of 49,152 took 0.7 ms so and 5-7 ms through a boolean mask and `masked_fill_`."""
+    vocab = logits.shape[-1]
+    packed = words.to(logits.device).view(-1).view(_uint8())  # little-endian: token t is bit t % 8 of byte t // 8
+    addends = _mask_addends(str(logits.device)).index_select(0, packed.int()).view(words.shape[0], -1)
+    logits.add_(addends[:, :vocab].to(logits.dtype))
+
+
+def _uint8():  # noqa: ANN202 - torch.uint8, imported only when a mask is applied
+    import torch
+
+    return torch.uint8
+
+
+@functools.cache
+def _mask_addends(device: str) -> torch.Tensor:
+    """[256, 8] float32: for each byte value, 0 for its set bits and -inf for the others (bit order: low first)."""
+    import torch
+
+    bits = (torch.arange(256).unsqueeze(1) >> torch.arange(8)) & 1
+    return torch.where(bits == 1, 0.0, float("-inf")).to(device)
 
 
 @dataclass(slots=True)

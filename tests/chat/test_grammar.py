@@ -23,7 +23,7 @@ from mlxcel.chat.reasoning import ThinkTokens, infer_think_tokens
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.chat.tools import make_tool_parser
 from mlxcel.chat.tools.base import collect_tool_calls
-from mlxcel.types import FinishReason
+from mlxcel.types import FinishReason, SamplingParams
 from tests.chat.drive import drive, single_thread  # noqa: F401 - autouse fixture
 from tests.chat.wire import constraints
 
@@ -225,3 +225,43 @@ def test_v_eos_is_allowed_only_where_the_grammar_may_end(compiler: GrammarCompil
         assert processor.accept(token) is None
     assert processor.is_accepting
     assert processor.allowed_mask(compiler.tokenizer.vocab_size)[eos].all()
+
+
+def test_issue25_grammar_masks_apply_as_one_batch_equal_to_each_row_alone(compiler: GrammarCompiler) -> None:
+    """Issue 25: the sampler masks every grammar row of a step at once (one packed bitmask); each row ends as the
+    grammar alone would leave it: a JSON grammar, one whose reply may open with reasoning (the start marker
+    allowed too), one inside a started marker (only its next token), one reasoning (free), beside a row with no
+    grammar and a lazy tool-call grammar not yet triggered."""
+    from mlxcel.chat.lazy_grammar import make_lazy_processor
+    from mlxcel.engine.sampler import SamplingRow, _apply_processors
+
+    vocab = compiler.tokenizer.vocab_size
+    think = ThinkTokens("<t1><t2>", "</t>", (1000, 1001), (1002,))
+    json_grammar = compiler.from_constraints(constraints({"response_format": {"type": "json_object"}}))
+    plain = compiler.processor(json_grammar)
+    before = compiler.processor(json_grammar, think=think)
+    inside_marker = compiler.processor(json_grammar, think=think)
+    assert inside_marker.accept(1000) is None  # the first start-marker token: only 1001 may follow
+    reasoning = compiler.processor(json_grammar, think=think, starts_in_reasoning=True)
+    lazy_grammar = compiler.triggered_tool_calls("hermes", TOOLS, read_tool_choice("auto"))
+    assert lazy_grammar is not None
+    lazy = make_lazy_processor(compiler, lazy_grammar)
+    processors = [(plain,), (), (before,), (inside_marker,), (reasoning,), (lazy,)]
+    rows = [SamplingRow(SamplingParams(temperature=1.0), [5, 6, 7], 0, frozenset(), processors=p) for p in processors]
+    logits = torch.randn(len(rows), vocab + 7, generator=torch.Generator().manual_seed(25))  # ids past the vocabulary
+    work = logits.clone()
+    _apply_processors(work, rows)
+
+    def allowed(ids: torch.Tensor) -> torch.Tensor:
+        mask = torch.zeros(vocab + 7, dtype=torch.bool)
+        mask[ids] = True
+        return mask
+
+    grammar_only = torch.cat([plain.allowed_mask(vocab), torch.zeros(7, dtype=torch.bool)])
+    expected = [grammar_only, torch.ones(vocab + 7, dtype=torch.bool), grammar_only | allowed(torch.tensor([1000])),
+                allowed(torch.tensor([1001])), torch.ones(vocab + 7, dtype=torch.bool),
+                torch.ones(vocab + 7, dtype=torch.bool)]
+    for i, mask in enumerate(expected):
+        assert torch.equal(torch.isfinite(work[i]), mask), i
+        assert torch.equal(work[i][mask], logits[i][mask]), i  # the allowed tokens keep their logits
+    assert 0 < int(grammar_only.sum()) < vocab

@@ -30,12 +30,11 @@ import jsonschema
 import llguidance
 import torch
 
-from mlxcel.chat.budget import force_token
 from mlxcel.chat.options import OutputConstraint, ToolChoice
 from mlxcel.chat.reasoning import ThinkTokens, ThinkTracker
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.chat.tools import format_module
-from mlxcel.types import FinishReason
+from mlxcel.types import FinishReason, apply_masks
 
 log = logging.getLogger(__name__)
 
@@ -350,6 +349,14 @@ def _calls_schema(tools: list[tuple[str, Mapping[str, Any]]], arguments_key: str
 # --- the processor ---------------------------------------------------------------------------------
 
 
+def _allow(words: torch.Tensor, token_id: int) -> None:
+    """Set token `token_id`'s bit in a row of int32 mask words."""
+    if 0 <= token_id < words.numel() * 32:
+        word, bit = divmod(token_id, 32)
+        value = (int(words[word]) | 1 << bit) & 0xFFFFFFFF
+        words[word] = value - (1 << 32) if value >= 1 << 31 else value  # as a signed int32
+
+
 class GrammarProcessor:
     """A TokenProcessor holding one request's llguidance matcher.
 
@@ -372,16 +379,28 @@ class GrammarProcessor:
         return _rebuilt_processor, (self._source, self._eos, self._tracker)
 
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
+        words = torch.empty(-(-logits.shape[-1] // 32), dtype=torch.int32)
+        if self.fill_mask(words):
+            apply_masks(logits.unsqueeze(0), words.unsqueeze(0))
+
+    def fill_mask(self, words: torch.Tensor) -> bool:
+        """The tokens allowed next as bits of `words` (int32, on the host: token t is bit t % 32 of word
+        t // 32; ids past the grammar's vocabulary are not allowed), for the sampler's one masked batch
+        (issue 25). False when the grammar masks nothing now (while the reply reasons)."""
         tracker = self._tracker
         if tracker is not None and tracker.phase == ThinkTracker.REASONING:
-            return  # free while reasoning
+            return False  # free while reasoning
         if tracker is not None and tracker.phase == ThinkTracker.BEFORE and tracker.num_start_matched:
-            force_token(logits, tracker.think.start_ids[tracker.num_start_matched])
-            return
-        allowed = self.allowed_mask(logits.shape[-1])
+            words.zero_()
+            _allow(words, tracker.think.start_ids[tracker.num_start_matched])
+            return True
+        packed = torch.frombuffer(bytearray(self.matcher.compute_bitmask()), dtype=torch.int32)
+        count = min(packed.numel(), words.numel())
+        words[:count] = packed[:count]
+        words[count:] = 0
         if tracker is not None and tracker.phase == ThinkTracker.BEFORE:
-            allowed[tracker.think.start_ids[0]] = True  # the reply may open with reasoning
-        logits.masked_fill_(~allowed.to(logits.device), float("-inf"))
+            _allow(words, tracker.think.start_ids[0])  # the reply may open with reasoning
+        return True
 
     def allowed_mask(self, width: int) -> torch.Tensor:
         """[width] bool: the tokens the grammar allows next (ids past the vocabulary: none)."""

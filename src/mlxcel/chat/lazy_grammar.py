@@ -56,6 +56,9 @@ class LazyGrammarProcessor:
         if self.is_constrained:
             self._inner.process(logits, output_ids)
 
+    def fill_mask(self, words: torch.Tensor) -> bool:
+        return self.is_constrained and self._inner.fill_mask(words)
+
     def accept(self, token_id: int) -> FinishReason | None:
         if self._tracker is not None and self._tracker.advance(token_id):
             return None  # reasoning: never scanned, never constrained

@@ -22,7 +22,7 @@ from dataclasses import dataclass
 import torch
 
 from mlxcel.layers import paged_attention
-from mlxcel.types import SamplingParams, TokenLogprob, TokenProcessor
+from mlxcel.types import MaskingProcessor, SamplingParams, TokenLogprob, TokenProcessor, apply_masks
 
 # Widths of the sorted candidate sets, tried in turn: top_p 0.95 of a language model's
 # distribution mostly sits inside the first; a row whose survivors reach past the last is sorted
@@ -240,12 +240,31 @@ def _penalty_window(history: Sequence[int], repeat_last_n: int) -> Sequence[int]
 
 
 def _apply_processors(work: torch.Tensor, rows: list[SamplingRow]) -> None:
-    """Per-request plug-ins change their own row in place (a view of the batch)."""
+    """Per-request plug-ins: a processor that masks (a grammar: `MaskingProcessor`) fills its row of one packed
+    bitmask on the host (the other rows allow everything), applied to the whole batch at once (one copy to the
+    logits' device and one add: issue 25); any other changes its own row in place (a view of the batch).
+
+    The order between them does not matter: a mask only takes tokens away, and the processors that set
+    a row (the reasoning budget) act only while the reply reasons, when a grammar masks nothing."""
+    words: torch.Tensor | None = None
+    is_masking = False
     for i, row in enumerate(rows):
-        if row.processors:
-            output_ids = row.history[len(row.history) - row.num_generated:]
-            for processor in row.processors:
+        if not row.processors:
+            continue
+        output_ids = row.history[len(row.history) - row.num_generated:]
+        for processor in row.processors:
+            if not isinstance(processor, MaskingProcessor):
                 processor.process(work[i], output_ids)
+                continue
+            if words is None:
+                words = torch.full((len(rows), -(-work.shape[-1] // 32)), -1, dtype=torch.int32)
+            own = torch.empty_like(words[i])
+            if processor.fill_mask(own):
+                words[i] &= own
+                is_masking = True
+    if is_masking:
+        assert words is not None
+        apply_masks(work, words)
 
 
 def _suppress_end_tokens(work: torch.Tensor, rows: list[SamplingRow]) -> None:
