@@ -17,7 +17,6 @@ import argparse
 import asyncio
 import json
 import os
-import socket
 import subprocess
 import sys
 import tempfile
@@ -27,6 +26,7 @@ from pathlib import Path
 import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from run import free_port, wait_ready  # noqa: E402
 
 TINY = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             vocab_size=49152, max_position_embeddings=4096, rope_theta=10000.0, rms_norm_eps=1e-5,
@@ -46,12 +46,6 @@ def tiny_checkpoint(folder: Path) -> Path:
 def cpu_seconds(pid: int) -> float:
     fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
 
 
 async def stream(client: httpx.AsyncClient, index: int, route: str) -> int:
@@ -100,16 +94,7 @@ def main() -> None:
             server = subprocess.Popen(command, stdout=log, stderr=subprocess.STDOUT)
             try:
                 base = f"http://127.0.0.1:{port}"
-                deadline = time.monotonic() + 300
-                while True:
-                    try:
-                        if httpx.get(base + "/health", timeout=1).status_code == 200:
-                            break
-                    except httpx.HTTPError:
-                        pass
-                    if server.poll() is not None or time.monotonic() > deadline:
-                        sys.exit(f"the server did not start; its log:\n{(Path(tmp) / 'server.log').read_text()}")
-                    time.sleep(0.3)
+                wait_ready(base, server)
                 figures = asyncio.run(measure(base, server.pid, args.streams, args.rounds, args.route))
             finally:
                 server.terminate()

@@ -100,8 +100,10 @@ def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> None:
     Each mask byte indexes a table of its 8 tokens' addends (0 allowed, -inf not), added to the logits: on 2 CPU
     cores 64 rows of 49,152 took 0.7 ms so and 5-7 ms through a boolean mask and `masked_fill_`
     (bench/grammar_masks.py)."""
+    import torch  # this module stays importable without it (types only)
+
     vocab, table = logits.shape[-1], _mask_addends(str(logits.device))
-    packed = words.to(logits.device).view(_uint8())  # little-endian: token t is bit t % 8 of byte t // 8
+    packed = words.to(logits.device).view(torch.uint8)  # little-endian: token t is bit t % 8 of byte t // 8
     # On the CPU a few rows at a time: a small buffer of addends, not fresh pages for the whole batch
     # (64 rows at once took 4 or 11 ms by turns); a GPU takes the batch in one go.
     step = packed.shape[0] if logits.device.type == "cuda" else CPU_MASK_ROWS
@@ -112,12 +114,6 @@ def apply_masks(logits: torch.Tensor, words: torch.Tensor) -> None:
 
 
 CPU_MASK_ROWS = 8
-
-
-def _uint8():  # noqa: ANN202 - torch.uint8, imported only when a mask is applied
-    import torch
-
-    return torch.uint8
 
 
 @functools.cache

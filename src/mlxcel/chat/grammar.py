@@ -350,11 +350,9 @@ def _calls_schema(tools: list[tuple[str, Mapping[str, Any]]], arguments_key: str
 
 
 def _allow(words: torch.Tensor, token_id: int) -> None:
-    """Set token `token_id`'s bit in a row of int32 mask words."""
+    """Set token `token_id`'s bit in a row of int32 mask words (little-endian: bit t % 8 of byte t // 8)."""
     if 0 <= token_id < words.numel() * 32:
-        word, bit = divmod(token_id, 32)
-        value = (int(words[word]) | 1 << bit) & 0xFFFFFFFF
-        words[word] = value - (1 << 32) if value >= 1 << 31 else value  # as a signed int32
+        words.view(torch.uint8)[token_id // 8] |= 1 << token_id % 8
 
 
 class GrammarProcessor:

@@ -160,8 +160,7 @@ class Runner:
         the sampler when the tail ends the sequence."""
         seq = tail.item.seq
         if self.prompt_logits is not None and seq.request.wants_prompt_logits:
-            first = max(tail.first, seq.num_prompt_scored)
-            stop = min(tail.first + tail.num_rows, seq.num_prompt_tokens - 1)
+            first, stop = _unscored_prompt_positions(seq, tail.first, tail.num_rows)
             if first < stop:
                 self.prompt_logits(seq, first, logits[first - tail.first:stop - tail.first])
         if tail.item.is_sampling:
@@ -252,8 +251,7 @@ class Runner:
             if self.prompt_logits is None or not seq.request.wants_prompt_logits:
                 continue
             start = seq.num_computed_tokens
-            first = max(start, seq.num_prompt_scored)
-            stop = min(start + item.num_new_tokens, seq.num_prompt_tokens - 1)
+            first, stop = _unscored_prompt_positions(seq, start, item.num_new_tokens)
             for block in range(first, stop, PROMPT_LOGITS_BLOCK):
                 end = min(block + PROMPT_LOGITS_BLOCK, stop)
                 rows = hidden[sl.q_start + block - start:sl.q_start + end - start]
@@ -295,3 +293,9 @@ class Runner:
             pos.extend(range(start, stop))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), slices
+
+
+def _unscored_prompt_positions(seq: Sequence, start: int, count: int) -> tuple[int, int]:
+    """Of positions start..start+count-1, those whose logits predict a prompt token and have not gone out yet
+    (a recomputation after a preemption skips them): [first, stop), empty when first >= stop."""
+    return max(start, seq.num_prompt_scored), min(start + count, seq.num_prompt_tokens - 1)
