@@ -140,6 +140,58 @@ def test_penalties_use_the_repeat_window_and_counts() -> None:
     assert [round(got[t], 5) for t in range(3)] == [round(v, 5) for v in expected]
 
 
+def _window_counts(history: list[int], repeat_last_n: int, vocab: int) -> torch.Tensor:
+    window = history if repeat_last_n < 0 else history[-repeat_last_n:] if repeat_last_n else []
+    return torch.bincount(torch.tensor([t for t in window if t < vocab], dtype=torch.long), minlength=vocab).float()
+
+
+def test_issue25_kept_penalty_counts_equal_the_window_counted_afresh_at_every_step() -> None:
+    """Counts kept between steps (+1 new tokens, -1 leaving the window) equal a fresh count of each row's window,
+    through growth by one and by several tokens, a window change, a history replaced or cut short, owner-less
+    rows, and more owners than the table keeps (the least recently used give their rows up)."""
+    vocab, g = 50, torch.Generator().manual_seed(3)
+    table = sampler.PenaltyCounts()
+    histories = {f"r{i}": torch.randint(0, vocab, (int(torch.randint(0, 30, (1,), generator=g)),), generator=g).tolist()
+                 for i in range(40)}
+    windows = {owner: [64, 3, -1, 1][i % 4] for i, owner in enumerate(histories)}
+    for step in range(60):
+        owners = [o for o in histories if torch.rand(1, generator=g).item() < 0.3]  # each step a different subset
+        for o in owners:
+            histories[o] += torch.randint(0, vocab + 3, (int(torch.randint(0, 4, (1,), generator=g)),), generator=g).tolist()
+        if step == 20:
+            windows["r0"], windows["r1"] = 2, -1  # another window: counted afresh
+        if step == 30:
+            histories["r2"] = torch.randint(0, vocab, (len(histories["r2"]),), generator=g).tolist()  # another list
+            histories["r3"] = histories["r3"][:5]  # shorter than counted: counted afresh
+        rows = [SamplingRow(SamplingParams(repetition_penalty=1.2, repeat_last_n=windows[o]), histories[o], 0, frozenset(),
+                            owner=o) for o in owners]
+        rows.append(SamplingRow(SamplingParams(frequency_penalty=0.5, repeat_last_n=5), [1, 2, 2, 3, 9, 9, 9], 0,
+                                frozenset()))  # no owner: a row of its own, given back
+        owners, token_ids, counts = table.entries(rows, vocab)
+        got = torch.zeros(len(rows), vocab).index_put_((owners, token_ids), counts.float(), accumulate=True)
+        expected = torch.stack([_window_counts(r.history, r.params.repeat_last_n, vocab) for r in rows])
+        assert torch.equal(got, expected), step
+    assert len(table._windows) < 40  # the least recently used were forgotten
+
+
+def test_issue25_sampling_with_kept_penalty_counts_draws_what_fresh_counts_draw() -> None:
+    """Seeded penalized rows over 40 steps: the engine's kept table and counting afresh give the same tokens."""
+    logits = torch.randn(3, 300, generator=torch.Generator().manual_seed(4)) * 2
+    params = [dict(temperature=0.9, repetition_penalty=1.4, seed=5), dict(temperature=0.7, top_p=0.9, frequency_penalty=0.6,
+              presence_penalty=0.3, repeat_last_n=-1, seed=6), dict(temperature=0.0, repetition_penalty=2.0, repeat_last_n=4)]
+    runs = []
+    for table in (sampler.PenaltyCounts(), None):
+        rows = [SamplingRow(SamplingParams(**p), [1, 2, 3], 0, frozenset(), make_generator(p.get("seed")), owner=f"r{i}")
+                for i, p in enumerate(params)]
+        for _ in range(40):
+            tokens, _ = sample(logits, rows, table)
+            for r, t in zip(rows, tokens):
+                r.history.append(t)
+        runs.append([r.history for r in rows])
+    assert runs[0] == runs[1]
+    assert len(set(runs[0][2])) > 3  # the penalty moved the greedy row off its argmax
+
+
 def test_truncations_keep_the_expected_tokens() -> None:
     logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05]]))
 

@@ -8,18 +8,22 @@ from __future__ import annotations
 
 import asyncio
 import json
+import multiprocessing
 import os
 import random
 import re
 import signal
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 
 import httpx
 import pytest
+
+from mlxcel.engine.remote import reap
 
 from .conftest import chat_body, wait_until
 from .test_load_disconnects import PROMPTS, STORM_TOKENS, pool_state, storm_request
@@ -227,3 +231,23 @@ def test_a_killed_api_process_takes_the_engine_process_along() -> None:
     server.process.kill()
     server.process.wait(30)
     wait_until(lambda: not is_running(pid), timeout=60, what="the engine process to exit")
+
+
+def _exit_soon() -> None:
+    time.sleep(0.05)
+
+
+def test_issue25_both_waiters_of_a_stopping_engine_process_see_its_exit_code() -> None:
+    """stop() and the reader thread wait for the engine process at once; the loser of waitpid's race used to
+    read code None, logged "exited with code None while stopping" and made a clean SIGTERM exit 1 (H200 run)."""
+    context = multiprocessing.get_context("fork")
+    for _ in range(10):
+        process = context.Process(target=_exit_soon)
+        process.start()
+        codes: list[int | None] = []
+        waiters = [threading.Thread(target=lambda: codes.append(reap(process, 10))) for _ in range(2)]
+        for w in waiters:
+            w.start()
+        for w in waiters:
+            w.join()
+        assert codes == [0, 0]

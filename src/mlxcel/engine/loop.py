@@ -31,7 +31,7 @@ from mlxcel.engine.kv.host import HostBlockTier, default_host_bytes, open_host_t
 from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner, StepLogits
-from mlxcel.engine.sampler import SamplingRow, sample
+from mlxcel.engine.sampler import PenaltyCounts, SamplingRow, sample
 from mlxcel.engine.scheduler import (
     ChooseToken, ScheduledSeq, Scheduler, SchedulerOutput, Sequence, SlotContent, StepResult,
 )
@@ -118,6 +118,7 @@ class EngineCore:
         rows = model_lora_rows(model)
         self.lora_adapters = rows.paths if rows is not None else ()  # F8: slot files record them (F12)
         self.eos_token_ids = eos_token_ids
+        self._penalty_counts = PenaltyCounts()  # the penalized requests' window counts, kept between steps
         self._inbox: queue.SimpleQueue[tuple[str, Any]] = queue.SimpleQueue()
         self._sinks: dict[str, Sink] = {}
         self._lock = threading.Lock()
@@ -386,7 +387,7 @@ class EngineCore:
         by_id = {s.seq.request_id: s.seq for s in out.scheduled}
         rows = [self._sampling_row(by_id[r]) for r in request_ids]
         try:
-            tokens, logprobs = sample(logits, rows) if rows else ([], [])
+            tokens, logprobs = sample(logits, rows, self._penalty_counts) if rows else ([], [])
             sampled = {r: (t, lp) for r, t, lp in zip(request_ids, tokens, logprobs)}
         except Exception:  # noqa: BLE001 - find the bad row(s) and fail only those
             sampled = self._sample_rows_apart(request_ids, logits, rows)
@@ -396,7 +397,7 @@ class EngineCore:
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
         return SamplingRow(seq.request.sampling, seq.token_ids, seq.num_output_tokens, self.eos_token_ids,
-                           seq.generator, seq.request.processors)
+                           seq.generator, seq.request.processors, owner=seq.request_id)
 
     def _accept_drafts(self, out: SchedulerOutput, step: StepLogits) -> list[StepResult]:
         """Verify rows (B4): the target's sampler picks each position's token in turn."""
@@ -415,7 +416,7 @@ class EngineCore:
 
     def _chooser(self, item: ScheduledSeq, logits: torch.Tensor) -> ChooseToken:
         def choose(i: int) -> tuple[int, Any]:
-            tokens, logprobs = sample(logits[i:i + 1], [self._sampling_row(item.seq)])
+            tokens, logprobs = sample(logits[i:i + 1], [self._sampling_row(item.seq)], self._penalty_counts)
             return tokens[0], logprobs[0]
         return choose
 
@@ -425,7 +426,7 @@ class EngineCore:
         sampled: dict[str, tuple[int, Any]] = {}
         for i, (request_id, row) in enumerate(zip(request_ids, rows)):
             try:
-                tokens, logprobs = sample(logits[i:i + 1], [row])
+                tokens, logprobs = sample(logits[i:i + 1], [row], self._penalty_counts)
                 sampled[request_id] = (tokens[0], logprobs[0])
             except Exception:  # noqa: BLE001 - logged; the other rows keep going
                 log.exception("sampling failed for request %s; failing it", request_id)

@@ -22,10 +22,11 @@ import logging
 import os
 import pickle
 import threading
+import time
 from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
-from multiprocessing.connection import Connection
+from multiprocessing.connection import Connection, wait
 from multiprocessing.process import BaseProcess
 from typing import Any
 
@@ -171,8 +172,7 @@ class RemoteCore:
                 self._send(("stop",))
             except EngineShutdownError:
                 pass  # already gone
-        self._process.join(timeout)
-        if self._process.is_alive():
+        if reap(self._process, timeout) is None:
             return False
         self._thread.join(5)
         return self._process.exitcode == 0
@@ -214,7 +214,7 @@ class RemoteCore:
             pass
         except Exception:  # noqa: BLE001 - a message that cannot be read ends the link
             log.exception("engine process: a message could not be read")
-        self._process.join(30 if self._is_stopping else 2)  # a stopping process may still be tearing down
+        reap(self._process, 30 if self._is_stopping else 2)  # a stopping process may still be tearing down
         self._gone()
 
     def _deliver(self, events: list[TokenEvent]) -> None:
@@ -255,6 +255,22 @@ class RemoteCore:
             sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR, error=message, error_status=503))
         for future in replies.values():
             future.set_exception(EngineShutdownError(message))
+
+
+def reap(process: BaseProcess, timeout: float) -> int | None:
+    """The process's exit code once it exited within `timeout` (None: still running). stop() and the reader
+    thread both wait for the engine process: the one whose waitpid loses the race sees no code for a moment
+    (ECHILD) until the other records it, which read as an unclean exit (code None, the server's exit 1)."""
+    process.join(timeout)
+    deadline = time.monotonic() + 5
+    while process.exitcode is None and not _running(process) and time.monotonic() < deadline:
+        time.sleep(0.001)
+    return process.exitcode
+
+
+def _running(process: BaseProcess) -> bool:
+    """Whether the process has not exited yet (its sentinel not ready), whoever reaps it."""
+    return not wait([process.sentinel], 0)
 
 
 def _plugins(request: Request) -> str:
