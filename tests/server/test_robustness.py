@@ -101,10 +101,10 @@ def faulty_sampler(monkeypatch: pytest.MonkeyPatch) -> None:
     """Sampling raises for any row seeded 4242 (an injected fault inside the engine thread)."""
     real = engine_loop.sample
 
-    def sample(logits, rows):  # noqa: ANN001, ANN202 - same signature as the real one
+    def sample(logits, rows, counts=None):  # noqa: ANN001, ANN202 - same signature as the real one
         if any(row.params.seed == 4242 for row in rows):
             raise RuntimeError("injected sampling fault")
-        return real(logits, rows)
+        return real(logits, rows, counts)
 
     monkeypatch.setattr(engine_loop, "sample", sample)
 
