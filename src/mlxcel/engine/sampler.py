@@ -216,8 +216,8 @@ def _apply_logit_biases(work: torch.Tensor, rows: list[SamplingRow]) -> None:
 
 def _apply_penalties(work: torch.Tensor, rows: list[SamplingRow], table: PenaltyCounts) -> None:
     """Repetition (CTRL-style), frequency and presence penalties over each row's repeat window, at the
-    tokens in the windows alone (as llama.cpp does): a handful of entries a row, where an op over
-    the whole [rows, vocab] batch costs ~0.6 ms a row on 2 CPU cores (issue 25)."""
+    tokens in the windows alone (as llama.cpp does): a handful of entries a row, where eight ops over
+    the whole [rows, vocab] batch cost ~0.75 ms a row on 2 CPU cores (issue 25, bench/penalties.py)."""
     picked = [i for i, r in enumerate(rows) if _has_penalty(r.params) and r.params.repeat_last_n != 0]
     if not picked:
         return
@@ -254,7 +254,8 @@ class PenaltyCounts:
     """The penalties' token counts, kept per request between the engine's steps (issue 25): each step
     adds the tokens a row gained (+1) and takes off those its window's start passed (-1), a token or
     two, where counting afresh reads the whole window of every row each step (64 tokens by default;
-    the whole context with repeat_last_n -1: 6x the step's time at 2,000 tokens, bench/penalties.py).
+    the whole context with repeat_last_n -1: at 2,000 tokens a step of 16 rows 5.3 -> 3.8 ms on 2 cores,
+    bench/penalties.py).
 
     A row without an owner, a new owner, or one whose history is another list, shorter than counted,
     or under another window is counted afresh: the counts are always those of the row's window now.
