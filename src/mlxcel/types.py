@@ -51,6 +51,9 @@ class SamplingParams:
     top_k: int = 0  # 0 = off
     top_p: float = 1.0
     min_p: float = 0.0
+    typical_p: float = 1.0  # locally typical sampling (llama-server's typical_p); 1 = off
+    xtc_probability: float = 0.0  # XTC: the chance that a step removes its likeliest tokens; 0 = off
+    xtc_threshold: float = 0.1  # XTC removes every token this likely but the least likely of them (> 0.5: off)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -68,6 +71,11 @@ class SamplingParams:
     @property
     def is_greedy(self) -> bool:
         return self.temperature <= 0.0 or self.top_k == 1
+
+    @property
+    def has_typical_or_xtc(self) -> bool:
+        """Whether the chain has a typical-p or XTC step (the sampler's sorted path takes such rows)."""
+        return self.typical_p < 1.0 or (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5)
 
 
 class TokenProcessor(Protocol):

@@ -53,6 +53,18 @@ def reference_final(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     x = x / p.temperature
     if 0 < p.top_k < x.shape[-1]:
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
+    if p.typical_p < 1.0:  # llama.cpp's loop: by distance of surprisal from the entropy, until the mass passes typical_p
+        probs = torch.softmax(x, -1)
+        finite = torch.isfinite(x)
+        entropy = -(probs[finite] * torch.log(probs[finite])).sum()
+        candidates = sorted(finite.nonzero().flatten().tolist(), key=lambda t: abs(-math.log(probs[t]) - entropy))
+        kept, mass = [], 0.0
+        for t in candidates:
+            kept.append(t)
+            mass += probs[t].item()
+            if mass > p.typical_p:
+                break
+        x = torch.full_like(x, float("-inf")).index_copy(0, torch.tensor(kept), x[kept])
     if p.top_p < 1.0:
         ordered, order = torch.sort(x, descending=True)
         probs = torch.softmax(ordered, -1)
@@ -61,6 +73,11 @@ def reference_final(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
     if p.min_p > 0.0:
         probs = torch.softmax(x, -1)
         x = x.masked_fill(probs < p.min_p * probs.max(), float("-inf"))
+    if p.xtc_probability >= 1.0 and p.xtc_threshold <= 0.5:  # XTC, here on every step
+        probs = torch.softmax(x, -1)
+        above = sorted((probs >= p.xtc_threshold).nonzero().flatten().tolist(), key=lambda t: probs[t])
+        for t in above[1:]:  # all but the least likely of them
+            x[t] = float("-inf")
     return x
 
 
@@ -91,6 +108,10 @@ CHAINS = [
     dict(temperature=1.0, top_p=0.9, repetition_penalty=1.3, frequency_penalty=0.4, presence_penalty=0.2),
     dict(temperature=0.8, logit_bias=((3, 4.0), (5, -2.0), (10**6, 1.0)), min_tokens=5),
     dict(temperature=1.0, ignore_eos=True, top_p=0.8),
+    dict(temperature=0.9, typical_p=0.6),
+    dict(temperature=1.0, top_k=50, typical_p=0.8, top_p=0.9, min_p=0.02),
+    dict(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.01),
+    dict(temperature=0.7, typical_p=0.9, xtc_probability=1.0, xtc_threshold=0.02, top_p=0.95),
 ]
 
 
@@ -242,6 +263,38 @@ def test_issue25_draws_follow_the_truncated_softmax(device: str) -> None:
             assert counts[token] == 0
         else:
             assert abs(counts[token] - num * p) < 5 * math.sqrt(num * p * (1 - p)) + 1, (token, counts[token], num * p)
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue25_typical_p_and_xtc_draws_follow_their_distributions(device: str) -> None:
+    """typical-p alone, and XTC on half the steps (the mixture of the cut and the whole distribution)."""
+    logits = torch.tensor([3.0, 2.6, 2.0, 1.0, 0.5, 0.0, -1.0, -4.0])
+    num = 20_000
+    typical = row(temperature=1.0, typical_p=0.5)
+    xtc = row(temperature=1.0, xtc_probability=0.5, xtc_threshold=0.1)
+    cut = torch.softmax(reference_final(logits, row(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.1)), -1)
+    expectations = [(typical, torch.softmax(reference_final(logits, typical), -1)),
+                    (xtc, 0.5 * torch.softmax(logits, -1) + 0.5 * cut)]
+    assert cut[0] == 0.0 and cut[1] == 0.0 and cut[2] > 0.0  # XTC keeps the least likely of those past 0.1
+    for r, expected in expectations:
+        tokens, _ = sample(logits.expand(num, -1).contiguous().to(device), [r] * num)
+        counts = Counter(tokens)
+        for token, q in enumerate(expected.tolist()):
+            if q == 0.0:
+                assert counts[token] == 0, (r.params, token)
+            else:
+                assert abs(counts[token] - num * q) < 5 * math.sqrt(num * q * (1 - q)) + 1, (r.params, token, counts[token])
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_issue25_seeded_typical_and_xtc_rows_draw_the_same_alone_and_in_a_batch(device: str) -> None:
+    logits = (torch.randn(3, 6000, generator=torch.Generator().manual_seed(3)) * 2).to(device)
+    chain = dict(temperature=0.9, typical_p=0.9, xtc_probability=0.5, xtc_threshold=0.02)
+    alone, beside = row(seed=11, **chain), row(seed=11, **chain)
+    draws_alone = [sample(logits[1:2], [alone])[0][0] for _ in range(30)]
+    draws_beside = [sample(logits, [row(temperature=0.8, top_p=0.9), beside, row(seed=3, **chain)])[0][1] for _ in range(30)]
+    assert draws_alone == draws_beside
+    assert len(set(draws_alone)) > 1
 
 
 def test_issue25_a_row_with_no_token_left_is_an_error_for_that_call() -> None:

@@ -147,3 +147,22 @@ def test_a_bad_patch_value_is_a_400_naming_the_setting(live: tuple[httpx.Client,
     flag_error = pytest.raises(ValueError, BY_NAME[name].parse, str(value)).value
     assert rejected["name"] == name and rejected["code"] == "invalid_value" and rejected["message"] == str(flag_error)
     assert rejected["message"].startswith(f"{name} (--") and props_params(http) == before
+
+
+def test_issue25_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+    """llama-server's typical_p and XTC fields, sent to /completion and /v1/chat/completions. XTC on every step with
+    threshold 0 removes all of the chain's survivors but the least likely: each token is then certain, whatever
+    the seed, and not the greedy one."""
+    http, _ = live
+    xtc = {"xtc_probability": 1.0, "xtc_threshold": 0.0}
+    replies = completion_replies(http, temperature=1.0, n_probs=1, post_sampling_probs=True, **xtc)
+    greedy = completion_replies(http, temperature=0.0)
+    assert len({r["content"] for r in replies}) == 1 and replies[0]["content"] != greedy[0]["content"]
+    assert all(p["top_probs"][0]["prob"] == 1.0 for r in replies for p in r["completion_probabilities"])
+    assert {k: replies[0]["generation_settings"][k] for k in xtc} == xtc
+    typical = completion_replies(http, temperature=1.0, typical_p=0.3)
+    assert typical[0]["generation_settings"]["typical_p"] == 0.3
+    chats = chat_texts(http, temperature=1.0, **xtc)
+    assert len(set(chats)) == 1 and chats[0] != chat_texts(http, temperature=0.0)[0]
+    bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "typical_p": 1.5})
+    assert bad.status_code == 400 and "typical_p" in bad.json()["error"]["message"]

@@ -2,7 +2,8 @@
 
 The whole batch is sampled where its logits are, in a few tensor ops: logit bias, penalties,
 per-request processors (grammar, reasoning budget, loop guard), end-token suppression, then
-temperature and the truncations (top-k, top-p, min-p) in that order, and one draw per row.
+temperature and the truncations (top-k, top-p, min-p; with typical-p and XTC where a row asks,
+llama.cpp's order) in that order, and one draw per row.
 Only the chosen ids (and the logprobs a request asked for) cross to the host.
 
 Truncation never sorts the vocabulary when it need not: a row's best CANDIDATES logits are taken
@@ -117,7 +118,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     _apply_penalties(work, rows, counts if counts is not None else PenaltyCounts())
     _apply_processors(work, rows)
     _suppress_end_tokens(work, rows)
-    if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs for r in rows):
+    if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs or r.params.has_typical_or_xtc for r in rows):
         tokens, draws = _draw_fused(work, rows)
     else:
         tokens, draws = _draw_grouped(work, rows, _native_rows(work, rows))
@@ -158,7 +159,8 @@ def _native_rows(work: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     ask post-sampling logprobs (those read the drawn distribution, which only the tensor ops keep)."""
     if work.device.type != "cpu" or _gpu_strategy(work.device) or not paged_attention.available():
         return []
-    return [i for i, r in enumerate(rows) if not r.params.is_greedy and not r.params.is_post_sampling_probs]
+    return [i for i, r in enumerate(rows) if not r.params.is_greedy and not r.params.is_post_sampling_probs
+            and not r.params.has_typical_or_xtc]
 
 
 def _all_native(raw: torch.Tensor, rows: list[SamplingRow]) -> bool:
@@ -366,8 +368,10 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow], skip: set[int] = frozense
     scaled = _take(work, drawn) / _column([p.temperature for p in params], work.device)  # [drawn, vocab]
     uniforms = _uniforms([rows[i].generator for i in drawn], work.device)
     vocab = work.shape[-1]
-    ranked = [j for j, p in enumerate(params) if p.top_k > 0 or p.top_p < 1.0]
-    groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked])]
+    chained = [j for j, p in enumerate(params) if p.has_typical_or_xtc]
+    ranked = [j for j, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) and j not in chained]
+    groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked + chained]),
+              _draw_chain(scaled, uniforms, params, chained, [rows[drawn[j]].generator for j in chained])]
     # NOTE: on a GPU topk and sort are cheap and every extra kernel or sync is not: there the
     # candidate rows take one topk width and then a sort (issue 25, measured on an H200).
     on_cpu = not _gpu_strategy(work.device)
@@ -460,6 +464,55 @@ def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Samp
     positions = _inverse_cdf(final, _take(uniforms, [picked[j] for j in inside]))
     group = _Drawn([picked[j] for j in inside], final, _take(ids, inside), positions, fits if defer else None)
     return group, [picked[j] for j, ok in enumerate(fits_list) if not ok]
+
+
+def _draw_chain(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
+                generators: list[torch.Generator | None]) -> _Drawn:
+    """Rows with typical-p or XTC, over their whole vocabulary, sorted: top-k, typical-p, top-p, min-p, then XTC
+    (llama.cpp's order; each step's probabilities over what the steps before it kept). XTC draws its own
+    uniform a step (from the row's generator when seeded), after the one that picks the token."""
+    if not picked:
+        return _Drawn([], scaled[:0], None, uniforms[:0].long())
+    chosen = [params[j] for j in picked]
+    device = scaled.device
+    values, ids = torch.sort(_take(scaled, picked), -1, descending=True)
+    columns = torch.arange(values.shape[-1], device=device)
+    top_k = on_device([p.top_k if p.top_k > 0 else values.shape[-1] for p in chosen], torch.long, device)
+    keep = values >= values.gather(1, (top_k.clamp(max=values.shape[-1]) - 1)[:, None])  # ties with the k-th stay
+    keep &= _typical(values, keep, _column([p.typical_p for p in chosen], device))
+    probs = _probabilities(values, keep)
+    top_p = _column([p.top_p for p in chosen], device)
+    keep &= (probs.cumsum(dim=-1) - probs < top_p) | (top_p >= 1.0)  # the smallest prefix reaching top_p
+    best = values.masked_fill(~keep, float("-inf")).max(dim=-1, keepdim=True).values
+    keep &= values >= best + _column([_log_min_p(p.min_p) for p in chosen], device)
+    xtc_rows = [j for j, p in enumerate(chosen) if p.xtc_probability > 0.0 and p.xtc_threshold <= 0.5]
+    if xtc_rows:  # drop every token at least `threshold` likely but the least likely of them, when two or more are
+        chance = torch.ones(len(chosen), device=device).index_copy(
+            0, on_device(xtc_rows, torch.long, device), _uniforms([generators[j] for j in xtc_rows], device))
+        probs = _probabilities(values, keep)
+        above = keep & (probs >= _column([p.xtc_threshold for p in chosen], device))
+        last_above = torch.where(above, columns, -1).max(dim=-1, keepdim=True).values
+        is_cut = (chance[:, None] < _column([p.xtc_probability for p in chosen], device)) & (above.sum(-1, keepdim=True) >= 2)
+        keep &= ~(is_cut & (columns < last_above))
+    final = values.masked_fill(~keep, float("-inf"))
+    return _Drawn(picked, final, ids, _inverse_cdf(final, _take(uniforms, picked)))
+
+
+def _probabilities(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:
+    return torch.softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+
+
+def _typical(values: torch.Tensor, keep: torch.Tensor, typical_p: torch.Tensor) -> torch.Tensor:
+    """Locally typical sampling's keep mask over sorted logits: the tokens whose surprisal is nearest the
+    distribution's entropy, fewest first, until their probability passes typical_p (rows at 1: all kept)."""
+    log_probs = torch.log_softmax(values.masked_fill(~keep, float("-inf")), dim=-1)
+    probs = log_probs.exp()
+    entropy = -torch.where(keep, probs * log_probs, 0.0).sum(dim=-1, keepdim=True)
+    distance = torch.where(keep, (-log_probs - entropy).abs(), float("inf"))
+    order = torch.argsort(distance, dim=-1, stable=True)
+    in_order = probs.gather(1, order)
+    kept_in_order = (in_order.cumsum(dim=-1) - in_order <= typical_p) | (typical_p >= 1.0)
+    return torch.zeros_like(keep).scatter(1, order, kept_in_order)
 
 
 @dataclass(slots=True)

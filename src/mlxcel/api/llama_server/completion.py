@@ -186,7 +186,8 @@ def sampling_params(tokenizer: Tokenizer, fields: CompletionFields, max_tokens: 
     n_predict; 0 still samples one token, which the reply drops: the prompt is evaluated into the cache)."""
     return SamplingParams(
         temperature=max(fields.temperature, 0.0), top_k=max(fields.top_k, 0), top_p=fields.top_p,
-        min_p=fields.min_p, repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
+        min_p=fields.min_p, typical_p=fields.typical_p, xtc_probability=fields.xtc_probability,
+        xtc_threshold=fields.xtc_threshold, repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty, repeat_last_n=fields.repeat_last_n,
         logit_bias=logit_bias(tokenizer, fields.logit_bias),
         seed=None if fields.seed in (RANDOM_SEED, UINT32_RANDOM_SEED) else fields.seed,
@@ -249,6 +250,7 @@ def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
         "n_ctx": ctx.context_size, "n_predict": fields.num_predict, "max_tokens": fields.num_predict,
         "seed": UINT32_RANDOM_SEED if sampling.seed is None else sampling.seed,
         "temperature": fields.temperature, "top_k": fields.top_k, "top_p": fields.top_p, "min_p": fields.min_p,
+        "typical_p": fields.typical_p, "xtc_probability": fields.xtc_probability, "xtc_threshold": fields.xtc_threshold,
         "repeat_last_n": fields.repeat_last_n, "repeat_penalty": fields.repeat_penalty,
         "presence_penalty": fields.presence_penalty, "frequency_penalty": fields.frequency_penalty,
         "stop": list(fields.stop_words), "ignore_eos": fields.ignore_eos, "stream": fields.stream,

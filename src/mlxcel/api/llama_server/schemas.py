@@ -30,6 +30,9 @@ class CompletionFields(ChatFeatureFields):
     top_k: int = 40  # <= 0 disables
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0)  # 1 = off
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # 0 = off
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off
     repeat_penalty: float = Field(1.0, gt=0.0)
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0

@@ -74,6 +74,9 @@ class SamplingFields(ChatFeatureFields):
     # llama-server / vLLM extras (also accepted inside extra_body)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
+    typical_p: float = Field(1.0, ge=0.0, le=1.0)  # llama-server: locally typical sampling (1 = off)
+    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # llama-server: XTC (0 = off)
+    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off, as in llama-server
     repetition_penalty: float | None = Field(None, gt=0.0)
     repeat_penalty: float | None = Field(None, gt=0.0)  # llama-server's spelling
     repeat_last_n: int | None = Field(None, ge=-1)
