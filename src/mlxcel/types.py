@@ -54,6 +54,12 @@ class SamplingParams:
     typical_p: float = 1.0  # locally typical sampling (llama-server's typical_p); 1 = off
     xtc_probability: float = 0.0  # XTC: the chance that a step removes its likeliest tokens; 0 = off
     xtc_threshold: float = 0.1  # XTC removes every token this likely but the least likely of them (> 0.5: off)
+    top_n_sigma: float = -1.0  # keeps the logits within n standard deviations of the best; <= 0 = off
+    dynatemp_range: float = 0.0  # dynamic temperature: temperature +- this, by the survivors' entropy; 0 = off
+    dynatemp_exponent: float = 1.0
+    mirostat: int = 0  # 1 or 2: mirostat in place of the truncations (engine/mirostat.py); 0 = off
+    mirostat_tau: float = 5.0  # the target surprise, in bits
+    mirostat_eta: float = 0.1  # the learning rate
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
@@ -73,9 +79,15 @@ class SamplingParams:
         return self.temperature <= 0.0 or self.top_k == 1
 
     @property
-    def has_typical_or_xtc(self) -> bool:
-        """Whether the chain has a typical-p or XTC step (the sampler's sorted path takes such rows)."""
-        return self.typical_p < 1.0 or (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5)
+    def has_dynatemp(self) -> bool:
+        return self.dynatemp_range > 0.0 and not self.is_greedy
+
+    @property
+    def has_llama_cpp_steps(self) -> bool:
+        """Whether the chain has a typical-p, XTC, top-n-sigma or dynamic temperature step (llama-server's; the
+        sampler's fully sorted path takes such rows)."""
+        return (self.typical_p < 1.0 or (self.xtc_probability > 0.0 and self.xtc_threshold <= 0.5)
+                or self.top_n_sigma > 0.0 or self.has_dynatemp)
 
 
 class TokenProcessor(Protocol):

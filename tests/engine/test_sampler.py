@@ -50,7 +50,10 @@ def reference_final(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
             x[t] = float("-inf")
     if p.is_greedy:
         return x
-    x = x / p.temperature
+    x = x if p.dynatemp_range > 0 else x / p.temperature  # a dynamic temperature comes last (llama.cpp's order)
+    if p.top_n_sigma > 0:
+        finite = x[torch.isfinite(x)]
+        x = x.masked_fill(x < finite.max() - p.top_n_sigma * finite.std(unbiased=False), float("-inf"))
     if 0 < p.top_k < x.shape[-1]:
         x = x.masked_fill(x < torch.topk(x, p.top_k).values[-1], float("-inf"))
     if p.typical_p < 1.0:  # llama.cpp's loop: by distance of surprisal from the entropy, until the mass passes typical_p
@@ -78,6 +81,12 @@ def reference_final(logits: torch.Tensor, r: SamplingRow) -> torch.Tensor:
         above = sorted((probs >= p.xtc_threshold).nonzero().flatten().tolist(), key=lambda t: probs[t])
         for t in above[1:]:  # all but the least likely of them
             x[t] = float("-inf")
+    if p.dynatemp_range > 0:
+        probs = torch.softmax(x, -1)
+        survivors = probs[probs > 0]
+        share = -(survivors * survivors.log()).sum() / math.log(len(survivors)) if len(survivors) > 1 else 0.0
+        low, high = max(p.temperature - p.dynatemp_range, 0.0), p.temperature + p.dynatemp_range
+        x = x / (low + (high - low) * share ** p.dynatemp_exponent)
     return x
 
 
@@ -112,6 +121,9 @@ CHAINS = [
     dict(temperature=1.0, top_k=50, typical_p=0.8, top_p=0.9, min_p=0.02),
     dict(temperature=1.0, xtc_probability=1.0, xtc_threshold=0.01),
     dict(temperature=0.7, typical_p=0.9, xtc_probability=1.0, xtc_threshold=0.02, top_p=0.95),
+    dict(temperature=1.0, top_n_sigma=1.5),
+    dict(temperature=0.8, dynatemp_range=0.5, top_k=100),
+    dict(temperature=1.2, dynatemp_range=0.4, dynatemp_exponent=2.0, top_n_sigma=3.0, min_p=0.01),
 ]
 
 

@@ -166,3 +166,17 @@ def test_issue25_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tup
     assert len(set(chats)) == 1 and chats[0] != chat_texts(http, temperature=0.0)[0]
     bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "typical_p": 1.5})
     assert bad.status_code == 400 and "typical_p" in bad.json()["error"]["message"]
+
+
+def test_issue25_mirostat_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+    """Mirostat 2 with tau 0 and eta 0 keeps mu at 0: only the best token passes, so a temperature-1 request with
+    any seed replies what greedy does, on /completion (whose top-k 40 mirostat replaces) and the OpenAI routes."""
+    http, _ = live
+    pinned = {"mirostat": 2, "mirostat_tau": 0.0, "mirostat_eta": 0.0}
+    greedy = completion_replies(http, temperature=0.0)[0]["content"]
+    replies = completion_replies(http, temperature=1.0, **pinned)
+    assert [r["content"] for r in replies] == [greedy] * len(SEEDS)
+    assert {k: replies[0]["generation_settings"][k] for k in pinned} == pinned
+    assert chat_texts(http, temperature=1.0, **pinned) == [chat_texts(http, temperature=0.0)[0]] * len(SEEDS)
+    steered = completion_replies(http, temperature=1.0, mirostat=1, mirostat_tau=5.0)
+    assert len({r["content"] for r in steered}) > 1  # it samples

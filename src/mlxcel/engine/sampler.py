@@ -118,7 +118,7 @@ def sample(logits: torch.Tensor, rows: list[SamplingRow],
     _apply_penalties(work, rows, counts if counts is not None else PenaltyCounts())
     _apply_processors(work, rows)
     _suppress_end_tokens(work, rows)
-    if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs or r.params.has_typical_or_xtc for r in rows):
+    if _gpu_strategy(work.device) and not any(r.params.is_post_sampling_probs or r.params.has_llama_cpp_steps for r in rows):
         tokens, draws = _draw_fused(work, rows)
     else:
         tokens, draws = _draw_grouped(work, rows, _native_rows(work, rows))
@@ -160,7 +160,7 @@ def _native_rows(work: torch.Tensor, rows: list[SamplingRow]) -> list[int]:
     if work.device.type != "cpu" or _gpu_strategy(work.device) or not paged_attention.available():
         return []
     return [i for i, r in enumerate(rows) if not r.params.is_greedy and not r.params.is_post_sampling_probs
-            and not r.params.has_typical_or_xtc]
+            and not r.params.has_llama_cpp_steps]
 
 
 def _all_native(raw: torch.Tensor, rows: list[SamplingRow]) -> bool:
@@ -365,10 +365,11 @@ def _draw(work: torch.Tensor, rows: list[SamplingRow], skip: set[int] = frozense
     params = [rows[i].params for i in drawn]
     if not drawn:
         return _Draws([], drawn, params)
-    scaled = _take(work, drawn) / _column([p.temperature for p in params], work.device)  # [drawn, vocab]
+    # [drawn, vocab]; a dynamic temperature comes after the truncations (_draw_chain)
+    scaled = _take(work, drawn) / _column([1.0 if p.has_dynatemp else p.temperature for p in params], work.device)
     uniforms = _uniforms([rows[i].generator for i in drawn], work.device)
     vocab = work.shape[-1]
-    chained = [j for j, p in enumerate(params) if p.has_typical_or_xtc]
+    chained = [j for j, p in enumerate(params) if p.has_llama_cpp_steps]
     ranked = [j for j, p in enumerate(params) if (p.top_k > 0 or p.top_p < 1.0) and j not in chained]
     groups = [_draw_in_order(scaled, uniforms, params, [j for j in range(len(drawn)) if j not in ranked + chained]),
               _draw_chain(scaled, uniforms, params, chained, [rows[drawn[j]].generator for j in chained])]
@@ -468,17 +469,19 @@ def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Samp
 
 def _draw_chain(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
                 generators: list[torch.Generator | None]) -> _Drawn:
-    """Rows with typical-p or XTC, over their whole vocabulary, sorted: top-k, typical-p, top-p, min-p, then XTC
-    (llama.cpp's order; each step's probabilities over what the steps before it kept). XTC draws its own
-    uniform a step (from the row's generator when seeded), after the one that picks the token."""
+    """Rows with llama-server's typical-p, XTC, top-n-sigma or dynamic temperature, over their whole vocabulary,
+    sorted: top-n-sigma, top-k, typical-p, top-p, min-p, XTC, then a dynamic temperature (llama.cpp's order; each
+    step's probabilities over what the steps before it kept; `scaled` holds a dynamic-temperature row at 1).
+    XTC draws its own uniform a step (from the row's generator when seeded), after the one that picks the token."""
     if not picked:
         return _Drawn([], scaled[:0], None, uniforms[:0].long())
     chosen = [params[j] for j in picked]
     device = scaled.device
     values, ids = torch.sort(_take(scaled, picked), -1, descending=True)
     columns = torch.arange(values.shape[-1], device=device)
+    keep = _top_n_sigma(values, _column([p.top_n_sigma for p in chosen], device))
     top_k = on_device([p.top_k if p.top_k > 0 else values.shape[-1] for p in chosen], torch.long, device)
-    keep = values >= values.gather(1, (top_k.clamp(max=values.shape[-1]) - 1)[:, None])  # ties with the k-th stay
+    keep &= values >= values.gather(1, (top_k.clamp(max=values.shape[-1]) - 1)[:, None])  # ties with the k-th stay
     keep &= _typical(values, keep, _column([p.typical_p for p in chosen], device))
     probs = _probabilities(values, keep)
     top_p = _column([p.top_p for p in chosen], device)
@@ -494,8 +497,34 @@ def _draw_chain(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sampl
         last_above = torch.where(above, columns, -1).max(dim=-1, keepdim=True).values
         is_cut = (chance[:, None] < _column([p.xtc_probability for p in chosen], device)) & (above.sum(-1, keepdim=True) >= 2)
         keep &= ~(is_cut & (columns < last_above))
+    if any(p.has_dynatemp for p in chosen):
+        values = values / _dynamic_temperature(values, keep, chosen)
     final = values.masked_fill(~keep, float("-inf"))
     return _Drawn(picked, final, ids, _inverse_cdf(final, _take(uniforms, picked)))
+
+
+def _top_n_sigma(values: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """The logits within n standard deviations (over the row's finite logits) of the best; rows with n <= 0: all."""
+    finite = torch.isfinite(values)
+    count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
+    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
+    std = (torch.where(finite, values - mean, 0.0).square().sum(dim=-1, keepdim=True) / count).sqrt()
+    return (values >= values[:, :1] - n * std) | (n <= 0.0)
+
+
+def _dynamic_temperature(values: torch.Tensor, keep: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+    """[n, 1] each row's temperature: llama.cpp's entropy-scaled one between temperature -+ dynatemp_range for rows
+    that set it (their survivors' entropy over its most, log(survivors), to dynatemp_exponent), else 1."""
+    probs = _probabilities(values, keep)
+    entropy = -torch.where(keep & (probs > 0), probs * probs.clamp(min=1e-30).log(), 0.0).sum(dim=-1, keepdim=True)
+    survivors = keep.sum(dim=-1, keepdim=True)
+    share = torch.where(survivors > 1, entropy / survivors.clamp(min=2).float().log(), 0.0).clamp(0.0, 1.0)
+    device = values.device
+    low = _column([max(p.temperature - p.dynatemp_range, 0.0) for p in params], device)
+    high = _column([p.temperature + p.dynatemp_range for p in params], device)
+    temperature = low + (high - low) * share.pow(_column([p.dynatemp_exponent for p in params], device))
+    is_dynamic = _column([float(p.has_dynatemp) for p in params], device) > 0
+    return torch.where(is_dynamic, temperature.clamp(min=1e-6), 1.0)  # a temperature of 0: the best survivor
 
 
 def _probabilities(values: torch.Tensor, keep: torch.Tensor) -> torch.Tensor:

@@ -20,6 +20,7 @@ import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.kv import PrefixCache
+from mlxcel.engine.mirostat import with_mirostat
 from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
@@ -184,6 +185,7 @@ class Scheduler:
     # ---- admission and removal ----
 
     def add_request(self, request: Request) -> Sequence:
+        request = with_mirostat(request)
         seq = Sequence(request=request, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids),
                        generator=make_generator(request.sampling.seed),

@@ -33,6 +33,12 @@ class CompletionFields(ChatFeatureFields):
     typical_p: float = Field(1.0, ge=0.0, le=1.0)  # 1 = off
     xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # 0 = off
     xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off
+    top_n_sigma: float = -1.0  # <= 0 = off
+    dynatemp_range: float = Field(0.0, ge=0.0)  # 0 = off
+    dynatemp_exponent: float = Field(1.0, ge=0.0)
+    mirostat: int = Field(0, ge=0, le=2)  # 1 or 2 replaces the truncations; 0 = off
+    mirostat_tau: float = Field(5.0, ge=0.0)
+    mirostat_eta: float = Field(0.1, ge=0.0)
     repeat_penalty: float = Field(1.0, gt=0.0)
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0

@@ -75,6 +75,8 @@ def sampling_params(ctx: ApiContext, req: SamplingFields, *, max_tokens: int | N
         top_p=server.pick("top_p", req.top_p, 1.0),
         min_p=server.pick("min_p", req.min_p, 0.0),
         typical_p=req.typical_p, xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
+        top_n_sigma=req.top_n_sigma, dynatemp_range=req.dynatemp_range, dynatemp_exponent=req.dynatemp_exponent,
+        mirostat=req.mirostat, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta,
         repetition_penalty=server.pick("repeat_penalty", req.repetition_penalty or req.repeat_penalty, 1.0),
         presence_penalty=server.pick("presence_penalty", req.presence_penalty, 0.0),
         frequency_penalty=server.pick("frequency_penalty", req.frequency_penalty, 0.0),

@@ -77,6 +77,12 @@ class SamplingFields(ChatFeatureFields):
     typical_p: float = Field(1.0, ge=0.0, le=1.0)  # llama-server: locally typical sampling (1 = off)
     xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # llama-server: XTC (0 = off)
     xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off, as in llama-server
+    top_n_sigma: float = -1.0  # llama-server: keeps logits within n standard deviations of the best (<= 0 = off)
+    dynatemp_range: float = Field(0.0, ge=0.0)  # llama-server: dynamic temperature (0 = off)
+    dynatemp_exponent: float = Field(1.0, ge=0.0)
+    mirostat: int = Field(0, ge=0, le=2)  # llama-server: 1 or 2 replaces the truncations (0 = off)
+    mirostat_tau: float = Field(5.0, ge=0.0)
+    mirostat_eta: float = Field(0.1, ge=0.0)
     repetition_penalty: float | None = Field(None, gt=0.0)
     repeat_penalty: float | None = Field(None, gt=0.0)  # llama-server's spelling
     repeat_last_n: int | None = Field(None, ge=-1)
