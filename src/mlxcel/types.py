@@ -60,6 +60,11 @@ class SamplingParams:
     mirostat: int = 0  # 1 or 2: mirostat in place of the truncations (engine/mirostat.py); 0 = off
     mirostat_tau: float = 5.0  # the target surprise, in bits
     mirostat_eta: float = 0.1  # the learning rate
+    dry_multiplier: float = 0.0  # DRY's penalty scale (engine/dry.py); 0 = off
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2  # repeats up to this long go free
+    dry_penalty_last_n: int = 64  # how many of the last tokens DRY scans; -1 = the whole context, 0 = off
+    dry_breakers: tuple[tuple[int, tuple[int, ...]], ...] = ()  # (head token, the tokens completing it) per breaker
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

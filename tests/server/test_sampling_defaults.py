@@ -180,3 +180,20 @@ def test_issue25_mirostat_reaches_the_sampler_on_both_protocols(live: tuple[http
     assert chat_texts(http, temperature=1.0, **pinned) == [chat_texts(http, temperature=0.0)[0]] * len(SEEDS)
     steered = completion_replies(http, temperature=1.0, mirostat=1, mirostat_tau=5.0)
     assert len({r["content"] for r in steered}) > 1  # it samples
+
+
+def test_issue25_dry_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+    """Greedy continues "1 2 3 1 2 3 1 2 3 1 2" with " 3"; DRY penalizes the token that extends the repeat, unless a
+    breaker (" 2") ends every repeat just before it. An empty breaker list is a 400, as in llama-server."""
+    http, _ = live
+    body = {"prompt": "1 2 3 1 2 3 1 2 3 1 2", "n_predict": 2, "temperature": 0.0}
+    plain = http.post("/completion", json=body).json()["content"]
+    dry = http.post("/completion", json={**body, "dry_multiplier": 5.0}).json()
+    broken = http.post("/completion", json={**body, "dry_multiplier": 5.0, "dry_sequence_breakers": [" 2"]}).json()
+    assert plain.startswith(" 3") and not dry["content"].startswith(" 3") and broken["content"].startswith(" 3")
+    assert dry["generation_settings"]["dry_sequence_breakers"] == ["\n", ":", '"', "*"]
+    chat = http.post("/v1/completions", json={"prompt": body["prompt"], "max_tokens": 2, "temperature": 0.0,
+                                              "dry_multiplier": 5.0}).json()
+    assert chat["choices"][0]["text"] == dry["content"]
+    empty = http.post("/completion", json={**body, "dry_sequence_breakers": []})
+    assert empty.status_code == 400 and "dry_sequence_breakers" in empty.json()["error"]["message"]

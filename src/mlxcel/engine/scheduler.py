@@ -14,12 +14,13 @@ import itertools
 import logging
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
 from mlxcel.config import EngineConfig
 from mlxcel.engine.kv import PrefixCache
+from mlxcel.engine.dry import Dry
 from mlxcel.engine.mirostat import with_mirostat
 from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
@@ -185,7 +186,7 @@ class Scheduler:
     # ---- admission and removal ----
 
     def add_request(self, request: Request) -> Sequence:
-        request = with_mirostat(request)
+        request = _with_sampling_processors(request)
         seq = Sequence(request=request, token_ids=list(request.prompt_token_ids),
                        num_prompt_tokens=len(request.prompt_token_ids),
                        generator=make_generator(request.sampling.seed),
@@ -457,3 +458,11 @@ class Scheduler:
         if limit and seq.num_tokens - seq.kv_start > limit:
             seq.kv_start = seq.num_tokens - limit
             self.kv.free_prefix(seq.request_id, seq.kv_start)
+
+
+def _with_sampling_processors(request: Request) -> Request:
+    """The request with its own state for the samplers that keep one: mirostat (its bound) and DRY (the prompt)."""
+    request = with_mirostat(request)
+    if request.sampling.dry_multiplier != 0.0:
+        request = replace(request, processors=(*request.processors, Dry(request.sampling, request.prompt_token_ids)))
+    return request

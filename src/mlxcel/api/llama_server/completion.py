@@ -24,6 +24,7 @@ from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_js
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, lora_pairs, validate_body
+from mlxcel.api.sampling_breakers import DEFAULT_BREAKERS, dry_breakers
 from mlxcel.api.sse import sse_frame, with_keepalive
 from mlxcel.chat.options import ChatOptions
 from mlxcel.text.tokenizer import Tokenizer
@@ -189,7 +190,10 @@ def sampling_params(tokenizer: Tokenizer, fields: CompletionFields, max_tokens: 
         min_p=fields.min_p, typical_p=fields.typical_p, xtc_probability=fields.xtc_probability,
         xtc_threshold=fields.xtc_threshold, top_n_sigma=fields.top_n_sigma, dynatemp_range=fields.dynatemp_range,
         dynatemp_exponent=fields.dynatemp_exponent, mirostat=fields.mirostat, mirostat_tau=fields.mirostat_tau,
-        mirostat_eta=fields.mirostat_eta, repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
+        mirostat_eta=fields.mirostat_eta, dry_multiplier=fields.dry_multiplier, dry_base=fields.dry_base,
+        dry_allowed_length=fields.dry_allowed_length, dry_penalty_last_n=fields.dry_penalty_last_n,
+        dry_breakers=dry_breakers(tokenizer, fields.dry_sequence_breakers) if fields.dry_multiplier else (),
+        repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty, repeat_last_n=fields.repeat_last_n,
         logit_bias=logit_bias(tokenizer, fields.logit_bias),
         seed=None if fields.seed in (RANDOM_SEED, UINT32_RANDOM_SEED) else fields.seed,
@@ -256,6 +260,9 @@ def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
         "top_n_sigma": fields.top_n_sigma, "dynatemp_range": fields.dynatemp_range,
         "dynatemp_exponent": fields.dynatemp_exponent, "mirostat": fields.mirostat,
         "mirostat_tau": fields.mirostat_tau, "mirostat_eta": fields.mirostat_eta,
+        "dry_multiplier": fields.dry_multiplier, "dry_base": fields.dry_base,
+        "dry_allowed_length": fields.dry_allowed_length, "dry_penalty_last_n": fields.dry_penalty_last_n,
+        "dry_sequence_breakers": list(fields.dry_sequence_breakers or DEFAULT_BREAKERS),
         "repeat_last_n": fields.repeat_last_n, "repeat_penalty": fields.repeat_penalty,
         "presence_penalty": fields.presence_penalty, "frequency_penalty": fields.frequency_penalty,
         "stop": list(fields.stop_words), "ignore_eos": fields.ignore_eos, "stream": fields.stream,

@@ -39,6 +39,11 @@ class CompletionFields(ChatFeatureFields):
     mirostat: int = Field(0, ge=0, le=2)  # 1 or 2 replaces the truncations; 0 = off
     mirostat_tau: float = Field(5.0, ge=0.0)
     mirostat_eta: float = Field(0.1, ge=0.0)
+    dry_multiplier: float = Field(0.0, ge=0.0)  # DRY (0 = off)
+    dry_base: float = Field(1.75, ge=0.0)
+    dry_allowed_length: int = Field(2, ge=0)
+    dry_penalty_last_n: int = Field(64, ge=-1)  # -1: the whole context
+    dry_sequence_breakers: list[str] | None = Field(None, min_length=1)  # None: newline, ':', '"', '*'
     repeat_penalty: float = Field(1.0, gt=0.0)
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0
