@@ -140,6 +140,49 @@ def test_issue25_the_batched_chain_equals_a_per_row_reference_on_random_logits(d
         assert torch.allclose(torch.tensor([got[t] for t in kept]), expected[kept], atol=1e-4), r.params
 
 
+# llama.cpp's own sampler cases (tests/test-sampling.cpp): probabilities in, the survivors' probabilities out
+# (normalized here; XTC on every step where llama.cpp's test draws its 0.99 chance)
+LLAMA_CPP_CASES = [
+    ([0.1, 0.2, 0.3, 0.4], [1.0], dict(top_k=1)),
+    ([0.1, 0.2, 0.3, 0.4], [0.44444, 0.33333, 0.22222], dict(top_k=3)),
+    ([0.1, 0.2, 0.3, 0.4], [0.571429, 0.428571], dict(top_p=0.7)),
+    ([0.1, 0.2, 0.3, 0.4], [0.44444, 0.33333, 0.22222], dict(top_p=0.8)),
+    ([0.1, 0.2, 0.3, 0.4], [0.4 / 0.9, 0.3 / 0.9, 0.2 / 0.9], dict(min_p=0.26)),
+    ([0.1, 0.2, 0.3, 0.4], [0.4 / 0.7, 0.3 / 0.7], dict(min_p=0.51)),
+    ([0.1, 0.2, 0.3, 0.4], [1.0], dict(min_p=0.76)),
+    ([0.4, 0.3, 0.2, 0.1], [1.0], dict(xtc_probability=1.0, xtc_threshold=0.09)),
+    ([0.4, 0.3, 0.2, 0.1], [0.2 / 0.3, 0.1 / 0.3], dict(xtc_probability=1.0, xtc_threshold=0.19)),
+    ([0.4, 0.3, 0.2, 0.1], [0.5, 1 / 3, 1 / 6], dict(xtc_probability=1.0, xtc_threshold=0.29)),
+    ([0.4, 0.3, 0.2, 0.1], [0.4, 0.3, 0.2, 0.1], dict(xtc_probability=1.0, xtc_threshold=0.39)),
+    ([0.97, 0.01, 0.01, 0.01], [1.0], dict(typical_p=0.5)),
+    ([0.4, 0.2, 0.2, 0.2], [1 / 3, 1 / 3, 1 / 3], dict(typical_p=0.5)),
+    ([0.1, 0.2, 0.3, 0.4], [0.571429, 0.428571], dict(top_n_sigma=1.0)),
+    ([0.1, 0.2, 0.3, 0.4], [0.4, 0.3, 0.2, 0.1], dict(top_n_sigma=3.0)),
+]
+
+
+@pytest.mark.parametrize("case", LLAMA_CPP_CASES, ids=str)
+def test_issue25_the_chain_keeps_what_llama_cpp_keeps(case: tuple) -> None:
+    probs, expected, chain = case
+    got = post_sampling_distribution(torch.tensor(probs).log()[None], [row(temperature=1.0, **chain)])[0]
+    assert sorted((math.exp(v) for v in got.values()), reverse=True) == pytest.approx(expected, abs=1e-4)
+
+
+@pytest.mark.parametrize("context, expected, penalties", [
+    ([0], [0, 0.25, 0.25, 0.25, 0.25], (50.0, 0.0, 0.0)),
+    ([0, 1, 2, 0, 0], [0, 0, 0, 0.5, 0.5], (50.0, 0.0, 0.0)),
+    ([0, 1, 2], [0.000023, 0.000023, 0.000023, 0.499966, 0.499966], (1.0, 5.0, 5.0)),
+    ([0, 1, 2, 0, 0], [0.0, 0.000023, 0.000023, 0.499977, 0.499977], (1.0, 5.0, 5.0)),
+], ids=str)
+def test_issue25_penalties_give_llama_cpps_probabilities(context: list[int], expected: list[float],
+                                                         penalties: tuple[float, float, float]) -> None:
+    repeat, frequency, presence = penalties
+    r = row(context, temperature=1.0, repeat_last_n=-1, repetition_penalty=repeat, frequency_penalty=frequency,
+            presence_penalty=presence)
+    got = post_sampling_distribution(torch.full((1, 5), 0.2).log(), [r])[0]
+    assert [math.exp(got.get(t, -math.inf)) for t in range(5)] == pytest.approx(expected, abs=1e-5)
+
+
 def test_issue25_greedy_rows_with_processors_take_the_argmax_after_the_chain() -> None:
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(2))
     history = list(range(50))
