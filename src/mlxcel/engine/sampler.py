@@ -469,20 +469,24 @@ def _draw_ranked(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Samp
 
 def _draw_chain(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[SamplingParams], picked: list[int],
                 generators: list[torch.Generator | None]) -> _Drawn:
-    """Rows with llama-server's typical-p, XTC, top-n-sigma or dynamic temperature, over their whole vocabulary,
-    sorted: top-n-sigma, top-k, typical-p, top-p, min-p, XTC, then a dynamic temperature (llama.cpp's order; each
-    step's probabilities over what the steps before it kept; `scaled` holds a dynamic-temperature row at 1).
+    """Rows with llama-server's typical-p, XTC, top-n-sigma or dynamic temperature, sorted: top-n-sigma, top-k,
+    typical-p, top-p, min-p, XTC, then a dynamic temperature (llama.cpp's order; each step's probabilities over
+    what the steps before it kept; `scaled` holds a dynamic-temperature row at 1). Only the rows' top-k best are
+    sorted when every row has one (llama-server's default 40), else the whole vocabulary.
     XTC draws its own uniform a step (from the row's generator when seeded), after the one that picks the token."""
     if not picked:
         return _Drawn([], scaled[:0], None, uniforms[:0].long())
     chosen = [params[j] for j in picked]
-    device = scaled.device
-    values, ids = torch.sort(_take(scaled, picked), -1, descending=True)
-    columns = torch.arange(values.shape[-1], device=device)
-    keep = _top_n_sigma(values, _column([p.top_n_sigma for p in chosen], device))
-    top_k = on_device([p.top_k if p.top_k > 0 else values.shape[-1] for p in chosen], torch.long, device)
-    keep &= values >= values.gather(1, (top_k.clamp(max=values.shape[-1]) - 1)[:, None])  # ties with the k-th stay
-    keep &= _typical(values, keep, _column([p.typical_p for p in chosen], device))
+    device, vocab = scaled.device, scaled.shape[-1]
+    rows = _take(scaled, picked)
+    width = max(p.top_k if 0 < p.top_k < vocab else vocab for p in chosen)
+    values, ids = torch.topk(rows, width, dim=-1) if width < vocab else torch.sort(rows, -1, descending=True)
+    columns = torch.arange(width, device=device)
+    keep = _top_n_sigma(rows, values, _column([p.top_n_sigma for p in chosen], device))
+    top_k = on_device([min(p.top_k, width) if p.top_k > 0 else width for p in chosen], torch.long, device)
+    keep &= values >= values.gather(1, (top_k - 1)[:, None])  # ties with the k-th stay
+    if any(p.typical_p < 1.0 for p in chosen):
+        keep &= _typical(values, keep, _column([p.typical_p for p in chosen], device))
     probs = _probabilities(values, keep)
     top_p = _column([p.top_p for p in chosen], device)
     keep &= (probs.cumsum(dim=-1) - probs < top_p) | (top_p >= 1.0)  # the smallest prefix reaching top_p
@@ -503,12 +507,15 @@ def _draw_chain(scaled: torch.Tensor, uniforms: torch.Tensor, params: list[Sampl
     return _Drawn(picked, final, ids, _inverse_cdf(final, _take(uniforms, picked)))
 
 
-def _top_n_sigma(values: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
-    """The logits within n standard deviations (over the row's finite logits) of the best; rows with n <= 0: all."""
-    finite = torch.isfinite(values)
+def _top_n_sigma(rows: torch.Tensor, values: torch.Tensor, n: torch.Tensor) -> torch.Tensor:
+    """Which of `values` (each row's best, sorted) lie within n standard deviations of the best, the deviation over
+    the whole row's finite logits; rows with n <= 0: all."""
+    if not bool((n > 0.0).any()):
+        return torch.ones_like(values, dtype=torch.bool)
+    finite = torch.isfinite(rows)
     count = finite.sum(dim=-1, keepdim=True).clamp(min=1)
-    mean = torch.where(finite, values, 0.0).sum(dim=-1, keepdim=True) / count
-    std = (torch.where(finite, values - mean, 0.0).square().sum(dim=-1, keepdim=True) / count).sqrt()
+    mean = torch.where(finite, rows, 0.0).sum(dim=-1, keepdim=True) / count
+    std = (torch.where(finite, rows - mean, 0.0).square().sum(dim=-1, keepdim=True) / count).sqrt()
     return (values >= values[:, :1] - n * std) | (n <= 0.0)
 
 
