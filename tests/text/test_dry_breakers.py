@@ -4,7 +4,7 @@ by itself, a string of several tokens becomes a head token and its tail (issue 2
 
 from __future__ import annotations
 
-from mlxcel.api.sampling_breakers import dry_breakers
+from mlxcel.api.llama_samplers import dry_breakers
 from mlxcel.text.tokenizer import Tokenizer
 
 

@@ -6,7 +6,7 @@ A token that would extend a stretch of the recent context repeating an earlier s
 past the last one in the context, and a token that is a breaker by itself is never penalized. As in
 llama.cpp the repeats are found with the Z-algorithm over the last `penalty_last_n` tokens (prompt and
 output), and a breaker may span tokens: `breakers` maps a head token to the token tails that complete it
-(the API works them out from the strings and the vocabulary: `api/sampling_breakers.py`).
+(the API works them out from the strings and the vocabulary: `api/llama_samplers.py`).
 """
 
 from __future__ import annotations

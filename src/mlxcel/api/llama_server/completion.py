@@ -24,7 +24,6 @@ from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_js
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, lora_pairs, validate_body
-from mlxcel.api.sampling_breakers import DEFAULT_BREAKERS, dry_breakers
 from mlxcel.api.sse import sse_frame, with_keepalive
 from mlxcel.chat.options import ChatOptions
 from mlxcel.text.tokenizer import Tokenizer
@@ -187,12 +186,7 @@ def sampling_params(tokenizer: Tokenizer, fields: CompletionFields, max_tokens: 
     n_predict; 0 still samples one token, which the reply drops: the prompt is evaluated into the cache)."""
     return SamplingParams(
         temperature=max(fields.temperature, 0.0), top_k=max(fields.top_k, 0), top_p=fields.top_p,
-        min_p=fields.min_p, typical_p=fields.typical_p, xtc_probability=fields.xtc_probability,
-        xtc_threshold=fields.xtc_threshold, top_n_sigma=fields.top_n_sigma, dynatemp_range=fields.dynatemp_range,
-        dynatemp_exponent=fields.dynatemp_exponent, mirostat=fields.mirostat, mirostat_tau=fields.mirostat_tau,
-        mirostat_eta=fields.mirostat_eta, dry_multiplier=fields.dry_multiplier, dry_base=fields.dry_base,
-        dry_allowed_length=fields.dry_allowed_length, dry_penalty_last_n=fields.dry_penalty_last_n,
-        dry_breakers=dry_breakers(tokenizer, fields.dry_sequence_breakers) if fields.dry_multiplier else (),
+        min_p=fields.min_p, **fields.sampling_fields(tokenizer),
         repetition_penalty=fields.repeat_penalty, presence_penalty=fields.presence_penalty,
         frequency_penalty=fields.frequency_penalty, repeat_last_n=fields.repeat_last_n,
         logit_bias=logit_bias(tokenizer, fields.logit_bias),
@@ -256,13 +250,7 @@ def settings_json(ctx: ApiContext, fields: CompletionFields, sampling: SamplingP
         "n_ctx": ctx.context_size, "n_predict": fields.num_predict, "max_tokens": fields.num_predict,
         "seed": UINT32_RANDOM_SEED if sampling.seed is None else sampling.seed,
         "temperature": fields.temperature, "top_k": fields.top_k, "top_p": fields.top_p, "min_p": fields.min_p,
-        "typical_p": fields.typical_p, "xtc_probability": fields.xtc_probability, "xtc_threshold": fields.xtc_threshold,
-        "top_n_sigma": fields.top_n_sigma, "dynatemp_range": fields.dynatemp_range,
-        "dynatemp_exponent": fields.dynatemp_exponent, "mirostat": fields.mirostat,
-        "mirostat_tau": fields.mirostat_tau, "mirostat_eta": fields.mirostat_eta,
-        "dry_multiplier": fields.dry_multiplier, "dry_base": fields.dry_base,
-        "dry_allowed_length": fields.dry_allowed_length, "dry_penalty_last_n": fields.dry_penalty_last_n,
-        "dry_sequence_breakers": list(fields.dry_sequence_breakers or DEFAULT_BREAKERS),
+        **fields.settings(),
         "repeat_last_n": fields.repeat_last_n, "repeat_penalty": fields.repeat_penalty,
         "presence_penalty": fields.presence_penalty, "frequency_penalty": fields.frequency_penalty,
         "stop": list(fields.stop_words), "ignore_eos": fields.ignore_eos, "stream": fields.stream,

@@ -13,13 +13,14 @@ from typing import Any
 from pydantic import Field, field_validator, model_validator
 
 from mlxcel.api.schema import MAX_SEED, ChatFeatureFields, ChatRole, LoraEntry, WireModel
+from mlxcel.api.llama_samplers import LlamaSamplerFields
 
 MAX_N_PROBS = 20
 RANDOM_SEED = -1
 UINT32_RANDOM_SEED = 0xFFFFFFFF  # LLAMA_DEFAULT_SEED: what llama-server reports for "random"
 
 
-class CompletionFields(ChatFeatureFields):
+class CompletionFields(ChatFeatureFields, LlamaSamplerFields):
     """The /completion options shared with /infill, by llama-server's names (the reasoning
     budget, json_schema / grammar and loop-guard fields come from ChatFeatureFields)."""
 
@@ -30,20 +31,6 @@ class CompletionFields(ChatFeatureFields):
     top_k: int = 40  # <= 0 disables
     top_p: float = Field(0.95, gt=0.0, le=1.0)
     min_p: float = Field(0.05, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, ge=0.0, le=1.0)  # 1 = off
-    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # 0 = off
-    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off
-    top_n_sigma: float = -1.0  # <= 0 = off
-    dynatemp_range: float = Field(0.0, ge=0.0)  # 0 = off
-    dynatemp_exponent: float = Field(1.0, ge=0.0)
-    mirostat: int = Field(0, ge=0, le=2)  # 1 or 2 replaces the truncations; 0 = off
-    mirostat_tau: float = Field(5.0, ge=0.0)
-    mirostat_eta: float = Field(0.1, ge=0.0)
-    dry_multiplier: float = Field(0.0, ge=0.0)  # DRY (0 = off)
-    dry_base: float = Field(1.75, ge=0.0)
-    dry_allowed_length: int = Field(2, ge=0)
-    dry_penalty_last_n: int = Field(64, ge=-1)  # -1: the whole context
-    dry_sequence_breakers: list[str] | None = Field(None, min_length=1)  # None: newline, ':', '"', '*'
     repeat_penalty: float = Field(1.0, gt=0.0)
     repeat_last_n: int = Field(64, ge=-1)
     presence_penalty: float = 0.0

@@ -19,7 +19,6 @@ from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import GenerationParams
 from mlxcel.api.openai.schemas import SamplingFields
 from mlxcel.api.schema import lora_pairs
-from mlxcel.api.sampling_breakers import dry_breakers
 from mlxcel.types import Priority, SamplingParams, Usage
 
 PRIORITY_HEADER = "x-priority"
@@ -75,12 +74,7 @@ def sampling_params(ctx: ApiContext, req: SamplingFields, *, max_tokens: int | N
         top_k=max(server.pick("top_k", req.top_k, 0), 0),
         top_p=server.pick("top_p", req.top_p, 1.0),
         min_p=server.pick("min_p", req.min_p, 0.0),
-        typical_p=req.typical_p, xtc_probability=req.xtc_probability, xtc_threshold=req.xtc_threshold,
-        top_n_sigma=req.top_n_sigma, dynatemp_range=req.dynatemp_range, dynatemp_exponent=req.dynatemp_exponent,
-        mirostat=req.mirostat, mirostat_tau=req.mirostat_tau, mirostat_eta=req.mirostat_eta,
-        dry_multiplier=req.dry_multiplier, dry_base=req.dry_base, dry_allowed_length=req.dry_allowed_length,
-        dry_penalty_last_n=req.dry_penalty_last_n,
-        dry_breakers=dry_breakers(ctx.tokenizer, req.dry_sequence_breakers) if req.dry_multiplier else (),
+        **req.sampling_fields(ctx.tokenizer),
         repetition_penalty=server.pick("repeat_penalty", req.repetition_penalty or req.repeat_penalty, 1.0),
         presence_penalty=server.pick("presence_penalty", req.presence_penalty, 0.0),
         frequency_penalty=server.pick("frequency_penalty", req.frequency_penalty, 0.0),

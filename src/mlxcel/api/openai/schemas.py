@@ -11,6 +11,7 @@ from typing import Any
 from pydantic import Field, model_validator
 
 from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatFeatureFields, ChatRole, LoraEntry, WireModel
+from mlxcel.api.llama_samplers import LlamaSamplerFields
 
 MAX_N = 16
 MAX_TOP_LOGPROBS = 20
@@ -54,7 +55,7 @@ class StreamOptions(WireModel):
     include_usage: bool = False
 
 
-class SamplingFields(ChatFeatureFields):
+class SamplingFields(ChatFeatureFields, LlamaSamplerFields):
     """Sampling fields shared by chat and completions (OpenAI names, then llama/vLLM extras; the
     chat-feature extensions come from ChatFeatureFields)."""
 
@@ -74,20 +75,6 @@ class SamplingFields(ChatFeatureFields):
     # llama-server / vLLM extras (also accepted inside extra_body)
     top_k: int | None = Field(None, ge=-1)
     min_p: float | None = Field(None, ge=0.0, le=1.0)
-    typical_p: float = Field(1.0, ge=0.0, le=1.0)  # llama-server: locally typical sampling (1 = off)
-    xtc_probability: float = Field(0.0, ge=0.0, le=1.0)  # llama-server: XTC (0 = off)
-    xtc_threshold: float = Field(0.1, ge=0.0, le=1.0)  # past 0.5 XTC is off, as in llama-server
-    top_n_sigma: float = -1.0  # llama-server: keeps logits within n standard deviations of the best (<= 0 = off)
-    dynatemp_range: float = Field(0.0, ge=0.0)  # llama-server: dynamic temperature (0 = off)
-    dynatemp_exponent: float = Field(1.0, ge=0.0)
-    mirostat: int = Field(0, ge=0, le=2)  # llama-server: 1 or 2 replaces the truncations (0 = off)
-    mirostat_tau: float = Field(5.0, ge=0.0)
-    mirostat_eta: float = Field(0.1, ge=0.0)
-    dry_multiplier: float = Field(0.0, ge=0.0)  # DRY (0 = off)
-    dry_base: float = Field(1.75, ge=0.0)
-    dry_allowed_length: int = Field(2, ge=0)
-    dry_penalty_last_n: int = Field(64, ge=-1)  # -1: the whole context
-    dry_sequence_breakers: list[str] | None = Field(None, min_length=1)  # None: newline, ':', '"', '*'
     repetition_penalty: float | None = Field(None, gt=0.0)
     repeat_penalty: float | None = Field(None, gt=0.0)  # llama-server's spelling
     repeat_last_n: int | None = Field(None, ge=-1)
