@@ -164,6 +164,9 @@ def test_issue25_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tup
     assert typical[0]["generation_settings"]["typical_p"] == 0.3
     chats = chat_texts(http, temperature=1.0, **xtc)
     assert len(set(chats)) == 1 and chats[0] != chat_texts(http, temperature=0.0)[0]
+    shown = props_params(http)  # what llama-server's web UI reads as the defaults: each of them off
+    assert {k: shown[k] for k in ("typical_p", "xtc_probability", "top_n_sigma", "mirostat", "dry_multiplier")} == {
+        "typical_p": 1.0, "xtc_probability": 0.0, "top_n_sigma": -1.0, "mirostat": 0, "dry_multiplier": 0.0}
     bad = http.post("/v1/chat/completions", json={"messages": [{"role": "user", "content": "Hi"}], "typical_p": 1.5})
     assert bad.status_code == 400 and "typical_p" in bad.json()["error"]["message"]
 

@@ -15,6 +15,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from mlxcel.api.errors import ApiError, invalid_request
+from mlxcel.api.llama_samplers import LlamaSamplerFields
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED, CompletionFields
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
@@ -229,7 +230,8 @@ def _default_params(live: Mapping[str, Any]) -> dict[str, Any]:
     fields = CompletionFields.model_fields
     sampler = {name: fields[name].default if live[f"default_{name}"] is None else live[f"default_{name}"]
                for name in _SAMPLER_DEFAULTS}
-    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"], **sampler}
+    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"], **sampler,
+            **LlamaSamplerFields().settings()}  # typical-p, XTC, mirostat, DRY...: off
 
 
 def _version() -> str:
