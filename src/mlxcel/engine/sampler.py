@@ -2,8 +2,10 @@
 
 The whole batch is sampled where its logits are, in a few tensor ops: logit bias, penalties,
 per-request processors (grammar, reasoning budget, loop guard), end-token suppression, then
-temperature and the truncations (top-k, top-p, min-p; with typical-p and XTC where a row asks,
-llama.cpp's order) in that order, and one draw per row.
+temperature and the truncations (top-k, top-p, min-p) in that order, and one draw per row. A row
+with llama-server's typical-p, XTC, top-n-sigma or dynamic temperature takes those steps too, in
+llama.cpp's order (`_draw_chain`); mirostat and DRY keep state per request and come as processors
+(engine/mirostat.py, engine/dry.py).
 Only the chosen ids (and the logprobs a request asked for) cross to the host.
 
 Truncation never sorts the vocabulary when it need not: a row's best CANDIDATES logits are taken
