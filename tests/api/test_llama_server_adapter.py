@@ -125,7 +125,10 @@ def test_f4_final_json_golden(tokenizer: Tokenizer) -> None:
     settings = body["generation_settings"]
     assert settings == {
         "n_ctx": 1024, "n_predict": 8, "max_tokens": 8, "seed": 0xFFFFFFFF, "temperature": 0, "top_k": 40,
-        "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0,
+        "top_p": 0.95, "min_p": 0.05, "typical_p": 1.0, "xtc_probability": 0.0, "xtc_threshold": 0.1,
+        "top_n_sigma": -1.0, "dynatemp_range": 0.0, "dynatemp_exponent": 1.0, "mirostat": 0, "mirostat_tau": 5.0,
+        "mirostat_eta": 0.1, "dry_multiplier": 0.0, "dry_base": 1.75, "dry_allowed_length": 2, "dry_penalty_last_n": 64,
+        "dry_sequence_breakers": ["\n", ":", '"', "*"], "repeat_last_n": 64, "repeat_penalty": 1.0, "presence_penalty": 0.0,
         "frequency_penalty": 0.0, "stop": [], "ignore_eos": False, "stream": False, "logit_bias": [], "n_probs": 1,
         "cache_prompt": True, "adaptive_target": -1.0, "adaptive_decay": 0.9}
     assert body["timings"]["cache_n"] == 3 and body["timings"]["prompt_n"] == 2 and body["timings"]["predicted_n"] == 3
