@@ -52,10 +52,12 @@ def test_issue25_mirostat_steers_the_observed_surprise_to_tau(version: int, tau:
     assert entropy > tau + 2  # what plain sampling would average
 
 
-def test_issue25_a_mirostat_request_runs_with_its_truncations_off_and_its_own_state() -> None:
-    request = Request("r", [1, 2], SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, mirostat=2))
+def test_issue25_a_mirostat_request_runs_with_its_truncations_penalties_and_dry_off_and_its_own_state() -> None:
+    request = Request("r", [1, 2], SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, mirostat=2,
+                                                  repetition_penalty=1.1, dry_multiplier=0.8))
     ran = with_mirostat(request)
     assert (ran.sampling.top_k, ran.sampling.top_p, ran.sampling.min_p) == (0, 1.0, 0.0)
+    assert (ran.sampling.repetition_penalty, ran.sampling.dry_multiplier) == (1.0, 0.0)  # llama.cpp skips both
     assert [type(p) for p in ran.processors] == [Mirostat]
     assert with_mirostat(Request("s", [1], SamplingParams(top_k=40))).sampling.top_k == 40
     assert with_mirostat(request).processors[0] is not ran.processors[0]  # state per request

@@ -3,8 +3,8 @@
 Mirostat keeps each token's surprise (-log2 of its probability) near `tau` by a running bound `mu` (2 tau at the
 start): version 2 removes the tokens more surprising than `mu`; version 1 estimates the distribution's Zipf
 exponent from its best 100 tokens and keeps the top k that bound implies. After each token `mu` moves by `eta`
-times the error of the observed surprise. As in llama.cpp, mirostat replaces top-k, top-p, min-p and the other
-truncations (the API leaves them off): temperature, then mirostat, then the draw over the survivors.
+times the error of the observed surprise. As in llama.cpp, mirostat replaces top-k, top-p, min-p, the other
+truncations, the penalties and DRY (`with_mirostat` turns them off): temperature, then mirostat, then the draw.
 
 The processor truncates the row's logits before the sampler's temperature and draw (which then draw from the
 survivors' tempered softmax, llama.cpp's distribution), and reads the drawn token's surprise in `accept`.
@@ -24,12 +24,14 @@ _ZIPF_TOKENS = 100  # llama.cpp's m: the best tokens version 1 fits its exponent
 
 
 def with_mirostat(request: Request) -> Request:
-    """The request as the engine runs it: with mirostat on, its truncations off and its own Mirostat processor."""
+    """The request as the engine runs it: with mirostat on, its own Mirostat processor, and the truncations,
+    penalties and DRY off (llama.cpp's chain with mirostat is logit bias, temperature and mirostat alone)."""
     sampling = request.sampling
     if not sampling.mirostat:
         return request
     sampling = replace(sampling, top_k=0, top_p=1.0, min_p=0.0, typical_p=1.0, xtc_probability=0.0,
-                       top_n_sigma=-1.0, dynatemp_range=0.0)
+                       top_n_sigma=-1.0, dynatemp_range=0.0, repetition_penalty=1.0, presence_penalty=0.0,
+                       frequency_penalty=0.0, dry_multiplier=0.0)
     return replace(request, sampling=sampling, processors=(*request.processors, Mirostat(sampling)))
 
 
