@@ -34,7 +34,7 @@ class Dry:
         self.max_exponent = int(_FLOAT_MAX_LOG / math.log(self.base)) if self.base > 1.000001 else 0
 
     def process(self, logits: torch.Tensor, output_ids: Sequence[int]) -> None:
-        penalties = self.penalties([*self.prompt, *output_ids])
+        penalties = self.penalties(self._recent(output_ids))
         if penalties:
             index = torch.tensor(list(penalties), dtype=torch.long).to(logits.device)
             logits.index_put_((index,), -torch.tensor(list(penalties.values()), dtype=logits.dtype).to(logits.device),
@@ -42,6 +42,14 @@ class Dry:
 
     def accept(self, token_id: int) -> FinishReason | None:
         return None
+
+    def _recent(self, output_ids: Sequence[int]) -> list[int]:
+        """The context's last `last_n` tokens (all with -1), without copying the whole prompt each step."""
+        if self.last_n < 0:
+            return [*self.prompt, *output_ids]
+        recent = list(output_ids[-self.last_n:]) if self.last_n else []
+        missing = self.last_n - len(recent)
+        return [*self.prompt[-missing:], *recent] if missing > 0 else recent
 
     def penalties(self, tokens: list[int]) -> dict[int, float]:
         """token -> the amount its logit drops, for the context `tokens`."""
