@@ -8,6 +8,7 @@ import logging
 from collections.abc import Iterator
 
 import httpx
+import openai
 import pytest
 
 from mlxcel.command_line import OPTIONS, resolve_values, serve_parser
@@ -149,7 +150,7 @@ def test_a_bad_patch_value_is_a_400_naming_the_setting(live: tuple[httpx.Client,
     assert rejected["message"].startswith(f"{name} (--") and props_params(http) == before
 
 
-def test_issue25_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+def test_issue25_f4_f1_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
     """llama-server's typical_p and XTC fields, sent to /completion and /v1/chat/completions. XTC on every step with
     threshold 0 removes all of the chain's survivors but the least likely: each token is then certain, whatever
     the seed, and not the greedy one."""
@@ -171,7 +172,7 @@ def test_issue25_typical_p_and_xtc_reach_the_sampler_on_both_protocols(live: tup
     assert bad.status_code == 400 and "typical_p" in bad.json()["error"]["message"]
 
 
-def test_issue25_mirostat_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+def test_issue25_f4_f1_mirostat_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
     """Mirostat 2 with tau 0 and eta 0 keeps mu at 0: only the best token passes, so a temperature-1 request with
     any seed replies what greedy does, on /completion (whose top-k 40 mirostat replaces) and the OpenAI routes."""
     http, _ = live
@@ -181,11 +182,16 @@ def test_issue25_mirostat_reaches_the_sampler_on_both_protocols(live: tuple[http
     assert [r["content"] for r in replies] == [greedy] * len(SEEDS)
     assert {k: replies[0]["generation_settings"][k] for k in pinned} == pinned
     assert chat_texts(http, temperature=1.0, **pinned) == [chat_texts(http, temperature=0.0)[0]] * len(SEEDS)
+    with openai.OpenAI(base_url=str(http.base_url.join("/v1")), api_key="unused", max_retries=0, timeout=120) as sdk:
+        sent = [sdk.chat.completions.create(model="m", messages=[{"role": "user", "content": "Tell me a story."}],
+                                            max_tokens=12, seed=seed, temperature=1.0, extra_body=pinned)
+                for seed in SEEDS]  # as the OpenAI SDK sends llama-server's fields
+    assert [r.choices[0].message.content for r in sent] == [chat_texts(http, temperature=0.0)[0]] * len(SEEDS)
     steered = completion_replies(http, temperature=1.0, mirostat=1, mirostat_tau=5.0)
     assert len({r["content"] for r in steered}) > 1  # it samples
 
 
-def test_issue25_dry_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
+def test_issue25_f4_f1_dry_reaches_the_sampler_on_both_protocols(live: tuple[httpx.Client, ServerState]) -> None:
     """Greedy continues "1 2 3 1 2 3 1 2 3 1 2" with " 3"; DRY penalizes the token that extends the repeat, unless a
     breaker (" 2") ends every repeat just before it. An empty breaker list is a 400, as in llama-server."""
     http, _ = live
