@@ -292,7 +292,8 @@ def _materialization(options: RuntimeOptions, is_lazy: bool) -> str:
     """When the weights are read, as it happens on this path (issue 47: the load line said "mapped" and this one
     "eager" for the same load; both now tell the same story)."""
     if options.is_quantized():
-        unused = "; MLXCEL_WEIGHT_MATERIALIZATION=lazy does not apply, --quantize off keeps them lazy" if is_lazy else ""
+        unused = ("; MLXCEL_WEIGHT_MATERIALIZATION=lazy does not apply, --quantize off keeps them lazy"
+                  if is_lazy else "")
         return f"mapped, each linear read from the file as the CPU decode rewrite packs it, before serving{unused}"
     if not is_lazy:
         return "read in full at load (MLXCEL_WEIGHT_MATERIALIZATION=eager)"
