@@ -2,7 +2,7 @@
 `mlxcel perplexity` (issue 27).
 
 The commands only: their options are read by `command_line.py` (the settings table's flags and
-mirrors into frozen configs); `serve` hands them to `serving.startup.run`, `cluster` to
+mirrors into frozen configs); `serve` hands them to `startup.run`, `cluster` to
 `cluster.command`, `generate --audio` to `audio_cli`. `mlxcel serve` shows `--n-parallel` /
 `--draft-model` first, `mlxcel-server` shows `--parallel` / `--model-draft`; both accept every
 spelling.
@@ -36,7 +36,7 @@ log = logging.getLogger("mlxcel")
 
 def run_serve(settings: ServeSettings) -> int:
     """`mlxcel serve` once its settings are valid: the one startup path (A6), then serve (A7)."""
-    from mlxcel.serving.startup import run
+    from mlxcel.startup import run
 
     return run(settings)
 

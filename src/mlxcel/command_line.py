@@ -6,7 +6,7 @@ only collects text; `resolve_values` parses every value through its setting, so 
 a bad variable get the same message. A flag on the command line wins over its mirror, which
 wins over the default. `serve_settings` turns the values into the frozen configs of one serve
 (`ServeSettings`: `RuntimeOptions`, `EngineConfig`, `ServerConfig`, `MediaPolicy`, ...). The
-commands (`cli.py`), the startup path (`serving/startup.py`) and the cluster (`cluster/`) read their
+commands (`cli.py`), the startup path (`startup.py`) and the cluster (`cluster/`) read their
 options here; this module imports none of them.
 """
 

@@ -378,14 +378,15 @@ SETTINGS: tuple[Setting, ...] = (
         Flag(("--apc-enabled",), "bool", "automatic prefix caching on or off (--apc-enabled=false)")),
        "LLAMA_ARG_APC_ENABLED", group="engine"),
     _s("prefix_cache_dir", PATH, None, "folder of the prefix cache's disk tier: KV blocks that survive restarts "
-       "(default: <models dir>/prefix-cache)", ("--prefix-cache-dir",), "MLXCEL_PREFIX_CACHE_DIR", metavar="DIR",
-       group="engine"),
+       "(default: <models dir>/prefix-cache; without --models-dir ~/.cache/mlxcel/prefix-cache; GET /props shows it)",
+       ("--prefix-cache-dir",), "MLXCEL_PREFIX_CACHE_DIR", metavar="DIR", group="engine"),
     # on by default (issue 29): a restart finds the long prompts it had already computed
     # NOTE: auto is off on CUDA: on an H200 loading a prompt's blocks from disk took longer than recomputing them
     # (bench/prefix_host_tier.py), and saving evicted blocks stalled the engine thread under many streams
-    _s("prefix_cache_disk_size", auto_size(), "auto", "most bytes the prefix cache's disk tier keeps, least recently "
-       "used dropped first (auto = 20G on the CPU, 0 on CUDA, where recomputing was faster than loading; "
-       "0 = no disk tier)", ("--prefix-cache-disk-size",),
+    _s("prefix_cache_disk_size", auto_size(), "auto", "most bytes the prefix cache's disk tier keeps in its folder, "
+       "least recently used dropped first (auto = 20G on the CPU, 0 on CUDA, where recomputing was faster than "
+       "loading; 0 = no disk tier; POST /v1/cache/reset deletes the served model's files)",
+       ("--prefix-cache-disk-size",),
        "MLXCEL_PREFIX_CACHE_DISK_SIZE", metavar="SIZE", group="engine"),
     # issue 29 point 5: on a GPU, device evictions park in pinned host RAM before the disk tier
     # NOTE: off by default: its saves still run on the engine thread (half of the engine process's time under

@@ -184,3 +184,10 @@ def test_a_bad_sampling_default_exits_2() -> None:
 def test_a_text_default_is_what_its_own_parser_gives(setting: Setting) -> None:
     """Defaults are used unparsed: a size default written as "0" reached the engine as a string (issue 29)."""
     assert setting.kind.parse(setting.default) == setting.default
+
+
+def test_issue47_help_says_where_the_disk_prefix_cache_lives_how_big_it_grows_and_how_to_clear_it() -> None:
+    text = " ".join(serve_parser("mlxcel serve", "serve").format_help().split())  # argparse's wrapping undone
+    for phrase in ("<models dir>/prefix-cache", "~/.cache/mlxcel/prefix-cache", "auto = 20G on the CPU",
+                   "0 = no disk tier", "POST /v1/cache/reset"):
+        assert phrase in text, phrase

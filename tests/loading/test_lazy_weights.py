@@ -69,3 +69,37 @@ def test_a6_bad_materialization_value_names_the_variable_and_choices() -> None:
                                        r"not valid; expected one of eager, lazy"):
         Environment.read({"MLXCEL_WEIGHT_MATERIALIZATION": "sometimes"})
     assert Environment.read({"MLXCEL_WEIGHT_MATERIALIZATION": "lazy"})["MLXCEL_WEIGHT_MATERIALIZATION"] == "lazy"
+
+
+@pytest.mark.parametrize(("quantize", "mode", "load_says", "then_says"), [
+    ("off", "eager", "read llama weights", "weights: read in full at load"),
+    ("off", "lazy", "mapped (no tensor read yet) llama weights", "weights: mapped, each tensor read when its module"),
+    ("auto", "eager", "mapped (no tensor read yet) llama weights", "weights: mapped, each linear read from the file"),
+    ("auto", "lazy", "mapped (no tensor read yet) llama weights", "lazy does not apply, --quantize off keeps them"),
+])
+def test_issue47_the_load_log_tells_one_story(tmp_path: Path, caplog: pytest.LogCaptureFixture, quantize: str,
+                                              mode: str, load_says: str, then_says: str) -> None:
+    """The weights' line at load and the "Model loaded" line agree: never "mapped (lazy)" then "eager"."""
+    import logging
+
+    from mlxcel.config import EngineConfig
+    from mlxcel.loading import ResolvedModel
+    from mlxcel.layers.quant import can_quantize
+    from mlxcel.serving.chat_model import start_served_model
+    from mlxcel.serving.served_model import RuntimeOptions
+
+    if quantize == "auto" and not can_quantize():
+        pytest.skip("no CPU decode rewrite on this machine")
+    folder = write_files(tmp_path / "tiny", tiny_llama_files(seed=5))
+    options = RuntimeOptions(warmup=False, quantize=quantize, weight_materialization=mode)
+    with caplog.at_level(logging.INFO):
+        served = start_served_model(ResolvedModel(folder, "tiny", "test"), options,
+                                    EngineConfig(max_num_seqs=1, ctx_size=128))
+        served.close()
+    lines = [record.getMessage() for record in caplog.records]
+    load = [line for line in lines if " llama weights " in line]
+    loaded = [line for line in lines if line.startswith("Model loaded")]
+    assert len(load) == 1 and load[0].startswith(load_says), lines
+    assert len(loaded) == 1 and then_says in loaded[0], lines
+    if load_says.startswith("mapped"):
+        assert "eager" not in loaded[0] and "read in full at load" not in loaded[0]

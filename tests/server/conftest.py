@@ -34,9 +34,11 @@ def served() -> Iterator[ServedModel]:
     model.close(30)
 
 
-def engine_like(base: ServedModel, config: EngineConfig) -> ServedModel:
-    """Another engine (own KV pool and scheduler) over the same loaded weights: no second load."""
-    core = EngineCore(base.loaded.model, model_shape(base.loaded), config, eos_token_ids=base.tokenizer.eos_token_ids)
+def engine_like(base: ServedModel, config: EngineConfig, cache_identity: str = "") -> ServedModel:
+    """Another engine (own KV pool and scheduler) over the same loaded weights: no second load. A
+    `cache_identity` lets a disk tier open (`prefix_cache_dir`), as the served model's KV identity does."""
+    core = EngineCore(base.loaded.model, model_shape(base.loaded), config, eos_token_ids=base.tokenizer.eos_token_ids,
+                      cache_identity=cache_identity)
     core.start()
     features = build_chat_features(base.name, base.loaded, base.tokenizer, base.chat_template, FeatureSettings())
     return ServedModel(base.name, base.loaded, base.tokenizer, base.chat_template, EngineClient(core), config, features)

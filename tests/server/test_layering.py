@@ -17,7 +17,7 @@ import mlxcel
 PACKAGE = Path(mlxcel.__file__).parent
 WEB = ("fastapi", "uvicorn", "starlette")
 
-# Each unit of src/mlxcel (a package, a top-level module, or a module of a SPLIT package) and the units
+# Each unit of src/mlxcel (a package or a top-level module) and the units
 # it may import. docs/structure.md draws the same table; change both together.
 ALLOWED: dict[str, set[str]] = {
     "types": set(),
@@ -34,40 +34,26 @@ ALLOWED: dict[str, set[str]] = {
     "chat": {"text", "types"},
     "workers": {"layers", "loading", "types", "config"},
     "api": {"chat", "text", "engine", "lora_registry", "media", "workers", "types", "config"},
-    # serving/ (issue 25): what builds the serving process, one unit per module. A served model is built the
-    # same way in either process (served_model); the engine child's entry point and its spawn (engine_process);
-    # the API process's chat model start (chat_model), side models, audio models and their products (process).
-    "serving": set(),  # the package's __init__: the map of the split, importing nothing
-    "serving.served_model": {"chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types",
-                             "workers"},
-    "serving.engine_process": {"chat", "config", "engine", "loading", "lora_registry", "serving.served_model", "text",
-                               "types"},
-    "serving.chat_model": {"config", "engine", "loading", "serving.engine_process", "serving.served_model", "text",
-                           "types", "workers"},
-    "serving.audio_models": {"api", "loading", "workers", "types", "config"},
-    "serving.process": {"api", "serving.audio_models", "serving.served_model", "workers", "types", "config"},
-    "serving.side_models": {"api", "serving.audio_models", "loading", "serving.process", "serving.served_model",
-                            "workers", "types", "config"},
-    "server": {"api", "chat", "config", "env", "loading", "media", "serving.process", "serving.served_model",
-               "settings", "serving.side_models", "text", "types", "workers", "serving.audio_models"},
+    # serving/ (issues 25, 47): what builds the serving process: a served model (the same in either process), the
+    # engine child's entry point and its spawn, the chat model's start, side and audio models and their products
+    # (process). One layer below server/ and the command line; it never imports them.
+    "serving": {"api", "chat", "config", "engine", "layers", "loading", "lora_registry", "text", "types", "workers"},
+    # server/ holds serving's products (serving.process, type-only served_model); it never imports its loaders at
+    # run time (test_issue13_...), nor the engine or the model packages.
+    "server": {"api", "chat", "config", "env", "loading", "media", "serving", "settings", "text", "types", "workers"},
     # The command line read into the frozen configs every command starts from (above server: the
     # listener rules and key files it checks live there).
-    "command_line": {"api", "serving.audio_models", "chat", "config", "env", "media", "serving.served_model", "server",
-                     "settings", "serving.side_models", "types"},
-    # The API process's startup path, above the command line and the server it builds the state of.
-    "serving.startup": {"api", "serving.audio_models", "serving.chat_model", "command_line", "config", "layers",
-                        "loading", "serving.process", "serving.served_model", "server", "settings",
-                        "serving.side_models", "workers", "types"},
-    "audio_cli": {"api", "serving.audio_models", "serving.chat_model", "config", "env", "loading",
-                  "serving.served_model", "workers", "types", "text"},
-    "cluster": {"api", "command_line", "env", "server", "serving.startup", "config", "types"},
+    "command_line": {"api", "chat", "config", "env", "media", "server", "serving", "settings", "types"},
+    # The API process's startup path (issue 47: out of serving/, whose products it assembles), above the command
+    # line and the server it builds the state of.
+    "startup": {"api", "command_line", "config", "layers", "loading", "server", "serving", "settings", "workers",
+                "types"},
+    "audio_cli": {"api", "config", "env", "loading", "serving", "workers", "types", "text"},
+    "cluster": {"api", "command_line", "env", "server", "startup", "config", "types"},
     "perplexity": {"text", "types"},  # issue 27: llama-perplexity's numbers over an engine handed in
-    "cli": {"api", "audio_cli", "cluster", "command_line", "config", "env", "loading", "perplexity",
-            "serving.chat_model", "serving.served_model", "serving.startup", "types"},
+    "cli": {"api", "audio_cli", "cluster", "command_line", "config", "env", "loading", "perplexity", "serving",
+            "startup", "types"},
 }
-# Packages whose modules sit on different layers (serving's products below server/, its startup above the
-# command line): each of their modules is a unit of its own, named "package.module".
-SPLIT = {"serving"}
 
 
 def module_files() -> dict[str, Path]:
@@ -96,9 +82,9 @@ def imported_modules(path: Path) -> set[str]:
 
 
 def unit_of(module: str) -> str:
+    """The package or top-level module of src/mlxcel a module belongs to ("mlxcel.server.state" -> "server");
+    each package is judged as a whole (issue 47: no package spans layers)."""
     parts = module.split(".")[1:]
-    if len(parts) > 1 and parts[0] in SPLIT:
-        return ".".join(parts[:2])
     return parts[0] if parts else ""
 
 
@@ -147,6 +133,22 @@ def test_no_import_cycles() -> None:
         graph[a].add(b)
     cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
     assert cycles == []
+
+
+def test_no_cycle_between_packages() -> None:
+    """Each package judged as a whole, whatever the table says: no package reaches itself through others."""
+    graph: dict[str, set[str]] = {unit_of(name): set() for name in MODULES}
+    for a, b in internal_edges():
+        if unit_of(a) != unit_of(b):
+            graph[unit_of(a)].add(unit_of(b))
+    cycles = [sorted(c) for c in strongly_connected(graph) if len(c) > 1]
+    assert cycles == [], "\n".join(f"{' <-> '.join(c)}: " + ", ".join(edges_within(c)) for c in cycles)
+
+
+def edges_within(packages: list[str]) -> list[str]:
+    """The module imports that tie a cycle's packages together, for the failure message."""
+    return sorted(f"{a} -> {b}" for a, b in internal_edges()
+                  if unit_of(a) != unit_of(b) and {unit_of(a), unit_of(b)} <= set(packages))
 
 
 def test_the_rule_has_no_circle() -> None:
@@ -223,3 +225,10 @@ def test_issue13_server_holds_what_startup_built_and_never_imports_the_loaders()
     offenders = {str(p.relative_to(PACKAGE)): sorted(m for m in runtime_imports(p) if m.startswith(LOADERS))
                  for p in (PACKAGE / "server").rglob("*.py")}
     assert {path: found for path, found in offenders.items() if found} == {}
+
+
+def test_server_never_names_the_chat_model_starters() -> None:
+    """Of serving/, server/ names only the products and the planners' types, not even type-only the starters."""
+    starters = ("mlxcel.serving.chat_model", "mlxcel.serving.engine_process")
+    offenders = sorted(f"{a} -> {b}" for a, b in internal_edges() if unit_of(a) == "server" and b.startswith(starters))
+    assert offenders == []

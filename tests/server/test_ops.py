@@ -6,6 +6,7 @@ import json
 import re
 import time
 from collections.abc import Callable, Iterator
+from pathlib import Path
 
 import httpx
 import openai
@@ -84,6 +85,24 @@ def test_f12_props_on_and_off(client: httpx.Client, single_server: ServerThread)
     off = httpx.get(single_server.address + "/props")
     assert off.status_code == 501 and off.json()["error"]["type"] == "not_supported_error"
     assert httpx.get(single_server.address + "/metrics").status_code == 501
+
+
+def test_issue47_props_shows_where_the_disk_prefix_cache_lives_and_how_big_it_may_grow(
+        client: httpx.Client, served: ServedModel, start_server: Callable[..., ServerThread], tmp_path: Path) -> None:
+    off = client.get("/props").json()["prefix_cache_disk"]  # the session's engine has no disk tier
+    assert off == {"enabled": False, "directory": None, "capacity_bytes": 0, "size_bytes": 0, "files": 0}
+    folder = tmp_path / "prefix-cache"
+    config = EngineConfig(max_num_seqs=1, ctx_size=512, prefix_cache_dir=str(folder), prefix_cache_disk_bytes=2**30)
+    model = engine_like(served, config, cache_identity="issue47")
+    try:
+        server = start_server(model)
+        disk = httpx.get(server.address + "/props").json()["prefix_cache_disk"]
+        assert disk == {"enabled": True, "directory": str(folder), "capacity_bytes": 2**30, "size_bytes": 0,
+                        "files": 0, "writable": True}
+        stats = httpx.get(server.address + "/v1/cache/stats").json()["disk"]
+        assert (stats["directory"], stats["capacity_bytes"]) == (disk["directory"], disk["capacity_bytes"])
+    finally:
+        model.close(30)
 
 
 def test_f12_no_slots_flag(start_server: Callable[..., ServerThread], served: ServedModel) -> None:

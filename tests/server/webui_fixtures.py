@@ -18,7 +18,7 @@ from mlxcel.serving.served_model import RuntimeOptions
 from mlxcel.server.config import ServerConfig
 from mlxcel.server.lifecycle import ServerThread
 from mlxcel.server.model_control import ModelControl
-from mlxcel.serving.startup import ModelLoader
+from mlxcel.startup import ModelLoader
 from mlxcel.server.state import ServerState
 from tests.loading.fake_hub import FakeHub, FakeRepo, hub_serving
 from tests.loading.tiny_checkpoint import tiny_llama_files, write_files

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import asyncio
 import re
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -12,6 +13,7 @@ import pytest
 import torch
 from PIL import Image
 
+from mlxcel.workers.base import WorkerTimeoutError
 from mlxcel.workers.florence2 import (
     PHRASE_TASKS, PLAIN_TASKS, REGION_TASKS, TASKS, Florence2Config, Florence2Job, Florence2Provider, TaskError,
     TaskPrompt, is_florence2_checkpoint, parse_task_prompt,
@@ -104,3 +106,24 @@ def test_answer_is_transformers_own(provider: Florence2Provider, florence2_dir: 
     assert answer.prompt_tokens == prompt_len > NUM_IMAGE_TOKENS  # image tokens and the prompt's, fused
     assert answer.completion_tokens == len(output) - 1 == 12 and answer.finish_reason == "length"
     assert provider.stats().num_completed >= 1 and provider.stats().max_queue_depth == 2
+
+
+STEP_S = 0.05  # a decoding step made at least this slow: 255 steps cannot fit a 0.3 s deadline, whatever the load
+
+
+def test_issue47_a_request_past_its_deadline_stops_decoding_at_the_next_step(florence2_dir: Path) -> None:
+    own = Florence2Provider.load(florence2_dir, Florence2Config(max_queue_depth=1, request_timeout_s=0.3))
+    steps: list[int] = []
+
+    def slow_step(module: torch.nn.Module, args: tuple[object, ...]) -> None:
+        steps.append(1)  # the head runs once per decoding step
+        time.sleep(STEP_S)
+
+    own.model.lm_head.register_forward_pre_hook(slow_step)
+    job = Florence2Job(parse_task_prompt("<OD>"), Image.new("RGB", (64, 48), (200, 30, 10)), own.max_new_tokens)
+    with pytest.raises(WorkerTimeoutError):
+        asyncio.run(own.run(job))
+    assert own.stop(60)  # joins once the decoding stopped
+    assert 0 < len(steps) < own.max_new_tokens  # it stopped between steps, not after all 255
+    stats = own.stats()
+    assert (stats.num_timed_out, stats.num_failed, stats.num_completed) == (1, 0, 0)

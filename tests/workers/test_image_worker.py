@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from mlxcel.workers.base import WorkerConfig, WorkerTimeoutError
 from mlxcel.workers.image import (
     ImageAborted, ImageConfig, ImageGenerator, ImageJob, ImageSpec, StepProgress, preview_steps,
 )
@@ -56,3 +57,21 @@ def test_j_stop_ends_the_running_job(tmp_path: Path) -> None:
     begin = time.monotonic()
     assert own.stop(60.0)  # A7: joined without waiting out the 500 steps
     assert time.monotonic() - begin < 30 and isinstance(future.exception(), ImageAborted)
+
+
+@pytest.mark.slow
+def test_issue47_a_job_past_its_deadline_stops_at_its_next_step_and_is_a_504(tmp_path: Path) -> None:
+    config = ImageConfig(worker=WorkerConfig(queue_depth=1, batch_size=1, request_timeout_s=0.5))
+    own = ImageGenerator.load(write_tiny_pipeline(tmp_path / "tiny-sd"), config)
+    seen: list[int] = []
+
+    def slow_step(progress: StepProgress) -> None:
+        seen.append(progress.step)
+        time.sleep(0.05)  # 500 steps of at least this cannot fit the 0.5 s deadline, whatever the load
+
+    future = own.submit(ImageJob(ImageSpec("a tree", width=16, height=16, steps=500, seed=1), on_step=slow_step))
+    with pytest.raises(WorkerTimeoutError):  # the worker's own answer: nobody waits on a timer here
+        future.result(120)
+    assert len(seen) < 500
+    assert own.stats().num_timed_out == 1 and own.stats().num_failed == 0
+    assert own.stop(30.0)

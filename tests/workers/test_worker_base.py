@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from collections.abc import Iterator
 
 import pytest
@@ -85,9 +86,66 @@ def test_I_a_request_that_expired_in_the_queue_is_never_computed(gate: GatedForw
     with pytest.raises(WorkerTimeoutError):
         worker.run_sync([5])  # waits behind the blocked forward past its deadline
     gate.release.set()
-    assert first.result(5) == [2]
+    with pytest.raises(WorkerTimeoutError):  # its forward ended past its deadline too (issue 47): no late answer
+        first.result(5)
     assert worker.stop(5)
     assert [5] not in gate.batches
+    assert worker.stats().num_timed_out == 2 and worker.stats().num_completed == 0
+
+
+class StepForward:
+    """A forward of many short steps that asks the worker between them whether anyone still waits."""
+
+    def __init__(self, num_steps: int) -> None:
+        self.num_steps = num_steps
+        self.steps_run = 0
+        self.worker: BatchWorker[int, int] | None = None
+
+    def __call__(self, items: list[int]) -> list[int]:
+        assert self.worker is not None
+        for _ in range(self.num_steps):
+            if self.worker.is_past_deadline():
+                raise RuntimeError("stopped between steps")
+            time.sleep(0.01)  # each step takes at least this, so all of them outlast the deadline
+            self.steps_run += 1
+        return items
+
+
+def test_issue47_an_answer_finished_past_its_deadline_is_a_504_not_a_late_result() -> None:
+    """Whatever the load: the forward returns only once the deadline has passed, and nobody waits with a timer."""
+    worker: BatchWorker[int, int] | None = None
+
+    def late_forward(items: list[int]) -> list[int]:
+        assert worker is not None
+        while not worker.is_past_deadline():
+            time.sleep(0.01)
+        return items
+
+    worker = BatchWorker("test", late_forward, WorkerConfig(queue_depth=1, batch_size=1, request_timeout_s=0.2))
+    worker.start()
+    future = worker.submit([1])
+    with pytest.raises(WorkerTimeoutError, match="longer than 0.2 s"):
+        future.result(30)
+    stats = worker.stats()
+    assert (stats.num_timed_out, stats.num_completed, stats.num_failed) == (1, 0, 0)
+    assert worker.stop(5)
+
+
+def test_issue47_a_forward_stops_between_steps_at_the_deadline_and_is_counted_once() -> None:
+    forward = StepForward(num_steps=100_000)  # at least 1,000 s of steps against a 0.2 s deadline
+    worker: BatchWorker[int, int] = BatchWorker("test", forward, WorkerConfig(1, 1, 0.2))
+    forward.worker = worker
+    worker.start()
+
+    async def scenario() -> None:
+        with pytest.raises(WorkerTimeoutError):
+            await worker.run([1])
+
+    asyncio.run(scenario())  # the waiter's timer and the worker thread both see the deadline
+    assert worker.stop(30)  # joins once the forward stopped: it did not run its 100,000 steps
+    assert forward.steps_run < forward.num_steps
+    stats = worker.stats()
+    assert (stats.num_timed_out, stats.num_failed, stats.num_completed) == (1, 0, 0)
 
 
 def test_I_queued_requests_share_one_forward_up_to_the_batch_size(gate: GatedForward) -> None:

@@ -1,7 +1,7 @@
 """One Ray Serve replica: a whole `serve` app in an actor, answering `HttpCall`s (spec X).
 
 The replica parses the same flags through the same startup path as `mlxcel serve` (settings,
-`serving.startup.build_process`, `.server_state`, `server.app.create_app`), then runs each call through that ASGI
+`startup.build_process`, `.server_state`, `server.app.create_app`), then runs each call through that ASGI
 app in-process: the body goes in as one message, the app's response messages come back as a
 `ResponseStart` and body chunks, so bodies, status codes, envelopes and SSE frames are the
 app's own. Auth happened at the entry point; the replica's app has no keys.
@@ -36,7 +36,7 @@ class EngineReplica:
             _bind_serve_grpc_to_loopback()
         from mlxcel.command_line import configure_logging
         from mlxcel.server.app import create_app
-        from mlxcel.serving.startup import build_process, server_state  # serve's own startup path (A6)
+        from mlxcel.startup import build_process, server_state  # serve's own startup path (A6)
 
         settings = replica_settings(argv)
         configure_logging(settings.verbose, None)

@@ -86,8 +86,9 @@ def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
         if checkpoint.gguf is not None:  # what the CPU decode rewrite packs as stored (layers/quant.py)
             model.packed_weights = GGUFPackedWeights(checkpoint.gguf, family_module(checkpoint.model_type), config)
     loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
-    log.info("%s %s weights (%s) from %s in %.1f s", "mapped (lazy)" if lazy else "loaded", loaded.model_type,
-             dtype, path, time.monotonic() - started)
+    # NOTE: mapped is all this step knows; the caller says when the tensors are read (issue 47: one true line)
+    log.info("%s %s weights (%s) from %s in %.1f s", "mapped (no tensor read yet)" if lazy else "read",
+             loaded.model_type, dtype, path, time.monotonic() - started)
     return loaded
 
 

@@ -1,6 +1,6 @@
 """Load, unload and switch the served models at run time, for the web UI's control plane (A5).
 
-Every load goes through the startup path (the `Loader` startup hands in, `serving.startup.ModelLoader`:
+Every load goes through the startup path (the `Loader` startup hands in, `startup.ModelLoader`:
 the chat model and the embedding and rerank providers load as `mlxcel serve` loads them at
 startup; this module never imports startup) and is attached with `ServerState.attach`. A switch
 loads the new model first, attaches it (new requests go to it), then retires the old one:
@@ -32,7 +32,7 @@ DEFAULT_DRAIN_TIMEOUT_S = 120.0
 
 
 class Loader(Protocol):
-    """How models load at run time: the startup path's `serving.startup.ModelLoader`."""
+    """How models load at run time: the startup path's `startup.ModelLoader`."""
 
     @property
     def device(self) -> str: ...

@@ -206,7 +206,8 @@ async def props(request: Request, state: ServerState) -> Response:
         raise not_supported("props", "--props")
     served = state.require_served()
     template = served.chat_template
-    drafts = served.engine.stats().drafts
+    stats = served.engine.stats()
+    drafts = stats.drafts
     speculative = {"speculative": drafts_json(drafts)} if drafts.kind != "none" else {}
     live = state.live.current  # the settings table's values now: PATCH /v1/settings shows here at once (F9)
     return JSONResponse({
@@ -218,8 +219,19 @@ async def props(request: Request, state: ServerState) -> Response:
         "modalities": {"vision": False, "audio": False},
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,
         "build_info": f"mlxcel {_version()}",
+        "prefix_cache_disk": disk_tier_props(stats.prefix_cache),
         **speculative,
     })
+
+
+def disk_tier_props(cache: PrefixCacheStats | None) -> dict[str, Any]:
+    """Where the prefix cache's disk tier keeps KV block files and how big that folder may grow (issue 47: the
+    newcomer finds it here, not only in a startup log line); `enabled` false when it is off."""
+    disk = cache.disk if cache is not None and cache.is_enabled else None
+    if disk is None:
+        return {"enabled": False, "directory": None, "capacity_bytes": 0, "size_bytes": 0, "files": 0}
+    return {"enabled": True, "directory": disk.directory, "capacity_bytes": disk.capacity_bytes,
+            "size_bytes": disk.size_bytes, "files": disk.num_files, "writable": disk.is_writable}
 
 
 def _default_params(live: Mapping[str, Any]) -> dict[str, Any]:

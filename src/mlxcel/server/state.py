@@ -27,7 +27,7 @@ from mlxcel.server.config import ServerConfig
 from mlxcel.server.metrics import ServerMetrics
 from mlxcel.types import EngineStats
 
-if TYPE_CHECKING:  # what the startup path built (mlxcel.serving.startup); the server holds it, never loads it
+if TYPE_CHECKING:  # what the startup path built (mlxcel.startup); the server holds it, never loads it
     from mlxcel.serving.served_model import ServedModel
     from mlxcel.workers.base import WorkerStats
     from mlxcel.workers.embedding import EmbeddingProvider

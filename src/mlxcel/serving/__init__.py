@@ -1,7 +1,7 @@
 """What builds the serving process, grouped by the process each module runs in (issue 25).
 
-API process (the one `mlxcel serve` starts; HTTP, templates, detokenization):
-  `startup`      settings -> process plan -> side models -> chat model -> `ServerState` (A6)
+API process (the one `mlxcel serve` starts; HTTP, templates, detokenization), assembled by
+`mlxcel.startup` (settings -> process plan -> side models -> chat model -> `ServerState`, A6):
   `side_models`  the process plan (spec I) and the embedding, rerank, image and Florence-2 workers
   `audio_models` an audio-only or realtime process's Whisper and voice (specs G, H)
   `process`      their products as plain data, which `server/` holds without importing a loader
@@ -14,6 +14,7 @@ The line between them:
   `engine_process` `start_engine_process` (API side: spawn, wait) and `engine_process_main`, the
                  engine child's entry point (`--engine-process on`, or auto with a GPU)
 
-Each module is its own layer in tests/server/test_layering.py: `process` and `served_model` sit
-below `server/`, `startup` above the command line. This file imports nothing.
+The package is one layer below `server/` and `command_line` (tests/server/test_layering.py judges
+packages as wholes): nothing here imports them; `mlxcel.startup`, above all three, puts the process
+together. This file imports nothing.
 """

@@ -1,4 +1,4 @@
-"""What one process serves: the products of the startup path (`mlxcel.serving.startup`), as plain data.
+"""What one process serves: the products of the startup path (`mlxcel.startup`), as plain data.
 
 `Process` is the one object the builder hands the server: the served chat model (or None), the
 side models (`SideModels`: embedding and rerank providers, an audio-only or realtime process's

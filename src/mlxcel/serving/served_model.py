@@ -162,7 +162,7 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     dtype = options.torch_dtype()
     is_lazy = options.weight_materialization == "lazy"
     loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
-    log.info("Model loaded: %s (%s, %s on %s; weight materialization: %s)", resolved.name, loaded.model_type, dtype,
+    log.info("Model loaded: %s (%s, %s on %s; weights: %s)", resolved.name, loaded.model_type, dtype,
              options.device, _materialization(options, is_lazy))
     log.info("decode path: %s", _decode_path(loaded, options))
     lora = _apply_adapters(loaded, options)
@@ -289,11 +289,17 @@ def _mtp_policy(loaded: LoadedModel, options: RuntimeOptions,
 
 
 def _materialization(options: RuntimeOptions, is_lazy: bool) -> str:
-    if not options.is_quantized():
-        return "lazy, each tensor read on first use" if is_lazy else "eager"
-    if is_lazy:
-        return "lazy asked for, but the CPU decode rewrite reads every tensor now (--quantize off keeps them lazy)"
-    return "eager, each linear read from the file as the CPU decode rewrite packs it"
+    """When the weights are read, as it happens on this path (issue 47: the load line said "mapped" and this one
+    "eager" for the same load; both now tell the same story)."""
+    if options.is_quantized():
+        unused = ("; MLXCEL_WEIGHT_MATERIALIZATION=lazy does not apply, --quantize off keeps them lazy"
+                  if is_lazy else "")
+        return f"mapped, each linear read from the file as the CPU decode rewrite packs it, before serving{unused}"
+    if not is_lazy:
+        return "read in full at load (MLXCEL_WEIGHT_MATERIALIZATION=eager)"
+    if options.device.startswith("cuda"):
+        return "mapped, then read in full before serving, as fusing the projections needs them (lazy does not apply)"
+    return "mapped, each tensor read when its module first runs (MLXCEL_WEIGHT_MATERIALIZATION=lazy)"
 
 
 def _load_for_decode(checkpoint: Checkpoint, options: RuntimeOptions, *, lazy: bool = False) -> LoadedModel:
@@ -309,8 +315,7 @@ def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
         materialize_all(loaded.model)  # the rest (norms, embeddings): the decode step reads them outside a forward
         return f"{summary}; {options.torch_dtype()} activations and KV cache"
     if options.device.startswith("cuda"):  # fewer, wider GEMMs in each captured decode step
-        if materialize_all(loaded.model):
-            log.info("lazy weights: all read now, as fusing the projections needs them")
+        materialize_all(loaded.model)  # fusing needs every tensor (the "Model loaded" line says so)
         fused = fuse_projections(loaded.model)
         return f"{options.torch_dtype()} linears and KV cache ({fused} projections fused into wider matmuls)"
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"

@@ -5,6 +5,12 @@ list of items; the thread takes the oldest request, adds more queued requests wh
 fit in one batch, and runs `forward` on at most `batch_size` items at a time. A full
 queue refuses at once (`WorkerBusyError`, HTTP 503); a request not answered by its
 deadline fails with `WorkerTimeoutError` (HTTP 504) and is skipped if still queued.
+
+The deadline holds on the owner thread too (issue 47): a request past it is skipped before its
+next batch, an answer finished past it is a 504 rather than a late 200 (a starved event loop
+cannot turn one into the other), and a forward with steps of its own asks `is_past_deadline()`
+between them (Florence-2's decoding, the image pipeline's denoising, Whisper's segments, speech
+sentences) to stop the work nobody can receive any more.
 """
 
 from __future__ import annotations
@@ -75,6 +81,7 @@ class _Job(Generic[ItemT, OutT]):
     future: concurrent.futures.Future[list[OutT]] = field(default_factory=concurrent.futures.Future)
     outputs: list[OutT] = field(default_factory=list)
     num_done: int = 0
+    is_timed_out: bool = False  # counted once, by whichever side (waiter or owner thread) saw it first
 
 
 _STOP = object()  # queue sentinel: the owner thread exits when it reads it
@@ -102,6 +109,7 @@ class BatchWorker(Generic[ItemT, OutT]):
         self._lock = threading.Lock()  # orders submit against stop
         self._is_stopping = False
         self._counts = {"requests": 0, "completed": 0, "failed": 0, "rejected": 0, "timed_out": 0}
+        self._batch_deadline: float | None = None  # the running batch's latest deadline (owner thread only)
         self._thread = threading.Thread(target=self._loop, name=f"mlxcel-{name}", daemon=True)
 
     def start(self) -> None:
@@ -113,6 +121,9 @@ class BatchWorker(Generic[ItemT, OutT]):
 
     def submit(self, items: Sequence[ItemT]) -> concurrent.futures.Future[list[OutT]]:
         """Queue one request; the future holds its outputs. Raises WorkerBusyError when full."""
+        return self._submit(items).future
+
+    def _submit(self, items: Sequence[ItemT]) -> _Job[ItemT, OutT]:
         if not items:
             raise ValueError(f"a {self.name} request needs at least one input")
         job: _Job[ItemT, OutT] = _Job(list(items), time.monotonic() + self.config.request_timeout_s)
@@ -128,27 +139,27 @@ class BatchWorker(Generic[ItemT, OutT]):
                     "retry later"
                 ) from None
             self._counts["requests"] += 1
-        return job.future
+        return job
 
     async def run(self, items: Sequence[ItemT]) -> list[OutT]:
         """Submit and await the outputs, within the request timeout."""
         if not items:
             return []
-        future = self.submit(items)
+        job = self._submit(items)
         try:
-            return await asyncio.wait_for(asyncio.wrap_future(future), self.config.request_timeout_s)
+            return await asyncio.wait_for(asyncio.wrap_future(job.future), self.config.request_timeout_s)
         except TimeoutError:
-            raise self._timed_out(future) from None
+            raise self._timed_out(job) from None
 
     def run_sync(self, items: Sequence[ItemT]) -> list[OutT]:
         """Blocking `run`, for callers without an event loop (CLI, benchmarks)."""
         if not items:
             return []
-        future = self.submit(items)
+        job = self._submit(items)
         try:
-            return future.result(self.config.request_timeout_s)
+            return job.future.result(self.config.request_timeout_s)
         except concurrent.futures.TimeoutError:
-            raise self._timed_out(future) from None
+            raise self._timed_out(job) from None
 
     def stop(self, timeout: float | None = None) -> bool:
         """Refuse new requests, fail queued ones, let the current batch finish and join.
@@ -182,12 +193,25 @@ class BatchWorker(Generic[ItemT, OutT]):
             num_timed_out=counts["timed_out"],
         )
 
-    def _timed_out(self, future: concurrent.futures.Future[list[OutT]]) -> WorkerTimeoutError:
-        future.cancel()  # still queued: the thread skips it; already running: it finishes unseen
-        self._count("timed_out")
-        return WorkerTimeoutError(
-            f"the {self.name} request took longer than {self.config.request_timeout_s:g} s"
-        )
+    def is_past_deadline(self) -> bool:
+        """On the owner thread, inside `forward`: every request of the running batch is past its deadline,
+        so no one can receive what the forward is computing (check it between steps and stop)."""
+        deadline = self._batch_deadline
+        return deadline is not None and time.monotonic() > deadline
+
+    def _timed_out(self, job: _Job[ItemT, OutT]) -> WorkerTimeoutError:
+        job.future.cancel()  # still queued: the thread skips it; already running: it stops at its next check
+        self._mark_timed_out(job)
+        return self._late_error()
+
+    def _late_error(self) -> WorkerTimeoutError:
+        return WorkerTimeoutError(f"the {self.name} request took longer than {self.config.request_timeout_s:g} s")
+
+    def _mark_timed_out(self, job: _Job[ItemT, OutT]) -> None:
+        with self._lock:
+            if not job.is_timed_out:
+                job.is_timed_out = True
+                self._counts["timed_out"] += 1
 
     def _count(self, name: str) -> None:
         with self._lock:
@@ -237,7 +261,7 @@ class BatchWorker(Generic[ItemT, OutT]):
         if not job.future.set_running_or_notify_cancel():
             return False  # cancelled: timed out while queued (counted by the waiter)
         if time.monotonic() > job.deadline:
-            self._count("timed_out")
+            self._mark_timed_out(job)
             job.future.set_exception(WorkerTimeoutError(f"the {self.name} request expired in the queue"))
             return False
         job.outputs = [None] * len(job.items)  # type: ignore[list-item]
@@ -253,21 +277,38 @@ class BatchWorker(Generic[ItemT, OutT]):
             self._run_batch(pending[start : start + size])
 
     def _run_batch(self, batch: list[tuple[_Job[ItemT, OutT], int]]) -> None:
-        live = [(job, index) for job, index in batch if not job.future.done()]
+        live = [(job, index) for job, index in batch if not job.future.done() and not self._expire(job)]
         if not live:
             return
+        self._batch_deadline = max(job.deadline for job, _ in live)
         try:
             outputs = self._forward([job.items[index] for job, index in live])
         except Exception as exc:  # noqa: BLE001 - the request's error, not the worker's
-            logger.exception("%s worker: forward failed", self.name)
-            self._fail_jobs({id(job): job for job, _ in live}.values(), exc)
+            self._fail_batch({id(job): job for job, _ in live}.values(), exc)
             return
+        finally:
+            self._batch_deadline = None
         for (job, index), output in zip(live, outputs, strict=True):
             job.outputs[index] = output
             job.num_done += 1
-            if job.num_done == len(job.items):
+            if job.num_done == len(job.items) and not self._expire(job):
                 self._count("completed")
                 job.future.set_result(job.outputs)
+
+    def _expire(self, job: _Job[ItemT, OutT]) -> bool:
+        """Fail `job` with a 504 when it is past its deadline (its answer would come too late)."""
+        if time.monotonic() <= job.deadline or job.future.done():
+            return False
+        self._mark_timed_out(job)
+        job.future.set_exception(self._late_error())
+        return True
+
+    def _fail_batch(self, jobs: Iterable[_Job[ItemT, OutT]], exc: Exception) -> None:
+        # A forward that stopped at its deadline (or any forward past it) ends its requests with a 504, not a 500.
+        jobs = [job for job in jobs if not self._expire(job)]
+        if jobs:
+            logger.exception("%s worker: forward failed", self.name)
+            self._fail_jobs(jobs, exc)
 
     def _fail_jobs(self, jobs: Iterable[_Job[ItemT, OutT]], error: Exception) -> None:
         for job in jobs:

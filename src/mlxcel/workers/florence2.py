@@ -5,7 +5,8 @@ request at a time, through transformers' `Florence2ForConditionalGeneration` and
 `Florence2Processor`: the task prompt and image become the fused encoder input, decoding is
 greedy, and the processor's `post_process_generation` parses the answer (boxes, polygons,
 quad boxes, labels). `--max-queue-depth` bounds the requests waiting behind the running one
-(503 past it); `--decode-timeout` bounds a request from arrival to answer (504).
+(503 past it); `--decode-timeout` bounds a request from arrival to answer (504), checked after
+every decoding step too, so a request past it stops decoding and never turns into a late 200.
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import json
 import logging
 import re
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -21,7 +23,7 @@ from typing import Any
 import torch
 
 from mlxcel.loading.errors import ModelLoadError
-from mlxcel.workers.base import BatchWorker, WorkerBusyError, WorkerConfig, WorkerStats
+from mlxcel.workers.base import BatchWorker, WorkerBusyError, WorkerConfig, WorkerStats, WorkerTimeoutError
 
 log = logging.getLogger(__name__)
 
@@ -207,7 +209,8 @@ class Florence2Provider:
         inputs = inputs.to(self.config.device)
         inputs["pixel_values"] = inputs["pixel_values"].to(self.config.dtype)
         # Greedy, as the spec says: no beams and no sampling, whatever the checkpoint's generation config holds.
-        output = self.model.generate(**inputs, max_new_tokens=job.max_new_tokens, do_sample=False, num_beams=1)
+        output = self.model.generate(**inputs, max_new_tokens=job.max_new_tokens, do_sample=False, num_beams=1,
+                                     stopping_criteria=_deadline_stop(self._worker.is_past_deadline))
         return self._parse(job, output[0].tolist(), prompt_len)
 
     def _parse(self, job: Florence2Job, token_ids: list[int], prompt_len: int) -> Florence2Answer:
@@ -223,6 +226,20 @@ class Florence2Provider:
         is_cut = len(generated) >= job.max_new_tokens
         return Florence2Answer(job.task.task, result, content, prompt_len, len(generated),
                                "length" if is_cut else "stop")
+
+
+def _deadline_stop(is_late: Callable[[], bool]) -> Any:
+    """A transformers stopping criterion asked after every decoding step: past the deadline it raises the 504
+    (issue 47), so a request nobody waits for stops decoding at once."""
+    from transformers import StoppingCriteria, StoppingCriteriaList
+
+    class DeadlineStop(StoppingCriteria):
+        def __call__(self, input_ids: torch.Tensor, scores: Any, **kwargs: Any) -> torch.Tensor:
+            if is_late():
+                raise WorkerTimeoutError("the florence2 request passed its --decode-timeout while decoding")
+            return torch.zeros(input_ids.shape[0], dtype=torch.bool, device=input_ids.device)
+
+    return StoppingCriteriaList([DeadlineStop()])
 
 
 def _plain(value: Any) -> Any:

@@ -173,6 +173,10 @@ class ImageGenerator:
 
     # --- worker thread ---
 
+    def is_past_deadline(self) -> bool:
+        """The running job is past its deadline (asked between denoising steps)."""
+        return self._worker.is_past_deadline()
+
     def _forward(self, jobs: list[ImageJob]) -> list[list[GeneratedImage]]:
         outputs = []
         for job in jobs:
@@ -193,6 +197,8 @@ class ImageGenerator:
             output = pipeline(**arguments)
         if job.abort.is_set():
             raise ImageAborted("image generation abandoned")
+        if self.is_past_deadline():
+            raise ImageAborted("image generation passed its deadline")  # the worker answers 504
         return [GeneratedImage(encode_image(image, spec.output_format, spec.quality), image.width, image.height)
                 for image in output.images]
 
@@ -244,7 +250,8 @@ class _StepCallback:
         log.info("image: step %d of %d", step, num_steps)
         if self._previews is None:
             self._previews = preview_steps(num_steps, self._job.spec.partial_images)
-        if self._job.abort.is_set():
+        # Past the deadline (issue 47) nobody can receive the image: stop as for an abort.
+        if self._job.abort.is_set() or self._generator.is_past_deadline():
             pipeline._interrupt = True  # diffusers skips the remaining steps
             return tensors
         if self._job.on_step is not None:

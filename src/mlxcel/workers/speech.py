@@ -204,7 +204,7 @@ class SpeechSynthesizer:
     def _run(self, job: SpeechJob) -> int:
         num_samples = 0
         for chunk in self.voice.synthesize(job.text, job.voice, job.speed):
-            if job.abort.is_set():
+            if job.abort.is_set() or self._worker.is_past_deadline():  # past it: the worker answers 504
                 raise SpeechAborted("speech abandoned")
             job.sink(chunk)
             num_samples += chunk.size

@@ -149,7 +149,7 @@ class WhisperTranscriber:
             beam_size=self.config.beam_size, word_timestamps=job.word_timestamps, vad_filter=False)
         collected: list[Segment] = []
         for raw in segments:
-            if job.abort.is_set():
+            if job.abort.is_set() or self._worker.is_past_deadline():  # past it: the worker answers 504
                 raise TranscriptionAborted("transcription abandoned")
             collected.append(_segment(raw))
         return Transcript(job.task, str(info.language), float(info.duration), tuple(collected))

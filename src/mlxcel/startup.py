@@ -6,9 +6,10 @@ engine and warmup; side workers; or an audio-only / realtime process), bind the 
 `server_state(process, settings)`: the `ServerState` with the live settings (F9), the realtime
 service (H) and the web UI's model control (A5), whose run-time loads go through `ModelLoader`,
 this same path. It runs in the API process; the chat model's engine runs here or in the engine
-process (`chat_model`, `engine_process`). `server/` never imports the loaders (`served_model`,
-`chat_model`, `engine_process`, `side_models`, `audio_models`, `workers`); it holds what this module
-built (`mlxcel.serving.process`).
+process (`serving.chat_model`, `serving.engine_process`). It sits above `serving/`, `server/` and
+`command_line` (issue 47): it assembles their products, so `serving/` stays a layer `server/` builds
+on. `server/` never imports the loaders (`serving.served_model`, `.chat_model`, `.engine_process`,
+`.side_models`, `.audio_models`, `workers`); it holds what this module built (`mlxcel.serving.process`).
 """
 
 from __future__ import annotations
