@@ -20,7 +20,7 @@ import transformers
 from safetensors.torch import load_file
 
 from mlxcel.layers.moe import (
-    MoE, MoESpec, RouterSpec, moe_spec_from_config, route, sanitize_moe,
+    EXPERT_PATHS, MoE, MoESpec, RouterSpec, moe_spec_from_config, route, sanitize_moe,
 )
 
 TOL = 1e-5
@@ -79,6 +79,15 @@ FAMILIES: dict[str, Family] = {
         lambda: transformers.Glm4MoeConfig(**COMMON, **GROUPED, head_dim=16),
         lambda c: moe_spec_from_config(c, "sigmoid_grouped"), "per_expert"),
 }
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread() -> Any:
+    # Tiny matmuls: a second OpenMP thread only adds wake-ups (10-100x slower on a busy 2-core box).
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
 
 
 @dataclass
@@ -143,12 +152,12 @@ def test_selected_experts_equal_transformers_router(pair: Pair) -> None:
 
 
 @torch.inference_mode()
-def test_per_expert_loop_equals_grouped_matmul(pair: Pair) -> None:
+@pytest.mark.parametrize("path", [p for p in EXPERT_PATHS if p != "grouped"])
+def test_every_expert_path_equals_grouped_matmul(pair: Pair, path: str) -> None:
     x = _inputs()
     weights, ids = pair.ours.gate(x)
-    grouped = pair.ours.experts(x, ids, weights, grouped=True)
-    looped = pair.ours.experts(x, ids, weights, grouped=False)
-    torch.testing.assert_close(looped, grouped, rtol=0, atol=TOL)
+    grouped = pair.ours.experts(x, ids, weights, path="grouped")
+    torch.testing.assert_close(pair.ours.experts(x, ids, weights, path=path), grouped, rtol=0, atol=TOL)
 
 
 @torch.inference_mode()
@@ -162,6 +171,22 @@ def test_one_token_and_lazy_readers(pair: Pair) -> None:
     assert set(lazy) == set(eager)
     for key, value in eager.items():
         torch.testing.assert_close(lazy[key](key), value, rtol=0, atol=0)
+
+
+@pytest.mark.slow  # ~30 s of inductor on 2 cores
+@torch.inference_mode()
+def test_full_graph_compile_equals_eager() -> None:
+    """The compiled decode step traces a whole layer (fullgraph, dynamic rows): the experts op is opaque."""
+    spec = MoESpec(RouterSpec("softmax", 8, 2, normalize=True), 64, 32, shared_intermediate_size=48,
+                   shared_name="shared_expert", is_shared_gated=True)
+    torch.manual_seed(0)
+    moe = MoE(spec)
+    for param in moe.parameters():
+        torch.nn.init.normal_(param, 0.0, 0.2)
+    compiled = torch.compile(moe, fullgraph=True, dynamic=True)
+    for num_rows in (3, 7):
+        x = torch.randn(num_rows, 64)
+        torch.testing.assert_close(compiled(x), moe(x), rtol=0, atol=TOL)
 
 
 def test_grouped_routing_keeps_the_best_groups_only() -> None:

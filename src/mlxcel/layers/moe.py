@@ -252,70 +252,127 @@ class Experts(nn.Module):
         self.gate_up_proj_bias = nn.Parameter(torch.zeros(num, 2 * width)) if spec.has_expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(num, hidden)) if spec.has_expert_bias else None
 
-    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
-                grouped: bool | None = None) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
         """x [T, H], ids / weights [T, k] -> the weighted sum of each row's experts [T, H].
 
-        `grouped`: None picks the grouped matmul where it runs; False forces one matmul per expert."""
-        if grouped is None:
-            grouped = self._can_group(x)
-        return self._grouped(x, ids, weights) if grouped else self._per_expert(x, ids, weights)
+        `path`: "auto", or one of `EXPERT_PATHS` to force it (tests compare them)."""
+        spec = self.spec
+        return torch.ops.mlxcel.moe_experts(
+            x, ids, weights.float(), self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
+            self.down_proj_bias, spec.activation, spec.swiglu_limit, spec.swiglu_alpha, path)
+
+
+EXPERT_PATHS = ("grouped", "per_expert", "gathered")
+
+
+@torch.library.custom_op("mlxcel::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                activation: str, limit: float, alpha: float, path: str) -> torch.Tensor:
+    """The routed experts' weighted sum, as one opaque op.
+
+    NOTE: opaque to the compiled decode step (inductor has no float32 grouped matmul, and the
+    per-expert loop reads counts on the host, which a full-graph trace refuses)."""
+    stack = _ExpertStack(gate_up, down, gate_up_bias, down_bias, activation, limit, alpha)
+    path = _pick_path(x) if path == "auto" else path
+    run = {"grouped": _run_grouped, "per_expert": _run_per_expert, "gathered": _run_gathered}[path]
+    return run(stack, x, ids, weights)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                      activation: str, limit: float, alpha: float, path: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@dataclass(frozen=True)
+class _ExpertStack:
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    gate_up_bias: torch.Tensor | None  # [E, 2I]
+    down_bias: torch.Tensor | None  # [E, H]
+    activation: str
+    limit: float
+    alpha: float
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[rows, 2I] -> [rows, I]: the gated activation of one expert's first projection."""
+        """[rows, 2I] -> [rows, I]: the gated activation of the experts' first projection."""
         gate, up = gate_up.chunk(2, dim=-1)
-        if self.spec.activation == "swiglu_clamped":
-            limit = self.spec.swiglu_limit
-            gate, up = gate.clamp(max=limit), up.clamp(min=-limit, max=limit)
-            return (up + 1) * (gate * torch.sigmoid(gate * self.spec.swiglu_alpha))
-        return _GATED_ACTIVATIONS[self.spec.activation](gate) * up
+        if self.activation == "swiglu_clamped":
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return _GATED_ACTIVATIONS[self.activation](gate) * up
 
-    def _can_group(self, x: torch.Tensor) -> bool:
-        # NOTE: CUDA's grouped matmul takes bfloat16 on sm80+; anything else loops over the experts.
-        if not hasattr(F, "grouped_mm"):
-            return False
-        if x.device.type == "cuda":
-            return x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0)
-        return x.device.type == "cpu"
 
-    def _grouped(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        num_tokens, top_k = ids.shape
-        expert_of_pair, order = ids.reshape(-1).sort(stable=True)  # pairs sorted by expert
-        rows = x[order // top_k]  # [pairs, H]
-        counts = torch.bincount(expert_of_pair, minlength=self.spec.num_experts)
-        offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
-        hidden = F.grouped_mm(rows, self.gate_up_proj.transpose(1, 2), offs=offsets)
-        if self.gate_up_proj_bias is not None:
-            hidden = hidden + self.gate_up_proj_bias[expert_of_pair]
-        out = F.grouped_mm(self.activate(hidden), self.down_proj.transpose(1, 2), offs=offsets)
-        if self.down_proj_bias is not None:
-            out = out + self.down_proj_bias[expert_of_pair]
-        out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
-        pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
-        return pairs.view(num_tokens, top_k, -1).sum(dim=1)
+def _pick_path(x: torch.Tensor) -> str:
+    """The grouped matmul where torch has it for this device and dtype (CUDA: bfloat16 on sm80+);
+    else one matmul per expert, or, inside a CUDA graph capture (no host reads), per-pair gathers."""
+    if hasattr(F, "grouped_mm"):
+        if x.device.type == "cpu":
+            return "grouped"
+        if x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0):
+            return "grouped"
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "gathered"
+    return "per_expert"
 
-    def _per_expert(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-        top_k = ids.shape[1]
-        expert_of_pair, order = ids.reshape(-1).sort(stable=True)
-        counts = torch.bincount(expert_of_pair, minlength=self.spec.num_experts).tolist()
-        pair_weights = weights.reshape(-1)[order]
-        out = torch.zeros_like(x)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count:
-                span = slice(start, start + count)
-                token_rows = order[span] // top_k
-                y = self.run_one(expert, x.index_select(0, token_rows))
-                out.index_add_(0, token_rows, (y * pair_weights[span, None]).to(x.dtype))
-                start += count
-        return out
 
-    def run_one(self, expert: int, rows: torch.Tensor) -> torch.Tensor:
-        """Expert `expert` over rows [n, H] -> [n, H], unweighted."""
-        bias = self.gate_up_proj_bias
-        hidden = F.linear(rows, self.gate_up_proj[expert], None if bias is None else bias[expert])
-        bias = self.down_proj_bias
-        return F.linear(self.activate(hidden), self.down_proj[expert], None if bias is None else bias[expert])
+def _run_grouped(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = ids.shape
+    expert_of_pair, order = ids.reshape(-1).sort(stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0])
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    hidden = F.grouped_mm(x[order // top_k], stack.gate_up.transpose(1, 2), offs=offsets)
+    if stack.gate_up_bias is not None:
+        hidden = hidden + stack.gate_up_bias[expert_of_pair]
+    out = F.grouped_mm(stack.activate(hidden), stack.down.transpose(1, 2), offs=offsets)
+    if stack.down_bias is not None:
+        out = out + stack.down_bias[expert_of_pair]
+    out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
+    return pairs.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _run_per_expert(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    top_k = ids.shape[1]
+    expert_of_pair, order = ids.reshape(-1).sort(stable=True)
+    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0]).tolist()
+    pair_weights = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            span = slice(start, start + count)
+            token_rows = order[span] // top_k
+            y = _run_one(stack, expert, x.index_select(0, token_rows))
+            out.index_add_(0, token_rows, (y * pair_weights[span, None]).to(x.dtype))
+            start += count
+    return out
+
+
+def _run_one(stack: _ExpertStack, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert `expert` over rows [n, H] -> [n, H], unweighted."""
+    bias = None if stack.gate_up_bias is None else stack.gate_up_bias[expert]
+    hidden = F.linear(rows, stack.gate_up[expert], bias)
+    bias = None if stack.down_bias is None else stack.down_bias[expert]
+    return F.linear(stack.activate(hidden), stack.down[expert], bias)
+
+
+def _run_gathered(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # Each (token, slot) pair's expert weights gathered and batch-multiplied: no host read, so a
+    # CUDA graph captures it; its copies make it a small-batch (decode) path only.
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
+    hidden = torch.bmm(stack.gate_up[flat], rows).squeeze(-1)
+    if stack.gate_up_bias is not None:
+        hidden = hidden + stack.gate_up_bias[flat]
+    out = torch.bmm(stack.down[flat], stack.activate(hidden).unsqueeze(-1)).squeeze(-1)
+    if stack.down_bias is not None:
+        out = out + stack.down_bias[flat]
+    out = (out * weights.reshape(-1, 1)).to(x.dtype)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
 
 
 class SharedExpert(nn.Module):
