@@ -20,7 +20,7 @@ from torch import nn
 from mlxcel.loading import load_model
 
 from .harness import (
-    batch_uncached_logits, cached_logits, lockstep_cached_logits, save_tiny_hf, uncached_logits,
+    batch_uncached_logits, cached_logits, greedy, lockstep_cached_logits, save_tiny_hf, uncached_logits,
 )
 
 VOCAB = 128
@@ -47,6 +47,37 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "gemma3-pattern2": ("gemma3_text", lambda: transformers.Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
         sliding_window_pattern=2, rope_local_base_freq=100.0)),
+    # Issue 40: the dense families, each a recipe over layers/decoder.py.
+    "qwen3-yarn": ("qwen3", lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling={
+        "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
+    "mistral": ("mistral", lambda: transformers.MistralConfig(**COMMON, sliding_window=4)),
+    "ministral": ("ministral", lambda: transformers.MinistralConfig(
+        **{**COMMON, "num_hidden_layers": 3}, head_dim=16, sliding_window=4,
+        layer_types=["sliding_attention", "full_attention", "sliding_attention"])),
+    "smollm3": ("smollm3", lambda: transformers.SmolLM3Config(
+        **{**COMMON, "num_hidden_layers": 4}, no_rope_layer_interval=2, pad_token_id=0)),
+    "granite": ("granite", lambda: transformers.GraniteConfig(
+        **COMMON, embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0)),
+    "olmo2": ("olmo2", lambda: transformers.Olmo2Config(**COMMON)),
+    "seed_oss": ("seed_oss", lambda: transformers.SeedOssConfig(
+        **COMMON, attention_bias=True, attention_out_bias=True, head_dim=16)),
+    "hunyuan_v1_dense": ("hunyuan_v1_dense", lambda: transformers.HunYuanDenseV1Config(
+        **COMMON, head_dim=16, rope_scaling={"rope_type": "dynamic", "alpha": 1000.0, "factor": 1.0})),
+    "glm4": ("glm4", lambda: transformers.Glm4Config(**COMMON, head_dim=16, attention_bias=True, pad_token_id=0)),
+    "exaone4": ("exaone4", lambda: transformers.Exaone4Config(
+        **{**COMMON, "num_hidden_layers": 4}, sliding_window=4, sliding_window_pattern=2)),
+    "starcoder2": ("starcoder2", lambda: transformers.Starcoder2Config(**COMMON, sliding_window=4)),
+    "ernie4_5": ("ernie4_5", lambda: transformers.Ernie4_5Config(**COMMON, head_dim=16, use_bias=True)),
+    # longrope: prompts stay inside the trained 32 positions, where transformers uses the short factors.
+    "phi3": ("phi3", lambda: transformers.Phi3Config(
+        **{**COMMON, "max_position_embeddings": 64}, original_max_position_embeddings=32, partial_rotary_factor=0.5,
+        pad_token_id=0, rope_scaling={"rope_type": "longrope", "short_factor": [1.0 + 0.1 * i for i in range(4)],
+                                      "long_factor": [2.0 + i for i in range(4)]})),
+    "gemma2": ("gemma2", lambda: transformers.Gemma2Config(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
+        attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "cohere2": ("cohere2", lambda: transformers.Cohere2Config(
+        **{**COMMON, "num_hidden_layers": 4}, sliding_window=4, logit_scale=0.5)),
 }
 
 _rng = random.Random(1)
@@ -85,6 +116,16 @@ def test_a2_logits_equal_transformers(tiny: Tiny) -> None:
         expected = reference_logits(tiny.reference, prompt)
         torch.testing.assert_close(uncached_logits(tiny.ours, prompt), expected,
                                    atol=TOL_VS_TRANSFORMERS, rtol=0)
+
+
+@torch.inference_mode()
+def test_issue40_greedy_tokens_equal_transformers(tiny: Tiny) -> None:
+    """16 greedy tokens through the paged cache equal transformers' greedy tokens (full forward each step)."""
+    prompt = PROMPTS[1]
+    ids = list(prompt)
+    for _ in range(16):
+        ids.append(int(reference_logits(tiny.reference, ids)[-1].argmax()))
+    assert greedy(tiny.ours, prompt, 16) == ids[len(prompt):]
 
 
 def test_cached_logits_equal_uncached(tiny: Tiny) -> None:
@@ -142,10 +183,11 @@ def test_a2_unsupported_rope_type_is_one_clear_load_error(tmp_path: Path) -> Non
 
     config = transformers.LlamaConfig(**COMMON)
     save_tiny_hf(config, tmp_path)
-    text = (tmp_path / "config.json").read_text().replace('"rope_type": "default"', '"rope_type": "yarn", "factor": 2.0')
+    text = (tmp_path / "config.json").read_text().replace('"rope_type": "default"', '"rope_type": "ntk_by_parts", "factor": 2.0')
     (tmp_path / "config.json").write_text(text)
-    with pytest.raises(ModelLoadError, match=r"llama config cannot be used: rope scaling type 'yarn' is not "
-                                             r"supported \(supported: default, linear, llama3, freq_factors\)"):
+    with pytest.raises(ModelLoadError, match=r"llama config cannot be used: rope scaling type 'ntk_by_parts' is not "
+                                             r"supported \(supported: default, linear, dynamic, llama3, yarn, "
+                                             r"longrope, proportional, freq_factors\)"):
         load_model(tmp_path)
 
 
@@ -158,3 +200,42 @@ def test_gemma3_sanitize_keeps_only_the_text_model_of_a_multimodal_checkpoint() 
              "multi_modal_projector.mm_input_projection_weight", "lm_head.weight"]
     kept = gemma3.Model.sanitize({name: torch.zeros(1) for name in names}, args)
     assert sorted(kept) == ["model.embed_tokens.weight", "model.layers.0.mlp.up_proj.weight", "model.norm.weight"]
+
+
+def test_issue40_gemma2_soft_capping_takes_effect(tmp_path: Path) -> None:
+    """Gemma 2's attention soft-cap is applied (a model without it gives other logits), uncached and cached."""
+    config = FAMILIES["gemma2"][1]()
+    reference = save_tiny_hf(config, tmp_path / "capped")
+    ours = load_model(tmp_path / "capped").model
+    config.attn_logit_softcapping = None
+    save_tiny_hf(config, tmp_path / "uncapped")
+    uncapped = load_model(tmp_path / "uncapped").model
+    prompt = PROMPTS[-1]
+    capped_logits = uncached_logits(ours, prompt)
+    assert (capped_logits - uncached_logits(uncapped, prompt)).abs().max() > 1e-3
+    torch.testing.assert_close(capped_logits, reference_logits(reference, prompt), atol=TOL_VS_TRANSFORMERS, rtol=0)
+    torch.testing.assert_close(cached_logits(ours, prompt, (6, 5)), capped_logits, atol=TOL_SAME_MATH, rtol=0)
+
+
+def test_issue40_longrope_takes_the_long_factors_past_the_trained_context(tmp_path: Path) -> None:
+    """Positions from original_max_position_embeddings on rotate by the long factors: a prompt that
+    crosses it differs from the short-factor rope there, and cached equals uncached across the line."""
+    from mlxcel.layers.rope import RotaryEmbedding
+
+    scaling = {"rope_type": "longrope", "short_factor": [1.0] * 4, "long_factor": [3.0] * 4,
+               "original_max_position_embeddings": 8, "max_position_embeddings": 64}
+    table = RotaryEmbedding(8, 10000.0, scaling)
+    short = RotaryEmbedding(8, 10000.0, {**scaling, "long_factor": [1.0] * 4})
+    positions = torch.arange(16)
+    cos, _ = table.cos_sin(positions, torch.float32)
+    cos_short, _ = short.cos_sin(positions, torch.float32)
+    torch.testing.assert_close(cos[:8], cos_short[:8])
+    assert (cos[8:] - cos_short[8:]).abs().max() > 1e-3
+    config = FAMILIES["phi3"][1]()
+    config.original_max_position_embeddings = 8
+    config.rope_parameters["original_max_position_embeddings"] = 8
+    save_tiny_hf(config, tmp_path)
+    ours = load_model(tmp_path).model
+    prompt = PROMPTS[-1]
+    torch.testing.assert_close(cached_logits(ours, prompt, (6, 5)), uncached_logits(ours, prompt),
+                               atol=TOL_SAME_MATH, rtol=0)

@@ -40,7 +40,7 @@ def unsupported(model: nn.Module, kv_cache: KVCache, *, has_lora: bool) -> str |
     if not layers:
         return "the model has no decoder layers"
     for layer in layers:
-        if vars(type(layer)).get("NATIVE_LAYOUT") != "llama":  # the family vouches for this class (not subclasses)
+        if getattr(layer, "native_layout", None) != "llama":  # its recipe is the Llama layout (layers/decoder.py)
             return f"{type(layer).__module__}.{type(layer).__name__} is not a Llama-layout decoder layer"
         attn, mlp = layer.self_attn, layer.mlp
         linears = (getattr(attn, "fused_q_k_v", None), attn.o_proj, getattr(mlp, "fused_gate_up", None), mlp.down_proj)
@@ -66,7 +66,7 @@ class NativeLayers:
         inner = model.model
         layers = layers if layers is not None else range(len(inner.layers))
         first = inner.layers[0]
-        self.rotary: RotaryEmbedding = first.self_attn.rope[0]
+        self.rotary: RotaryEmbedding = first.self_attn.rope[0].table
         self.dims = [first.self_attn.num_heads, first.self_attn.num_kv_heads, first.self_attn.head_dim]
         self.scale = first.self_attn.scale
         self.eps = first.input_layernorm.eps

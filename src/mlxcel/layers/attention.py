@@ -41,6 +41,47 @@ def _round_up(value: int, multiple: int) -> int:
     return -(-value // multiple) * multiple
 
 
+@dataclass(frozen=True, slots=True)
+class ScoreRule:
+    """What some families do to attention scores beyond scale and mask: Gemma 2 / Grok cap them
+    (`softcap * tanh(s / softcap)`), gpt-oss adds one learned logit a head to the softmax's
+    denominator (`sinks` [Hq]: an extra key that takes probability and gives no value)."""
+
+    softcap: float | None = None
+    sinks: torch.Tensor | None = None
+
+    @property
+    def is_plain(self) -> bool:
+        return self.softcap is None and self.sinks is None
+
+
+PLAIN = ScoreRule()
+
+
+def sdpa(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *, scale: float, rule: ScoreRule = PLAIN,
+         mask: torch.Tensor | None = None, is_causal: bool = False) -> torch.Tensor:
+    """`F.scaled_dot_product_attention` over [B, H, L, D] (GQA by head groups), or, with a
+    non-plain `rule`, the same attention written out: scores, the rule, mask, softmax, values."""
+    if rule.is_plain:
+        return F.scaled_dot_product_attention(q, k, v, attn_mask=mask, is_causal=is_causal, scale=scale,
+                                              enable_gqa=True)
+    groups = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+    scores = torch.matmul(q.float(), k.float().transpose(-1, -2)) * scale  # [B, H, Lq, Lk]
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    if is_causal:
+        mask = torch.ones(q.shape[2], k.shape[2], dtype=torch.bool, device=q.device).tril(k.shape[2] - q.shape[2])
+    if mask is not None:
+        scores = scores.masked_fill(~mask, torch.finfo(torch.float32).min)
+    if rule.sinks is not None:
+        sink = rule.sinks.float().view(1, -1, 1, 1).expand(scores.shape[0], -1, scores.shape[2], 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1]
+    else:
+        probs = torch.softmax(scores, dim=-1)
+    return torch.matmul(probs, v.float()).to(q.dtype)
+
+
 class PagedKV(Protocol):
     """The paged KV tensors a step attends over, as the engine hands them in (engine/kv/tensors.py's
     `KVCache`): keys and values at cache slots `block_id * block_size + offset`, whose last block
@@ -151,29 +192,29 @@ class AttentionContext:
     # ---- attention ----
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D]."""
         if self.kv is None:
-            return self._attend_uncached(q, k, v, scale, window)
+            return self._attend_uncached(q, k, v, scale, window, rule)
         self.kv.write(layer, self.slot_mapping, k, v)
         q = self.kv.turn_query(q)
         out = torch.empty_like(q)
         if self.decode_rows:
-            decoded = self._attend_decode_group(layer, q, scale, window)
+            decoded = self._attend_decode_group(layer, q, scale, window, rule)
             if self._decode_rows_lead:
                 out[:len(self.decode_rows)] = decoded
             else:
                 out[self._decode_q_index] = decoded
         if self.other_rows and _groups_prefill(self.device):
             group = self._cached(("prefill-group", window), lambda: self._prefill_group(window))
-            out[group.rows] = self._attend_prefill_group(layer, q, group, scale)
+            out[group.rows] = self._attend_prefill_group(layer, q, group, scale, rule)
             return self.kv.turn_back_output(out)
         for i in self.other_rows:
             s = self.seqs[i]
             slots = self._cached(("slots", i), lambda s=s: self._padded_slots(s))
             keys, values = self.kv.read(layer, slots, q.dtype)
             out[s.q_start:s.q_start + s.q_len] = self._attend_prefill(
-                i, q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window)
+                i, q[s.q_start:s.q_start + s.q_len], keys, values, s, scale, window, rule)
         return self.kv.turn_back_output(out)
 
     def _padded_slots(self, s: SequenceSlice) -> torch.Tensor:
@@ -185,7 +226,7 @@ class AttentionContext:
         return torch.cat((slots, padding))
 
     def _attend_prefill(self, index: int, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                        s: SequenceSlice, scale: float, window: int | None) -> torch.Tensor:
+                        s: SequenceSlice, scale: float, window: int | None, rule: ScoreRule) -> torch.Tensor:
         """A prefill chunk over the cache, in query blocks aligned to absolute positions.
 
         NOTE: query block [b, b + PREFILL_BLOCK) always attends over keys kv_start..b + PREFILL_BLOCK
@@ -203,8 +244,7 @@ class AttentionContext:
                                 lambda: self._prefill_block_mask(s, block, lo + first, hi + first, window))
             rows, mask = _with_whole_tiles(q[lo:hi], mask)
             qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (rows, keys[:num_keys], values[:num_keys]))
-            out[lo:hi] = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                        enable_gqa=True).squeeze(0).transpose(0, 1)[:hi - lo]
+            out[lo:hi] = sdpa(qh, kh, vh, mask=mask, scale=scale, rule=rule).squeeze(0).transpose(0, 1)[:hi - lo]
         return out
 
     def _prefill_group(self, window: int | None) -> _PrefillGroup:
@@ -236,7 +276,8 @@ class AttentionContext:
         return _PrefillGroup(q_index.to(to), slots.to(to), mask[:, None], q_index[is_query].to(to),
                              is_query.flatten().nonzero().squeeze(1).to(to))
 
-    def _attend_prefill_group(self, layer: int, q: torch.Tensor, group: _PrefillGroup, scale: float) -> torch.Tensor:
+    def _attend_prefill_group(self, layer: int, q: torch.Tensor, group: _PrefillGroup, scale: float,
+                              rule: ScoreRule) -> torch.Tensor:
         """One attention call for every prefill chunk of the step: -> [rows, Hq, D] in `group.rows` order.
 
         NOTE: on a GPU, a call per sequence and query block cost more in launches than the
@@ -245,7 +286,7 @@ class AttentionContext:
         assert self.kv is not None
         keys, values = self.kv.read(layer, group.slots, q.dtype)  # [B, keys, Hkv, D]
         qb, kb, vb = (t.transpose(1, 2) for t in (q[group.q_index], keys, values))
-        out = F.scaled_dot_product_attention(qb, kb, vb, attn_mask=group.mask, scale=scale, enable_gqa=True)
+        out = sdpa(qb, kb, vb, mask=group.mask, scale=scale, rule=rule)
         return out.transpose(1, 2).flatten(0, 1).index_select(0, group.query_flat)
 
     def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
@@ -258,25 +299,23 @@ class AttentionContext:
         return mask
 
     def _attend_uncached(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                         scale: float, window: int | None) -> torch.Tensor:
+                         scale: float, window: int | None, rule: ScoreRule) -> torch.Tensor:
         out = torch.empty_like(q)
         for s in self.seqs:
             rows = slice(s.q_start, s.q_start + s.q_len)
-            out[rows] = self._attend_one(q[rows], k[rows], v[rows], s, scale, window)
+            out[rows] = self._attend_one(q[rows], k[rows], v[rows], s, scale, window, rule)
         return out
 
     def _attend_one(self, q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor,
-                    s: SequenceSlice, scale: float, window: int | None) -> torch.Tensor:
+                    s: SequenceSlice, scale: float, window: int | None, rule: ScoreRule) -> torch.Tensor:
         # [1, H, L, D] layout for SDPA.
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
         is_plain_causal = keys.shape[0] == q.shape[0] and (window is None or window >= s.kv_len)
         if is_plain_causal:
-            out = F.scaled_dot_product_attention(qh, kh, vh, is_causal=q.shape[0] > 1,
-                                                 scale=scale, enable_gqa=True)
+            out = sdpa(qh, kh, vh, is_causal=q.shape[0] > 1, scale=scale, rule=rule)
         else:
             mask = self._prefill_mask(s, keys.shape[0], window)
-            out = F.scaled_dot_product_attention(qh, kh, vh, attn_mask=mask, scale=scale,
-                                                 enable_gqa=True)
+            out = sdpa(qh, kh, vh, mask=mask, scale=scale, rule=rule)
         return out.squeeze(0).transpose(0, 1)
 
     def _prefill_mask(self, s: SequenceSlice, num_keys: int, window: int | None) -> torch.Tensor:
@@ -289,7 +328,8 @@ class AttentionContext:
             return mask
         return self._cached(("prefill", s.q_start, window), build)
 
-    def _attend_decode_group(self, layer: int, q: torch.Tensor, scale: float, window: int | None) -> torch.Tensor:
+    def _attend_decode_group(self, layer: int, q: torch.Tensor, scale: float, window: int | None,
+                             rule: ScoreRule) -> torch.Tensor:
         assert self.kv is not None
         keys, values = self.kv.read(layer, self._decode_gather, q.dtype)  # [B, L, Hkv, D]
         keys, values = keys.transpose(1, 2), values.transpose(1, 2)
@@ -299,9 +339,7 @@ class AttentionContext:
         # Every gathered key is visible to its (last-position) query unless padded or windowed.
         needs_mask = self._decode_is_padded or (window is not None and length > window)
         mask = self._cached(("decode", window), lambda: self._decode_mask(window)) if needs_mask else None
-        out = F.scaled_dot_product_attention(qh, keys, values, attn_mask=mask, scale=scale,
-                                             enable_gqa=True)
-        return out.squeeze(2)
+        return sdpa(qh, keys, values, mask=mask, scale=scale, rule=rule).squeeze(2)
 
     def _decode_mask(self, window: int | None) -> torch.Tensor:
         mask = self._decode_key_pos >= 0
@@ -362,11 +400,11 @@ class DecodeAttention:
         return num_rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None = None) -> torch.Tensor:
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors."""
         self._write(self.k_type, self.k_cache, self.k_scales, k)
         self._write(self.v_type, self.v_cache, self.v_scales, v)
-        if self.use_kernel:
+        if self.use_kernel and rule.is_plain:
             return paged_attention.paged_decode_attention(q, self.k_cache, self.v_cache, self.key_slots, self.key_pos,
                                                           self.q_pos, scale, window or 0)
         visible = self.key_pos >= 0
@@ -376,7 +414,7 @@ class DecodeAttention:
         keys = kv_quant.decode(self.k_type, self.k_cache[self.key_slots], _at(self.k_scales, self.key_slots), compute)
         values = kv_quant.decode(self.v_type, self.v_cache[self.key_slots], _at(self.v_scales, self.key_slots), compute)
         turned = self.k_type == "turbo4"
-        out = decode_attention(self.rotation.turn(q) if turned else q, keys, values, visible, scale)
+        out = decode_attention(self.rotation.turn(q) if turned else q, keys, values, visible, scale, rule)
         return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
 
     def _write(self, element: str, cache: torch.Tensor, scales: torch.Tensor | None, x: torch.Tensor) -> None:
@@ -402,7 +440,7 @@ def _attention_dtype(q: torch.Tensor, cache_dtype: torch.dtype) -> torch.dtype:
 
 
 def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, visible: torch.Tensor,
-                     scale: float) -> torch.Tensor:
+                     scale: float, rule: ScoreRule = PLAIN) -> torch.Tensor:
     """Grouped-query attention of one query a row: q [B, Hq, D]; keys, values [B, L, Hkv, D] (already
     gathered from the cache, in the dtype the sums run in); visible [B, L].
 
@@ -423,8 +461,15 @@ def decode_attention(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, 
         scores = torch.einsum("bhgd,blhd->bhgl", qg, keys)
     # The lowest finite float, not -inf: a padding row with no visible key stays finite (it
     # writes the scratch slot other rows' masked keys point at), and exp() of it is still 0.
-    scores = (scores.float() * scale).masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
-    probs = torch.softmax(scores, dim=-1).to(compute)
+    scores = scores.float() * scale
+    if rule.softcap is not None:
+        scores = torch.tanh(scores / rule.softcap) * rule.softcap
+    scores = scores.masked_fill(~visible[:, None, None, :], torch.finfo(torch.float32).min)
+    if rule.sinks is not None:  # [Hq] -> one extra key a head: [B, Hkv, G, 1]
+        sink = rule.sinks.float().view(1, num_kv_heads, groups, 1).expand(b, -1, -1, 1)
+        probs = torch.softmax(torch.cat((scores, sink), dim=-1), dim=-1)[..., :-1].to(compute)
+    else:
+        probs = torch.softmax(scores, dim=-1).to(compute)
     if is_fused:
         out = (probs.unsqueeze(-1) * values.permute(0, 2, 1, 3).unsqueeze(2)).sum(3)  # [B, Hkv, G, D]
     else:

@@ -26,3 +26,19 @@ class RMSNorm(torch.nn.Module):
         if self.offset == 0.0 and self.weight.dtype == torch.float32:
             return self.weight
         return self.weight.float() + self.offset
+
+
+class LayerNorm(torch.nn.Module):
+    """Mean-centred norm with `weight` (and `bias` where the checkpoint has one: StarCoder 2;
+    Cohere's has none), in float32 as the references compute it."""
+
+    def __init__(self, dim: int, eps: float = 1e-5, *, bias: bool = True) -> None:
+        super().__init__()
+        self.weight = torch.nn.Parameter(torch.ones(dim))
+        self.bias = torch.nn.Parameter(torch.zeros(dim)) if bias else None
+        self.eps = eps
+        self.offset = 0.0
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        bias = self.bias.float() if self.bias is not None else None
+        return torch.nn.functional.layer_norm(x.float(), x.shape[-1:], self.weight.float(), bias, self.eps).to(x.dtype)

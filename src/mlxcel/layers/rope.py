@@ -1,4 +1,6 @@
-"""Rotary position embeddings (the HF "rotate half" layout), with llama3 and linear scaling."""
+"""Rotary position embeddings (the HF "rotate half" layout) with the scalings checkpoints use:
+linear, llama3, yarn, longrope, proportional (Gemma 4), dynamic (inside the trained context:
+the plain frequencies, as transformers computes them there) and GGUF's freq_factors."""
 
 from __future__ import annotations
 
@@ -9,7 +11,7 @@ from typing import Any
 import torch
 
 # "freq_factors": per-frequency divisors as GGUF stores them (`rope_freqs.weight`, llama3 models).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "llama3", "freq_factors")
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional", "freq_factors")
 
 
 def rope_settings(config: Mapping[str, Any], layer_type: str | None = None,
@@ -24,8 +26,18 @@ def rope_settings(config: Mapping[str, Any], layer_type: str | None = None,
         params = params[layer_type]
     if isinstance(params, Mapping) and ("rope_theta" in params or "rope_type" in params):
         theta = params.get("rope_theta", config.get("rope_theta", default_theta))
-        return float(theta), _scaling_or_none(params)
-    return float(config.get("rope_theta") or default_theta), _scaling_or_none(config.get("rope_scaling"))
+        return float(theta), _with_context(_scaling_or_none(params), config)
+    return float(config.get("rope_theta") or default_theta), _with_context(_scaling_or_none(config.get("rope_scaling")), config)
+
+
+def _with_context(scaling: dict[str, Any] | None, config: Mapping[str, Any]) -> dict[str, Any] | None:
+    """yarn and longrope may leave their context lengths to the config's top level."""
+    if scaling is None or rope_type(scaling) not in ("yarn", "longrope"):
+        return scaling
+    for key in ("max_position_embeddings", "original_max_position_embeddings"):
+        if scaling.get(key) is None and config.get(key) is not None:
+            scaling = {**scaling, key: config[key]}
+    return scaling
 
 
 def _scaling_or_none(params: Mapping[str, Any] | None) -> dict[str, Any] | None:
@@ -44,20 +56,86 @@ def rope_type(scaling: Mapping[str, Any] | None) -> str:
 
 
 def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = None) -> torch.Tensor:
-    """Inverse frequencies [head_dim // 2] in float32, with the checkpoint's rope scaling applied."""
+    """Inverse frequencies [head_dim // 2] in float32, with the checkpoint's rope scaling applied
+    (longrope: its short factors; `RotaryEmbedding` takes the long ones past the trained context)."""
     # NOTE: float32 throughout, as transformers computes them: float64 here alone moved real
     # models' logits by ~5e-5 from the reference; float32 makes them bit-identical.
     inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.int64).float() / head_dim))
-    kind = rope_type(scaling)
+    kind, params = rope_type(scaling), scaling or {}
     if kind == "llama3":
-        inv_freq = _llama3_scale(inv_freq, scaling or {})
+        inv_freq = _llama3_scale(inv_freq, params)
     elif kind == "linear":
-        inv_freq = inv_freq / float((scaling or {})["factor"])
+        inv_freq = inv_freq / float(params["factor"])
     elif kind == "freq_factors":
-        inv_freq = inv_freq / torch.tensor((scaling or {})["factors"], dtype=torch.float32)
-    elif kind != "default":
+        inv_freq = inv_freq / torch.tensor(params["factors"], dtype=torch.float32)
+    elif kind == "yarn":
+        inv_freq = _yarn_scale(head_dim, theta, params)
+    elif kind == "longrope":
+        inv_freq = inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
+    elif kind == "proportional":
+        inv_freq = _proportional(head_dim, theta, params)
+    elif kind not in ("default", "dynamic"):
         raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return inv_freq.to(torch.float32)
+
+
+def rope_attention_factor(scaling: dict[str, Any] | None) -> float:
+    """The factor yarn and longrope multiply cos and sin by (1.0 for the other kinds)."""
+    kind, params = rope_type(scaling), scaling or {}
+    if params.get("attention_factor") is not None:
+        return float(params["attention_factor"])
+    factor = _scaling_factor(params)
+    if kind == "yarn":
+        mscale, mscale_all = params.get("mscale"), params.get("mscale_all_dim")
+        if mscale and mscale_all:
+            return _yarn_mscale(factor, mscale) / _yarn_mscale(factor, mscale_all)
+        return _yarn_mscale(factor)
+    if kind == "longrope" and factor > 1.0:
+        return math.sqrt(1 + math.log(factor) / math.log(params["original_max_position_embeddings"]))
+    return 1.0
+
+
+def _scaling_factor(params: Mapping[str, Any]) -> float:
+    """`factor`, or (DeepSeek, Phi-3) the served context over the trained one."""
+    if params.get("factor") is not None:
+        return float(params["factor"])
+    return float(params.get("max_position_embeddings", 1)) / float(params.get("original_max_position_embeddings", 1))
+
+
+def _yarn_mscale(scale: float, mscale: float = 1.0) -> float:
+    return 1.0 if scale <= 1 else 0.1 * mscale * math.log(scale) + 1.0
+
+
+def _yarn_scale(dim: int, theta: float, params: Mapping[str, Any]) -> torch.Tensor:
+    """YaRN: each frequency between extrapolated (fast ones) and interpolated by `factor` (slow
+    ones), ramped linearly across the dimensions the paper's correction range covers."""
+    factor = _scaling_factor(params)
+    original = float(params["original_max_position_embeddings"])
+    beta_fast, beta_slow = float(params.get("beta_fast") or 32), float(params.get("beta_slow") or 1)
+
+    def correction_dim(rotations: float) -> float:
+        return dim * math.log(original / (rotations * 2 * math.pi)) / (2 * math.log(theta))
+
+    low, high = correction_dim(beta_fast), correction_dim(beta_slow)
+    if params.get("truncate", True):
+        low, high = math.floor(low), math.ceil(high)
+    low, high = max(low, 0), min(high, dim - 1)
+    if low == high:
+        high += 0.001
+    ramp = ((torch.arange(dim // 2, dtype=torch.float32) - low) / (high - low)).clamp(0, 1)
+    pos_freqs = theta ** (torch.arange(0, dim, 2).float() / dim)
+    extrapolation, interpolation = 1.0 / pos_freqs, 1.0 / (factor * pos_freqs)
+    keep = 1 - ramp
+    return interpolation * (1 - keep) + extrapolation * keep
+
+
+def _proportional(head_dim: int, theta: float, params: Mapping[str, Any]) -> torch.Tensor:
+    """Gemma 4's: the first `partial_rotary_factor` of the angles rotate, over the whole head_dim's
+    exponents; the rest have frequency 0 (cos 1, sin 0: unrotated)."""
+    angles = int(float(params.get("partial_rotary_factor", 1.0)) * head_dim // 2)
+    rotated = 1.0 / (theta ** (torch.arange(0, 2 * angles, 2, dtype=torch.int64).float() / head_dim))
+    inv_freq = torch.cat((rotated, torch.zeros(head_dim // 2 - angles)))
+    return inv_freq / float(params.get("factor", 1.0))
 
 
 def _llama3_scale(inv_freq: torch.Tensor, scaling: dict[str, Any]) -> torch.Tensor:
@@ -96,11 +174,18 @@ class RotaryEmbedding(torch.nn.Module):
     def _build(self, num_positions: int) -> None:
         t = torch.arange(num_positions, dtype=torch.float32, device=self.inv_freq.device)
         freqs = torch.outer(t, self.inv_freq)
+        if rope_type(self.scaling) == "longrope":  # the long factors past the trained context
+            original = int(self.scaling["original_max_position_embeddings"])
+            long_inv = rope_inv_freq(self.head_dim, self.theta, {"rope_type": "linear", "factor": 1.0})
+            long_inv = long_inv.to(t.device) / torch.tensor(self.scaling["long_factor"], device=t.device)
+            freqs = torch.where((t >= original)[:, None], torch.outer(t, long_inv), freqs)
         emb = torch.cat((freqs, freqs), dim=-1)  # [num_positions, head_dim]
-        sin = emb.sin()
+        factor = rope_attention_factor(self.scaling)
+        sin = emb.sin() * factor if factor != 1.0 else emb.sin()
         # Rotate-half as a roll: rotate_half(x) * sin == roll(x, half) * sin_signed (see apply_rope).
         half = emb.shape[-1] // 2
-        self._tables = (emb.cos(), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
+        cos = emb.cos() * factor if factor != 1.0 else emb.cos()
+        self._tables = (cos, torch.cat((-sin[:, :half], sin[:, half:]), dim=-1))
 
     def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin (first half negated) of shape [T, 1, head_dim], for apply_rope.

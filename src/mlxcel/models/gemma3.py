@@ -1,4 +1,4 @@
-"""Gemma 3 text family: parameter names equal the HF checkpoint's (Gemma3ForCausalLM).
+"""Gemma 3 text family: the shared decoder's Gemma recipe (Gemma3ForCausalLM's parameter names).
 
 Differences from Llama: embeddings scaled by sqrt(hidden); (1 + w) RMSNorms, also on q and k
 per head; norms before and after both attention and MLP; tanh-GELU MLP; a fixed query scale
@@ -8,83 +8,75 @@ global layers (which alone take the rope scaling).
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
-from typing import TYPE_CHECKING, Any, Callable
+from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
-from mlxcel.layers.attention import AttentionContext
-from mlxcel.layers.norm import RMSNorm
-from mlxcel.layers.quant import GATE_UP, QKV, linear, project
-from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+from mlxcel.layers.decoder import (
+    FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe, RopeRecipe, activation,
+)
+from mlxcel.layers.rope import rope_settings
 
 if TYPE_CHECKING:
+    from collections.abc import Mapping
+
     from mlxcel.models._gguf import GGUFTensors
 
-SLIDING, FULL = "sliding_attention", "full_attention"
-ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
-    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
-    "gelu": F.gelu,
-}
+SANDWICH_NORMS = {"attn_in": "input_layernorm", "attn_out": "post_attention_layernorm",
+                  "mlp_in": "pre_feedforward_layernorm", "mlp_out": "post_feedforward_layernorm"}
 
 
 @dataclass(frozen=True)
-class ModelArgs:
-    hidden_size: int
-    num_hidden_layers: int
-    num_attention_heads: int
-    intermediate_size: int
-    vocab_size: int
-    num_key_value_heads: int | None = None
-    head_dim: int = 256
-    rms_norm_eps: float = 1e-6
+class ModelArgs(DecoderArgs):
+    head_dim: int | None = 256
     rope_theta: float = 1_000_000.0  # global layers
-    rope_scaling: dict[str, Any] | None = None  # global layers only
     rope_local_base_freq: float = 10_000.0
     rope_local_scaling: dict[str, Any] | None = None
     query_pre_attn_scalar: float = 256.0
     sliding_window: int | None = 4096  # applies to the sliding layers only
-    layer_types: tuple[str, ...] = ()
     max_position_embeddings: int = 131072
     tie_word_embeddings: bool = True
-    attention_bias: bool = False
     hidden_activation: str = "gelu_pytorch_tanh"
     final_logit_softcapping: float | None = None
-    extra: dict[str, Any] = field(default_factory=dict)
+    attn_logit_softcapping: float | None = None
+
+    NORM_NAMES: ClassVar[Mapping[str, str]] = SANDWICH_NORMS
 
     @classmethod
-    def from_dict(cls, config: dict[str, Any]) -> ModelArgs:
+    def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
         _check_supported(config)
-        config = {**config, **_rope_fields(config), "layer_types": _layer_types(config),
-                  "hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
-        names = {f.name for f in fields(cls)}
-        known = {k: v for k, v in config.items() if k in names and k != "extra"}
-        return cls(**known, extra={k: v for k, v in config.items() if k not in names})
+        return {**config, **_rope_fields(config), "layer_types": _layer_types(config),
+                "hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
 
     @property
-    def kv_heads(self) -> int:
-        return self.num_key_value_heads or self.num_attention_heads
+    def embed_scale(self) -> float:
+        return self.hidden_size**0.5
 
     @property
-    def dim_per_head(self) -> int:
-        return self.head_dim
+    def final_softcap(self) -> float | None:
+        return self.final_logit_softcapping
 
-    def layer_window(self, layer_idx: int) -> int | None:
-        return self.sliding_window if self.layer_types[layer_idx] == SLIDING else None
+    def layer_rope(self, layer_idx: int) -> RopeRecipe:
+        if self.is_sliding(layer_idx):
+            return RopeRecipe.of(self.rope_local_base_freq, self.rope_local_scaling, self.dim_per_head)
+        return RopeRecipe.of(self.rope_theta, self.rope_scaling, self.dim_per_head)
+
+    def norm_recipe(self) -> NormRecipe:
+        return NormRecipe("rms", self.rms_norm_eps, offset=1.0)
+
+    def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
+        return replace(super().attention_recipe(layer_idx), scale=float(self.query_pre_attn_scalar) ** -0.5,
+                       qk_norm="head", softcap=self.attn_logit_softcapping)
+
+    def mlp_recipe(self, layer_idx: int) -> MLPRecipe:
+        return MLPRecipe(self.intermediate_size, self.hidden_activation)
 
 
 def _check_supported(config: dict[str, Any]) -> None:
-    # NOTE: ctx.attend has no score soft-capping; Gemma 3 checkpoints do not use it (Gemma 2 did).
-    if config.get("attn_logit_softcapping"):
-        raise ValueError("gemma3: attn_logit_softcapping is not supported")
     if config.get("use_bidirectional_attention"):
         raise ValueError("gemma3: use_bidirectional_attention (an embedding model) is not supported")
-    activation = config.get("hidden_activation") or "gelu_pytorch_tanh"
-    if activation not in ACTIVATIONS:
-        raise ValueError(f"gemma3: hidden_activation {activation!r} is not supported "
-                         f"(supported: {', '.join(ACTIVATIONS)})")
+    activation(config.get("hidden_activation") or "gelu_pytorch_tanh")
 
 
 def _rope_fields(config: dict[str, Any]) -> dict[str, Any]:
@@ -107,122 +99,14 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"]))
 
 
-class Attention(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        self.layer_idx = layer_idx
-        self.num_heads, self.num_kv_heads = args.num_attention_heads, args.kv_heads
-        self.head_dim = args.dim_per_head
-        self.scale = float(args.query_pre_attn_scalar) ** -0.5
-        self.window = args.layer_window(layer_idx)
-        q_out, kv_out = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        self.q_proj = nn.Linear(args.hidden_size, q_out, bias=args.attention_bias)
-        self.k_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
-        self.v_proj = nn.Linear(args.hidden_size, kv_out, bias=args.attention_bias)
-        self.o_proj = nn.Linear(q_out, args.hidden_size, bias=args.attention_bias)
-        self.q_norm = RMSNorm(self.head_dim, args.rms_norm_eps, offset=1.0)
-        self.k_norm = RMSNorm(self.head_dim, args.rms_norm_eps, offset=1.0)
-        self.rope = [rope]  # a list keeps the shared module out of this one's parameters
+class Model(DecoderLM):
+    ARGS = ModelArgs
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        t = x.shape[0]
-        q_out, k_out, v_out = project(self, x, QKV, ctx)
-        q = self.q_norm(q_out.view(t, self.num_heads, self.head_dim))
-        k = self.k_norm(k_out.view(t, self.num_kv_heads, self.head_dim))
-        v = v_out.view(t, self.num_kv_heads, self.head_dim)
-        cos, sin = self.rope[0].cos_sin(positions, q.dtype)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window)
-        return linear(self.o_proj, out.reshape(t, -1), ctx)
-
-
-class MLP(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=False)
-        self.act = ACTIVATIONS[args.hidden_activation]
-
-    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        gate, up = project(self, x, GATE_UP, ctx)
-        return linear(self.down_proj, self.act(gate) * up, ctx)
-
-
-class DecoderLayer(nn.Module):
-    def __init__(self, args: ModelArgs, layer_idx: int, rope: RotaryEmbedding) -> None:
-        super().__init__()
-        self.self_attn = Attention(args, layer_idx, rope)
-        self.mlp = MLP(args)
-        norm = lambda: RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)  # noqa: E731
-        self.input_layernorm, self.post_attention_layernorm = norm(), norm()
-        self.pre_feedforward_layernorm, self.post_feedforward_layernorm = norm(), norm()
-
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = x + self.post_attention_layernorm(self.self_attn(self.input_layernorm(x), positions, ctx))
-        return x + self.post_feedforward_layernorm(self.mlp(self.pre_feedforward_layernorm(x), ctx))
-
-
-class Gemma3Model(nn.Module):
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.embed_scale = args.hidden_size**0.5
-        self.rotary_global = RotaryEmbedding(args.head_dim, args.rope_theta, args.rope_scaling)
-        self.rotary_local = RotaryEmbedding(args.head_dim, args.rope_local_base_freq, args.rope_local_scaling)
-        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(args, i, self._rope_for(args, i))
-                                    for i in range(args.num_hidden_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps, offset=1.0)
-
-    def _rope_for(self, args: ModelArgs, layer_idx: int) -> RotaryEmbedding:
-        return self.rotary_local if args.layer_types[layer_idx] == SLIDING else self.rotary_global
-
-    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = self.embed_tokens(input_ids)
-        # The scale is rounded to the weights' dtype first, as the reference does.
-        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed(input_ids)
-        for layer in self.layers:
-            x = layer(x, positions, ctx)
-        return self.norm(x)
-
-
-class Model(nn.Module):
-    """Decoder-only LM: `forward` gives final hidden states, `compute_logits` the vocabulary scores."""
-
-    def __init__(self, args: ModelArgs) -> None:
-        super().__init__()
-        self.args = args
-        self.model = Gemma3Model(args)
-        if not args.tie_word_embeddings:
-            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
-
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
-
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        # A tied model has no lm_head until a rewrite (e.g. int8 quantization) adds one.
-        if hasattr(self, "lm_head"):
-            logits = self.lm_head(hidden)
-        else:
-            logits = F.linear(hidden, self.model.embed_tokens.weight)
-        cap = self.args.final_logit_softcapping
-        return torch.tanh(logits / cap) * cap if cap else logits
-
-    @staticmethod
-    def sanitize(weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         """Text weights only: multimodal checkpoints nest them under a language model prefix."""
-        kept: dict[str, torch.Tensor] = {}
-        for name, value in weights.items():
-            name = _text_name(name)
-            if name is not None and not name.endswith("rotary_emb.inv_freq"):
-                kept[name] = value
-        if args.tie_word_embeddings:
-            kept.pop("lm_head.weight", None)
-        return kept
+        kept = {text: value for name, value in weights.items() if (text := _text_name(name)) is not None}
+        return super().sanitize(kept, args)
 
 
 # Prefixes of the text model inside Gemma3ForConditionalGeneration (transformers 4 and 5 layouts).

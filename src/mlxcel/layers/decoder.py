@@ -1,0 +1,449 @@
+"""The decoder every text family is assembled from (DESIGN rule 2).
+
+A family differs from its neighbours in a handful of choices: norm kind and placement, q/k
+norms, biases, rope (theta, scaling, partial, interleaved), sliding windows, score soft-capping
+or sinks, MLP activation, MoE, and a few scalar multipliers. Those choices are `LayerRecipe`
+fields; a family module is a config reader (`DecoderArgs` subclass: `from_dict`, `layer_recipe`)
+over the blocks here. Parameter names stay the checkpoint's: each recipe names the modules it
+creates (`norm_names`, `MLPRecipe.names`, `mlp_name`), so a state dict loads as saved.
+
+    x -> embed (* embed_scale)
+      -> per layer: h = attn_in(x); a = attn_out(attention(h)); x += a * m
+                    h = mlp_in(x);  f = mlp_out(mlp(h));      x += f * m      (m: residual multiplier)
+         or, parallel (Cohere): x += attention(h) + mlp(h) with the one norm h = attn_in(x)
+      -> final norm -> head (* logit_scale, soft-cap)
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field, fields
+from typing import Any, ClassVar
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
+from mlxcel.layers.norm import LayerNorm, RMSNorm
+from mlxcel.layers.quant import GATE_UP, QKV, linear, project
+from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+
+SLIDING, FULL = "sliding_attention", "full_attention"
+
+ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_new": lambda x: F.gelu(x, approximate="tanh"),
+    "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
+}
+
+
+def activation(name: str) -> Callable[[torch.Tensor], torch.Tensor]:
+    if name not in ACTIVATIONS:
+        raise ValueError(f"activation {name!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+    return ACTIVATIONS[name]
+
+
+# ---- recipes ----------------------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class NormRecipe:
+    """RMSNorm (`offset` 1.0: Gemma's x * (1 + w)) or LayerNorm (with or without a bias)."""
+
+    kind: str = "rms"  # "rms" | "layer"
+    eps: float = 1e-6
+    offset: float = 0.0
+    bias: bool = False
+
+    def build(self, dim: int) -> nn.Module:
+        if self.kind == "layer":
+            return LayerNorm(dim, self.eps, bias=self.bias)
+        return RMSNorm(dim, self.eps, offset=self.offset)
+
+
+@dataclass(frozen=True)
+class RopeRecipe:
+    """Rotary embedding of a layer: theta and scaling, over the first `dim` of each head
+    (partial rotary), halves rotated (HF's default) or neighbours paired (`interleaved`: GLM, Cohere)."""
+
+    theta: float
+    scaling: tuple[tuple[str, Any], ...] | None = None  # a hashable copy of the scaling dict
+    dim: int = 0
+    interleaved: bool = False
+
+    @staticmethod
+    def of(theta: float, scaling: Mapping[str, Any] | None, dim: int, *, interleaved: bool = False) -> RopeRecipe:
+        frozen = tuple(sorted((k, json.dumps(v)) for k, v in scaling.items())) if scaling else None
+        return RopeRecipe(float(theta), frozen, dim, interleaved)
+
+    def scaling_dict(self) -> dict[str, Any] | None:
+        return {k: json.loads(v) for k, v in self.scaling} if self.scaling else None
+
+
+@dataclass(frozen=True)
+class AttentionRecipe:
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    scale: float
+    rope: RopeRecipe | None  # None: a no-rope layer (SmolLM3, Cohere 2's global layers)
+    window: int | None = None
+    q_bias: bool = False
+    kv_bias: bool = False
+    o_bias: bool = False
+    # "head": per head before rope (Qwen3, Gemma 3); "head_after_rope" (Hunyuan); "full": over the whole
+    # projection (OLMo 2)
+    qk_norm: str | None = None
+    qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
+    softcap: float | None = None
+    has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
+
+
+@dataclass(frozen=True)
+class MLPRecipe:
+    """Gated (act(gate) * up -> down) or plain (act(up) -> down); `names` are the checkpoint's."""
+
+    width: int
+    activation: str = "silu"
+    gated: bool = True
+    bias: bool = False
+    names: tuple[str, ...] = ("gate_proj", "up_proj", "down_proj")
+
+
+@dataclass(frozen=True)
+class LayerRecipe:
+    """One decoder layer: attention, feed-forward and where the norms sit.
+
+    `norm_names` maps the four norm slots (`attn_in`, `attn_out`, `mlp_in`, `mlp_out`) to the
+    checkpoint's module names; a slot left out has no norm. `feed_forward` builds the MoE of a
+    MoE layer (any module with `forward(x, ctx)`); `mlp` the dense MLP otherwise."""
+
+    attention: AttentionRecipe
+    norm: NormRecipe
+    norm_names: Mapping[str, str]
+    mlp: MLPRecipe | None = None
+    feed_forward: Callable[[], nn.Module] | None = None
+    mlp_name: str = "mlp"
+    parallel: bool = False
+    residual_multiplier: float = 1.0
+
+    @property
+    def is_llama_layout(self) -> bool:
+        """What the CPU's native decode step computes (engine/native_step.py): pre-norm plain RMSNorm,
+        plain full rotary, SiLU-gated MLP without biases, no score rule, head_dim ** -0.5 scale."""
+        att, mlp = self.attention, self.mlp
+        return (dict(self.norm_names) == {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
+                and self.norm.kind == "rms" and self.norm.offset == 0.0 and not self.parallel
+                and self.residual_multiplier == 1.0 and att.qk_norm is None and att.softcap is None
+                and not att.has_sinks and not att.o_bias and att.rope is not None
+                and att.rope.dim == att.head_dim and not att.rope.interleaved
+                and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
+                and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
+                and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp")
+
+
+# ---- blocks -----------------------------------------------------------------------------------
+
+class Rope:
+    """A shared RotaryEmbedding applied as a layer's recipe says (partial, interleaved)."""
+
+    def __init__(self, table: RotaryEmbedding, recipe: RopeRecipe, head_dim: int) -> None:
+        self.table, self.dim, self.head_dim = table, recipe.dim, head_dim
+        self.interleaved = recipe.interleaved
+
+    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        cos, sin = self.table.cos_sin(positions, q.dtype)
+        return self._turn(q, cos, sin), self._turn(k, cos, sin)
+
+    def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        rotated = x if self.dim == self.head_dim else x[..., :self.dim]
+        if self.interleaved:
+            # Pairs (2i, 2i+1) become halves (i, dim/2 + i). The same permutation of q's and k's
+            # dimensions leaves every q.k score as it was, so it is not undone.
+            rotated = torch.cat((rotated[..., 0::2], rotated[..., 1::2]), dim=-1)
+        rotated = apply_rope(rotated, cos, sin)
+        return rotated if self.dim == self.head_dim else torch.cat((rotated, x[..., self.dim:]), dim=-1)
+
+
+class Attention(nn.Module):
+    """Self-attention over the paged cache: GQA/MQA, biases, q/k norms, rope, window, score rule."""
+
+    def __init__(self, hidden_size: int, recipe: AttentionRecipe, layer_idx: int, rope: Rope | None,
+                 norm: NormRecipe) -> None:
+        super().__init__()
+        r = recipe
+        self.layer_idx, self.recipe = layer_idx, r
+        self.num_heads, self.num_kv_heads, self.head_dim = r.num_heads, r.num_kv_heads, r.head_dim
+        self.scale, self.window = r.scale, r.window
+        q_out, kv_out = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
+        self.q_proj = nn.Linear(hidden_size, q_out, bias=r.q_bias)
+        self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
+        self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
+        self.o_proj = nn.Linear(q_out, hidden_size, bias=r.o_bias)
+        if r.qk_norm is not None:
+            q_dim, k_dim = (q_out, kv_out) if r.qk_norm == "full" else (r.head_dim, r.head_dim)
+            setattr(self, r.qk_norm_names[0], norm.build(q_dim))
+            setattr(self, r.qk_norm_names[1], norm.build(k_dim))
+        if r.has_sinks:
+            self.sinks = nn.Parameter(torch.zeros(r.num_heads))
+        self.rope = [rope] if rope is not None else []  # a list keeps the shared table out of the parameters
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        t, r = x.shape[0], self.recipe
+        q, k, v = project(self, x, QKV, ctx)
+        if r.qk_norm == "full":
+            q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
+        q = q.view(t, self.num_heads, self.head_dim)
+        k = k.view(t, self.num_kv_heads, self.head_dim)
+        v = v.view(t, self.num_kv_heads, self.head_dim)
+        if r.qk_norm == "head":
+            q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
+        if self.rope:
+            q, k = self.rope[0](q, k, positions)
+        if r.qk_norm == "head_after_rope":
+            q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
+        out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
+        return linear(self.o_proj, out.reshape(t, -1), ctx)
+
+    def _rule(self) -> ScoreRule:
+        if self.recipe.softcap is None and not self.recipe.has_sinks:
+            return PLAIN
+        return ScoreRule(self.recipe.softcap, self.sinks if self.recipe.has_sinks else None)
+
+
+class MLP(nn.Module):
+    """Gated or plain feed-forward with the checkpoint's projection names."""
+
+    def __init__(self, hidden_size: int, recipe: MLPRecipe) -> None:
+        super().__init__()
+        self.recipe, self.act = recipe, activation(recipe.activation)
+        *inputs, down = recipe.names
+        for name in inputs:
+            setattr(self, name, nn.Linear(hidden_size, recipe.width, bias=recipe.bias))
+        setattr(self, down, nn.Linear(recipe.width, hidden_size, bias=recipe.bias))
+
+    def forward(self, x: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        *inputs, down = self.recipe.names
+        if self.recipe.gated:
+            gate, up = project(self, x, GATE_UP, ctx) if tuple(inputs) == GATE_UP else (
+                linear(getattr(self, inputs[0]), x, ctx), linear(getattr(self, inputs[1]), x, ctx))
+            return linear(getattr(self, down), self.act(gate) * up, ctx)
+        return linear(getattr(self, down), self.act(linear(getattr(self, inputs[0]), x, ctx)), ctx)
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
+        super().__init__()
+        self.recipe = recipe
+        self.self_attn = Attention(hidden_size, recipe.attention, layer_idx, rope, recipe.norm)
+        ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
+        setattr(self, recipe.mlp_name, ffn)
+        for name in recipe.norm_names.values():
+            setattr(self, name, recipe.norm.build(hidden_size))
+        # The CPU's native decode step may run this layer (engine/native_step.py).
+        self.native_layout = "llama" if recipe.is_llama_layout else None
+
+    def _norm(self, slot: str, x: torch.Tensor) -> torch.Tensor:
+        name = self.recipe.norm_names.get(slot)
+        return getattr(self, name)(x) if name is not None else x
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        r, ffn = self.recipe, getattr(self, self.recipe.mlp_name)
+        h = self._norm("attn_in", x)
+        if r.parallel:
+            return x + (self.self_attn(h, positions, ctx) + ffn(h, ctx))
+        a = self._norm("attn_out", self.self_attn(h, positions, ctx))
+        x = x + (a * r.residual_multiplier if r.residual_multiplier != 1.0 else a)
+        f = self._norm("mlp_out", ffn(self._norm("mlp_in", x), ctx))
+        return x + (f * r.residual_multiplier if r.residual_multiplier != 1.0 else f)
+
+
+# ---- the family's arguments ---------------------------------------------------------------------
+
+@dataclass(frozen=True)
+class DecoderArgs:
+    """The HF config fields most families share; a family subclasses it, changes defaults, adds its
+    own fields and says how each layer is built (`layer_recipe`). Unknown config keys go to `extra`."""
+
+    hidden_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    intermediate_size: int
+    vocab_size: int
+    num_key_value_heads: int | None = None
+    head_dim: int | None = None
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict[str, Any] | None = None
+    partial_rotary_factor: float = 1.0
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False
+    mlp_bias: bool = False
+    hidden_act: str = "silu"
+    sliding_window: int | None = None
+    layer_types: tuple[str, ...] | None = None
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    # What the layers' norms are and where they sit; families override.
+    NORM_NAMES: ClassVar[Mapping[str, str]] = {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
+
+    @classmethod
+    def from_dict(cls, config: dict[str, Any]) -> DecoderArgs:
+        config = cls.prepare(dict(config))
+        names = {f.name for f in fields(cls)}
+        known = {k: v for k, v in config.items() if k in names and k != "extra"}
+        if known.get("layer_types") is not None:
+            known["layer_types"] = tuple(known["layer_types"])
+        return cls(**known, extra={k: v for k, v in config.items() if k not in names})
+
+    @classmethod
+    def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
+        """The config as this family reads it (rope in either form; families add their own fixes)."""
+        theta, scaling = rope_settings(config, default_theta=cls.rope_theta)
+        return {**config, "rope_theta": theta, "rope_scaling": scaling}
+
+    @property
+    def kv_heads(self) -> int:
+        return self.num_key_value_heads or self.num_attention_heads
+
+    @property
+    def dim_per_head(self) -> int:
+        return self.head_dim or self.hidden_size // self.num_attention_heads
+
+    @property
+    def embed_scale(self) -> float | None:
+        return None
+
+    @property
+    def logit_scale(self) -> float | None:
+        """Logits are multiplied by this (Cohere's logit_scale, 1 / Granite's logits_scaling)."""
+        return None
+
+    @property
+    def final_softcap(self) -> float | None:
+        return None
+
+    def is_sliding(self, layer_idx: int) -> bool:
+        return self.layer_types is not None and self.layer_types[layer_idx] == SLIDING
+
+    def layer_window(self, layer_idx: int) -> int | None:
+        return self.sliding_window if self.sliding_window and self.is_sliding(layer_idx) else None
+
+    def layer_rope(self, layer_idx: int) -> RopeRecipe | None:
+        return RopeRecipe.of(self.rope_theta, self.rope_scaling, int(self.dim_per_head * self.partial_rotary_factor))
+
+    def norm_recipe(self) -> NormRecipe:
+        return NormRecipe("rms", self.rms_norm_eps)
+
+    def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
+        return AttentionRecipe(
+            self.num_attention_heads, self.kv_heads, self.dim_per_head, self.dim_per_head**-0.5,
+            self.layer_rope(layer_idx), self.layer_window(layer_idx),
+            q_bias=self.attention_bias, kv_bias=self.attention_bias, o_bias=self.attention_bias)
+
+    def mlp_recipe(self, layer_idx: int) -> MLPRecipe:
+        return MLPRecipe(self.intermediate_size, self.hidden_act, bias=self.mlp_bias)
+
+    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
+        return LayerRecipe(self.attention_recipe(layer_idx), self.norm_recipe(), self.NORM_NAMES,
+                           mlp=self.mlp_recipe(layer_idx))
+
+
+# ---- the model --------------------------------------------------------------------------------
+
+class DecoderModel(nn.Module):
+    """The checkpoint's `model.` part: embedding, layers, final norm."""
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.embed_scale = args.embed_scale
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        recipes = [args.layer_recipe(i) for i in range(args.num_hidden_layers)]
+        tables: dict[RopeRecipe, RotaryEmbedding] = {}
+        self.rotary = nn.ModuleList()  # one table per distinct rope, shared by the layers that use it
+        layers = []
+        for i, recipe in enumerate(recipes):
+            rope = self._rope(recipe.attention, tables)
+            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope))
+        self.layers = nn.ModuleList(layers)
+        self.norm = args.norm_recipe().build(args.hidden_size)
+
+    def _rope(self, recipe: AttentionRecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
+        if recipe.rope is None:
+            return None
+        key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
+        if key not in tables:
+            tables[key] = RotaryEmbedding(key.dim, key.theta, key.scaling_dict())
+            self.rotary.append(tables[key])
+        return Rope(tables[key], recipe.rope, recipe.head_dim)
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        x = self.embed_tokens(input_ids)
+        if self.embed_scale is None:
+            return x
+        # The scale is rounded to the weights' dtype first, as the references do.
+        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        x = self.embed(input_ids)
+        for layer in self.layers:
+            x = layer(x, positions, ctx)
+        return self.norm(x)
+
+
+class DecoderLM(nn.Module):
+    """Decoder-only LM: `forward` gives final hidden states, `compute_logits` the vocabulary scores."""
+
+    ARGS: ClassVar[type[DecoderArgs]] = DecoderArgs
+    # Checkpoint entries no module holds (rotary caches); families add their own.
+    DROPPED_SUFFIXES: ClassVar[tuple[str, ...]] = ("rotary_emb.inv_freq",)
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__()
+        self.args = args
+        self.model = DecoderModel(args)
+        if not args.tie_word_embeddings:
+            self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]."""
+        return self.model(input_ids, positions, ctx)
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        # A tied model has no lm_head until a rewrite (e.g. int8 quantization) adds one.
+        if hasattr(self, "lm_head"):
+            logits = self.lm_head(hidden)
+        else:
+            logits = F.linear(hidden, self.model.embed_tokens.weight)
+        if self.args.logit_scale is not None:
+            logits = logits * self.args.logit_scale
+        cap = self.args.final_softcap
+        return torch.tanh(logits / cap) * cap if cap else logits
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        """Drop checkpoint entries this module does not hold (rotary caches, a tied head)."""
+        kept = {k: v for k, v in weights.items() if not k.endswith(cls.DROPPED_SUFFIXES)}
+        if args.tie_word_embeddings:
+            kept.pop("lm_head.weight", None)
+        return kept
+
+
+def split_fused(weights: dict[str, torch.Tensor], fused: str, parts: Mapping[str, int | None]) -> None:
+    """Split every `*.{fused}.weight|bias` into `parts` (name -> rows; None: the rest), in place:
+    Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj."""
+    for name in [n for n in weights if n.rsplit(".", 2)[-2:-1] == [fused]]:
+        stem, kind = name.rsplit(".", 1)
+        prefix = stem[:-len(fused)]
+        tensor, start = weights.pop(name), 0
+        for part, rows in parts.items():
+            rows = rows if rows is not None else tensor.shape[0] - start
+            weights[f"{prefix}{part}.{kind}"] = tensor[start:start + rows]
+            start += rows
