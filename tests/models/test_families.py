@@ -77,6 +77,17 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "gemma2": ("gemma2", lambda: transformers.Gemma2Config(
         **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    # MLA: the latent cache (one head of kv_lora_rank + rope dims), absorbed projections; dense layers only.
+    "deepseek_v3": ("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, pad_token_id=0)),
+    "deepseek_v3-yarn-no-q-lora": ("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=2, n_routed_experts=4, num_experts_per_tok=2,
+        moe_intermediate_size=32, pad_token_id=0, rope_scaling={
+            "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64, "mscale": 1.0,
+            "mscale_all_dim": 1.0})),
     "cohere2": ("cohere2", lambda: transformers.Cohere2Config(
         **{**COMMON, "num_hidden_layers": 4}, sliding_window=4, logit_scale=0.5)),
     # Issue 40: the mixture-of-experts families (8 experts, top-2, expert width 32) over layers/moe.py.
@@ -96,6 +107,11 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     # Sliding and full layers alternate; a swiglu limit of 1 clamps many expert activations.
     "gpt_oss": ("gpt_oss", lambda: transformers.GptOssConfig(
         **MOE_COMMON, head_dim=16, num_local_experts=8, sliding_window=4, swiglu_limit=1.0)),
+    # MLA with layer 1 MoE: 2 groups of 4 experts, the best group kept, a correction bias, a shared expert.
+    "deepseek_v3-moe": ("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32, pad_token_id=0)),
     # Layer 0 dense, layer 1 MoE: 2 groups of 4 experts, the best group kept, a correction bias.
     "glm4_moe": ("glm4_moe", lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -261,3 +277,13 @@ def test_issue40_longrope_takes_the_long_factors_past_the_trained_context(tmp_pa
     prompt = PROMPTS[-1]
     torch.testing.assert_close(cached_logits(ours, prompt, (6, 5)), uncached_logits(ours, prompt),
                                atol=TOL_SAME_MATH, rtol=0)
+
+
+def test_issue40_mla_caches_the_latent_not_the_heads() -> None:
+    """DeepSeek-V3's KV cache is one latent head a token (kv_lora_rank + rope dims), not H full heads."""
+    from mlxcel.engine.loop import ModelShape
+    from mlxcel.models import deepseek_v3
+
+    args = deepseek_v3.ModelArgs.from_dict(FAMILIES["deepseek_v3"][1]().to_dict())
+    shape = ModelShape.of(args)
+    assert (shape.num_kv_heads, shape.head_dim) == (1, 16 + 8)

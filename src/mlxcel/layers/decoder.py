@@ -26,6 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
+from mlxcel.layers.mla import MLARecipe
 from mlxcel.layers.norm import LayerNorm, RMSNorm
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
@@ -104,6 +105,9 @@ class AttentionRecipe:
     softcap: float | None = None
     has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
 
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module:
+        return Attention(hidden_size, self, layer_idx, rope, norm)
+
 
 @dataclass(frozen=True)
 class MLPRecipe:
@@ -124,7 +128,7 @@ class LayerRecipe:
     checkpoint's module names; a slot left out has no norm. `feed_forward` builds the MoE of a
     MoE layer (any module with `forward(x, ctx)`); `mlp` the dense MLP otherwise."""
 
-    attention: AttentionRecipe
+    attention: AttentionRecipe | MLARecipe
     norm: NormRecipe
     norm_names: Mapping[str, str]
     mlp: MLPRecipe | None = None
@@ -138,6 +142,8 @@ class LayerRecipe:
         """What the CPU's native decode step computes (engine/native_step.py): pre-norm plain RMSNorm,
         plain full rotary, SiLU-gated MLP without biases, no score rule, head_dim ** -0.5 scale."""
         att, mlp = self.attention, self.mlp
+        if not isinstance(att, AttentionRecipe):
+            return False
         return (dict(self.norm_names) == {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
                 and self.norm.kind == "rms" and self.norm.offset == 0.0 and not self.parallel
                 and self.residual_multiplier == 1.0 and att.qk_norm is None and att.softcap is None
@@ -241,7 +247,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
         super().__init__()
         self.recipe = recipe
-        self.self_attn = Attention(hidden_size, recipe.attention, layer_idx, rope, recipe.norm)
+        self.self_attn = recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm)
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -375,7 +381,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
-    def _rope(self, recipe: AttentionRecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
+    def _rope(self, recipe: AttentionRecipe | MLARecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
         if recipe.rope is None:
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)

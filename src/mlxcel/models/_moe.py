@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import re
 from dataclasses import fields, replace
 from functools import partial
 from typing import Any
 
 from mlxcel.layers.decoder import DecoderArgs, LayerRecipe
 from mlxcel.layers.moe import MoE, MoESpec
+
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 def config_of(args: DecoderArgs) -> dict[str, Any]:
@@ -27,3 +30,9 @@ def is_sparse_layer(args: DecoderArgs, layer_idx: int) -> bool:
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or ()
     num_experts = config.get("num_experts") or config.get("num_local_experts") or 0  # transformers 5 saves the latter
     return layer_idx not in dense and num_experts > 0 and (layer_idx + 1) % step == 0
+
+
+def decoder_layers_only(weights: dict[str, Any], num_layers: int) -> dict[str, Any]:
+    """Without the layers past the last decoder layer: the MTP layers DeepSeek-V3 and GLM-4.5
+    checkpoints carry (not served here)."""
+    return {k: v for k, v in weights.items() if not (m := _LAYER.match(k)) or int(m.group(1)) < num_layers}

@@ -5,7 +5,6 @@ times `routed_scaling_factor`, plus ungated shared experts."""
 
 from __future__ import annotations
 
-import re
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -13,9 +12,7 @@ import torch
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
 from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
-from mlxcel.models._moe import config_of, moe_layer
-
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+from mlxcel.models._moe import config_of, decoder_layers_only, moe_layer
 
 
 @dataclass(frozen=True)
@@ -47,7 +44,5 @@ class Model(DecoderLM):
 
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        # The released checkpoints carry their MTP layer(s) after the last decoder layer: not served here.
-        kept = {k: v for k, v in weights.items()
-                if not (m := _LAYER.match(k)) or int(m.group(1)) < args.num_hidden_layers}
+        kept = decoder_layers_only(weights, args.num_hidden_layers)
         return super().sanitize(sanitize_moe(kept, "per_expert"), args)
