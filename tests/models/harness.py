@@ -128,6 +128,9 @@ def save_tiny_hf(config: Any, folder: Path, seed: int = 0) -> nn.Module:
     with torch.no_grad():
         for p in model.parameters():  # larger than the init keeps logits far from ties
             p.normal_(0.0, 0.2)
+        for name, buffer in model.named_buffers():  # DeepSeek-style routers' selection bias is a buffer
+            if name.endswith("e_score_correction_bias"):
+                buffer.normal_(0.0, 0.2)
     model.eval().save_pretrained(folder)
     return model
 

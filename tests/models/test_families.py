@@ -28,6 +28,7 @@ TOL_VS_TRANSFORMERS = 2e-5
 TOL_SAME_MATH = 1e-5
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)
+MOE_COMMON = {**COMMON, "intermediate_size": 32, "num_experts_per_tok": 2}
 LLAMA3_ROPE = {"rope_type": "llama3", "factor": 4.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
                "original_max_position_embeddings": 16}
 
@@ -89,6 +90,32 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
             "mscale_all_dim": 1.0})),
     "cohere2": ("cohere2", lambda: transformers.Cohere2Config(
         **{**COMMON, "num_hidden_layers": 4}, sliding_window=4, logit_scale=0.5)),
+    # Issue 40: the mixture-of-experts families (8 experts, top-2, expert width 32) over layers/moe.py.
+    "mixtral": ("mixtral", lambda: transformers.MixtralConfig(**MOE_COMMON, num_local_experts=8, sliding_window=4)),
+    # Layer 0 dense (mlp_only_layers), layer 1 MoE with the gated shared expert.
+    "qwen2_moe": ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+        shared_expert_intermediate_size=48, mlp_only_layers=[0])),
+    "qwen3_moe": ("qwen3_moe", lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True)),
+    "olmoe": ("olmoe", lambda: transformers.OlmoeConfig(**MOE_COMMON, num_experts=8)),
+    "granitemoe": ("granitemoe", lambda: transformers.GraniteMoeConfig(
+        **MOE_COMMON, num_local_experts=8, embedding_multiplier=3.0, attention_multiplier=0.2,
+        residual_multiplier=0.5, logits_scaling=4.0)),
+    "phimoe": ("phimoe", lambda: transformers.PhimoeConfig(
+        **MOE_COMMON, num_local_experts=8, attention_bias=True, lm_head_bias=True)),
+    # Sliding and full layers alternate; a swiglu limit of 1 clamps many expert activations.
+    "gpt_oss": ("gpt_oss", lambda: transformers.GptOssConfig(
+        **MOE_COMMON, head_dim=16, num_local_experts=8, sliding_window=4, swiglu_limit=1.0)),
+    # MLA with layer 1 MoE: 2 groups of 4 experts, the best group kept, a correction bias, a shared expert.
+    "deepseek_v3-moe": ("deepseek_v3", lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32, pad_token_id=0)),
+    # Layer 0 dense, layer 1 MoE: 2 groups of 4 experts, the best group kept, a correction bias.
+    "glm4_moe": ("glm4_moe", lambda: transformers.Glm4MoeConfig(
+        **COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
+        first_k_dense_replace=1, moe_intermediate_size=32, use_qk_norm=True, routed_scaling_factor=2.5)),
 }
 
 _rng = random.Random(1)

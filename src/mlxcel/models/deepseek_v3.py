@@ -4,14 +4,16 @@ layers and sigmoid-routed experts with shared experts in the rest (layers/moe.py
 
 from __future__ import annotations
 
-import importlib
 import math
-from dataclasses import dataclass, replace
-from typing import Any
+from dataclasses import dataclass
+
+import torch
 
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe, RopeRecipe
 from mlxcel.layers.mla import MLARecipe
+from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
 from mlxcel.layers.rope import rope_type
+from mlxcel.models._moe import config_of, decoder_layers_only, moe_layer
 
 
 @dataclass(frozen=True)
@@ -59,19 +61,13 @@ class ModelArgs(DecoderArgs):
         recipe = super().layer_recipe(layer_idx)
         if not self.is_moe_layer(layer_idx):
             return recipe
-        return replace(recipe, mlp=None, feed_forward=self.moe_factory(layer_idx))
-
-    def moe_factory(self, layer_idx: int) -> Any:
-        moe = _moe_module()
-        return lambda: moe.deepseek_moe(self, layer_idx)
-
-
-def _moe_module() -> Any:
-    try:
-        return importlib.import_module("mlxcel.layers.moe")
-    except ModuleNotFoundError as exc:
-        raise ValueError("its mixture-of-experts layers are not supported yet") from exc
+        return moe_layer(recipe, moe_spec_from_config(config_of(self), "sigmoid_grouped"))
 
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        kept = decoder_layers_only(weights, args.num_hidden_layers)
+        return super().sanitize(sanitize_moe(kept, "per_expert"), args)

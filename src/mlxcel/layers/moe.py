@@ -1,0 +1,506 @@
+"""Mixture-of-experts feed-forward block: a router, stacked expert weights, optional shared experts.
+
+One `MoE` module replaces a layer's dense MLP. A step's tokens are routed (`route`), then each
+selected expert runs once over all the rows that chose it: the (token, expert) pairs are sorted by
+expert, their rows gathered, multiplied by each expert's weights as one grouped matmul (or a loop of
+one matmul per hit expert where `torch.nn.functional.grouped_mm` cannot run), weighted, and summed
+back per token. The grouped path never reads the per-expert counts on the host, so a CUDA graph can
+capture it.
+
+Router kinds (`RouterSpec.kind`), after transformers 5.25's modeling files:
+  "softmax"          mixtral, qwen2_moe, qwen3_moe, olmoe: softmax over all experts, top-k,
+                     renormalised when `normalize` (mixtral always; the others' norm_topk_prob)
+  "topk_softmax"     granitemoe, gpt_oss: top-k of the logits (gpt-oss's carry a router bias),
+                     then softmax over the selected logits alone
+  "sparsemixer"      phimoe: its top-2 sparsemixer at inference (each pick a softmax over the
+                     logits within 2*jitter_eps of the best, relative to |logit|)
+  "sigmoid_grouped"  deepseek_v3, glm4_moe: sigmoid scores; `e_score_correction_bias` added for
+                     the choice only; experts chosen within the best `topk_groups` of `num_groups`
+                     groups (a group scored by its best two); renormalised when `normalize`, then
+                     times `scaling` (routed_scaling_factor)
+
+Expert activation (`MoESpec.activation`): "silu" / "gelu" / "gelu_pytorch_tanh" / "relu" gate,
+times up; "swiglu_clamped" is gpt-oss's: gate.clamp(max=limit), up.clamp(-limit, limit),
+(up + 1) * gate * sigmoid(gate * alpha).
+
+Parameters of one `MoE` (the module sits where the checkpoint's block sits: `mlp` or
+`block_sparse_moe`) and the checkpoint names `sanitize_moe` makes them from, per `layout`:
+  gate.weight [E, H]          "per_expert"/"mixtral"/"stacked": gate.weight as stored;
+                              "granite": router.layer.weight; "gpt_oss": router.weight
+  gate.bias [E]               "gpt_oss": router.bias
+  gate.e_score_correction_bias [E]   as stored (deepseek_v3, glm4_moe)
+  experts.gate_up_proj [E, 2I, H]    gate rows then up rows:
+                              "per_expert": experts.{e}.gate_proj.weight ; experts.{e}.up_proj.weight
+                              "mixtral":    experts.{e}.w1.weight ; experts.{e}.w3.weight
+                              "granite":    input_linear.weight (already [E, 2I, H], gate first)
+                              "gpt_oss":    experts.gate_up_proj [E, H, 2I] transposed, its
+                                            interleaved columns (gate 0::2, up 1::2) split
+                              "stacked":    experts.gate_up_proj as stored (transformers 5's own names)
+  experts.down_proj [E, H, I] "per_expert": experts.{e}.down_proj.weight; "mixtral": experts.{e}.w2.weight;
+                              "granite": output_linear.weight; "gpt_oss": experts.down_proj [E, I, H]
+                              transposed
+  experts.gate_up_proj_bias [E, 2I], experts.down_proj_bias [E, H]   "gpt_oss": the same names, the
+                              first de-interleaved
+  {shared_name}.gate_proj/up_proj/down_proj.weight   as stored (qwen2_moe's `shared_expert`,
+                              deepseek_v3's / glm4_moe's `shared_experts`); `{shared_name}_gate.weight`
+                              [1, H] as stored (qwen2_moe's sigmoid gate on the shared expert)
+"""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlxcel.layers.quant import GATE_UP, Step, linear, project
+
+RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped"]
+ROUTER_KINDS: tuple[str, ...] = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped")
+Layout = Literal["per_expert", "mixtral", "granite", "gpt_oss", "stacked"]
+
+_GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+    "silu": F.silu,
+    "swish": F.silu,
+    "gelu": F.gelu,
+    "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
+    "relu": F.relu,
+}
+
+
+@dataclass(frozen=True)
+class RouterSpec:
+    """How a layer picks its experts; see the module docstring for each kind's reference."""
+
+    kind: RouterKind
+    num_experts: int
+    top_k: int
+    normalize: bool = False  # renormalise the selected weights to sum to 1
+    has_bias: bool = False  # gpt-oss's router bias on the logits
+    num_groups: int = 1  # sigmoid_grouped: n_group
+    topk_groups: int = 1  # sigmoid_grouped: topk_group
+    scaling: float = 1.0  # sigmoid_grouped: routed_scaling_factor
+    jitter_eps: float = 0.01  # sparsemixer: router_jitter_noise
+
+    def __post_init__(self) -> None:
+        if self.kind not in ROUTER_KINDS:
+            raise ValueError(f"router kind must be one of {', '.join(ROUTER_KINDS)}, not {self.kind!r}")
+        if not 0 < self.top_k <= self.num_experts:
+            raise ValueError(f"top_k {self.top_k} must be between 1 and num_experts {self.num_experts}")
+        if self.kind == "sparsemixer" and self.top_k != 2:
+            raise ValueError("the sparsemixer router picks exactly 2 experts")
+        if self.num_experts % self.num_groups or self.topk_groups > self.num_groups:
+            raise ValueError(f"{self.num_experts} experts do not split into {self.num_groups} groups "
+                             f"of which {self.topk_groups} are kept")
+
+
+@dataclass(frozen=True)
+class MoESpec:
+    """One MoE layer's shape: its router, its experts, and its shared experts (0 wide: none)."""
+
+    router: RouterSpec
+    hidden_size: int
+    intermediate_size: int  # each routed expert's width
+    activation: str = "silu"  # a `_GATED_ACTIVATIONS` name or "swiglu_clamped"
+    has_expert_bias: bool = False
+    swiglu_limit: float = 7.0
+    swiglu_alpha: float = 1.702
+    shared_intermediate_size: int = 0
+    shared_name: str = "shared_experts"
+    is_shared_gated: bool = False  # qwen2_moe: sigmoid(`{shared_name}_gate`(x)) times the shared output
+
+    def __post_init__(self) -> None:
+        if self.activation not in _GATED_ACTIVATIONS and self.activation != "swiglu_clamped":
+            raise ValueError(f"unsupported expert activation {self.activation!r}")
+
+    @property
+    def num_experts(self) -> int:
+        return self.router.num_experts
+
+
+def moe_spec_from_config(config: dict[str, Any], kind: RouterKind, **overrides: Any) -> MoESpec:
+    """An MoESpec from an HF config's usual MoE keys; a family passes its router kind and anything
+    its config names differently (e.g. `normalize=True` for mixtral, `shared_name=...`)."""
+    num_experts = _first(config, "num_experts", "num_local_experts", "n_routed_experts")
+    width = _first(config, "moe_intermediate_size", "intermediate_size")
+    router = RouterSpec(
+        kind=kind, num_experts=num_experts, top_k=config["num_experts_per_tok"],
+        normalize=bool(config.get("norm_topk_prob", False)),
+        num_groups=config.get("n_group") or 1, topk_groups=config.get("topk_group") or 1,
+        scaling=float(config.get("routed_scaling_factor") or 1.0),
+        jitter_eps=float(config.get("router_jitter_noise") or 0.0),
+    )
+    fields: dict[str, Any] = dict(
+        router=router, hidden_size=config["hidden_size"], intermediate_size=width,
+        activation=config.get("hidden_act", "silu"),
+        shared_intermediate_size=config.get("shared_expert_intermediate_size")
+        or width * (config.get("n_shared_experts") or 0),
+        swiglu_limit=float(config.get("swiglu_limit", 7.0)), swiglu_alpha=float(config.get("swiglu_alpha", 1.702)),
+    )
+    router_fields = {k: overrides.pop(k) for k in list(overrides) if k in RouterSpec.__dataclass_fields__}
+    if router_fields:
+        fields["router"] = RouterSpec(**{**router.__dict__, **router_fields})
+    return MoESpec(**{**fields, **overrides})
+
+
+def _first(config: dict[str, Any], *keys: str) -> Any:
+    for key in keys:
+        if config.get(key) is not None:
+            return config[key]
+    raise KeyError(f"the config has none of {', '.join(keys)}")
+
+
+# ---------------------------------------------------------------------------------------------
+# Routing
+
+
+def route(logits: torch.Tensor, spec: RouterSpec,
+          correction_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] -> (weights [T, k] float32, expert ids [T, k] int64)."""
+    scores = logits.float()
+    if spec.kind == "softmax":
+        weights, ids = torch.topk(torch.softmax(scores, dim=-1), spec.top_k, dim=-1)
+    elif spec.kind == "topk_softmax":
+        top, ids = torch.topk(scores, spec.top_k, dim=-1)
+        weights = torch.softmax(top, dim=-1)
+    elif spec.kind == "sparsemixer":
+        return _sparsemixer(scores, spec.jitter_eps)
+    else:
+        return _sigmoid_grouped(scores, spec, correction_bias)
+    if spec.normalize:
+        weights = weights / weights.sum(dim=-1, keepdim=True)
+    return weights, ids
+
+
+def _sparsemixer(scores: torch.Tensor, jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    # Phi-MoE's inference path: the best expert, then the best of the rest, each weighted by a
+    # softmax over the logits close enough to that pick's (transformers' `sparsemixer`).
+    first_weight, first = _sparsemixer_pick(scores, scores, jitter_eps)
+    second_weight, second = _sparsemixer_pick(scores.scatter(-1, first, float("-inf")), scores, jitter_eps)
+    return torch.cat((first_weight, second_weight), dim=-1), torch.cat((first, second), dim=-1)
+
+
+def _sparsemixer_pick(candidates: torch.Tensor, scores: torch.Tensor,
+                      jitter_eps: float) -> tuple[torch.Tensor, torch.Tensor]:
+    best, index = candidates.max(dim=-1, keepdim=True)
+    factor = scores.abs().clamp(min=best)
+    gates = candidates.masked_fill((best - scores) / factor > 2 * jitter_eps, float("-inf"))
+    return torch.softmax(gates, dim=-1).gather(-1, index), index
+
+
+def _sigmoid_grouped(scores: torch.Tensor, spec: RouterSpec,
+                     correction_bias: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = scores.sigmoid()
+    choice = scores if correction_bias is None else scores + correction_bias.float()
+    if spec.topk_groups < spec.num_groups:  # keeping every group masks nothing
+        choice = _mask_groups(choice, spec)
+    ids = torch.topk(choice, spec.top_k, dim=-1).indices
+    weights = scores.gather(-1, ids)  # the uncorrected scores weigh the experts
+    if spec.normalize:
+        weights = weights / (weights.sum(dim=-1, keepdim=True) + 1e-20)
+    return weights * spec.scaling, ids
+
+
+def _mask_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
+    """-inf outside each row's best `topk_groups` groups, a group scored by its two best experts."""
+    grouped = choice.view(choice.shape[0], spec.num_groups, -1)  # [T, groups, experts per group]
+    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    kept = torch.topk(group_scores, spec.topk_groups, dim=-1).indices
+    mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
+    return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
+
+
+class Router(nn.Module):
+    """The routing linear (a raw parameter, so that weight rewrites leave its precision alone)."""
+
+    def __init__(self, spec: RouterSpec, hidden_size: int) -> None:
+        super().__init__()
+        self.spec = spec
+        self.weight = nn.Parameter(torch.empty(spec.num_experts, hidden_size))
+        self.bias = nn.Parameter(torch.zeros(spec.num_experts)) if spec.has_bias else None
+        self.e_score_correction_bias = (
+            nn.Parameter(torch.zeros(spec.num_experts)) if spec.kind == "sigmoid_grouped" else None)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        # DeepSeek-style routers score in float32 whatever the model's dtype, as transformers does.
+        if self.spec.kind == "sigmoid_grouped":
+            return F.linear(x.float(), self.weight.float())
+        return F.linear(x, self.weight, self.bias)
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k])."""
+        return route(self.logits(x), self.spec, self.e_score_correction_bias)
+
+
+# ---------------------------------------------------------------------------------------------
+# Experts
+
+
+class Experts(nn.Module):
+    """Every routed expert's weights stacked: gate_up_proj [E, 2I, H] (gate rows first), down_proj [E, H, I]."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        num, hidden, width = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        self.spec = spec
+        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * width, hidden))
+        self.down_proj = nn.Parameter(torch.empty(num, hidden, width))
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num, 2 * width)) if spec.has_expert_bias else None
+        self.down_proj_bias = nn.Parameter(torch.zeros(num, hidden)) if spec.has_expert_bias else None
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
+        """x [T, H], ids / weights [T, k] -> the weighted sum of each row's experts [T, H].
+
+        `path`: "auto", or one of `EXPERT_PATHS` to force it (tests compare them)."""
+        spec = self.spec
+        return torch.ops.mlxcel.moe_experts(
+            x, ids, weights.float(), self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
+            self.down_proj_bias, spec.activation, spec.swiglu_limit, spec.swiglu_alpha, path)
+
+
+EXPERT_PATHS = ("grouped", "per_expert", "gathered")
+
+
+@torch.library.custom_op("mlxcel::moe_experts", mutates_args=())
+def moe_experts(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                activation: str, limit: float, alpha: float, path: str) -> torch.Tensor:
+    """The routed experts' weighted sum, as one opaque op.
+
+    NOTE: opaque to the compiled decode step (inductor has no float32 grouped matmul, and the
+    per-expert loop reads counts on the host, which a full-graph trace refuses)."""
+    stack = _ExpertStack(gate_up, down, gate_up_bias, down_bias, activation, limit, alpha)
+    path = _pick_path(x) if path == "auto" else path
+    run = {"grouped": _run_grouped, "per_expert": _run_per_expert, "gathered": _run_gathered}[path]
+    return run(stack, x, ids, weights)
+
+
+@moe_experts.register_fake
+def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, gate_up: torch.Tensor,
+                      down: torch.Tensor, gate_up_bias: torch.Tensor | None, down_bias: torch.Tensor | None,
+                      activation: str, limit: float, alpha: float, path: str) -> torch.Tensor:
+    return torch.empty_like(x)
+
+
+@dataclass(frozen=True)
+class _ExpertStack:
+    gate_up: torch.Tensor  # [E, 2I, H]
+    down: torch.Tensor  # [E, H, I]
+    gate_up_bias: torch.Tensor | None  # [E, 2I]
+    down_bias: torch.Tensor | None  # [E, H]
+    activation: str
+    limit: float
+    alpha: float
+
+    def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """[rows, 2I] -> [rows, I]: the gated activation of the experts' first projection."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        if self.activation == "swiglu_clamped":
+            gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
+            return (up + 1) * (gate * torch.sigmoid(gate * self.alpha))
+        return _GATED_ACTIVATIONS[self.activation](gate) * up
+
+
+def _pick_path(x: torch.Tensor) -> str:
+    """The grouped matmul where torch has it for this device and dtype (CUDA: bfloat16 on sm80+);
+    else one matmul per expert, or, inside a CUDA graph capture (no host reads), per-pair gathers."""
+    if hasattr(F, "grouped_mm"):
+        if x.device.type == "cpu":
+            return "grouped"
+        if x.device.type == "cuda" and x.dtype == torch.bfloat16 and torch.cuda.get_device_capability(x.device) >= (8, 0):
+            return "grouped"
+    if x.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+        return "gathered"
+    return "per_expert"
+
+
+def _run_grouped(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    num_tokens, top_k = ids.shape
+    expert_of_pair, order = ids.reshape(-1).sort(stable=True)  # (token, slot) pairs sorted by expert
+    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0])
+    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    hidden = F.grouped_mm(x[order // top_k], stack.gate_up.transpose(1, 2), offs=offsets)
+    if stack.gate_up_bias is not None:
+        hidden = hidden + stack.gate_up_bias[expert_of_pair]
+    out = F.grouped_mm(stack.activate(hidden), stack.down.transpose(1, 2), offs=offsets)
+    if stack.down_bias is not None:
+        out = out + stack.down_bias[expert_of_pair]
+    out = (out * weights.reshape(-1)[order, None]).to(x.dtype)
+    pairs = torch.empty_like(out).index_copy_(0, order, out)  # back in (token, slot) order
+    return pairs.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+def _run_per_expert(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    top_k = ids.shape[1]
+    expert_of_pair, order = ids.reshape(-1).sort(stable=True)
+    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0]).tolist()
+    pair_weights = weights.reshape(-1)[order]
+    out = torch.zeros_like(x)
+    start = 0
+    for expert, count in enumerate(counts):
+        if count:
+            span = slice(start, start + count)
+            token_rows = order[span] // top_k
+            y = _run_one(stack, expert, x.index_select(0, token_rows))
+            out.index_add_(0, token_rows, (y * pair_weights[span, None]).to(x.dtype))
+            start += count
+    return out
+
+
+def _run_one(stack: _ExpertStack, expert: int, rows: torch.Tensor) -> torch.Tensor:
+    """Expert `expert` over rows [n, H] -> [n, H], unweighted."""
+    bias = None if stack.gate_up_bias is None else stack.gate_up_bias[expert]
+    hidden = F.linear(rows, stack.gate_up[expert], bias)
+    bias = None if stack.down_bias is None else stack.down_bias[expert]
+    return F.linear(stack.activate(hidden), stack.down[expert], bias)
+
+
+def _run_gathered(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    # Each (token, slot) pair's expert weights gathered and batch-multiplied: no host read, so a
+    # CUDA graph captures it; its copies make it a small-batch (decode) path only.
+    num_tokens, top_k = ids.shape
+    flat = ids.reshape(-1)
+    rows = x.repeat_interleave(top_k, dim=0).unsqueeze(-1)  # [pairs, H, 1]
+    hidden = torch.bmm(stack.gate_up[flat], rows).squeeze(-1)
+    if stack.gate_up_bias is not None:
+        hidden = hidden + stack.gate_up_bias[flat]
+    out = torch.bmm(stack.down[flat], stack.activate(hidden).unsqueeze(-1)).squeeze(-1)
+    if stack.down_bias is not None:
+        out = out + stack.down_bias[flat]
+    out = (out * weights.reshape(-1, 1)).to(x.dtype)
+    return out.view(num_tokens, top_k, -1).sum(dim=1)
+
+
+class SharedExpert(nn.Module):
+    """A dense gated MLP every token runs beside the routed experts (HF names gate/up/down_proj)."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        hidden, width = spec.hidden_size, spec.shared_intermediate_size
+        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.up_proj = nn.Linear(hidden, width, bias=False)
+        self.down_proj = nn.Linear(width, hidden, bias=False)
+        self.act = _GATED_ACTIVATIONS[spec.activation]
+
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        gate, up = project(self, x, GATE_UP, step)
+        return linear(self.down_proj, self.act(gate) * up, step)
+
+
+class MoE(nn.Module):
+    """A layer's MoE feed-forward: routed experts, plus shared experts when the spec has them."""
+
+    def __init__(self, spec: MoESpec) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate = Router(spec.router, spec.hidden_size)
+        self.experts = Experts(spec)
+        if spec.shared_intermediate_size:
+            self.add_module(spec.shared_name, SharedExpert(spec))
+            if spec.is_shared_gated:
+                self.add_module(f"{spec.shared_name}_gate", nn.Linear(spec.hidden_size, 1, bias=False))
+
+    def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        """x [T, H] -> [T, H]; `step` is the engine step the shared experts' projections take."""
+        weights, ids = self.gate(x)
+        out = self.experts(x, ids, weights)
+        if self.spec.shared_intermediate_size:
+            out = out + self._shared(x, step)
+        return out
+
+    def _shared(self, x: torch.Tensor, step: Step | None) -> torch.Tensor:
+        shared = getattr(self, self.spec.shared_name)(x, step)
+        if self.spec.is_shared_gated:
+            shared = torch.sigmoid(linear(getattr(self, f"{self.spec.shared_name}_gate"), x, step)) * shared
+        return shared
+
+
+# ---------------------------------------------------------------------------------------------
+# Checkpoint layouts -> stacked parameters
+
+Value = Any  # a tensor, or (lazy loading) a reader: a callable of the tensor's name that returns it
+
+_PER_EXPERT_NAMES = {
+    "per_expert": {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"},
+    "mixtral": {"gate": "w1", "up": "w3", "down": "w2"},
+}
+
+
+def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
+    """The checkpoint's MoE entries (every layer's) renamed and stacked into `MoE`'s parameters;
+    other entries pass through. Values may be tensors or lazy readers (`loading/lazy.py`)."""
+    if layout in _PER_EXPERT_NAMES:
+        return _stack_per_expert(weights, _PER_EXPERT_NAMES[layout])
+    if layout == "granite":
+        return _renamed(weights, {r"(^|\.)router\.layer\.weight$": r"\1gate.weight",
+                                  r"(^|\.)input_linear\.weight$": r"\1experts.gate_up_proj",
+                                  r"(^|\.)output_linear\.weight$": r"\1experts.down_proj"})
+    if layout == "gpt_oss":
+        return _gpt_oss(weights)
+    if layout == "stacked":
+        return dict(weights)
+    raise ValueError(f"unknown MoE checkpoint layout {layout!r}")
+
+
+def _stack_per_expert(weights: dict[str, Value], names: dict[str, str]) -> dict[str, Value]:
+    pattern = re.compile(rf"^(.*\.)?experts\.(\d+)\.({'|'.join(names.values())})\.weight$")
+    role_of = {stored: role for role, stored in names.items()}
+    found: dict[str, dict[str, dict[int, str]]] = {}  # block prefix -> role -> expert -> key
+    kept: dict[str, Value] = {}
+    for key, value in weights.items():
+        if m := pattern.match(key):
+            found.setdefault(m.group(1) or "", {}).setdefault(role_of[m.group(3)], {})[int(m.group(2))] = key
+        else:
+            kept[key] = value
+    for prefix, roles in found.items():
+        gate, up, down = (_expert_keys(roles, role, prefix) for role in ("gate", "up", "down"))
+        kept[f"{prefix}experts.gate_up_proj"] = _combined(
+            weights, gate + up, lambda ts, n=len(gate): torch.cat((torch.stack(ts[:n]), torch.stack(ts[n:])), 1))
+        kept[f"{prefix}experts.down_proj"] = _combined(weights, down, torch.stack)
+    return kept
+
+
+def _expert_keys(roles: dict[str, dict[int, str]], role: str, prefix: str) -> list[str]:
+    by_expert = roles.get(role, {})
+    if sorted(by_expert) != list(range(len(by_expert))) or not by_expert:
+        raise ValueError(f"{prefix}experts: the checkpoint's {role} projections do not cover experts 0..N-1")
+    return [by_expert[e] for e in range(len(by_expert))]
+
+
+def _gpt_oss(weights: dict[str, Value]) -> dict[str, Value]:
+    # gpt-oss stores x @ W ([E, H, 2I]) with gate and up columns interleaved (gate 0::2, up 1::2).
+    def split(t: torch.Tensor) -> torch.Tensor:
+        return torch.cat((t[..., 0::2], t[..., 1::2]), dim=-1)
+
+    fixes: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
+        "experts.gate_up_proj": lambda t: split(t).transpose(1, 2).contiguous(),
+        "experts.gate_up_proj_bias": split,
+        "experts.down_proj": lambda t: t.transpose(1, 2).contiguous(),
+    }
+    out: dict[str, Value] = {}
+    for key, value in _renamed(weights, {r"(^|\.)router\.(weight|bias)$": r"\1gate.\2"}).items():
+        fix = next((f for suffix, f in fixes.items() if key == suffix or key.endswith("." + suffix)), None)
+        out[key] = value if fix is None else _combined({key: value}, [key], lambda ts, f=fix: f(ts[0]))
+    return out
+
+
+def _renamed(weights: dict[str, Value], rules: dict[str, str]) -> dict[str, Value]:
+    out: dict[str, Value] = {}
+    for key, value in weights.items():
+        for pattern, replacement in rules.items():
+            key = re.sub(pattern, replacement, key)
+        out[key] = value
+    return out
+
+
+def _combined(weights: dict[str, Value], keys: list[str],
+              build: Callable[[list[torch.Tensor]], torch.Tensor]) -> Value:
+    """`build` over the tensors at `keys`: now for tensors, on first read for lazy readers."""
+    parts = [weights[k] for k in keys]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return build(parts)
+    return lambda _name: build([reader(key) for key, reader in zip(keys, parts)])
