@@ -478,7 +478,12 @@ class EngineCore:
                 hook([event for _, event in events])
             return
         for sink, event in events:
-            sink(event)
+            try:
+                sink(event)
+            except Exception:  # noqa: BLE001 - issue 44: one request's bad hand-over fails it alone
+                log.exception("handing an event of request %s over failed; failing it", event.request_id)
+                if event.finish_reason is None:
+                    self._fail_request(event.request_id)
 
     def _fail(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -489,7 +494,10 @@ class EngineCore:
             self.scheduler.abort(request_id)
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
-            sink(_error_event(request_id))
+            try:
+                sink(_error_event(request_id))
+            except Exception:  # noqa: BLE001 - its sink is what broke: nothing more can reach it
+                log.exception("the error event of request %s could not be handed over", request_id)
 
     def _fail_all(self) -> None:
         """The loop is dying: every request still known or still in the inbox gets an error event."""
