@@ -393,6 +393,9 @@ class EngineCore:
             sampled = self._sample_rows_apart(request_ids, logits, rows)
         with self._lock:
             results = self.scheduler.update_from_output(out, sampled)
+            failed = self.scheduler.take_failed()
+        for request_id in failed:  # issue 44: a row whose token could not be taken fails alone
+            self._fail_request(request_id)
         return results + self._accept_drafts(out, step)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
