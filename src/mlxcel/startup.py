@@ -14,6 +14,7 @@ on. `server/` never imports the loaders (`serving.served_model`, `.chat_model`, 
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import sys
 import time
@@ -74,7 +75,21 @@ def run(settings: ServeSettings) -> int:
             Worker(name, stop).stop(10.0)
         return 1
     state, workers = server_state(process, settings)
-    return serve(state, sock, workers)
+    _leave_now(serve(state, sock, workers))
+    return 1  # not reached
+
+
+def _leave_now(code: int) -> None:
+    """End the server process once serve() returned: every worker is joined and the engine stopped, so the
+    interpreter's teardown (torch's and the kernels' destructors: 3-6 s on the 2-core CPU machine) only
+    delays the exit a supervisor waits for after SIGTERM (issue 44). Logs and stdio are flushed first."""
+    import os
+
+    logging.shutdown()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
+    os._exit(code)
 
 
 def server_state(process: Process, settings: ServeSettings) -> tuple[ServerState, list[Worker]]:

@@ -44,6 +44,9 @@ class Telemetry(Protocol):
     def record_sequence(self, record: SequenceRecord) -> None:
         """One engine sequence ended (finished or aborted), whatever the protocol."""
 
+    def record_failed_request(self, reason: str) -> None:
+        """Issue 44: one request ended by an error ("internal", "engine" or "timeout")."""
+
 
 class NullTelemetry:
     """Telemetry that records nothing (the CLI's one-shot generate, unit tests)."""
@@ -58,6 +61,9 @@ class NullTelemetry:
         return None
 
     def record_sequence(self, record: SequenceRecord) -> None:
+        return None
+
+    def record_failed_request(self, reason: str) -> None:
         return None
 
 

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 import time
 from collections.abc import AsyncIterator, Callable, Sequence
 from dataclasses import dataclass, field, replace
@@ -35,6 +36,9 @@ from mlxcel.types import (
     EngineError, FinishReason, Priority, PromptProgress, Request, SamplingParams, TokenEvent, TokenLogprob,
     TokenProcessor, Usage,
 )
+
+log = logging.getLogger(__name__)
+INTERNAL_ERROR_MESSAGE = "internal server error; see the server log"
 
 
 @dataclass(frozen=True, slots=True)
@@ -334,6 +338,18 @@ def _joined_text_events(events: list[OutputEvent]) -> tuple[OutputEvent, ...]:
     return tuple(joined)
 
 
+def failure_error(ctx: ApiContext, exc: Exception, request_id: str) -> ApiError:
+    """Issue 44: the error one request's failure ends it with, in any protocol. An ApiError passes as it is
+    (the generation counted it); any other exception is a bug in this request's path (detokenizer, logprobs,
+    output parser, encoder): its traceback goes to the log with the request id, /metrics counts it, and the
+    client gets a 500 in its protocol's shape while every other request keeps going."""
+    if isinstance(exc, ApiError):
+        return exc
+    log.error("request %s failed: %r", request_id, exc, exc_info=exc)
+    ctx.telemetry.record_failed_request("internal")
+    return ApiError(500, INTERNAL_ERROR_MESSAGE, "server_error", code=500)
+
+
 def logprob_text(tokenizer: Tokenizer, logprob: TokenLogprob) -> LogprobText:
     """A TokenLogprob with its token's text and bytes, and the same for its alternatives."""
     top = tuple(_entry(tokenizer, token_id, value) for token_id, value in logprob.top)
@@ -350,8 +366,9 @@ def _entry(tokenizer: Tokenizer, token_id: int, value: float) -> LogprobText:
 class Generation:
     """The n-choice generation of one API call; close it (or finish iterating) to free the slots."""
 
-    def __init__(self, ctx: ApiContext, choices: list[_Choice]) -> None:
+    def __init__(self, ctx: ApiContext, choices: list[_Choice], request_id: str = "") -> None:
         self.ctx = ctx
+        self.request_id = request_id  # the API call's id (its choices' engine requests are `<id>-<index>`)
         self._choices = choices
         self._is_closed = False
 
@@ -377,7 +394,7 @@ class Generation:
             for choice in choices:
                 ctx.engine.abort(choice.stream.request_id)
             raise from_engine_error(exc) from None
-        return cls(ctx, choices)
+        return cls(ctx, choices, request_id)
 
     async def stream(self) -> AsyncIterator[ChoiceDelta]:
         """Deltas of all choices as they come; each choice's last delta has its finish_reason."""
@@ -407,9 +424,13 @@ class Generation:
                 if choice.finish_reason is not None:
                     break
         except DecodeTimeoutError as exc:
+            self.ctx.telemetry.record_failed_request("timeout")
             queue.put_nowait(ApiError(504, str(exc), "timeout_error", code=504))
-        except ApiError as exc:
+        except ApiError as exc:  # the engine's error event
+            self.ctx.telemetry.record_failed_request("timeout" if exc.status == 504 else "engine")
             queue.put_nowait(exc)
+        except Exception as exc:  # noqa: BLE001 - issue 44: detokenizer, logprobs, parser: this request only
+            queue.put_nowait(failure_error(self.ctx, exc, choice.stream.request_id))
         finally:
             await choice.stream.aclose()  # a stop string ended the text: abort the rest (no-op when done)
             self.ctx.telemetry.record_sequence(choice.record())

@@ -393,6 +393,9 @@ class EngineCore:
             sampled = self._sample_rows_apart(request_ids, logits, rows)
         with self._lock:
             results = self.scheduler.update_from_output(out, sampled)
+            failed = self.scheduler.take_failed()
+        for request_id in failed:  # issue 44: a row whose token could not be taken fails alone
+            self._fail_request(request_id)
         return results + self._accept_drafts(out, step)
 
     def _sampling_row(self, seq: Sequence) -> SamplingRow:
@@ -478,7 +481,12 @@ class EngineCore:
                 hook([event for _, event in events])
             return
         for sink, event in events:
-            sink(event)
+            try:
+                sink(event)
+            except Exception:  # noqa: BLE001 - issue 44: one request's bad hand-over fails it alone
+                log.exception("handing an event of request %s over failed; failing it", event.request_id)
+                if event.finish_reason is None:
+                    self._fail_request(event.request_id)
 
     def _fail(self, out: SchedulerOutput) -> None:
         for item in out.scheduled:
@@ -489,7 +497,10 @@ class EngineCore:
             self.scheduler.abort(request_id)
         sink = self._sinks.pop(request_id, None)
         if sink is not None:
-            sink(_error_event(request_id))
+            try:
+                sink(_error_event(request_id))
+            except Exception:  # noqa: BLE001 - its sink is what broke: nothing more can reach it
+                log.exception("the error event of request %s could not be handed over", request_id)
 
     def _fail_all(self) -> None:
         """The loop is dying: every request still known or still in the inbox gets an error event."""

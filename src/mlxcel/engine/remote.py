@@ -40,6 +40,7 @@ from mlxcel.types import (
 log = logging.getLogger(__name__)
 
 STATS_TIMEOUT_S = 10.0  # a /metrics or /slots read waits at most this long for the engine process
+Spawn = Callable[[], "tuple[BaseProcess, Connection]"]  # starts an engine process: (process, our pipe end)
 
 
 class EngineProcessError(EngineError):
@@ -67,7 +68,8 @@ class RemoteCore:
 
     drafts = None  # the draft policy lives in the engine process (ServedModel.mtp reads EngineInfo's)
 
-    def __init__(self, process: BaseProcess, conn: Connection, info: EngineInfo) -> None:
+    def __init__(self, process: BaseProcess, conn: Connection, info: EngineInfo,
+                 respawn: Spawn | None = None) -> None:
         self._process = process
         self._conn = conn
         self._config = info.config
@@ -82,6 +84,8 @@ class RemoteCore:
         self._lock = threading.Lock()
         self._send_lock = threading.Lock()
         self._is_stopping = False
+        self._respawn = respawn  # issue 44: how a new engine process is started when this one dies
+        self.is_recovering = False  # a new engine process is starting: 503 meanwhile, not the server's end
         # NOTE: named _thread as EngineCore's loop thread is: the cluster replica watches it
         self._thread = threading.Thread(target=self._read, name="mlxcel-engine-reader", daemon=True)
         self._thread.start()
@@ -199,32 +203,56 @@ class RemoteCore:
     # ---- the reader thread ----
 
     def _read(self) -> None:
-        try:
-            while True:
-                message = pickle.loads(self._conn.recv_bytes())
-                kind = message[0]
-                if kind == "events":
-                    self._deliver(message[1])
-                elif kind == "reply":
-                    self._answer(*message[1:])
-                elif kind == "stopped":
-                    log.info("engine process %s stopped (%s)", self._process.pid,
-                             "clean" if message[1] else "after an error")
-        except (EOFError, OSError):
-            pass
-        except Exception:  # noqa: BLE001 - a message that cannot be read ends the link
-            log.exception("engine process: a message could not be read")
+        while True:
+            try:
+                data = self._conn.recv_bytes()
+            except (EOFError, OSError):
+                break
+            try:
+                self._dispatch(pickle.loads(data))
+            except Exception:  # noqa: BLE001 - issue 44: one bad message never ends the link
+                log.exception("engine process: a message (%d bytes) could not be read; skipped", len(data))
         reap(self._process, 30 if self._is_stopping else 2)  # a stopping process may still be tearing down
         self._gone()
 
+    def _dispatch(self, message: tuple) -> None:
+        kind = message[0]
+        if kind == "events":
+            self._deliver(message[1])
+        elif kind == "reply":
+            self._answer(*message[1:])
+        elif kind == "stopped":
+            log.info("engine process %s stopped (%s)", self._process.pid, "clean" if message[1] else "after an error")
+
     def _deliver(self, events: list[TokenEvent]) -> None:
         for event in events:
-            with self._lock:
-                sink = self._sinks.get(event.request_id)
-                if event.finish_reason is not None:
-                    self._sinks.pop(event.request_id, None)
-            if sink is not None:
-                sink(event)
+            try:
+                self._deliver_one(event)
+            except Exception:  # noqa: BLE001 - issue 44: this request fails; the others' events go on
+                log.exception("engine process: an event of request %s could not be handed over; failing it",
+                              getattr(event, "request_id", "?"))
+                self._fail_request(getattr(event, "request_id", None))
+
+    def _deliver_one(self, event: TokenEvent) -> None:
+        with self._lock:
+            sink = self._sinks.get(event.request_id)
+            if event.finish_reason is not None:
+                self._sinks.pop(event.request_id, None)
+        if sink is not None:
+            sink(event)
+
+    def _fail_request(self, request_id: str | None) -> None:
+        """End one request whose event could not be handed over: an error to its sink, an abort to the engine."""
+        with self._lock:
+            sink = self._sinks.pop(request_id, None) if request_id is not None else None
+        if sink is None:
+            return
+        self.abort(request_id)  # type: ignore[arg-type]
+        try:
+            sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR,  # type: ignore[arg-type]
+                            error="internal error handing over this request's output; see the server log"))
+        except Exception:  # noqa: BLE001 - its sink is what broke: its decode timeout ends it
+            log.exception("engine process: request %s could not be told of its failure", request_id)
 
     def _answer(self, number: int, is_ok: bool, value: Any) -> None:
         with self._lock:
@@ -237,24 +265,59 @@ class RemoteCore:
             future.set_exception(value)
 
     def _gone(self) -> None:
-        """The pipe closed: after stop() that is the end; otherwise the engine process died."""
+        """The pipe closed: after stop() that is the end; otherwise the engine process died, and every
+        request it held gets an error saying so before a new engine process is started (issue 44)."""
         code = self._process.exitcode
         reason = f"the engine process (pid {self._process.pid}) exited with code {code}"
+        will_restart = not self._is_stopping and self._respawn is not None
         if not (self._is_stopping and code == 0):
             if self._is_stopping:  # a drain that did not end cleanly: the server's exit code says so (1)
                 log.error("%s while stopping", reason)
             else:
-                log.critical("%s; failing every request in flight", reason)
+                log.critical("%s; failing every request in flight%s", reason,
+                             "; starting a new engine process" if will_restart else "")
             with self._lock:
+                self.is_recovering = will_restart  # before `failure`: the server must not take it for its end
                 self.failure = EngineProcessError(reason)
+        self._fail_in_flight(f"{reason}; see the server log")
+        if will_restart:
+            self._restart()
+
+    def _fail_in_flight(self, message: str) -> None:
         with self._lock:
             sinks, self._sinks = self._sinks, {}
             replies, self._replies = self._replies, {}
-        message = f"{reason}; see the server log"
         for request_id, sink in sinks.items():
-            sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR, error=message, error_status=503))
+            try:
+                sink(TokenEvent(request_id, (), finish_reason=FinishReason.ERROR, error=message, error_status=503))
+            except Exception:  # noqa: BLE001 - one broken sink must not keep the rest unanswered
+                log.exception("engine process: request %s could not be told of the failure", request_id)
         for future in replies.values():
             future.set_exception(EngineShutdownError(message))
+
+    def _restart(self) -> None:
+        """Start a new engine process in place of the dead one (on the old reader thread, whose pipe is
+        closed); a failed start leaves the core dead, and the server then exits 1 as before."""
+        assert self._respawn is not None
+        try:
+            process, conn = self._respawn()
+            info = wait_info(process, conn)
+        except BaseException:  # noqa: BLE001 - logged; the server sees a dead engine and stops
+            log.exception("engine process: the new engine process did not start")
+            self.is_recovering = False
+            return
+        if self._is_stopping:  # the server began stopping meanwhile: the new process goes too
+            process.kill()
+            self.is_recovering = False
+            return
+        self._process, self._conn, self.info = process, conn, info
+        self._thread = threading.Thread(target=self._read, name="mlxcel-engine-reader", daemon=True)
+        self._thread.start()
+        self._send(("config", self._config))  # a run-time change (F9) made before the crash holds for the new one
+        with self._lock:
+            self.failure = None
+            self.is_recovering = False
+        log.warning("engine process: pid %d ready in place of the dead one; serving again", info.pid)
 
 
 def reap(process: BaseProcess, timeout: float) -> int | None:
@@ -282,8 +345,19 @@ def _dead(stats: EngineStats) -> EngineStats:
     return replace(stats, is_alive=False)
 
 
-def wait_ready(process: BaseProcess, conn: Connection) -> RemoteCore:
-    """Wait for the engine process to load and warm up; its load error is raised here."""
+def wait_ready(process: BaseProcess, conn: Connection, respawn: Spawn | None = None) -> RemoteCore:
+    """Wait for the engine process to load and warm up; its load error is raised here. With `respawn`, a
+    dead engine process is replaced by a new one from it (issue 44)."""
+    info = wait_info(process, conn)
+    try:
+        return RemoteCore(process, conn, info, respawn)
+    except BaseException:
+        process.kill()
+        raise
+
+
+def wait_info(process: BaseProcess, conn: Connection) -> EngineInfo:
+    """The engine process's EngineInfo once it is ready; its load error is raised here."""
     while True:
         try:
             message = pickle.loads(conn.recv_bytes())
@@ -292,11 +366,7 @@ def wait_ready(process: BaseProcess, conn: Connection) -> RemoteCore:
             raise EngineProcessError(f"the engine process exited with code {process.exitcode} while loading the "
                                      f"model; see the log above") from None
         if message[0] == "ready":
-            try:
-                return RemoteCore(process, conn, message[1])
-            except BaseException:
-                process.kill()
-                raise
+            return message[1]
         if message[0] == "load_error":
             process.join(30)
             raise message[1]
@@ -314,12 +384,32 @@ class EngineLink:
         self._send_lock = threading.Lock()
 
     def send(self, message: tuple) -> None:
-        data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        try:
+            data = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
+        except Exception:  # noqa: BLE001 - issue 44: an event that cannot cross fails its request alone
+            if message[0] != "events":
+                raise
+            data = pickle.dumps(("events", self._picklable(message[1])), protocol=pickle.HIGHEST_PROTOCOL)
         try:
             with self._send_lock:
                 self._conn.send_bytes(data)
         except OSError:
             pass  # the API process is gone; the reader below stops the core
+
+    def _picklable(self, events: list[TokenEvent]) -> list[TokenEvent]:
+        """The batch with each event that cannot be pickled replaced by its request's error (and aborted)."""
+        kept: list[TokenEvent] = []
+        for event in events:
+            try:
+                pickle.dumps(event, protocol=pickle.HIGHEST_PROTOCOL)
+                kept.append(event)
+            except Exception:  # noqa: BLE001 - logged with the request id
+                log.exception("engine process: an event of request %s cannot be sent; failing it", event.request_id)
+                if event.finish_reason is None:
+                    self.core.abort(event.request_id)
+                kept.append(TokenEvent(event.request_id, (), finish_reason=FinishReason.ERROR,
+                                       error="internal error sending this request's output; see the server log"))
+        return kept
 
     def send_one(self, event: TokenEvent) -> None:
         """The sink of every request: aborts and failures outside a flush go out at once."""
@@ -333,13 +423,16 @@ class EngineLink:
         self.core.flush_hook = self.send_batch
         while True:
             try:
-                message = pickle.loads(self._conn.recv_bytes())
+                data = self._conn.recv_bytes()
             except (EOFError, OSError):
                 log.warning("engine process: the API process is gone; stopping")
                 self.core.request_stop()
                 return
-            if not self._handle(message):
-                return
+            try:
+                if not self._handle(pickle.loads(data)):
+                    return
+            except Exception:  # noqa: BLE001 - issue 44: one bad message never ends the link
+                log.exception("engine process: a message (%d bytes) could not be handled; skipped", len(data))
 
     def _handle(self, message: tuple) -> bool:
         kind = message[0]

@@ -179,6 +179,7 @@ class Scheduler:
         self.num_generated = 0
         self.num_prompt_computed = 0
         self.num_steps = 0
+        self.failed_request_ids: list[str] = []  # rows that failed in update_from_output (issue 44)
         self.num_busy_slot_steps = 0
         self.max_sequence_len = 0
         self.slot_contents: dict[int, SlotContent] = {}  # what each slot last computed (F12 save)
@@ -352,24 +353,39 @@ class Scheduler:
         self.num_steps += 1
         self.num_busy_slot_steps += len(self.running)
         for item in out.scheduled:
-            seq = item.seq
-            if seq.status is not SeqStatus.RUNNING or item.draft:
+            try:
+                result = self._update_row(item, sampled)
+            except Exception:  # noqa: BLE001 - issue 44: one request's processor failing fails it alone
+                log.exception("request %s: taking its sampled token failed; failing it", item.seq.request_id)
+                self.failed_request_ids.append(item.seq.request_id)
                 continue
-            self._count_prompt_progress(seq, item.num_new_tokens)
-            seq.num_computed_tokens += item.num_new_tokens
-            self.max_sequence_len = max(self.max_sequence_len, seq.num_computed_tokens)
-            if seq.request_id not in sampled:
-                continue
-            if seq.request.sampling.max_tokens == 0:  # the prompt alone was asked for (echo, prompt logprobs)
-                results.append(StepResult(seq, (), None, FinishReason.LENGTH, self._take_prompt_logprobs(seq)))
-                self._finish(seq, FinishReason.LENGTH)
-                continue
-            token, logprob = sampled[seq.request_id]
-            reason = self._append_token(seq, token)
-            results.append(StepResult(seq, (token,), (logprob,) if logprob else None, reason,
-                                      self._take_prompt_logprobs(seq)))
-            self._after_tokens(seq, reason)
+            if result is not None:
+                results.append(result)
         return results
+
+    def take_failed(self) -> list[str]:
+        """The requests whose row failed in `update_from_output` since the last call (the loop fails them)."""
+        failed, self.failed_request_ids = self.failed_request_ids, []
+        return failed
+
+    def _update_row(self, item: ScheduledSeq, sampled: dict[str, tuple[int, TokenLogprob | None]]) -> StepResult | None:
+        seq = item.seq
+        if seq.status is not SeqStatus.RUNNING or item.draft:
+            return None
+        self._count_prompt_progress(seq, item.num_new_tokens)
+        seq.num_computed_tokens += item.num_new_tokens
+        self.max_sequence_len = max(self.max_sequence_len, seq.num_computed_tokens)
+        if seq.request_id not in sampled:
+            return None
+        if seq.request.sampling.max_tokens == 0:  # the prompt alone was asked for (echo, prompt logprobs)
+            result = StepResult(seq, (), None, FinishReason.LENGTH, self._take_prompt_logprobs(seq))
+            self._finish(seq, FinishReason.LENGTH)
+            return result
+        token, logprob = sampled[seq.request_id]
+        reason = self._append_token(seq, token)
+        result = StepResult(seq, (token,), (logprob,) if logprob else None, reason, self._take_prompt_logprobs(seq))
+        self._after_tokens(seq, reason)
+        return result
 
     def record_prompt_logits(self, seq: Sequence, first: int, logits: torch.Tensor) -> None:
         """The runner's logits [n, vocab] of prompt positions first..first+n-1 (each predicting the next

@@ -41,6 +41,10 @@ class ServerMetrics:
                                          "in mlxcel_requests_total", registry=self.registry)
         self.prompt_tokens = Counter("mlxcel_prompt_tokens", "Prompt tokens of the requests counted in "
                                      "mlxcel_requests_total", registry=self.registry)
+        self.failed = Counter("mlxcel_requests_failed", "Requests (engine sequences, or a reply that failed to "
+                              "encode) ended by an error: reason internal (an exception in the request's path, "
+                              "logged with its traceback), engine (the engine failed it or its process died) or "
+                              "timeout (--decode-timeout)", ["reason"], registry=self.registry)
         self.ttft = Histogram("mlxcel_time_to_first_token_seconds", "Time from submit to the first generated "
                               "token", buckets=TTFT_BUCKETS, registry=self.registry)
         self.itl = Histogram("mlxcel_inter_token_latency_seconds", "Time between generated tokens",
@@ -64,6 +68,9 @@ class ServerMetrics:
 
     def record_sequence(self, record: SequenceRecord) -> None:
         self.llamacpp.add(record)
+
+    def record_failed_request(self, reason: str) -> None:
+        self.failed.labels(reason=reason).inc()
 
     def render(self) -> bytes:
         """The Prometheus text exposition of every metric; a scrape starts new throughput buckets."""

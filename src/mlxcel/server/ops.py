@@ -114,6 +114,8 @@ def _health_status(state: ServerState, stats: EngineStats | None) -> str:
     if stats is None:
         is_idle = state.config.webui and not (state.control is not None and state.control.loading)
         return "no model loaded" if is_idle else "loading model"  # A5: a model-less --webui start
+    if not stats.is_alive and state.is_engine_recovering():
+        return "restarting the engine process"  # issue 44: 503 until the new one is ready
     if not stats.is_alive:
         return "error: the engine stopped; see the server log"
     if stats.active_sequences >= stats.max_batch_size:

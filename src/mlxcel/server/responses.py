@@ -59,8 +59,8 @@ def error_response(error: ApiError, protocol: Protocol = "openai") -> JSONRespon
     return JSONResponse(error_body(error, protocol), error.status, headers=error.headers)
 
 
-def internal_error(exc: BaseException, protocol: Protocol = "openai") -> JSONResponse:
-    """A real server bug (never bad input): logged with its traceback, answered 500."""
-    log.error("unhandled error: %r", exc, exc_info=exc)
+def internal_error(exc: BaseException, protocol: Protocol = "openai", where: str = "") -> JSONResponse:
+    """A real server bug (never bad input): logged with its traceback (and the route), answered 500."""
+    log.error("unhandled error%s: %r", f" in {where}" if where else "", exc, exc_info=exc)
     return error_response(ApiError(500, "internal server error; see the server log", "server_error", code=500),
                           protocol)

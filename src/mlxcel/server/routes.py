@@ -78,7 +78,8 @@ def bind(route: Route, state: ServerState) -> Callable[[Request], Awaitable[Resp
         except (ClientGoneError, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)
         except Exception as exc:  # noqa: BLE001 - a bug, reported as a 500 envelope
-            return internal_error(exc, route.protocol)
+            state.metrics.record_failed_request("internal")  # issue 44: /metrics counts it
+            return internal_error(exc, route.protocol, f"{request.method} {request.url.path}")
         return result if isinstance(result, Response) else to_response(result)
 
     endpoint.__name__ = route.handler.__name__

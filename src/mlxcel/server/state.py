@@ -122,9 +122,14 @@ class ServerState:
     def engine_stats(self) -> EngineStats | None:
         return self.served.engine.stats() if self.served is not None else None
 
+    def is_engine_recovering(self) -> bool:
+        """A dead engine process is being replaced by a new one (issue 44)."""
+        return self.served is not None and getattr(self.served.engine.core, "is_recovering", False)
+
     def engine_failed(self) -> bool:
-        """True once the chat engine's loop thread died (the process must not go on serving)."""
-        return self.served is not None and not self.served.engine.core.is_alive
+        """True once the chat engine's loop thread died (the process must not go on serving); not while a dead
+        engine process is being replaced (issue 44: /health says 503 meanwhile)."""
+        return self.served is not None and not self.served.engine.core.is_alive and not self.is_engine_recovering()
 
     def worker_stats(self) -> list[WorkerStats]:
         return self.side.stats()

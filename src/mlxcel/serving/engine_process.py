@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 
 import torch
 
@@ -37,17 +39,24 @@ def start_engine_process(resolved: ResolvedModel, checkpoint: Checkpoint, tokeni
     from mlxcel.engine.remote import wait_ready
 
     context = multiprocessing.get_context("spawn")
-    ours, theirs = context.Pipe()
     root = logging.getLogger()
     log_format = next((h.formatter._fmt for h in root.handlers if h.formatter is not None), None)
     log_files = [h.baseFilename for h in root.handlers if isinstance(h, logging.FileHandler)]  # --log-file
-    process = context.Process(target=engine_process_main, name="mlxcel-engine",
-                              args=(theirs, resolved, options, engine_config, draft, (root.level, log_format, log_files)))
-    process.start()
-    theirs.close()
-    log.info("engine process: pid %d, loading the model", process.pid)
+    logs = (root.level, log_format, log_files)
+
+    def spawn() -> tuple[BaseProcess, Connection]:
+        """A new engine process and our end of its pipe: at startup, and after one died (issue 44)."""
+        ours, theirs = context.Pipe()
+        child = context.Process(target=engine_process_main, name="mlxcel-engine",
+                                args=(theirs, resolved, options, engine_config, draft, logs))
+        child.start()
+        theirs.close()
+        log.info("engine process: pid %d, loading the model", child.pid)
+        return child, ours
+
+    process, ours = spawn()
     try:
-        core = wait_ready(process, ours)
+        core = wait_ready(process, ours, respawn=spawn)
     except BaseException:  # a load error, or an interrupt while loading: the engine process goes too
         process.kill()
         process.join(5)

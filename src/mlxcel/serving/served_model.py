@@ -15,6 +15,7 @@ import time
 import uuid
 from dataclasses import dataclass, field, replace
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -112,11 +113,23 @@ def load_tokenizer(checkpoint: Checkpoint | LoadedModel) -> Tokenizer:
     """The checkpoint's tokenizer (GGUF metadata or tokenizer.json); errors name the file."""
     try:
         if checkpoint.gguf is not None:
-            return Tokenizer.from_gguf(checkpoint.gguf.metadata)
-        assert checkpoint.model_dir is not None
-        return Tokenizer.from_pretrained_dir(checkpoint.model_dir)
+            tokenizer = Tokenizer.from_gguf(checkpoint.gguf.metadata)
+        else:
+            assert checkpoint.model_dir is not None
+            tokenizer = Tokenizer.from_pretrained_dir(checkpoint.model_dir)
     except ModelLoadError as exc:
         raise ModelLoadError(f"{checkpoint.path}: {exc}") from exc
+    tokenizer.cover_model_rows(_num_embedding_rows(checkpoint.config))  # issue 44: padded ids are served
+    return tokenizer
+
+
+def _num_embedding_rows(config: dict[str, Any]) -> int:
+    """The model's vocabulary size (its embedding rows), from the top level or a text_config; 0 if absent."""
+    for scope in (config, config.get("text_config") or {}):
+        value = scope.get("vocab_size") if isinstance(scope, dict) else None
+        if isinstance(value, int) and not isinstance(value, bool):
+            return value
+    return 0
 
 
 def build_chat_features(name: str, loaded: LoadedModel, tokenizer: Tokenizer, template: ChatTemplate | None,

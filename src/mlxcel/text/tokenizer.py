@@ -93,6 +93,18 @@ class Tokenizer:
         self.unk_token_id = unk_token_id
         self._end_token_ids = frozenset(int(i) for i in end_token_ids)
         self._declared_fim = dict(fim_token_ids or {})
+        self.num_ids = self.vocab_size  # the id space: past vocab_size where the model's rows are padded
+
+    def cover_model_rows(self, num_rows: int) -> None:
+        """Widen the id space to a model's embedding rows (Qwen2.5: 151,936 rows for 151,665 tokens).
+
+        The ids past the tokenizer are llama.cpp's `[PAD{id}]` tokens of type UNUSED: an id a model may
+        rank or emit, whose text and bytes are empty (llama.cpp's token_to_piece and vLLM's decode agree)."""
+        self.num_ids = max(self.vocab_size, int(num_rows))
+
+    def is_padding_id(self, token_id: int) -> bool:
+        """An id past the tokenizer's vocabulary (a padded embedding row): no text, no bytes."""
+        return token_id >= self.vocab_size or token_id < 0
 
     # --- constructors ---------------------------------------------------------------------
 
@@ -165,10 +177,10 @@ class Tokenizer:
         return self.backend.id_to_token(token_id)
 
     def token_bytes(self, token_id: int) -> bytes:
-        """The raw bytes a single token stands for (what logprobs report as `bytes`)."""
-        token = self.backend.id_to_token(token_id)
+        """The raw bytes a single token stands for (what logprobs report as `bytes`); none for a padded id."""
+        token = self.backend.id_to_token(token_id) if not self.is_padding_id(token_id) else None
         if token is None:
-            raise ValueError(f"token id {token_id} is outside the vocabulary (size {self.vocab_size})")
+            return b""
         if token_id in self._added_token_ids:
             return token.encode("utf-8")
         if self._is_byte_level:

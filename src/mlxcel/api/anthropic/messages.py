@@ -23,7 +23,7 @@ from mlxcel.api.anthropic.conversation import AnthropicOptions, prepare_prompt
 from mlxcel.api.anthropic.schemas import MessagesRequest
 from mlxcel.api.anthropic.stream import ContentBlocks, Payload, message_events
 from mlxcel.api.context import ApiContext
-from mlxcel.api.generation import ChoiceResult, Generation, GenerationParams
+from mlxcel.api.generation import ChoiceResult, Generation, GenerationParams, failure_error
 from mlxcel.api.headers import request_priority
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
@@ -52,7 +52,7 @@ async def create_message(ctx: ApiContext, req: MessagesRequest, headers: Mapping
         blocks = ContentBlocks()
         start = message_start(message_id, req.model, len(prompt.token_ids))
         body = _stream_body(ctx, generation, blocks, shows_thinking, plan)
-        frames = message_events(start, body, ctx.sse_keepalive_s)
+        frames = message_events(start, body, ctx.sse_keepalive_s, lambda exc: failure_error(ctx, exc, message_id))
         return StreamReply(frames, on_close=generation.aclose)
     result = (await generation.collect())[0]
     chat_features.remember_replies(plan, [result])

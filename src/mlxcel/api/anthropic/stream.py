@@ -12,7 +12,7 @@ goes out whenever the stream is silent for the keepalive interval (A9).
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from mlxcel.api.anthropic.conversation import tool_use_input
@@ -107,21 +107,26 @@ def _delta(index: int, delta: Payload) -> Payload:
     return {"type": "content_block_delta", "index": index, "delta": delta}
 
 
-async def message_events(message_start: Payload, body: AsyncIterator[Payload],
-                         keepalive_s: float) -> AsyncIterator[str]:
+async def message_events(message_start: Payload, body: AsyncIterator[Payload], keepalive_s: float,
+                         as_error: Callable[[Exception], ApiError] | None = None) -> AsyncIterator[str]:
     """The whole SSE stream: message_start and a ping, then `body` (block events, message_delta,
-    message_stop) with pings while it is silent; an ApiError mid-stream is an `error` event."""
+    message_stop) with pings while it is silent; a failure mid-stream is an `error` event (`as_error`
+    turns an exception into the ApiError it reports, issue 44)."""
     yield event_frame(message_start)
     yield PING_FRAME
-    frames = _frames(body)
+    frames = _frames(body, as_error)
     async for frame in with_keepalive(frames, keepalive_s, keepalive_frame=PING_FRAME):
         yield frame
 
 
-async def _frames(body: AsyncIterator[Payload]) -> AsyncIterator[str]:
+async def _frames(body: AsyncIterator[Payload], as_error: Callable[[Exception], ApiError] | None) -> AsyncIterator[str]:
     try:
         async for payload in body:
             yield event_frame(payload)
     except ApiError as exc:
         yield sse_frame(error_body(exc, "anthropic"), event="error")
+    except Exception as exc:  # noqa: BLE001 - issue 44: a bug in this request's path ends it with an error event
+        if as_error is None:
+            raise
+        yield sse_frame(error_body(as_error(exc), "anthropic"), event="error")
 

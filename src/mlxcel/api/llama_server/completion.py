@@ -17,8 +17,8 @@ from typing import Any
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext, SamplingDefaults
-from mlxcel.api.errors import ApiError, error_body, invalid_request
-from mlxcel.api.generation import Generation, GenerationParams, Prompt
+from mlxcel.api.errors import error_body, invalid_request
+from mlxcel.api.generation import Generation, GenerationParams, Prompt, failure_error
 from mlxcel.api.headers import request_priority
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, partial_json, stream_telemetry
 from mlxcel.api.llama_server.schemas import RANDOM_SEED, UINT32_RANDOM_SEED, CompletionFields, CompletionRequest
@@ -103,8 +103,8 @@ async def _stream_frames(generation: Generation, prompts: Sequence[Prompt], text
                                              options.is_post_sampling_probs, telemetry))
             if delta.finish_reason is not None:
                 yield sse_frame(final_json(generation.results()[i], texts[i], options))
-    except ApiError as exc:  # after the headers went out: an error event ends the stream
-        yield sse_frame(error_body(exc))
+    except Exception as exc:  # noqa: BLE001 - after the headers went out: an error event ends the stream
+        yield sse_frame(error_body(failure_error(generation.ctx, exc, generation.request_id)))
 
 
 # ---- prompts ----
@@ -169,8 +169,8 @@ def _checked(ids: tuple[int, ...], text: str | None, where: str) -> Prompt:
 
 
 def _checked_id(tokenizer: Tokenizer, token_id: int, where: str) -> int:
-    if not 0 <= token_id < tokenizer.vocab_size:
-        raise invalid_request(f"{where}: token id {token_id} is outside the vocabulary (0..{tokenizer.vocab_size - 1})")
+    if not 0 <= token_id < tokenizer.num_ids:
+        raise invalid_request(f"{where}: token id {token_id} is outside the vocabulary (0..{tokenizer.num_ids - 1})")
     return token_id
 
 

@@ -81,9 +81,9 @@ def tokenizer_info(ctx: ApiContext) -> JsonReply:
 def detokenize_tokens(tokenizer: Tokenizer, req: DetokenizeRequest) -> JsonReply:
     """The text of `tokens`, special tokens included (as llama-server renders them)."""
     for k, token_id in enumerate(req.tokens):
-        if not 0 <= token_id < tokenizer.vocab_size:
+        if not 0 <= token_id < tokenizer.num_ids:
             raise invalid_request(f"tokens.{k}: token id {token_id} is outside the vocabulary "
-                                  f"(0..{tokenizer.vocab_size - 1})")
+                                  f"(0..{tokenizer.num_ids - 1})")
     text = tokenizer.decode(req.tokens)
     return JsonReply({"content": text, "prompt": text})  # llama-server's key and vLLM's
 

@@ -15,8 +15,10 @@ from typing import Any
 from mlxcel.api import chat_features, control
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError, error_body
-from mlxcel.api.generation import ChoiceDelta, ChoiceResult, Generation, GenerationParams, LogprobText, Prompt
+from mlxcel.api.errors import error_body
+from mlxcel.api.generation import (
+    ChoiceDelta, ChoiceResult, Generation, GenerationParams, LogprobText, Prompt, failure_error,
+)
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, reply_timings, stream_telemetry
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.api.media import validate_media
@@ -178,8 +180,8 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: ChatCompl
                 is_last = k == len(choices) - 1  # llama-server: telemetry on a step's last chunk
                 yield chunk([choice], **(stream_telemetry(generation, delta, is_timed=req.timings_per_token)
                                          if is_last else {}))
-    except ApiError as exc:  # a failure after the headers went out: an error event, then the end
-        yield sse_frame(error_body(exc))
+    except Exception as exc:  # noqa: BLE001 - a failure after the headers went out: an error event, then the end
+        yield sse_frame(error_body(failure_error(ctx, exc, completion_id)))
         yield DONE_FRAME
         return
     finally:

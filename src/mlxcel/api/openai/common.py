@@ -54,7 +54,7 @@ def logit_bias(ctx: ApiContext, bias: Mapping[str, float] | None) -> tuple[tuple
         return ()
     pairs = []
     for key, value in bias.items():
-        if not key.lstrip("-").isdigit() or not 0 <= int(key) < ctx.tokenizer.vocab_size:
+        if not key.lstrip("-").isdigit() or not 0 <= int(key) < ctx.tokenizer.num_ids:
             raise invalid_request(f"logit_bias: {key!r} is not a token id of this model")
         if not -100.0 <= value <= 100.0:
             raise invalid_request(f"logit_bias[{key}]: {value} is outside [-100, 100]")
@@ -66,7 +66,7 @@ def sampling_params(ctx: ApiContext, req: SamplingFields, *, max_tokens: int | N
                     logprobs: int | None) -> SamplingParams:
     """The engine's SamplingParams for an OpenAI request (top_k -1 and 0 both mean off)."""
     stop_ids = tuple(req.stop_token_ids or ())
-    if any(not 0 <= t < ctx.tokenizer.vocab_size for t in stop_ids):
+    if any(not 0 <= t < ctx.tokenizer.num_ids for t in stop_ids):
         raise invalid_request("stop_token_ids: every id must be a token id of this model")
     server = ctx.sampling  # the server's defaults (--temp, ...) for fields the request leaves out
     return SamplingParams(

@@ -14,9 +14,9 @@ from typing import Any
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError, error_body, invalid_request
+from mlxcel.api.errors import error_body, invalid_request
 from mlxcel.api.generation import (
-    ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt, PromptLogprobs, PromptLogprobText,
+    ChoiceDelta, ChoiceResult, Generation, LogprobText, Prompt, PromptLogprobs, PromptLogprobText, failure_error,
 )
 from mlxcel.api.llama_server.results import reply_timings, stream_telemetry
 from mlxcel.api.openai import common
@@ -83,8 +83,8 @@ def completion_prompts(ctx: ApiContext, prompt: str | list[str] | list[int] | li
 def _token_prompt(ctx: ApiContext, ids: Sequence[int]) -> Prompt:
     if not ids:
         raise invalid_request("prompt: a token-id prompt must not be empty")
-    if any(not 0 <= t < ctx.tokenizer.vocab_size for t in ids):
-        raise invalid_request(f"prompt: token ids must be between 0 and {ctx.tokenizer.vocab_size - 1}")
+    if any(not 0 <= t < ctx.tokenizer.num_ids for t in ids):
+        raise invalid_request(f"prompt: token ids must be between 0 and {ctx.tokenizer.num_ids - 1}")
     return Prompt(tuple(ids))
 
 
@@ -191,8 +191,8 @@ async def _stream_frames(ctx: ApiContext, generation: Generation, req: Completio
                 choice = _delta_json(delta, req, offsets)
             yield sse_frame({**base, "choices": [choice],
                              **stream_telemetry(generation, delta, is_timed=req.timings_per_token)})
-    except ApiError as exc:
-        yield sse_frame(error_body(exc))
+    except Exception as exc:  # noqa: BLE001 - issue 44: this request's error event, then the end
+        yield sse_frame(error_body(failure_error(ctx, exc, completion_id)))
         yield DONE_FRAME
         return
     # K2: streaming /v1/completions is deliberately not counted in requests_total.

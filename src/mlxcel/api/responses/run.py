@@ -23,8 +23,7 @@ from typing import Any
 
 from mlxcel.api import chat_features
 from mlxcel.api.context import ApiContext
-from mlxcel.api.errors import ApiError
-from mlxcel.api.generation import ChoiceDelta, Generation
+from mlxcel.api.generation import ChoiceDelta, Generation, failure_error
 from mlxcel.api.llama_server.results import reply_timings, stream_telemetry
 from mlxcel.api.responses.items import Item
 from mlxcel.api.responses.objects import ResponseDraft, usage_json
@@ -88,8 +87,9 @@ class ResponseRun:
                 final = self._final(finish_reason)
                 if self.plan is not None:
                     chat_features.remember_replies(self.plan, self.generation.results())
-            except ApiError as exc:  # a failure after the response began (decode timeout, engine error)
-                final = self._finish("failed", error={"code": "server_error", "message": exc.message})
+            except Exception as exc:  # noqa: BLE001 - a failure after the response began (timeout, engine, a bug)
+                error = failure_error(self.generation.ctx, exc, self.id)
+                final = self._finish("failed", error={"code": "server_error", "message": error.message})
             # Stored before the client can see the end: a response it saw finish survives a crash.
             await asyncio.shield(self._save())  # written even if the listener leaves now
             for event in self._record(final):
