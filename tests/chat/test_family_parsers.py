@@ -227,7 +227,7 @@ TEMPLATES: list[tuple[str, str]] = [
     ("{{ '\\n<tool_call>' + tc.name }}{% for k, v in _args.items() %}\\n<arg_key>{{ k }}</arg_key>\\n"
      "<arg_value>{{ v }}</arg_value>{% endfor %}", "glm45"),
     # Mistral, both forms
-    ("{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + tool.function.arguments|tojson }}", "mistral"),
+    ("{{- '[TOOL_CALLS]' + tool.function.name + '[ARGS]' + tool.function.arguments|tojson }}", "mistral_args"),
     ("{{ '[TOOL_CALLS][' }}{% for tc in tool_calls %}{{ tc | tojson }}{% endfor %}{{ ']' }}", "mistral"),
     # Qwen3 / Hermes JSON calls stay Hermes
     ('<tool_call>\\n{"name": <function-name>, "arguments": <args-json-object>}\\n</tool_call>', "hermes"),

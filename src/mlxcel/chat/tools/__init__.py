@@ -20,6 +20,7 @@ FORMATS: dict[str, tuple[str, str]] = {
     "hermes": ("mlxcel.chat.tools.hermes", "HermesToolParser"),
     "llama3": ("mlxcel.chat.tools.llama3", "Llama3ToolParser"),
     "mistral": ("mlxcel.chat.tools.mistral", "MistralToolParser"),
+    "mistral_args": ("mlxcel.chat.tools.mistral_args", "MistralArgsToolParser"),
     "generic": ("mlxcel.chat.tools.generic", "GenericToolParser"),
     "harmony": ("mlxcel.chat.tools.harmony", "HarmonyToolParser"),
     "deepseek": ("mlxcel.chat.tools.deepseek", "DeepSeekToolParser"),
@@ -34,7 +35,7 @@ def select_tool_parser(chat_template_source: str | None) -> str:
     The markers a template prints when it renders tool calls decide: harmony's `<|channel|>`
     and `<|message|>` (gpt-oss), DeepSeek's `<｜tool▁calls▁begin｜>`, `<function=` tags (Qwen3-Coder)
     and `<arg_key>` tags (GLM-4.5) inside `<tool_call>`, else `<tool_call>` (Hermes, Qwen),
-    `[TOOL_CALLS]` (Mistral), `<|python_tag|>` or Llama 3 headers with "parameters"
+    `[TOOL_CALLS]` (Mistral; with `[ARGS]`, the newer name-first form), `<|python_tag|>` or Llama 3 headers with "parameters"
     (Llama 3.x); anything else gets the generic JSON format.
     """
     source = chat_template_source or ""
@@ -49,7 +50,7 @@ def select_tool_parser(chat_template_source: str | None) -> str:
     if "<tool_call>" in source:
         return "hermes"
     if "[TOOL_CALLS]" in source:
-        return "mistral"
+        return "mistral_args" if "[ARGS]" in source else "mistral"
     if "<|python_tag|>" in source or ("<|start_header_id|>" in source and "parameters" in source):
         return "llama3"
     return "generic"

@@ -8,15 +8,17 @@
     <｜tool▁calls▁begin｜><｜tool▁call▁begin｜>get_weather<｜tool▁sep｜>{"city": "Paris"}<｜tool▁call▁end｜><｜tool▁calls▁end｜>   (V3.1)
 
 Several `<｜tool▁call▁begin｜>...<｜tool▁call▁end｜>` in one block are parallel calls. Reasoning is
-`<think>` (chat/reasoning.py). Not constrained: the name sits outside the JSON that the call
-grammar (chat/grammar.py) describes, so `tool_choice` required is refused and auto is free text.
+`<think>` (chat/reasoning.py). The call grammar (`lark_tools`) allows either spelling of a call.
 """
 
 from __future__ import annotations
 
+import re
+
 from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, find_marker, partial_suffix_len
 from mlxcel.chat.tools.json_stream import NamedArgumentsCall
+from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools, named_calls
 
 CALLS_BEGIN = "<｜tool▁calls▁begin｜>"
 CALLS_END = "<｜tool▁calls▁end｜>"
@@ -27,6 +29,7 @@ TYPE = "function"  # V3 / R1 write the call's type before the separator and the 
 FENCE = "```"
 ARGUMENTS_KEY = "arguments"
 _SPACE = " \t\n\r"
+TRIGGER = re.compile(re.escape(CALLS_BEGIN))  # where a call's grammar starts under tool_choice auto
 
 
 class DeepSeekToolParser(ToolParser):
@@ -88,3 +91,19 @@ def _after_fence(text: str) -> int | None:
     if line_end < 0:
         return None if len(head) < len(FENCE) + 8 else 0
     return skipped + line_end + 1
+
+
+def lark_tools(
+    tools: Tools, literal: Literal, arguments: Arguments, *, parallel: bool, after_trigger: bool
+) -> str:
+    """The call grammar (chat/grammar.py): a block of calls (one without parallel calls), each in
+    the V3 / R1 spelling or the V3.1 one; after TRIGGER, the block without its opener."""
+    one = f"{literal(CALL_BEGIN)} call {literal(CALL_END)}"
+    block = (f'{one} ("\\n"? {one})*' if parallel else one) + f" {literal(CALLS_END)}"
+    start = f"start: {block}" if after_trigger else f"start: {literal(CALLS_BEGIN)} {block}"
+    sep = literal(SEP)
+
+    def spell(name: str, args: str) -> str:
+        return f'("{TYPE}" {sep} {name} "\\n```json\\n" {args} "\\n```" | {name} {sep} {args})'
+
+    return start + "\n" + named_calls(tools, arguments, spell)

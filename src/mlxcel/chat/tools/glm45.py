@@ -6,16 +6,19 @@
     </tool_call>
 
 (GLM-4.7 writes the same without the line breaks.) Values become JSON by the tool's schema
-(xml_calls.py). Reasoning is `<think>` (chat/reasoning.py). Not constrained: the call grammar
-(chat/grammar.py) describes JSON calls, so `tool_choice` required is refused and auto is free text.
+(xml_calls.py). Reasoning is `<think>` (chat/reasoning.py). The call grammar (`lark_tools`) holds
+the function and argument keys to the declared ones; values stay free text.
 """
 
 from __future__ import annotations
 
+import re
+
 from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, find_marker, partial_suffix_len
+from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools
 from mlxcel.chat.tools.xml_calls import (
-    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, tag_pair,
+    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, tag_pair, tagged_calls,
 )  # fmt: skip
 
 START = "<tool_call>"
@@ -72,3 +75,26 @@ class Glm45ToolParser(ToolParser):
             return at + len(END), Mode.CONTENT
         hold = partial_suffix_len(buffer, (END,))
         return (len(buffer) - hold, Mode.AFTER) if len(buffer) > hold else None
+
+
+# Under tool_choice auto the call grammar starts at the block's opener.
+TRIGGER = re.compile(re.escape(START))
+
+
+def lark_tools(
+    tools: Tools, literal: Literal, arguments: Arguments, *, parallel: bool, after_trigger: bool
+) -> str:
+    """The call grammar (chat/grammar.py): the function and its argument keys are declared ones;
+    a value is free text up to `</arg_value>` (the schema's types are not enforced)."""
+    block = f"{literal(START)} call {literal(END)}"
+    if after_trigger:
+        start = f"start: call {literal(END)}"
+    else:
+        start = f"start: {block}" + (f' ("\\n"? {block})*' if parallel else "")
+    rules = tagged_calls(
+        tools, lambda name, arguments: f'{name} {arguments} "\\n"?',
+        lambda key: f'{literal(KEY)} {key} {literal(KEY_END)} "\\n"? {literal(VALUE)} value',
+        lambda argument: f'("\\n"? {argument})*',
+        f'value[suffix="{VALUE_END}"]: /(.|\\n)*/',
+    )
+    return start + "\n" + rules

@@ -6,16 +6,18 @@ the role part of the header, and `<|call|>` is a stop token the text never shows
 recipient's `functions.` namespace is dropped from the name; a built-in tool's recipient
 (`python`, `browser.search`) names no declared function, so it stays text.
 
-Not constrained: harmony puts the name in the header, outside the JSON that the shared call
-grammar (chat/grammar.py) describes, so `tool_choice` required is refused and auto is free text.
+The call grammar (`lark_tools`) names a declared function and fits its arguments to the schema.
 """
 
 from __future__ import annotations
 
+import re
+
 from mlxcel.chat.events import OutputEvent
-from mlxcel.chat.harmony import CALL, CALL_OPENER, END, MESSAGE
+from mlxcel.chat.harmony import CALL, CALL_OPENER, CHANNEL, CONSTRAIN, END, MESSAGE, START
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, partial_suffix_len
 from mlxcel.chat.tools.json_stream import NamedArgumentsCall
+from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools, named_calls
 
 NAMESPACE = "functions."
 ARGUMENTS_KEY = "arguments"
@@ -51,3 +53,23 @@ class HarmonyToolParser(ToolParser):
                 return at + len(marker), Mode.CONTENT
         hold = partial_suffix_len(buffer, (CALL, END))
         return (len(buffer) - hold, Mode.AFTER) if len(buffer) > hold else None
+
+
+# Under tool_choice auto the call grammar starts after the recipient's namespace (in the role or
+# the channel part of the header; the reasoning before it is never scanned).
+TRIGGER = re.compile(re.escape("to=" + NAMESPACE))
+
+
+def lark_tools(
+    tools: Tools, literal: Literal, arguments: Arguments, *, parallel: bool, after_trigger: bool
+) -> str:
+    """The call grammar (chat/grammar.py): a required call is one commentary message to a
+    function (its `<|call|>` ends the reply, so one call a turn); after TRIGGER, the name and the
+    rest of its header wherever the recipient stood."""
+    if after_trigger:
+        header = f'({literal(CHANNEL)} "commentary")? (" "? {literal(CONSTRAIN)} "json" | " json")? {literal(MESSAGE)}'
+        start = "start: call"
+    else:
+        header = f'" " {literal(CONSTRAIN)} "json" {literal(MESSAGE)}'
+        start = f'start: {literal(START)} "assistant" {literal(CHANNEL)} "commentary to={NAMESPACE}" call'
+    return start + "\n" + named_calls(tools, arguments, lambda name, args: f"{name} {header} {args}")

@@ -10,16 +10,19 @@
 
 A value's own first and last line break are markup; a model that leaves out `</parameter>`
 (or the `<tool_call>` opener) is read all the same. Values become JSON by the tool's schema
-(xml_calls.py). Not constrained: the call grammar (chat/grammar.py) describes JSON calls, so
-`tool_choice` required is refused and auto is free text.
+(xml_calls.py). The call grammar (`lark_tools`) holds the function and parameter names to the
+declared ones; values stay free text.
 """
 
 from __future__ import annotations
 
+import re
+
 from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, find_marker, partial_suffix_len
+from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools
 from mlxcel.chat.tools.xml_calls import (
-    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, strip_one_newline,
+    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, strip_one_newline, tagged_calls,
 )  # fmt: skip
 
 START = "<tool_call>"
@@ -96,3 +99,26 @@ class Qwen3CoderToolParser(ToolParser):
             return None
         return 0, Mode.CONTENT
 
+
+
+# Under tool_choice auto the call grammar starts at the block's opener.
+TRIGGER = re.compile(re.escape(START))
+
+
+def lark_tools(
+    tools: Tools, literal: Literal, arguments: Arguments, *, parallel: bool, after_trigger: bool
+) -> str:
+    """The call grammar (chat/grammar.py): the function and its parameters are declared ones; a
+    value is free text up to its closing tag (the schema's types are not enforced: values are
+    not JSON here)."""
+    block = f'{literal(START)} "\\n" call "\\n" {literal(END)}'
+    if after_trigger:
+        start = f'start: "\\n"? call "\\n"? {literal(END)}'
+    else:
+        start = f"start: {block}" + (f' ("\\n" {block})*' if parallel else "")
+    rules = tagged_calls(
+        tools, lambda name, arguments: f'"{FUNCTION}" {name} ">\\n" {arguments} "{FUNCTION_END}"',
+        lambda key: f'"{PARAMETER}" {key} ">\\n" value', lambda argument: f"{argument}*",
+        'value[suffix="\\n</parameter>\\n"]: /(.|\\n)*/',
+    )
+    return start + "\n" + rules

@@ -174,3 +174,27 @@ def strip_one_newline(value: str) -> str:
     """A value on lines of its own (`>\\nvalue\\n<`) without those two line breaks."""
     value = value[1:] if value.startswith("\n") else value
     return value[:-1] if value.endswith("\n") else value
+
+
+# --- the call grammar: declared function and parameter names, values free text ---------------
+
+
+def tagged_calls(
+    tools: Sequence[tuple[str, Mapping[str, Any]]], spell_call: Callable[[str, str], str],
+    spell_argument: Callable[[str], str], repeat: Callable[[str], str], value: str,
+) -> str:
+    """Lark rules: `call` is one of the tools, spelled by `spell_call(name literal, its arguments)`;
+    the arguments are `repeat(rule of one argument)`, each spelled by `spell_argument(key rule)`;
+    `value` is the Lark of the free-text value rule (ending at the format's closing tag). Keys are
+    the schema's properties; a schema without `properties` takes any key, one with none takes none."""
+    lines = ["call: " + " | ".join(f"tool_{i}" for i in range(len(tools)))]
+    for i, (name, parameters) in enumerate(tools):
+        properties = parameters.get("properties") if isinstance(parameters, Mapping) else None
+        if isinstance(properties, Mapping) and not properties:
+            lines.append(f"tool_{i}: {spell_call(json.dumps(name), '')}")
+            continue
+        keys = " | ".join(json.dumps(k) for k in properties) if isinstance(properties, Mapping) else ""
+        lines.append(f"tool_{i}: {spell_call(json.dumps(name), repeat(f'argument_{i}'))}")
+        lines.append(f"argument_{i}: {spell_argument(f'({keys})' if keys else 'any_key')}")
+    lines += ["any_key: /[A-Za-z0-9_.-]+/", value]
+    return "\n".join(lines) + "\n"
