@@ -171,6 +171,18 @@ def test_issue40_harmony_channels_split_the_same_in_every_chunking(
             reasoning, content, calls)
 
 
+@pytest.mark.parametrize(("reply", "reasoning", "content", "calls"), HARMONY_CASES[:3])
+def test_issue40_harmony_cut_off_replies_leak_no_markup(reply: str, reasoning: str, content: str, calls: list[Call]) -> None:
+    for cut in range(len(reply) + 1):
+        events, parser = run_harmony([reply[:cut]])
+        got_content, got_calls = summarize(events)  # the call protocol holds (parseable arguments)
+        result = parser.result()
+        # a lone `<` may be text; a cut-off marker (`<|en`) never shows
+        assert reasoning.startswith(result.reasoning.removesuffix("<")), cut
+        assert content.startswith(got_content.removesuffix("<")) and "<|" not in got_content + result.reasoning, cut
+        assert {name for name, _ in got_calls} <= {name for name, _ in calls}, cut
+
+
 def test_issue40_harmony_without_tools_keeps_the_call_as_text() -> None:
     reply = HARMONY_CASES[0][0]
     events, parser = run_harmony(list(reply), tools=False)

@@ -133,7 +133,9 @@ class HarmonySplitter:
             self._header = None
             self._buffer = self._buffer[at + (0 if marker == START else len(marker)) :]
             return True
-        keep = len(self._buffer) if is_final else len(self._buffer) - partial_suffix_len(self._buffer, BODY_ENDS)
+        keep = len(self._buffer) - partial_suffix_len(self._buffer, BODY_ENDS)
+        if is_final and not self._buffer[keep:].startswith("<|"):
+            keep = len(self._buffer)  # a lone `<` at the end is text; `<|en` is a cut-off marker
         self._emit(self._buffer[:keep], out)
         self._buffer = self._buffer[keep:]
         return False
