@@ -101,3 +101,14 @@ def test_issue40_harmony_call_to_an_undeclared_tool_stays_text(sdk: openai.OpenA
     message = completion.choices[0].message
     assert message.model_extra["reasoning_content"] == REASONING_TEXT and not message.tool_calls
     assert "to=functions.get_weather" in message.content and '{"city": "Paris"}' in message.content
+
+
+def test_issue40_harmony_on_responses_gives_a_reasoning_item_and_a_function_call(sdk: openai.OpenAI) -> None:
+    tool = {"type": "function", "name": "get_weather", "parameters": WEATHER["function"]["parameters"]}
+    response = sdk.responses.create(model="m", input="Weather in Paris?", tools=[tool], temperature=0,
+                                    max_output_tokens=40, store=False)
+    kinds = [item.type for item in response.output]
+    assert kinds == ["reasoning", "function_call"], kinds
+    assert REASONING_TEXT in response.output[0].model_dump_json()
+    call = response.output[1]
+    assert (call.name, json.loads(call.arguments)) == ("get_weather", ARGUMENTS)
