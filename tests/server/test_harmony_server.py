@@ -58,7 +58,8 @@ def test_issue40_harmony_is_chosen_from_the_template(server_t: ServerThread) -> 
     call's text, in the canonical header the harmony splitter writes, after the reasoning."""
     assert httpx.get(server_t.address + "/health", timeout=30).json()["tool_call_parser"] == "harmony"
     body = {"messages": QUESTION, "temperature": 0, "max_tokens": 40}
-    message = httpx.post(server_t.address + "/v1/chat/completions", json=body, timeout=60).json()["choices"][0]["message"]
+    reply = httpx.post(server_t.address + "/v1/chat/completions", json=body, timeout=60).json()
+    message = reply["choices"][0]["message"]
     assert message["reasoning_content"] == REASONING_TEXT
     assert message["content"] == (
         '<|channel|>commentary to=functions.get_weather <|constrain|>json<|message|>{"city": "Paris"}<|call|>')

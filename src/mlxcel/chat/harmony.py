@@ -62,27 +62,15 @@ class Header:
         return cls(channel, found.group(1) if found else None)
 
 
-class HarmonySplitter:
+class HarmonySplitter(ReasoningSplitter):
     """Splits a streamed harmony reply into reasoning and content deltas (tool-call messages
-    stay content, in the canonical spelling above, for the tool parser)."""
+    stay content, in the canonical spelling above, for the tool parser). `feed`, `reasoning_text`
+    and deepseek-legacy's raw content are ReasoningSplitter's; the steps read messages."""
 
     def __init__(self, *, reasoning_format: ReasoningFormat = ReasoningFormat.AUTO) -> None:
-        self.is_legacy = reasoning_format is ReasoningFormat.DEEPSEEK_LEGACY
-        self._buffer = ""
+        super().__init__(HARMONY_MARKERS, reasoning_format=reasoning_format)
         self._header: Header | None = None  # None: reading a header
         self._is_plain = False  # the reply is not harmony: all of it is content
-        self.reasoning: list[str] = []
-
-    @property
-    def reasoning_text(self) -> str:
-        return "".join(self.reasoning)
-
-    def feed(self, text: str) -> list[SplitEvent]:
-        self._buffer += text
-        out: list[SplitEvent] = []
-        while self._buffer and self._step(out, is_final=False):
-            pass
-        return self._legacy(text, out)
 
     def finish(self) -> list[SplitEvent]:
         out: list[SplitEvent] = []
@@ -92,10 +80,6 @@ class HarmonySplitter:
             out.append(ContentDelta(CALL))  # a call cut off (or ended by the hidden `<|call|>` stop token)
         self._buffer = ""
         return self._legacy("", out)
-
-    def _legacy(self, raw: str, out: list[SplitEvent]) -> list[SplitEvent]:
-        """deepseek-legacy: the raw text is the content; reasoning is only collected."""
-        return ([ContentDelta(raw)] if raw else []) if self.is_legacy else out
 
     def _step(self, out: list[SplitEvent], *, is_final: bool) -> bool:
         if self._is_plain:

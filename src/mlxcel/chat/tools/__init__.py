@@ -35,8 +35,8 @@ def select_tool_parser(chat_template_source: str | None) -> str:
     The markers a template prints when it renders tool calls decide: harmony's `<|channel|>`
     and `<|message|>` (gpt-oss), DeepSeek's `<｜tool▁calls▁begin｜>`, `<function=` tags (Qwen3-Coder)
     and `<arg_key>` tags (GLM-4.5) inside `<tool_call>`, else `<tool_call>` (Hermes, Qwen),
-    `[TOOL_CALLS]` (Mistral; with `[ARGS]`, the newer name-first form), `<|python_tag|>` or Llama 3 headers with "parameters"
-    (Llama 3.x); anything else gets the generic JSON format.
+    `[TOOL_CALLS]` (Mistral; with `[ARGS]`, the newer name-first form), `<|python_tag|>` or
+    Llama 3 headers with "parameters" (Llama 3.x); anything else gets the generic JSON format.
     """
     source = chat_template_source or ""
     if "<|channel|>" in source and "<|message|>" in source:

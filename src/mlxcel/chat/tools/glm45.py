@@ -18,7 +18,7 @@ from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, find_marker, partial_suffix_len
 from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools
 from mlxcel.chat.tools.xml_calls import (
-    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, tag_pair, tagged_calls,
+    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, blocks_start, tag_pair, tagged_calls,
 )  # fmt: skip
 
 START = "<tool_call>"
@@ -86,11 +86,8 @@ def lark_tools(
 ) -> str:
     """The call grammar (chat/grammar.py): the function and its argument keys are declared ones;
     a value is free text up to `</arg_value>` (the schema's types are not enforced)."""
-    block = f"{literal(START)} call {literal(END)}"
-    if after_trigger:
-        start = f"start: call {literal(END)}"
-    else:
-        start = f"start: {block}" + (f' ("\\n"? {block})*' if parallel else "")
+    start = blocks_start(f"{literal(START)} call {literal(END)}", f"call {literal(END)}", '"\\n"?',
+                         parallel=parallel, after_trigger=after_trigger)
     rules = tagged_calls(
         tools, lambda name, arguments: f'{name} {arguments} "\\n"?',
         lambda key: f'{literal(KEY)} {key} {literal(KEY_END)} "\\n"? {literal(VALUE)} value',

@@ -22,7 +22,7 @@ from mlxcel.chat.events import OutputEvent
 from mlxcel.chat.tools.base import CallsReader, CallStart, Mode, ToolParser, find_marker, partial_suffix_len
 from mlxcel.chat.tools.named_grammar import Arguments, Literal, Tools
 from mlxcel.chat.tools.xml_calls import (
-    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, strip_one_newline, tagged_calls,
+    Argument, CallEnd, ParameterTypes, Step, TaggedCallReader, blocks_start, strip_one_newline, tagged_calls,
 )  # fmt: skip
 
 START = "<tool_call>"
@@ -111,11 +111,8 @@ def lark_tools(
     """The call grammar (chat/grammar.py): the function and its parameters are declared ones; a
     value is free text up to its closing tag (the schema's types are not enforced: values are
     not JSON here)."""
-    block = f'{literal(START)} "\\n" call "\\n" {literal(END)}'
-    if after_trigger:
-        start = f'start: "\\n"? call "\\n"? {literal(END)}'
-    else:
-        start = f"start: {block}" + (f' ("\\n" {block})*' if parallel else "")
+    start = blocks_start(f'{literal(START)} "\\n" call "\\n" {literal(END)}', f'"\\n"? call "\\n"? {literal(END)}',
+                         '"\\n"', parallel=parallel, after_trigger=after_trigger)
     rules = tagged_calls(
         tools, lambda name, arguments: f'"{FUNCTION}" {name} ">\\n" {arguments} "{FUNCTION_END}"',
         lambda key: f'"{PARAMETER}" {key} ">\\n" value', lambda argument: f"{argument}*",

@@ -198,3 +198,11 @@ def tagged_calls(
         lines.append(f"argument_{i}: {spell_argument(f'({keys})' if keys else 'any_key')}")
     lines += ["any_key: /[A-Za-z0-9_.-]+/", value]
     return "\n".join(lines) + "\n"
+
+
+def blocks_start(block: str, after_trigger_start: str, between: str, *, parallel: bool, after_trigger: bool) -> str:
+    """The `start` rule: one call `block` (several, `between` them, for parallel calls), or
+    `after_trigger_start` for what follows the lazy grammar's trigger."""
+    if after_trigger:
+        return f"start: {after_trigger_start}"
+    return f"start: {block}" + (f" ({between} {block})*" if parallel else "")
