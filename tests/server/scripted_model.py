@@ -83,7 +83,10 @@ def _write_tokenizer(folder: Path, call: Sequence[str]) -> dict[str, int]:
     return tokenizer.get_vocab(with_added_tokens=True)
 
 
-def _write_weights(folder: Path, vocab: dict[str, int], pieces: Sequence[str]) -> None:
+def _write_weights(folder: Path, vocab: dict[str, int], pieces: Sequence[str],
+                   eos: Sequence[str] = ("<|im_end|>",)) -> None:
+    """The bigram checkpoint for `pieces`; any other token is followed by `eos[0]` (every one of
+    `eos` ends a reply)."""
     from safetensors.torch import save_file
 
     num_vocab = max(vocab.values()) + 1
@@ -93,24 +96,27 @@ def _write_weights(folder: Path, vocab: dict[str, int], pieces: Sequence[str]) -
               "hidden_size": hidden, "intermediate_size": ffn, "num_hidden_layers": 1,
               "num_attention_heads": heads, "num_key_value_heads": heads, "head_dim": head_dim,
               "rms_norm_eps": 1e-6, "rope_theta": 10000.0, "max_position_embeddings": 4096,
-              "tie_word_embeddings": False, "bos_token_id": None, "eos_token_id": vocab["<|im_end|>"]}
+              "tie_word_embeddings": False, "bos_token_id": None,
+              "eos_token_id": vocab[eos[0]] if len(eos) == 1 else [vocab[token] for token in eos]}
     (folder / "config.json").write_text(json.dumps(config))
     tensors = {
         "model.embed_tokens.weight": torch.eye(num_vocab, hidden),
         "model.norm.weight": torch.ones(hidden),
-        "lm_head.weight": _bigram_head(vocab, num_vocab, hidden, pieces),
+        "lm_head.weight": _bigram_head(vocab, num_vocab, hidden, pieces, eos[0]),
         **_silent_layer(hidden, heads * head_dim, ffn),
     }
     save_file({k: v.contiguous() for k, v in tensors.items()}, str(folder / "model.safetensors"))
 
 
-def _bigram_head(vocab: dict[str, int], num_vocab: int, hidden: int, pieces: Sequence[str]) -> torch.Tensor:
+def _bigram_head(
+    vocab: dict[str, int], num_vocab: int, hidden: int, pieces: Sequence[str], fallback: str = "<|im_end|>"
+) -> torch.Tensor:
     """[vocab, hidden]: row `next` has weight 1 at the column of each token it follows."""
     ids = [vocab["Ċ" if piece == "\n" else piece] for piece in pieces]  # byte-level "\n" is "Ċ"
     follows = {current: nxt for current, nxt in zip(ids, ids[1:], strict=False)}
     head = torch.zeros(num_vocab, hidden)
     for token in range(num_vocab):
-        head[follows.get(token, vocab["<|im_end|>"]), token] = 1.0
+        head[follows.get(token, vocab[fallback]), token] = 1.0
     return head
 
 

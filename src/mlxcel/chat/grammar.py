@@ -174,8 +174,11 @@ class GrammarCompiler:
         if chosen is None:
             return None
         module = format_module(fmt)
-        schema = _calls_schema(chosen, module.ARGUMENTS_KEY)
-        lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
+        if hasattr(module, "lark_tools"):  # the name outside the JSON: the format writes the whole grammar
+            lark = module.lark_tools(chosen, self._lark_literal, arguments_json, parallel=parallel, after_trigger=False)
+        else:
+            schema = _calls_schema(chosen, module.ARGUMENTS_KEY)
+            lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
         return self._validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
     def triggered_tool_calls(
@@ -192,10 +195,14 @@ class GrammarCompiler:
         available = [tool_name_and_parameters(t) for t in tools if t.get("type", "function") in FUNCTION_TOOL_TYPES]
         if not available:
             return None
-        schema = _calls_schema(available, module.ARGUMENTS_KEY)
-        rest = module.lark_after_trigger("call", self._lark_literal, parallel=parallel)
+        if hasattr(module, "lark_tools"):
+            text = module.lark_tools(available, self._lark_literal, arguments_json, parallel=parallel, after_trigger=True)
+        else:
+            schema = _calls_schema(available, module.ARGUMENTS_KEY)
+            rest = module.lark_after_trigger("call", self._lark_literal, parallel=parallel)
+            text = f"start: {rest}\ncall: %json {json.dumps(schema)}\n"
         try:
-            lark = llguidance.LLMatcher.grammar_from_lark(f"start: {rest}\ncall: %json {json.dumps(schema)}\n")
+            lark = llguidance.LLMatcher.grammar_from_lark(text)
             grammar = self._validated(lark, "tools")
         except (GrammarError, ValueError) as exc:
             log.warning("tool calls are not constrained for this request: %s", _first_line(str(exc)))
@@ -329,6 +336,12 @@ def _chosen_tools(tools: Sequence[Mapping[str, Any]], choice: ToolChoice) -> lis
     if not chosen:
         raise GrammarError(f"tool_choice names the function {choice.name!r}, which is not among the tools")
     return chosen
+
+
+def arguments_json(parameters: Mapping[str, Any]) -> str:
+    """Lark for one call's arguments object, as the JSON of the call grammars is written (for
+    formats whose name is outside the JSON: their `lark_tools`)."""
+    return f"%json {json.dumps({**parameters, 'x-guidance': {**JSON_LAYOUT, 'lenient': True}})}"
 
 
 def _calls_schema(tools: list[tuple[str, Mapping[str, Any]]], arguments_key: str) -> dict[str, Any]:

@@ -14,7 +14,8 @@ from dataclasses import dataclass
 from mlxcel.chat.events import (
     ContentDelta, OutputEvent, ReasoningDelta, ToolCall, ToolCallArguments, ToolCallEnd, ToolCallStart,
 )  # fmt: skip
-from mlxcel.chat.reasoning import ReasoningFormat, ReasoningSplitter, ThinkTokens
+from mlxcel.chat.harmony import reply_splitter
+from mlxcel.chat.reasoning import ReasoningFormat, ThinkTokens
 from mlxcel.text.stop import StopMatcher
 from mlxcel.chat.tools.base import ToolParser
 
@@ -50,7 +51,7 @@ class ChatOutputParser:
         max_tool_calls: int | None = None,
     ) -> None:
         markers = (think.start, think.end) if think is not None else None
-        self._splitter = ReasoningSplitter(
+        self._splitter = reply_splitter(  # harmony markers read gpt-oss's channels
             markers, reasoning_format=reasoning_format, starts_in_reasoning=starts_in_reasoning
         )
         self._tools = tool_parser

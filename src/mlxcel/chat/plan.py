@@ -233,7 +233,7 @@ class ChatPlan:
         reasoning_format = ReasoningFormat.NONE if features.skip_chat_parsing else features.reasoning_format
         # Only the request's own tools can be called: another name stays text (issue 26).
         declared = declared_tool_names(self.tools)
-        tools = make_tool_parser(self.tool_format, declared=declared) if self.tool_format else None
+        tools = make_tool_parser(self.tool_format, declared=declared, tools=self.tools) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
                                 starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops,
                                 max_tool_calls=None if self.options.parallel_tool_calls else 1)

@@ -27,6 +27,7 @@ THINK_MARKER_CANDIDATES: tuple[tuple[str, str], ...] = (
     ("<think>", "</think>"),
     ("<longcat_think>", "</longcat_think>"),
     ("<|channel>thought", "<channel|>"),  # Gemma 4
+    ("<|channel|>analysis<|message|>", "<|end|>"),  # gpt-oss (harmony; chat/harmony.py splits its replies)
 )
 
 
