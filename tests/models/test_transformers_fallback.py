@@ -151,7 +151,7 @@ def test_refusal_through_the_loader_is_one_line(tmp_path: Path) -> None:
 
 def test_unknown_model_type_names_both_paths(tmp_path: Path) -> None:
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "no_such_family"}))
-    with pytest.raises(ModelLoadError, match="not supported.*any decoder model_type of transformers"):
+    with pytest.raises(ModelLoadError, match="not supported.*any decoder model_type transformers knows"):
         load_model(tmp_path)
 
 

@@ -93,8 +93,8 @@ def family_module(model_type: str, *, kind: str = "model type") -> ModuleType:
         module = fallback if fallback.knows(model_type) else None
     if module is None or not hasattr(module, "Model"):
         supported = ", ".join(supported_model_types())
-        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {supported}; and any "
-                             f"decoder model_type of transformers, from an HF checkpoint folder)")
+        fallback = "; and any decoder model_type transformers knows" if kind == "model type" else ""
+        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {supported}{fallback})")
     return module
 
 
