@@ -151,7 +151,9 @@ BAD_INPUTS = {
     "unsupported-tensor-type": BadInput(build_iq2_xxs, (
         "tensor blk.0.ffn_down.weight has type IQ2_XXS, which is not supported", "supported: BF16, F16, F32")),
     "folder-without-weights": BadInput(build_no_weights, ("no *.safetensors weights found",)),
-    "unknown-model-type": BadInput(build_unknown_type, ("model type 'frobnicator' is not supported", SUPPORTED)),
+    # An HF folder's model_type may also take the transformers fallback (issue 40), which the line says.
+    "unknown-model-type": BadInput(build_unknown_type, ("model type 'frobnicator' is not supported",
+                                                        SUPPORTED[:-1] + "; and any decoder model_type transformers knows)")),
     "empty-folder": BadInput(build_empty_folder, ("neither a GGUF file nor a folder with config.json",), None),
     "not-a-gguf-file": BadInput(build_not_gguf, ("not a GGUF file (bad magic)",), None),
     "serve-missing-path": BadInput(lambda f: str(f / "nowhere.gguf"), ("no such file or folder",), "serve"),

@@ -12,6 +12,10 @@ live key slots and their positions, its LoRA scales), so the step traces whole:
   (rows, keys) bucket, captured at startup over static buffers and replayed after copying a
   batch into them; padding rows write only the cache's scratch slot.
 Prefill chunks stay on the model's eager path (engine/runner.py).
+
+A model that cannot be stepped layer by layer (`can_step_layers` False: the transformers fallback,
+models/_transformers.py, whose layers are transformers' own) runs whole and eagerly in every mode,
+its attention calls going to each layer's `DecodeAttention` (`StepDecodeAttention`).
 """
 
 from __future__ import annotations
@@ -132,6 +136,15 @@ class DecodeStep:
         self._native: list[tuple[int, NativeLayers]] | None = None  # (last layer, its call)
         self.taps = tuple(taps)
         self.tapped: torch.Tensor | None = None  # [rows, len(taps) x hidden] of the last run, when taps
+        self.is_whole_model = not getattr(model, "can_step_layers", True)
+        if self.is_whole_model:
+            if self.taps:
+                raise ValueError("this model runs whole (transformers' own modeling code): a drafter cannot read "
+                                 "its layers' hidden states")
+            if mode != "eager":
+                log.info("decode step: eager, not %s: the model runs whole (transformers' own modeling code, "
+                         "no decoder layers of ours to compile or capture)", mode)
+            self.mode = mode = "eager"
         if mode == "native":
             reason = native_step.unsupported(model, kv_cache, has_lora=self.lora_rows is not None)
             if reason is not None or self.device.type != "cpu":
@@ -153,6 +166,9 @@ class DecodeStep:
         """Logits [B, vocab] for the rows' next tokens (writes their KV): the family's embedding,
         its decoder layers one by one (`_layer`: compiled once, shared by every layer), final
         norm and output head (`_head`: on CPU compiled on its own with frozen weights)."""
+        if self.is_whole_model:
+            step = StepDecodeAttention(self.kv_cache, slot_mapping, key_slots, key_pos, positions)
+            return self._head(self.model(input_ids, positions, step))
         inner = self.model.model
         outputs: dict[int, torch.Tensor] = {}  # tapped layer -> its output
         if self.mode == "native":
@@ -215,6 +231,25 @@ class DecodeStep:
         num_positions = min(num_positions, self.max_positions)
         scratch_block = self.kv_cache.scratch_slot // self.kv_cache.block_size
         return DecodeRow(0, num_positions - 1, 0, (scratch_block,) * (num_positions // self.kv_cache.block_size + 1))
+
+
+class StepDecodeAttention:
+    """The decode step's attention for a model run whole: each layer's `attend` goes to that layer's
+    `DecodeAttention` (the same tensors and kernels a layer-by-layer step uses)."""
+
+    def __init__(self, kv_cache: KVCache, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
+                 key_pos: torch.Tensor, q_pos: torch.Tensor) -> None:
+        self.kv_cache = kv_cache
+        self.inputs = (slot_mapping, key_slots, key_pos, q_pos)
+
+    def num_decode_rows(self, num_rows: int) -> int:
+        """Every row is a decode row (see `AttentionContext.num_decode_rows`)."""
+        return num_rows
+
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
+               scale: float, window: int | None = None) -> torch.Tensor:
+        """q: [B, Hq, D], k/v: [B, Hkv, D] of layer `layer` -> [B, Hq, D]."""
+        return self.kv_cache.decode_attention(layer, *self.inputs).attend(layer, q, k, v, scale=scale, window=window)
 
 
 def _split_after(num_layers: int, taps: tuple[int, ...]) -> list[range]:

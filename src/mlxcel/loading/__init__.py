@@ -13,7 +13,7 @@ from typing import Any
 import torch
 
 from mlxcel.loading.checkpoint import (
-    GGUFPackedWeights, build_model, family_module, gguf_config, gguf_readers, gguf_state_dict, hf_config, hf_state_dict,
+    GGUFPackedWeights, build_model, family_implementation, family_module, gguf_config, gguf_readers, gguf_state_dict, hf_config, hf_state_dict,
 )
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
@@ -53,6 +53,11 @@ class LoadedModel:
         return str(self.config["model_type"])
 
     @property
+    def implementation(self) -> str:
+        """"native" (a family module of ours) or "transformers" (transformers' own modeling code, the fallback)."""
+        return family_implementation(self.model_type)
+
+    @property
     def supports_batching(self) -> bool:
         return bool(getattr(family_module(self.model_type), "SUPPORTS_BATCHING", True))
 
@@ -87,9 +92,15 @@ def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
             model.packed_weights = GGUFPackedWeights(checkpoint.gguf, family_module(checkpoint.model_type), config)
     loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
     # NOTE: mapped is all this step knows; the caller says when the tensors are read (issue 47: one true line)
-    log.info("%s %s weights (%s) from %s in %.1f s", "mapped (no tensor read yet)" if lazy else "read",
-             loaded.model_type, dtype, path, time.monotonic() - started)
+    log.info("%s %s weights (%s) from %s in %.1f s; model code: %s", "mapped (no tensor read yet)" if lazy else "read",
+             loaded.model_type, dtype, path, time.monotonic() - started, _code_phrase(loaded.implementation))
     return loaded
+
+
+def _code_phrase(implementation: str) -> str:
+    if implementation == "transformers":
+        return "transformers' own modeling code with mlxcel's paged attention (no native module: exact, slower)"
+    return "native"
 
 
 def _state_dict(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:

@@ -73,8 +73,14 @@ def supported_model_types(*, generative: bool = True) -> list[str]:
                   if hasattr(mod, "Model") and (not generative or hasattr(mod.Model, "compute_logits")))
 
 
+FALLBACK_MODULE = "mlxcel.models._transformers"  # transformers' own modeling code (issue 40)
+
+
 def family_module(model_type: str, *, kind: str = "model type") -> ModuleType:
-    """The family module for `model_type`; `kind` names the field in the error ("GGUF architecture")."""
+    """The family module for `model_type`; `kind` names the field in the error ("GGUF architecture").
+
+    A model_type with no module of its own takes the transformers fallback where transformers knows it
+    (HF checkpoints only: a GGUF's tensors are named and laid out for llama.cpp, not for transformers)."""
     module = None
     if isinstance(model_type, str) and model_type and not model_type.startswith("_"):
         try:
@@ -82,10 +88,22 @@ def family_module(model_type: str, *, kind: str = "model type") -> ModuleType:
         except ModuleNotFoundError as exc:
             if exc.name != f"mlxcel.models.{model_type}":  # a family's own missing import is a real bug
                 raise
+    if module is None and kind == "model type":
+        fallback = importlib.import_module(FALLBACK_MODULE)
+        module = fallback if fallback.knows(model_type) else None
     if module is None or not hasattr(module, "Model"):
         supported = ", ".join(supported_model_types())
-        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {supported})")
+        fallback = "; and any decoder model_type transformers knows" if kind == "model type" else ""
+        raise ModelLoadError(f"{kind} {model_type!r} is not supported (supported: {supported}{fallback})")
     return module
+
+
+def family_implementation(model_type: str) -> str:
+    """Which code runs `model_type`: "native" (a family module of ours) or "transformers" (the fallback)."""
+    try:
+        return str(getattr(family_module(model_type), "IMPLEMENTATION", "native"))
+    except ModelLoadError:  # a model served by no family module (block diffusion's worker): ours
+        return "native"
 
 
 def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
@@ -227,9 +245,12 @@ def build_model(config: dict[str, Any], state: dict[str, Any], *,
         args = module.ModelArgs.from_dict(config)
     except (ValueError, TypeError, KeyError) as exc:  # a family refusing a setting, or a missing field
         raise ModelLoadError(f"{config['model_type']} config cannot be used: {exc}") from exc
-    with torch.device("meta"):
-        model = module.Model(args)
-    state = module.Model.sanitize(state, args) if hasattr(module.Model, "sanitize") else state
+    try:
+        with torch.device("meta"):
+            model = module.Model(args)
+        state = module.Model.sanitize(state, args) if hasattr(module.Model, "sanitize") else state
+    except ValueError as exc:  # a family refusing what it found building the model or reading its weights
+        raise ModelLoadError(f"{config['model_type']} cannot be loaded: {exc}") from exc
     if lazy:
         return _lazy_model(model, config, state, device, dtype)
     model = model.to_empty(device=device)

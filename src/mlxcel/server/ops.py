@@ -217,6 +217,7 @@ async def props(request: Request, state: ServerState) -> Response:
         "total_slots": live["parallel"],
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
+        "model_implementation": served.loaded.implementation,  # "native" | "transformers" (the fallback)
         "chat_template": template.source if template else "",
         "modalities": {"vision": False, "audio": False},
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,

@@ -175,8 +175,8 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     dtype = options.torch_dtype()
     is_lazy = options.weight_materialization == "lazy"
     loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
-    log.info("Model loaded: %s (%s, %s on %s; weights: %s)", resolved.name, loaded.model_type, dtype,
-             options.device, _materialization(options, is_lazy))
+    log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
+             dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
     lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
