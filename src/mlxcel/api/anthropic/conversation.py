@@ -44,9 +44,6 @@ from mlxcel.chat.plan import ChatPlan
 from mlxcel.chat.template_kwargs import TemplateKwargsError
 from mlxcel.types import SamplingParams
 
-DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
-
-
 @dataclass(frozen=True, slots=True)
 class AnthropicOptions:
     """Server-wide settings of the Anthropic routes, read once at startup."""
@@ -88,8 +85,8 @@ def sampling_params(req: MessagesRequest, defaults: SamplingDefaults = SamplingD
     """Messages names temperature, top_p and top_k; the server's defaults fill those it leaves out and the
     fields it has no name for (min_p, the penalties)."""
     return SamplingParams(
-        temperature=defaults.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
-        top_p=defaults.pick("top_p", req.top_p, 1.0), top_k=max(defaults.pick("top_k", req.top_k, 0), 0),
+        temperature=defaults.pick("temperature", req.temperature),
+        top_p=defaults.pick("top_p", req.top_p), top_k=max(defaults.pick("top_k", req.top_k), 0),
         **defaults.params("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"),
         max_tokens=req.max_tokens)
 
