@@ -424,24 +424,29 @@ SETTINGS: tuple[Setting, ...] = (
        ("-n", "--n-predict", "--predict"), "LLAMA_ARG_N_PREDICT", metavar="N", group="engine", is_mutable=True),
     _s("default_seed", integer(minimum=-1), -1, "sampling seed of requests that name none (-1 = a fresh random "
        "seed per request)", ("-s", "--seed"), (), metavar="SEED", group="engine", is_mutable=True),
-    # sampling defaults: unset = each protocol's own; a request's own field always wins (llama-server's spellings)
-    _s("default_temperature", number(minimum=0), None, "temperature of requests that send none (0 = greedy)",
-       ("--temp", "--temperature"), metavar="N", group="sampling", is_mutable=True),
-    _s("default_top_k", INT, None, "top-k of requests that send none (<= 0 = off)", ("--top-k",), "LLAMA_ARG_TOP_K",
-       metavar="N", group="sampling", is_mutable=True),
-    _s("default_top_p", number(is_positive=True, maximum=1), None, "top-p of requests that send none (1 = off)",
-       ("--top-p",), metavar="N", group="sampling", is_mutable=True),
-    _s("default_min_p", number(minimum=0, maximum=1), None, "min-p of requests that send none (0 = off)",
-       ("--min-p",), metavar="N", group="sampling", is_mutable=True),
-    _s("default_repeat_last_n", integer(minimum=-1), None, "tokens the penalties look back over, for requests that "
-       "send none (-1 = the whole context, 0 = off)", ("--repeat-last-n",), metavar="N", group="sampling",
+    # sampling defaults (issue 46): a request's own field wins, then these, then the checkpoint's own
+    # (generation_config.json / GGUF general.sampling.*), then llama-server's (unset = fall through)
+    _s("default_temperature", number(minimum=0), None, "temperature of requests that send none, over the "
+       "checkpoint's own (else 0.8; 0 = greedy)", ("--temp", "--temperature"), "LLAMA_ARG_TEMP", metavar="N",
+       group="sampling", is_mutable=True),
+    _s("default_top_k", INT, None, "top-k of requests that send none, over the checkpoint's own (else 40; <= 0 = "
+       "off)", ("--top-k",), "LLAMA_ARG_TOP_K", metavar="N", group="sampling", is_mutable=True),
+    _s("default_top_p", number(is_positive=True, maximum=1), None, "top-p of requests that send none, over the "
+       "checkpoint's own (else 0.95; 1 = off)", ("--top-p",), "LLAMA_ARG_TOP_P", metavar="N", group="sampling",
        is_mutable=True),
-    _s("default_repeat_penalty", number(is_positive=True), None, "repeat penalty of requests that send none "
-       "(1 = off)", ("--repeat-penalty",), metavar="N", group="sampling", is_mutable=True),
-    _s("default_presence_penalty", number(), None, "presence penalty of requests that send none (0 = off)",
-       ("--presence-penalty",), metavar="N", group="sampling", is_mutable=True),
-    _s("default_frequency_penalty", number(), None, "frequency penalty of requests that send none (0 = off)",
-       ("--frequency-penalty",), metavar="N", group="sampling", is_mutable=True),
+    _s("default_min_p", number(minimum=0, maximum=1), None, "min-p of requests that send none, over the "
+       "checkpoint's own (else 0.05; 0 = off)", ("--min-p",), "LLAMA_ARG_MIN_P", metavar="N", group="sampling",
+       is_mutable=True),
+    _s("default_repeat_last_n", integer(minimum=-1), None, "tokens the penalties look back over, for requests that "
+       "send none, over the checkpoint's own (else 64; -1 = the whole context, 0 = off)", ("--repeat-last-n",),
+       "LLAMA_ARG_REPEAT_LAST_N", metavar="N", group="sampling", is_mutable=True),
+    _s("default_repeat_penalty", number(is_positive=True), None, "repeat penalty of requests that send none, over "
+       "the checkpoint's own (else 1 = off)", ("--repeat-penalty",), "LLAMA_ARG_REPEAT_PENALTY", metavar="N",
+       group="sampling", is_mutable=True),
+    _s("default_presence_penalty", number(), None, "presence penalty of requests that send none (else 0 = off)",
+       ("--presence-penalty",), "LLAMA_ARG_PRESENCE_PENALTY", metavar="N", group="sampling", is_mutable=True),
+    _s("default_frequency_penalty", number(), None, "frequency penalty of requests that send none (else 0 = off)",
+       ("--frequency-penalty",), "LLAMA_ARG_FREQUENCY_PENALTY", metavar="N", group="sampling", is_mutable=True),
     _s("decode_timeout", SECONDS, 600.0, "abort a request that produces no token for this long (not applied to "
        "prefill); a Florence-2 request gets this long for its whole answer (504)", ("--decode-timeout",), "LLAMA_ARG_DECODE_TIMEOUT", metavar="SECONDS", group="engine",
        is_mutable=True),

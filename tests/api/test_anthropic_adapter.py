@@ -15,13 +15,14 @@ from mlxcel.api.anthropic import AnthropicOptions, create_message, parse_count_t
 from mlxcel.api.anthropic.billing import pin_billing_stamp
 from mlxcel.api.anthropic.conversation import template_messages, template_tools
 from mlxcel.api.anthropic.count_tokens import count_message_tokens
-from mlxcel.api.anthropic.messages import stop_reason
+from mlxcel.api.anthropic.messages import collected_blocks, stop_reason
 from mlxcel.api.anthropic.stream import PING_FRAME, ContentBlocks, message_events
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import ApiError, error_body, invalid_api_key, invalid_request, unavailable
 from mlxcel.api.generation import ChoiceResult, ChoiceTimings
 from mlxcel.api.replies import JsonReply, StreamReply
-from mlxcel.chat.events import ContentDelta, ReasoningDelta, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.events import ContentDelta, ReasoningDelta, ToolCall, ToolCallArguments, ToolCallEnd, ToolCallStart
+from mlxcel.chat.output import ParsedReply
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import FinishReason, Priority, SamplingParams
 
@@ -85,6 +86,49 @@ def test_e1_blocks_to_template_messages_golden() -> None:
         {"role": "assistant", "content": "You're welcome."},
     ]
     assert template_messages(req, pin_billing_stamp=False)[0]["content"] == f"{STAMP}\nBe brief."
+
+
+def test_issue46_documented_blocks_are_read_as_text_and_unknown_ones_too(caplog: pytest.LogCaptureFixture) -> None:
+    """Claude Code's tool search puts tool_reference blocks in a tool_result; search results, documents and a
+    web search's history are text for a text model; a type nobody documents shows its text and is logged once."""
+    req = parse_messages_request({**BODY, "messages": [
+        {"role": "user", "content": "Find a tool."},
+        {"role": "assistant", "content": [
+            {"type": "server_tool_use", "id": "srvtoolu_1", "name": "web_search", "input": {"query": "bash"}},
+            {"type": "web_search_tool_result", "tool_use_id": "srvtoolu_1", "content": [
+                {"type": "web_search_result", "title": "Bash", "url": "https://x.test/bash", "encrypted_content": "e"}]},
+            {"type": "tool_use", "id": "toolu_1", "name": "ToolSearch", "input": {"query": "select:Bash"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_1", "content": [
+                {"type": "tool_reference", "tool_name": "Bash"}, {"type": "text", "text": "found"},
+                {"type": "brand_new_block", "text": "shown", "extra": 1}]},
+            {"type": "document", "source": {"type": "text", "media_type": "text/plain", "data": "Doc body."},
+             "title": "Notes", "context": "mine", "citations": {"enabled": True}},
+            {"type": "document", "source": {"type": "base64", "media_type": "application/pdf", "data": "JVBE"}},
+            {"type": "search_result", "source": "https://x.test", "title": "Hit",
+             "content": [{"type": "text", "text": "Hit body."}]},
+            {"type": "brand_new_block"}, {"type": "text", "text": "Go on."}]},
+    ]})
+    with caplog.at_level("WARNING"):
+        messages = template_messages(req, pin_billing_stamp=False)
+    assert messages == [
+        {"role": "user", "content": "Find a tool."},
+        {"role": "assistant", "content": 'web_search: {"query": "bash"}\nBash - https://x.test/bash',
+         "tool_calls": [{"id": "toolu_1", "type": "function",
+                         "function": {"name": "ToolSearch", "arguments": {"query": "select:Bash"}}}]},
+        {"role": "tool", "tool_call_id": "toolu_1", "content": "Tool loaded: Bash\nfound\nshown"},
+        {"role": "user", "content": "Notes\nmine\nDoc body.\n[document: application/pdf, not readable as text "
+                                    "here]\nHit\nhttps://x.test\nHit body.\nGo on."},
+    ]
+    assert sum("brand_new_block" in r.getMessage() for r in caplog.records) <= 1  # once per type and process
+
+
+def test_issue46_a_tool_use_cut_by_max_tokens_is_not_listed() -> None:
+    """The non-streaming reply never shows a cut call as a tool_use with made-up input; stop_reason max_tokens."""
+    reply = ParsedReply("Calling.", "", (ToolCall(0, "call_1", "f", '{"a": 1}'),
+                                         ToolCall(1, "call_2", "f", '{"a": ', is_complete=False)))
+    assert collected_blocks(reply, shows_thinking=False).content() == [
+        {"type": "text", "text": "Calling."}, {"type": "tool_use", "id": "toolu_1", "name": "f", "input": {"a": 1}}]
 
 
 def test_e1_tools_become_functions() -> None:

@@ -32,6 +32,8 @@ def _good_text(setting: Setting, tmp: Path) -> str:
         return '{"enable_thinking": false}'
     if "size" in setting.kind.accepted:
         return "2M"
+    if setting.kind.accepted.endswith("<= 1"):  # a probability (--top-p, --min-p)
+        return "0.5"
     return _GOOD.get(setting.kind.json_type, "text-value")
 
 
@@ -177,7 +179,7 @@ def test_a_bad_sampling_default_exits_2() -> None:
     run = subprocess.run([sys.executable, "-m", "mlxcel.cli", "serve", "--temperature", "-1"],
                          capture_output=True, text=True, timeout=120)
     assert run.returncode == 2 and run.stderr.splitlines() == [
-        "mlxcel serve: error: default_temperature (--temp): '-1' is not valid; expected a finite number >= 0"]
+        "mlxcel serve: error: default_temperature (--temp, LLAMA_ARG_TEMP): '-1' is not valid; expected a finite number >= 0"]
 
 
 @pytest.mark.parametrize("setting", [s for s in SETTINGS if isinstance(s.default, str) and s.default], ids=lambda s: s.name)

@@ -4,6 +4,9 @@ default model (SmolLM2-135M: no useful work, but no protocol error either).
 - Codex CLI (`@openai/codex`), `codex exec` over `wire_api = "responses"`, its default tools (namespace,
   web_search ...) left on; only what phones home (plugins, apps) is switched off.
 - Claude Code (`@anthropic-ai/claude-code`), `claude -p` over `/v1/messages` with a local model name.
+- Issue 46, on the same server: a Claude Code turn whose tool_result holds `tool_reference` blocks (its tool
+  search), instructor's forced named tool through the OpenAI SDK (one complete call each time), and no request
+  refused (4xx) in the server's log across the whole module.
 
 Each client is installed once with npm into ~/.cache/mlxcel-test-npm/<name>-<version> (MLXCEL_TEST_NPM_CACHE
 moves it) and the tests skip, saying why, where node/npm is missing or the install fails. The clients reach the
@@ -15,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shutil
 import subprocess
 import tempfile
@@ -26,6 +30,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
+import openai
 import pytest
 
 from tests.reliability.server_process import ServerProcess
@@ -301,3 +306,65 @@ def test_claude_code_print_mode_completes_a_turn_over_messages(claude_bin: Path,
         assert len(recorder.exchanges) >= 2 and b'"stop_reason":"max_tokens"' in recorder.exchanges[-1].response
     else:
         assert result["is_error"] is False, result
+
+
+# ---- issue 46: what a coding agent on a small model sends, beside the clients' own turns ----
+
+CLAUDE_CODE_TOOLS = [
+    {"name": "ToolSearch", "description": "Find deferred tools by name or keyword.",
+     "input_schema": {"type": "object", "properties": {"query": {"type": "string"}}, "required": ["query"]}},
+    {"name": "Bash", "description": "Run a shell command.",
+     "input_schema": {"type": "object", "properties": {"command": {"type": "string"}}, "required": ["command"]}},
+]
+WRITE_FILE = {"type": "function", "function": {
+    "name": "write_file", "description": "Write a file.",
+    "parameters": {"type": "object", "properties": {"path": {"type": "string"}, "content": {"type": "string"}},
+                   "required": ["path", "content"]}}}
+REFUSED = re.compile(r" -> 4\d\d: ")  # the server logs each refused request as "METHOD PATH -> STATUS: message"
+
+
+def test_claude_code_tool_search_result_with_tool_reference_blocks_is_a_turn(server: ServerProcess) -> None:
+    """Claude Code's ToolSearch answers with `tool_reference` blocks inside the tool_result; the next turn must be
+    served (it was a 400 that made Claude Code re-send every tool and lose the prefix cache), streamed as Claude
+    Code streams it."""
+    messages = [
+        {"role": "user", "content": "Create hello.py that prints 2 + 3, then run it."},
+        {"role": "assistant", "content": [
+            {"type": "tool_use", "id": "toolu_01", "name": "ToolSearch", "input": {"query": "select:Bash"}}]},
+        {"role": "user", "content": [
+            {"type": "tool_result", "tool_use_id": "toolu_01", "content": [
+                {"type": "tool_reference", "tool_name": "Bash"}]},
+            {"type": "text", "text": "Go on."}]},
+    ]
+    body = {"model": "smollm2", "max_tokens": 24, "stream": True, "tools": CLAUDE_CODE_TOOLS, "messages": messages,
+            "system": [{"type": "text", "text": "You are a coding agent."}]}
+    with server.client(timeout=CLIENT_TIMEOUT_S) as http, http.stream(
+            "POST", "/v1/messages", json=body, headers={"anthropic-version": "2023-06-01"}) as reply:
+        text = "".join(reply.iter_text())
+    assert reply.status_code == 200, text
+    assert "event: message_stop" in text and "event: error" not in text
+    counted = server.client().post("/v1/messages/count_tokens", json={k: body[k] for k in ("model", "messages", "tools")})
+    assert counted.status_code == 200 and counted.json()["input_tokens"] > 0
+
+
+def test_forced_named_tool_through_the_openai_sdk_is_exactly_one_complete_call(server: ServerProcess) -> None:
+    """instructor's TOOLS mode as the OpenAI SDK sends it (instructor itself cannot be installed beside openai 3.x):
+    tool_choice names one function, no parallel_tool_calls, no sampling fields. Each reply is one complete call."""
+    with openai.OpenAI(base_url=server.address + "/v1", api_key="dummy", max_retries=0, timeout=CLIENT_TIMEOUT_S) as sdk:
+        for seed in range(3):
+            choice = sdk.chat.completions.create(
+                model="smollm2", seed=seed, tools=[WRITE_FILE],
+                tool_choice={"type": "function", "function": {"name": "write_file"}},
+                messages=[{"role": "user", "content": "Write hello.py printing 2 + 3."}]).choices[0]
+            assert choice.finish_reason == "tool_calls", choice
+            (call,) = choice.message.tool_calls
+            assert call.function.name == "write_file"
+            arguments = json.loads(call.function.arguments)
+            assert isinstance(arguments["path"], str) and isinstance(arguments["content"], str)
+
+
+def test_no_request_was_refused_across_the_run(server: ServerProcess) -> None:
+    """Last in the module: every request of the clients and of the tests above was served (no 4xx logged)."""
+    time.sleep(0.5)  # the log is read by a thread: let the last lines arrive
+    refused = [line for line in server.log if REFUSED.search(line)]
+    assert not refused, refused

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Iterator
+from dataclasses import replace
 
 import httpx
 import openai
@@ -113,6 +114,13 @@ def test_props_shows_the_effective_completion_defaults(live: tuple[httpx.Client,
     assert settings["settings"]["default_temperature"] == 0.0 and settings["settings"]["default_top_k"] is None
     assert settings["schema"]["default_top_k"]["flags"] == ["--top-k"]
     assert settings["schema"]["default_top_k"]["env"] == ["LLAMA_ARG_TOP_K"]
+    assert settings["schema"]["default_temperature"]["env"] == ["LLAMA_ARG_TEMP"]
+    # issue 46: each effective default and where it came from (SmolLM2's GGUF declares no sampling keys)
+    sources = http.get("/props").json()["default_generation_settings"]["sampling_sources"]
+    assert sources == settings["sampling_defaults"]
+    assert sources["temperature"] == {"value": 0.0, "source": "server"}
+    assert sources["top_k"] == {"value": 40, "source": "llama-server"}
+    assert sources["min_p"] == {"value": 0.05, "source": "llama-server"}
 
 
 def test_patch_top_k_and_temp_change_props_and_the_next_request(live: tuple[httpx.Client, ServerState]) -> None:
@@ -206,3 +214,29 @@ def test_issue25_f4_f1_dry_reaches_the_sampler_on_both_protocols(live: tuple[htt
     assert chat["choices"][0]["text"] == dry["content"]
     empty = http.post("/completion", json={**body, "dry_sequence_breakers": []})
     assert empty.status_code == 400 and "dry_sequence_breakers" in empty.json()["error"]["message"]
+
+
+def test_issue46_checkpoint_defaults_sit_between_the_server_flags_and_llama_servers(
+        live: tuple[httpx.Client, ServerState]) -> None:
+    """What attach builds for a checkpoint declaring top_k 1 (generation_config.json or GGUF general.sampling.top_k):
+    requests leaving top_k out are greedy on every protocol; a --top-k (PATCH) still wins over it; /props says so."""
+    http, state = live
+    assert state.api is not None
+    before = state.api.sampling
+    patch(http, {"default_temperature": 1.5})
+    state.api = replace(state.api, sampling=replace(state.api.sampling, checkpoint={"top_k": 1}))
+    try:
+        assert http.get("/props").json()["default_generation_settings"]["sampling_sources"]["top_k"] == {
+            "value": 1, "source": "checkpoint"}
+        assert len(set(chat_texts(http))) == 1 and len({r["content"] for r in completion_replies(http)}) == 1
+        messages = {http.post("/v1/messages", json={"model": "c", "max_tokens": 12, "messages": [
+            {"role": "user", "content": "Tell me a story."}]}).json()["content"][0]["text"] for _ in SEEDS}
+        assert len(messages) == 1
+        assert len(set(chat_texts(http, top_k=0, top_p=1.0))) > 1  # the request's own top_k wins: it samples
+        patch(http, {"default_top_k": 0})  # a server flag wins over the checkpoint: temperature 1.5 samples
+        assert http.get("/props").json()["default_generation_settings"]["sampling_sources"]["top_k"] == {
+            "value": 0, "source": "server"}
+        assert len(set(chat_texts(http, top_p=1.0))) > 1
+    finally:
+        patch(http, {}, replace=True)
+        state.api = replace(state.api, sampling=before)

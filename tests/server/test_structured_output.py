@@ -181,3 +181,64 @@ def test_v_responses_forced_tool_with_text_format_is_the_call(sdk: openai.OpenAI
     (call,) = [item for item in response.output if item.type == "function_call"]
     assert call.name == "get_weather"
     jsonschema.validate(json.loads(call.arguments), WEATHER_TOOL["function"]["parameters"])
+
+
+# ---- issue 46: a forced named tool is one call; a call cut by the token limit is never shown as complete ----
+
+NAMED = {"type": "function", "function": {"name": "get_weather"}}
+
+
+def test_issue46_a_named_tool_is_exactly_one_call_whatever_the_seed(sdk: openai.OpenAI, client: httpx.Client) -> None:
+    """No parallel_tool_calls sent (instructor's TOOLS mode): the grammar ends after the one call, on chat, Responses
+    and Messages, sampled at temperature 1."""
+    for seed in range(4):
+        choice = sdk.chat.completions.create(
+            model="m", messages=[{"role": "user", "content": "Weather in Paris, Rome and Oslo?"}], temperature=1.0,
+            seed=seed, max_tokens=200, tools=[WEATHER_TOOL, TIME_TOOL], tool_choice=NAMED).choices[0]
+        assert choice.finish_reason == "tool_calls", choice
+        (call,) = choice.message.tool_calls
+        assert call.function.name == "get_weather"
+        jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
+        response = sdk.responses.create(
+            model="m", input="Weather in Paris, Rome and Oslo?", temperature=1.0, seed=seed, max_output_tokens=200,
+            store=False, tool_choice={"type": "function", "name": "get_weather"},
+            tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}])
+        assert response.status == "completed" and [i.type for i in response.output] == ["function_call"]
+    anthropic_tool = {"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}
+    for _ in range(3):
+        message = client.post("/v1/messages", json={
+            "model": "c", "max_tokens": 200, "temperature": 1.0, "tools": [anthropic_tool],
+            "tool_choice": {"type": "tool", "name": "get_weather"},
+            "messages": [{"role": "user", "content": "Weather in Paris, Rome and Oslo?"}]}).json()
+        assert message["stop_reason"] == "tool_use" and [b["type"] for b in message["content"]] == ["tool_use"]
+
+
+def test_issue46_a_call_cut_by_the_token_limit_is_truncated_in_each_protocols_terms(
+        sdk: openai.OpenAI, client: httpx.Client) -> None:
+    """max_tokens ends the forced call mid-arguments: OpenAI says finish_reason length and shows the arguments as
+    written (never a made-up "{}" or closed JSON), Responses an incomplete call, Messages max_tokens and no tool_use."""
+    question = [{"role": "user", "content": "What is the weather in Paris?"}]
+    choice = sdk.chat.completions.create(model="m", messages=question, temperature=0, max_tokens=8,
+                                         tools=[WEATHER_TOOL], tool_choice=NAMED).choices[0]
+    assert choice.finish_reason == "length"
+    for call in choice.message.tool_calls or ():
+        with pytest.raises(ValueError):
+            json.loads(call.function.arguments)
+    with sdk.chat.completions.create(model="m", messages=question, temperature=0, max_tokens=8, stream=True,
+                                     tools=[WEATHER_TOOL], tool_choice=NAMED) as stream:
+        chunks = list(stream)
+    streamed = "".join(c.choices[0].delta.tool_calls[0].function.arguments or "" for c in chunks
+                       if c.choices and c.choices[0].delta.tool_calls)
+    assert chunks[-1].choices[0].finish_reason == "length"
+    assert streamed == "".join(call.function.arguments for call in choice.message.tool_calls or ())
+    response = sdk.responses.create(
+        model="m", input="What is the weather in Paris?", temperature=0, max_output_tokens=8, store=False,
+        tool_choice={"type": "function", "name": "get_weather"},
+        tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}])
+    assert response.status == "incomplete" and response.incomplete_details.reason == "max_output_tokens"
+    assert all(item.status == "incomplete" for item in response.output if item.type == "function_call")
+    message = client.post("/v1/messages", json={
+        "model": "c", "max_tokens": 8, "temperature": 0, "messages": question,
+        "tools": [{"name": "get_weather", "input_schema": WEATHER_TOOL["function"]["parameters"]}],
+        "tool_choice": {"type": "tool", "name": "get_weather"}}).json()
+    assert message["stop_reason"] == "max_tokens" and all(b["type"] != "tool_use" for b in message["content"])

@@ -6,7 +6,9 @@ the engine's internals (DESIGN.md dependency rule: server -> api -> {text, engin
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field, fields
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from types import MappingProxyType
 from typing import Any, Protocol
 
 from mlxcel.api.control import CompletionControls
@@ -68,12 +70,19 @@ class NullTelemetry:
 
 
 _PARAM_NAMES = {"repeat_penalty": "repetition_penalty"}  # llama-server's name -> SamplingParams'
+# llama-server's built-in sampling defaults (common.h): the last layer, by llama-server's field names
+LLAMA_SERVER_SAMPLING: Mapping[str, Any] = MappingProxyType({
+    "temperature": 0.8, "top_k": 40, "top_p": 0.95, "min_p": 0.05, "repeat_last_n": 64, "repeat_penalty": 1.0,
+    "presence_penalty": 0.0, "frequency_penalty": 0.0})
+SAMPLER_NAMES = tuple(LLAMA_SERVER_SAMPLING)  # each also the setting `default_<name>` (--temp, --top-k, ...)
 
 
 @dataclass(frozen=True, slots=True)
 class SamplingDefaults:
-    """The server's sampling defaults (--temp, --top-k, ...; settings `default_<name>`): None = unset, where
-    each protocol keeps its own default. A request's own field always wins."""
+    """What a request that leaves a sampling field out gets (issue 46), in vLLM's and llama-server's order: the
+    server's flags (--temp, --top-k, ...; settings `default_<name>`, None = unset), then the checkpoint's own
+    (`checkpoint`: generation_config.json or GGUF general.sampling.*), then llama-server's built-in defaults.
+    A request's own field always wins."""
 
     temperature: float | None = None
     top_k: int | None = None
@@ -83,21 +92,35 @@ class SamplingDefaults:
     repeat_penalty: float | None = None
     presence_penalty: float | None = None
     frequency_penalty: float | None = None
+    checkpoint: Mapping[str, Any] = field(default_factory=dict)  # by llama-server's field names
 
-    def pick(self, name: str, sent: Any, protocol_default: Any) -> Any:
-        """The request's value when it sent one, else the server's when set, else the protocol's."""
-        if sent is not None:
-            return sent
+    def pick(self, name: str, sent: Any) -> Any:
+        """The request's value when it sent one, else the default `name` has."""
+        return self.value(name) if sent is None else sent
+
+    def value(self, name: str) -> Any:
         server = getattr(self, name)
-        return protocol_default if server is None else server
+        if server is not None:
+            return server
+        return self.checkpoint.get(name, LLAMA_SERVER_SAMPLING[name])
+
+    def source(self, name: str) -> str:
+        """Where the default of `name` comes from: "server" (a flag or PATCH), "checkpoint" or "llama-server"."""
+        if getattr(self, name) is not None:
+            return "server"
+        return "checkpoint" if name in self.checkpoint else "llama-server"
 
     def values(self) -> dict[str, Any]:
-        """The defaults the server sets, by their llama-server field names."""
-        return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+        """Every sampler default, by its llama-server field name."""
+        return {name: self.value(name) for name in SAMPLER_NAMES}
+
+    def sources(self) -> dict[str, dict[str, Any]]:
+        """Each default's value and where it came from, as /props and /v1/settings show them."""
+        return {name: {"value": self.value(name), "source": self.source(name)} for name in SAMPLER_NAMES}
 
     def params(self, *names: str) -> dict[str, Any]:
-        """The set defaults among `names` as SamplingParams fields (for fields a protocol has no name for)."""
-        return {_PARAM_NAMES.get(name, name): value for name, value in self.values().items() if name in names}
+        """The defaults of `names` as SamplingParams fields (for fields a protocol has no name for)."""
+        return {_PARAM_NAMES.get(name, name): self.value(name) for name in names}
 
 
 @dataclass(frozen=True, slots=True)

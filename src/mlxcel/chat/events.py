@@ -6,8 +6,9 @@ to their wire format: chat `delta.reasoning_content` / `delta.content` / `delta.
 Responses output items, Anthropic content blocks.
 
 For one tool call the order is always: `ToolCallStart` (index, id, name: once), zero or more
-`ToolCallArguments` fragments, `ToolCallEnd`. The fragments of one call, concatenated, parse as
-JSON (`json.loads`), and equal `ToolCallEnd.arguments`.
+`ToolCallArguments` fragments, `ToolCallEnd`. The fragments of one call, concatenated, equal
+`ToolCallEnd.arguments` and parse as JSON (`json.loads`), unless the reply was cut inside the call
+(`is_complete` False, issue 46): then they are the text the model wrote, never closed or made up.
 """
 
 from __future__ import annotations
@@ -48,12 +49,14 @@ class ToolCallArguments:
 
 @dataclass(frozen=True, slots=True)
 class ToolCallEnd:
-    """A tool call is complete; `arguments` is the whole arguments JSON (all fragments joined)."""
+    """A tool call ended; `arguments` is the whole arguments JSON (all fragments joined). A call the
+    reply's end cut off is not complete: its arguments are what was written, possibly not JSON."""
 
     index: int
     id: str
     name: str
     arguments: str
+    is_complete: bool = True
 
 
 ToolEvent = ToolCallStart | ToolCallArguments | ToolCallEnd
@@ -67,4 +70,5 @@ class ToolCall:
     index: int
     id: str
     name: str
-    arguments: str  # JSON text of an object
+    arguments: str  # JSON text of an object (when complete)
+    is_complete: bool = True  # False: cut off by the reply's end (the token limit), arguments partial

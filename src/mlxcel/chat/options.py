@@ -70,6 +70,12 @@ class ChatOptions:
     sampling: SamplingParams = field(default_factory=SamplingParams)
 
     @property
+    def allows_parallel_calls(self) -> bool:
+        """Whether a reply may make more than one call: a named forced function is exactly one
+        call (OpenAI's rule), and `parallel_tool_calls: false` caps any choice at one."""
+        return self.parallel_tool_calls and self.tool_choice.name is None
+
+    @property
     def max_tokens(self) -> int | None:
         """The most tokens the reply may have; None: until the context is full."""
         return self.sampling.max_tokens

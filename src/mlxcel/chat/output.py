@@ -32,9 +32,14 @@ class ParsedReply:
     def has_tool_calls(self) -> bool:
         return bool(self.tool_calls)
 
+    @property
+    def complete_calls(self) -> tuple[ToolCall, ...]:
+        """The calls the model finished (a call cut by the token limit is not one of them)."""
+        return tuple(call for call in self.tool_calls if call.is_complete)
+
     def finish_reason(self, engine_reason: str) -> str:
         """The chat finish_reason: "tool_calls" when a reply that ended normally made calls."""
-        return "tool_calls" if self.has_tool_calls and engine_reason == "stop" else engine_reason
+        return "tool_calls" if self.complete_calls and engine_reason == "stop" else engine_reason
 
 
 class ChatOutputParser:
@@ -111,4 +116,4 @@ class ChatOutputParser:
         if isinstance(event, ContentDelta):
             self._content.append(event.text)
         elif isinstance(event, ToolCallEnd):
-            self._calls.append(ToolCall(event.index, event.id, event.name, event.arguments))
+            self._calls.append(ToolCall(event.index, event.id, event.name, event.arguments, event.is_complete))

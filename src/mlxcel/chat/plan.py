@@ -168,7 +168,7 @@ class ChatFeatures:
     def _chat_grammar(self, options: ChatOptions) -> Grammar | None:
         output = self.grammar.from_constraints(options.output)
         calls = self.grammar.tool_calls(self.tool_parser_name, options.tools, options.tool_choice,
-                                        parallel=options.parallel_tool_calls)
+                                        parallel=options.allows_parallel_calls)
         # A forced call is the whole output, so its grammar wins; the format is for text (as OpenAI:
         # instructor sends a forced tool with `text.format`).
         return calls if calls is not None else output
@@ -177,7 +177,7 @@ class ChatFeatures:
         """tool_choice auto: calls are free to come, but once one opens it names a declared tool
         with fitting arguments (issue 26)."""
         return self.grammar.triggered_tool_calls(self.tool_parser_name, options.tools, options.tool_choice,
-                                                 parallel=options.parallel_tool_calls)
+                                                 parallel=options.allows_parallel_calls)
 
     def _is_echo_on(self, cache_prompt: bool, route_on: bool) -> bool:
         applies = echo_applies(cache_prompt=cache_prompt, reasoning_format=self.reasoning_format,
@@ -236,7 +236,7 @@ class ChatPlan:
         tools = make_tool_parser(self.tool_format, declared=declared, tools=self.tools) if self.tool_format else None
         return ChatOutputParser(think=features.think, reasoning_format=reasoning_format,
                                 starts_in_reasoning=self.starts_in_reasoning, tool_parser=tools, stops=stops,
-                                max_tool_calls=None if self.options.parallel_tool_calls else 1)
+                                max_tool_calls=None if self.options.allows_parallel_calls else 1)
 
     def remember(self, reply: ParsedReply) -> None:
         """After a finished plain answer: keep its reasoning for the echo (Q)."""

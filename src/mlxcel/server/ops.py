@@ -14,9 +14,10 @@ from typing import TYPE_CHECKING, Any
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
+from mlxcel.api.context import SamplingDefaults
 from mlxcel.api.errors import ApiError, invalid_request
 from mlxcel.api.llama_samplers import LlamaSamplerFields
-from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED, CompletionFields
+from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
 from mlxcel.server.body import read_json
 from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
@@ -28,9 +29,6 @@ if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
 
 SLOT_ACTIONS = ("save", "restore", "erase")
-# /props, as llama-server lists them; each also the setting `default_<name>`
-_SAMPLER_DEFAULTS = ("temperature", "top_k", "top_p", "min_p", "repeat_last_n", "repeat_penalty", "presence_penalty",
-                     "frequency_penalty")
 
 
 def not_supported(what: str, flag: str) -> ApiError:
@@ -213,7 +211,9 @@ async def props(request: Request, state: ServerState) -> Response:
     speculative = {"speculative": drafts_json(drafts)} if drafts.kind != "none" else {}
     live = state.live.current  # the settings table's values now: PATCH /v1/settings shows here at once (F9)
     return JSONResponse({
-        "default_generation_settings": {"n_ctx": served.context_size, "params": _default_params(live)},
+        "default_generation_settings": {"n_ctx": served.context_size,
+                                        "params": _default_params(live, state.require_api().sampling),
+                                        "sampling_sources": state.require_api().sampling.sources()},
         "total_slots": live["parallel"],
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
@@ -237,16 +237,13 @@ def disk_tier_props(cache: PrefixCacheStats | None) -> dict[str, Any]:
             "size_bytes": disk.size_bytes, "files": disk.num_files, "writable": disk.is_writable}
 
 
-def _default_params(live: Mapping[str, Any]) -> dict[str, Any]:
-    """What a /completion request that names none of these gets: the server's -n and -s as the settings
-    table holds them now (seed 4294967295 is llama-server's "random"), and for the sampler the server's
-    default (--temp, --top-k, ...) where one is set, else llama-server's request default (the native schema's)."""
+def _default_params(live: Mapping[str, Any], sampling: SamplingDefaults) -> dict[str, Any]:
+    """What a request that names none of these gets: the server's -n and -s as the settings table holds them
+    now (seed 4294967295 is llama-server's "random"), and for the sampler the server's default (--temp,
+    --top-k, ...) where one is set, else the checkpoint's, else llama-server's (issue 46)."""
     seed = live["default_seed"]
-    fields = CompletionFields.model_fields
-    sampler = {name: fields[name].default if live[f"default_{name}"] is None else live[f"default_{name}"]
-               for name in _SAMPLER_DEFAULTS}
-    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"], **sampler,
-            **LlamaSamplerFields().settings()}  # typical-p, XTC, mirostat, DRY...: off
+    return {"seed": seed if seed >= 0 else UINT32_RANDOM_SEED, "n_predict": live["default_n_predict"],
+            **sampling.values(), **LlamaSamplerFields().settings()}  # typical-p, XTC, mirostat, DRY...: off
 
 
 def _version() -> str:

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
 from collections.abc import Awaitable, Callable, Coroutine
 from dataclasses import dataclass
 from typing import Any
@@ -28,6 +29,8 @@ from mlxcel.server.openapi import build_openapi
 from mlxcel.server.body import read_json
 from mlxcel.server.responses import error_response, internal_error, to_response
 from mlxcel.server.state import ServerState
+
+log = logging.getLogger(__name__)
 
 Handler = Callable[[Request, ServerState], Awaitable[Response | Reply]]
 CLIENT_CLOSED_STATUS = 499  # nginx's "client closed request"; never reaches the (gone) client
@@ -74,6 +77,8 @@ def bind(route: Route, state: ServerState) -> Callable[[Request], Awaitable[Resp
         try:
             result = await route.handler(request, state)
         except ApiError as exc:
+            if 400 <= exc.status < 500:  # a refused request shows in the log (issue 46), as llama-server's do
+                log.info("%s %s -> %d: %s", request.method, request.url.path, exc.status, exc.message[:300])
             return error_response(exc, route.protocol)
         except (ClientGoneError, ClientDisconnect):
             return Response(status_code=CLIENT_CLOSED_STATUS)

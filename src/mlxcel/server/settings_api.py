@@ -23,7 +23,11 @@ from mlxcel.settings import Rejection
 
 
 def _body(state: ServerState) -> dict[str, Any]:
-    return {"object": "settings", "fingerprint": state.live.fingerprint(), "settings": state.live.snapshot()}
+    """The settings, and the sampling defaults in effect: each value and where it came from (server,
+    checkpoint or llama-server, issue 46); null while no chat model is loaded."""
+    sampling = state.api.sampling.sources() if state.api is not None else None
+    return {"object": "settings", "fingerprint": state.live.fingerprint(), "settings": state.live.snapshot(),
+            "sampling_defaults": sampling}
 
 
 async def get_settings(request: Request, state: ServerState) -> JsonReply:

@@ -11,11 +11,11 @@ from __future__ import annotations
 import logging
 import time
 from collections.abc import Callable, Mapping
-from dataclasses import fields, replace
+from dataclasses import replace
 from functools import partial
 from typing import TYPE_CHECKING, Any, Protocol
 
-from mlxcel.api.context import ApiContext, SamplingDefaults
+from mlxcel.api.context import SAMPLER_NAMES, ApiContext, SamplingDefaults
 from mlxcel.api.errors import unavailable
 from mlxcel.api.modes import audio_missing, chat_not_served, provider_missing
 from mlxcel.api.responses import ResponsesService
@@ -97,7 +97,8 @@ class ServerState:
             chat_template=served.chat_template, context_size=served.context_size, created=int(time.time()),
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.features, aliases=self.config.aliases, tags=self.config.tags,
-            lora=served.lora, sampling=sampling_defaults(self.live.current), image_marker=served.image_marker)
+            lora=served.lora, sampling=sampling_defaults(self.live.current, served.checkpoint_sampling),
+            image_marker=served.image_marker)
         engine = served.engine_config
         for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
                             ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):
@@ -201,7 +202,7 @@ class ServerState:
 # ---- live settings (F9): how each mutable setting takes effect on the next request ----
 
 Applier = Callable[[ServerState, Any], None]
-SAMPLING_DEFAULTS = tuple(f.name for f in fields(SamplingDefaults))  # each the setting `default_<name>`
+SAMPLING_DEFAULTS = SAMPLER_NAMES  # each the setting `default_<name>`
 
 
 def _features(state: ServerState, **changes: Any) -> None:
@@ -224,9 +225,10 @@ def _loop_detection(state: ServerState, value: str | None) -> None:
     _features(state, loop_operator=parse_operator_override(value))
 
 
-def sampling_defaults(values: Mapping[str, Any]) -> SamplingDefaults:
-    """The server's sampling defaults from the settings `default_<field>` (--temp, --top-k, ...)."""
-    return SamplingDefaults(**{name: values.get(f"default_{name}") for name in SAMPLING_DEFAULTS})
+def sampling_defaults(values: Mapping[str, Any], checkpoint: Mapping[str, Any] | None = None) -> SamplingDefaults:
+    """The sampling defaults: the settings `default_<field>` (--temp, --top-k, ...) over the checkpoint's own."""
+    return SamplingDefaults(**{name: values.get(f"default_{name}") for name in SAMPLING_DEFAULTS},
+                            checkpoint=dict(checkpoint or {}))
 
 
 def _sampling(name: str, state: ServerState, value: Any) -> None:

@@ -29,6 +29,7 @@ from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
+from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
 from mlxcel.lora_registry import LoraRegistry
@@ -104,6 +105,11 @@ class ServedModel:
         if isinstance(drafts, MtpDraftPolicy):
             return drafts.decision
         return self.mtp_decision or decide_mtp(self.loaded.config) or MtpDecision("unavailable", "not drafting")
+
+    @property
+    def checkpoint_sampling(self) -> dict[str, Any]:
+        """The checkpoint's own sampling defaults (generation_config.json / GGUF general.sampling.*, issue 46)."""
+        return checkpoint_sampling(self.loaded.gguf.metadata if self.loaded.gguf else None, self.loaded.model_dir)
 
     def close(self, timeout: float = 120.0) -> bool:
         return self.engine.core.stop(timeout)

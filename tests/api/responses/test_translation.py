@@ -213,7 +213,7 @@ def test_f2_media_parts_become_refs() -> None:
 
 
 @pytest.mark.parametrize(("value", "message"), [
-    ([{"type": "web_search_call", "id": "x"}], "input.0: items of type 'web_search_call' are not supported"),
+    ([{"type": 5, "id": "x"}], "input.0.type: must be a string"),
     ([{"type": "item_reference", "id": "msg_1"}], "input.0: item_reference is not supported"),
     (["hi"], "input.0: each input item must be an object"),
     ([{"role": "user", "content": "ok"}, {"role": "robot", "content": "x"}], "input.1.role: Input should be"),
@@ -225,6 +225,34 @@ def test_d1_bad_items_are_400s_naming_the_item(value: Any, message: str) -> None
         parse_input_items(value)
     assert caught.value.status == 400 and caught.value.type == "invalid_request_error"
     assert message in caught.value.message
+
+
+def test_issue46_history_only_items_are_read_not_refused(caplog: pytest.LogCaptureFixture) -> None:
+    """Hosted tools' items as history: a call with a call_id and its output pair up as a call and a tool message;
+    a web search is the assistant's text; an item with nothing to show is left out and logged once."""
+    items = stored([
+        {"role": "user", "content": "list files"},
+        {"type": "web_search_call", "id": "ws_1", "status": "completed", "action": {"type": "search", "query": "q"}},
+        {"type": "local_shell_call", "id": "lsc_1", "call_id": "c1", "status": "completed",
+         "action": {"type": "exec", "command": ["ls"]}},
+        {"type": "local_shell_call_output", "id": "lso_1", "call_id": "c1", "output": "a.txt"},
+        {"type": "mcp_list_tools", "server_label": "x", "tools": []},
+        {"type": "mcp_list_tools", "server_label": "y", "tools": []},
+    ])
+    assert [item["type"] for item in items][1:] == ["web_search_call", "local_shell_call", "local_shell_call_output",
+                                                    "mcp_list_tools", "mcp_list_tools"]
+    assert items[1]["action"] == {"type": "search", "query": "q"} and items[4]["id"]  # kept as sent, with an id
+    with caplog.at_level("WARNING"):
+        messages = to_chat_messages(None, items)
+        to_chat_messages(None, items)
+    assert messages == [
+        {"role": "user", "content": "list files"},
+        {"role": "assistant", "content": 'web_search_call: {"action": {"type": "search", "query": "q"}}',
+         "tool_calls": [{"id": "c1", "type": "function", "function": {
+             "name": "local_shell", "arguments": '{"action": {"type": "exec", "command": ["ls"]}}'}}]},
+        {"role": "tool", "tool_call_id": "c1", "content": "a.txt", "name": "local_shell"},
+    ]
+    assert sum("mcp_list_tools" in r.getMessage() for r in caplog.records) <= 1
 
 
 def test_f2_image_without_url_and_files_are_refused() -> None:

@@ -4,7 +4,9 @@
   billing stamp there is pinned first (E2) unless the server turned that off. A `system` message
   in `messages` (text only; Claude Code sends one) stays a system message where it stood.
 - user text blocks join into one user message; each `tool_result` becomes a `tool` message
-  (`tool_call_id` = its `tool_use_id`), placed where it stood.
+  (`tool_call_id` = its `tool_use_id`), placed where it stood. Blocks with no chat field of their
+  own (tool_reference, search_result, document, web search history, unknown types) are read as
+  text (blocks.py, issue 46), never refused.
 - assistant text joins into `content`, `thinking` blocks into `reasoning_content`, and
   `tool_use` blocks into `tool_calls` (arguments as an object, as chat templates read them).
 - `tools` become OpenAI-style function definitions, the shape templates are written for.
@@ -27,6 +29,7 @@ from typing import Any
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import budget_fields, build_chat_options, request_template_kwargs
 from mlxcel.api.anthropic import billing
+from mlxcel.api.anthropic.blocks import block_text, blocks_text
 from mlxcel.api.anthropic.schemas import (
     ConversationFields, ImageBlock, Message, MessagesRequest, TextBlock, ThinkingBlock, Tool,
     ToolResultBlock, ToolUseBlock,
@@ -40,9 +43,6 @@ from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.chat.template_kwargs import TemplateKwargsError
 from mlxcel.types import SamplingParams
-
-DEFAULT_TEMPERATURE = 1.0  # Anthropic's default
-
 
 @dataclass(frozen=True, slots=True)
 class AnthropicOptions:
@@ -85,8 +85,8 @@ def sampling_params(req: MessagesRequest, defaults: SamplingDefaults = SamplingD
     """Messages names temperature, top_p and top_k; the server's defaults fill those it leaves out and the
     fields it has no name for (min_p, the penalties)."""
     return SamplingParams(
-        temperature=defaults.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
-        top_p=defaults.pick("top_p", req.top_p, 1.0), top_k=max(defaults.pick("top_k", req.top_k, 0), 0),
+        temperature=defaults.pick("temperature", req.temperature),
+        top_p=defaults.pick("top_p", req.top_p), top_k=max(defaults.pick("top_k", req.top_k), 0),
         **defaults.params("min_p", "repeat_penalty", "presence_penalty", "frequency_penalty", "repeat_last_n"),
         max_tokens=req.max_tokens)
 
@@ -149,8 +149,8 @@ def _user_turn(message: Message) -> list[dict[str, Any]]:
     for block in message.content:
         if isinstance(block, ToolResultBlock):
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
-        elif isinstance(block, TextBlock):
-            texts.append(block.text)
+        elif (text := block_text(block)) is not None:
+            texts.append(text)
     if texts or not turns:
         turns.append({"role": "user", "content": "\n".join(texts)})
     return turns
@@ -159,13 +159,13 @@ def _user_turn(message: Message) -> list[dict[str, Any]]:
 def _tool_result_text(block: ToolResultBlock) -> str:
     if block.content is None or isinstance(block.content, str):
         return block.content or ""
-    return "\n".join(part.text for part in block.content if isinstance(part, TextBlock))
+    return blocks_text(block.content)
 
 
 def _assistant_turn(message: Message) -> dict[str, Any]:
     if isinstance(message.content, str):
         return {"role": "assistant", "content": message.content}
-    texts = [b.text for b in message.content if isinstance(b, TextBlock)]
+    texts = [text for text in map(block_text, message.content) if text is not None]
     thinking = [b.thinking for b in message.content if isinstance(b, ThinkingBlock)]
     calls = [_tool_call(b) for b in message.content if isinstance(b, ToolUseBlock)]
     turn: dict[str, Any] = {"role": "assistant", "content": "\n".join(texts)}

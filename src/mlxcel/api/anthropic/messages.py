@@ -74,7 +74,7 @@ def reply_events(reply: ParsedReply) -> list[OutputEvent]:
     events: list[OutputEvent] = [ReasoningDelta(reply.reasoning)] if reply.reasoning else []
     if reply.content:
         events.append(ContentDelta(reply.content))
-    for call in reply.tool_calls:
+    for call in reply.complete_calls:  # a tool_use cut by max_tokens has no input to show (issue 46)
         events += [ToolCallStart(call.index, call.id, call.name),
                    ToolCallArguments(call.index, call.arguments), ToolCallEnd(call.index, call.id, call.name,
                                                                               call.arguments)]

@@ -1,15 +1,18 @@
 """Anthropic Messages request bodies (E1): /v1/messages and /v1/messages/count_tokens.
 
-Content blocks are a tagged union on `type` (text, image, tool_use, tool_result, thinking,
-redacted_thinking); any other block type is a 400 naming it. Types are strict, unknown fields
+Content blocks are a tagged union on `type`: text, image, tool_use, tool_result, thinking,
+redacted_thinking, and the blocks Anthropic documents that a text model reads as text (issue 46):
+`tool_reference` (Claude Code's tool search, inside a tool_result), `search_result`, `document`, and
+as history `server_tool_use` / `web_search_tool_result`. Any other block type is an `OtherBlock`
+(rendered as its `text` where it has one, logged once: never a 400). Types are strict, unknown fields
 (cache_control, citations, service_tier...) are ignored.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, Union
 
-from pydantic import Field, model_validator
+from pydantic import ConfigDict, Discriminator, Field, Tag, model_validator
 
 from mlxcel.api.schema import ChatFeatureFields, WireModel
 
@@ -48,7 +51,80 @@ class ToolUseBlock(WireModel):
     input: dict[str, Any] = Field(default_factory=dict)
 
 
-ToolResultPart = Annotated[TextBlock | ImageBlock, Field(discriminator="type")]
+class ToolReferenceBlock(WireModel):
+    """A tool the tool search found (Claude Code's ToolSearch): its definition is in `tools`."""
+
+    type: Literal["tool_reference"]
+    tool_name: str
+
+
+class SearchResultBlock(WireModel):
+    type: Literal["search_result"]
+    source: str = ""
+    title: str = ""
+    content: list[TextBlock] = Field(default_factory=list)
+
+
+class DocumentSource(WireModel):
+    """text (`data`), content (text blocks), base64 (a PDF's bytes), url or file: only text is readable here."""
+
+    type: str
+    media_type: str | None = None
+    data: str | None = None
+    url: str | None = None
+    file_id: str | None = None
+    content: str | list[dict[str, Any]] | None = None
+
+
+class DocumentBlock(WireModel):
+    type: Literal["document"]
+    source: DocumentSource
+    title: str | None = None
+    context: str | None = None
+
+
+class ServerToolUseBlock(WireModel):
+    """A server tool's call (web_search...) in an assistant turn of the history."""
+
+    type: Literal["server_tool_use"]
+    id: str = ""
+    name: str = ""
+    input: dict[str, Any] = Field(default_factory=dict)
+
+
+class WebSearchToolResultBlock(WireModel):
+    """A web search's results in the history: a list of results, or an error object."""
+
+    type: Literal["web_search_tool_result"]
+    tool_use_id: str = ""
+    content: list[dict[str, Any]] | dict[str, Any] = Field(default_factory=list)
+
+
+class OtherBlock(WireModel):
+    """A block type this server does not know: its `text`, where it has one, is what the prompt shows."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    type: str
+    text: str | None = None
+
+
+def _block_tag(known: frozenset[str]) -> Any:
+    """A discriminator that sends every type outside `known` to OtherBlock instead of a 400."""
+    def tag(value: Any) -> str:
+        kind = value.get("type") if isinstance(value, dict) else getattr(value, "type", None)
+        return kind if kind in known else "other"
+    return Discriminator(tag)
+
+
+def _union(*models: type[WireModel]) -> Any:
+    """A tagged union of `models` (by their `type` literal) with OtherBlock for any other type."""
+    names = [model.model_fields["type"].annotation.__args__[0] for model in models]
+    members = tuple(Annotated[model, Tag(name)] for model, name in zip(models, names))
+    return Annotated[Union[*members, Annotated[OtherBlock, Tag("other")]], _block_tag(frozenset(names))]
+
+
+ToolResultPart = _union(TextBlock, ImageBlock, ToolReferenceBlock, SearchResultBlock, DocumentBlock)
 
 
 class ToolResultBlock(WireModel):
@@ -69,10 +145,9 @@ class RedactedThinkingBlock(WireModel):
     data: str = ""
 
 
-ContentBlock = Annotated[
-    TextBlock | ImageBlock | ToolUseBlock | ToolResultBlock | ThinkingBlock | RedactedThinkingBlock,
-    Field(discriminator="type"),
-]
+ContentBlock = _union(TextBlock, ImageBlock, ToolUseBlock, ToolResultBlock, ThinkingBlock, RedactedThinkingBlock,
+                      ToolReferenceBlock, SearchResultBlock, DocumentBlock, ServerToolUseBlock,
+                      WebSearchToolResultBlock)
 
 
 class Message(WireModel):

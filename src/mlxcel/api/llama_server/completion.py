@@ -65,8 +65,8 @@ async def run_completion(ctx: ApiContext, prompts: Sequence[Prompt], fields: Com
 
 
 def with_server_defaults(fields: CompletionFields, defaults: SamplingDefaults) -> CompletionFields:
-    """`fields` with the server's sampling defaults (--temp, ...) in place of llama-server's request
-    defaults, for the fields the request did not send (a field it sent always wins)."""
+    """`fields` with the sampling defaults (the server's --temp, ..., else the checkpoint's, else llama-server's)
+    for the fields the request did not send (a field it sent always wins)."""
     unsent = {name: value for name, value in defaults.values().items() if name not in fields.model_fields_set}
     return fields.model_copy(update=unsent) if unsent else fields
 

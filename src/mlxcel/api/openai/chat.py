@@ -29,7 +29,7 @@ from mlxcel.api.openai.schemas import ChatCompletionRequest
 from mlxcel.api.replies import JsonReply, Reply, StreamReply
 from mlxcel.api.schema import flatten_extra_body, validate_body
 from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
-from mlxcel.chat.events import ToolCallStart
+from mlxcel.chat.events import ToolCallEnd
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.types import SamplingParams
@@ -143,7 +143,7 @@ def _choice_json(result: ChoiceResult, want_logprobs: bool) -> dict[str, Any]:
         "index": result.index,
         "message": chat_events.message_json(result.reply),
         "logprobs": logprobs_json(result.logprobs) if want_logprobs else None,
-        "finish_reason": chat_events.finish_reason(result.finish_reason, result.reply.has_tool_calls),
+        "finish_reason": chat_events.finish_reason(result.finish_reason, bool(result.reply.complete_calls)),
     }
 
 
@@ -202,8 +202,8 @@ def _role_choice(index: int) -> dict[str, Any]:
 
 def _delta_choices(delta: ChoiceDelta, want_logprobs: bool, called: set[int]) -> list[dict[str, Any]]:
     """One chunk choice per output event; logprobs ride on the first, the finish reason on the last."""
-    if any(isinstance(e, ToolCallStart) for e in delta.events):
-        called.add(delta.index)
+    if any(isinstance(e, ToolCallEnd) and e.is_complete for e in delta.events):
+        called.add(delta.index)  # a call the token limit cut is no reason to say "tool_calls"
     logprobs = logprobs_json(delta.logprobs) if want_logprobs and delta.logprobs else None
     deltas = chat_events.event_deltas(delta.events)
     if not deltas and logprobs is None and delta.finish_reason is None:

@@ -22,7 +22,6 @@ from mlxcel.api.schema import lora_pairs
 from mlxcel.types import Priority, SamplingParams, Usage
 
 PRIORITY_HEADER = "x-priority"
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
 
 @functools.cache
@@ -68,17 +67,17 @@ def sampling_params(ctx: ApiContext, req: SamplingFields, *, max_tokens: int | N
     stop_ids = tuple(req.stop_token_ids or ())
     if any(not 0 <= t < ctx.tokenizer.num_ids for t in stop_ids):
         raise invalid_request("stop_token_ids: every id must be a token id of this model")
-    server = ctx.sampling  # the server's defaults (--temp, ...) for fields the request leaves out
+    server = ctx.sampling  # server flags, checkpoint, llama-server: for the fields the request leaves out
     return SamplingParams(
-        temperature=server.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
-        top_k=max(server.pick("top_k", req.top_k, 0), 0),
-        top_p=server.pick("top_p", req.top_p, 1.0),
-        min_p=server.pick("min_p", req.min_p, 0.0),
+        temperature=server.pick("temperature", req.temperature),
+        top_k=max(server.pick("top_k", req.top_k), 0),
+        top_p=server.pick("top_p", req.top_p),
+        min_p=server.pick("min_p", req.min_p),
         **req.sampling_fields(ctx.tokenizer),
-        repetition_penalty=server.pick("repeat_penalty", req.repetition_penalty or req.repeat_penalty, 1.0),
-        presence_penalty=server.pick("presence_penalty", req.presence_penalty, 0.0),
-        frequency_penalty=server.pick("frequency_penalty", req.frequency_penalty, 0.0),
-        repeat_last_n=server.pick("repeat_last_n", req.repeat_last_n, 64),
+        repetition_penalty=server.pick("repeat_penalty", req.repetition_penalty or req.repeat_penalty),
+        presence_penalty=server.pick("presence_penalty", req.presence_penalty),
+        frequency_penalty=server.pick("frequency_penalty", req.frequency_penalty),
+        repeat_last_n=server.pick("repeat_last_n", req.repeat_last_n),
         logit_bias=logit_bias(ctx, req.logit_bias),
         seed=req.seed,
         max_tokens=max_tokens,

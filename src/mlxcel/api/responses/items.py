@@ -10,6 +10,10 @@ by `previous_response_id`. `to_chat_messages` turns a conversation into template
     function_call, custom_tool_call        -> tool_calls on the assistant message of that turn
                                               (names as the template saw them: responses/tools.py)
     function_call_output, custom_..._output -> {"role": "tool", "tool_call_id", "name", "content"}
+    other documented items, as history       -> a hosted tool's `*_call` with a call_id (local_shell_call,
+    (issue 46: never a 400)                     shell_call, apply_patch_call...) a tool call, its `*_output`
+                                                a tool message; others (web_search_call, mcp_*) their text or
+                                                action as the assistant's text; nothing to show: logged once
 
 A reasoning item may come back with only its `encrypted_content` (`include:
 ["reasoning.encrypted_content"]` with `store: false`, as Codex sends every turn): here that is
@@ -21,7 +25,10 @@ from __future__ import annotations
 
 import base64
 import binascii
+import functools
 import hashlib
+import json
+import logging
 import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
@@ -29,12 +36,13 @@ from typing import Any
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.media import audio_data_url
 from mlxcel.api.responses.schemas import (
-    AudioPart, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, ImagePart, InputItem, MessageItem,
-    ReasoningItem,
+    ITEM_MODELS, AudioPart, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, ImagePart, InputItem,
+    MessageItem, ReasoningItem,
 )  # fmt: skip
 from mlxcel.api.responses.tools import call_arguments
 from mlxcel.media import MediaKind, MediaRef
 
+log = logging.getLogger(__name__)
 Item = dict[str, Any]
 IdFactory = Callable[[str], str]
 COMPACTION_HEADING = "Summary of the earlier conversation:"
@@ -57,7 +65,7 @@ def stored_items(items: Iterable[InputItem], make_id: IdFactory = new_id) -> lis
 
 def _stored(item: InputItem, make_id: IdFactory) -> Item:
     data = item.model_dump(exclude_none=True)
-    data["id"] = item.id or make_id(ID_PREFIXES[item.type])
+    data["id"] = item.id or make_id(ID_PREFIXES.get(item.type, "item"))
     if isinstance(item, MessageItem):
         data["content"] = _message_parts(item)
         data["status"] = item.status or "completed"
@@ -135,6 +143,25 @@ class _ChatBuilder:
             self.pending_reasoning.append(text)
         elif kind == "compaction":
             self.summaries.append(f"{COMPACTION_HEADING}\n{item['encrypted_content']}")
+        elif kind not in ITEM_MODELS:
+            self._other(index, item)
+
+    def _other(self, index: int, item: Item) -> None:
+        """A history-only item (issue 46): a hosted tool's call and its output as a call and its tool
+        message, where it has a call_id; else its text as the assistant's; nothing to show: logged once."""
+        kind, text = item["type"], other_item_text(index, item)
+        if kind.endswith("_output") and isinstance(item.get("call_id"), str):
+            self._function_output(index, {**item, "output": text})
+        elif kind.endswith("_call") and isinstance(item.get("call_id"), str):
+            name = item.get("name") if isinstance(item.get("name"), str) else kind.removesuffix("_call")
+            arguments = item.get("arguments")
+            self._function_call({"type": "function_call", "call_id": item["call_id"], "name": name,
+                                 "arguments": arguments if isinstance(arguments, str) else _details_json(item)})
+        elif text:
+            message = self._assistant(for_calls=True)
+            message["content"] = "\n".join(part for part in (message["content"], text) if part)
+        else:
+            note_unknown_item(kind)
 
     def _message(self, index: int, item: Item) -> None:
         text = parts_text(f"input.{index}", item["content"])
@@ -170,6 +197,30 @@ class _ChatBuilder:
         if item["call_id"] in self.call_names:
             message["name"] = self.call_names[item["call_id"]]
         self.messages.append(message)
+
+
+def other_item_text(index: int, item: Item) -> str:
+    """What a history-only item says: its text or output, else its action / arguments / query as JSON."""
+    for key in ("text", "output", "arguments", "input"):
+        value = item.get(key)
+        if isinstance(value, str):
+            return value
+        if key == "output" and isinstance(value, list):
+            return parts_text(f"input.{index}.output", value)
+    details = _details_json(item)
+    return f"{item['type']}: {details}" if details != "{}" else ""
+
+
+def _details_json(item: Item) -> str:
+    """What a hosted tool's call did (its action, query, arguments or input), as a JSON object."""
+    details = {key: item[key] for key in ("action", "query", "queries", "arguments", "input") if key in item}
+    return json.dumps(details, ensure_ascii=False)
+
+
+@functools.cache
+def note_unknown_item(kind: str) -> None:
+    """Log an item type with nothing to show, once per type for the process's life."""
+    log.warning("responses: input items of type %r have no text; the prompt leaves them out", kind[:100])
 
 
 def parts_text(where: str, parts: Sequence[dict[str, Any]]) -> str:

@@ -30,7 +30,6 @@ from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.types import SamplingParams
 
-DEFAULT_TEMPERATURE = 1.0  # OpenAI's default
 
 
 @dataclass(frozen=True, slots=True)
@@ -102,13 +101,13 @@ def sampling_params(req: ResponseCreateRequest, defaults: SamplingDefaults = Sam
     """Sampling and limits of a create (OpenAI names, then llama/vLLM extras); the server's `defaults`
     fill the fields it leaves out or has no name for (repeat_last_n)."""
     return SamplingParams(
-        temperature=defaults.pick("temperature", req.temperature, DEFAULT_TEMPERATURE),
-        top_k=max(defaults.pick("top_k", req.top_k, 0), 0),
-        top_p=defaults.pick("top_p", req.top_p, 1.0),
-        min_p=defaults.pick("min_p", req.min_p, 0.0),
-        repetition_penalty=defaults.pick("repeat_penalty", req.repetition_penalty, 1.0),
-        presence_penalty=defaults.pick("presence_penalty", req.presence_penalty, 0.0),
-        frequency_penalty=defaults.pick("frequency_penalty", req.frequency_penalty, 0.0),
+        temperature=defaults.pick("temperature", req.temperature),
+        top_k=max(defaults.pick("top_k", req.top_k), 0),
+        top_p=defaults.pick("top_p", req.top_p),
+        min_p=defaults.pick("min_p", req.min_p),
+        repetition_penalty=defaults.pick("repeat_penalty", req.repetition_penalty),
+        presence_penalty=defaults.pick("presence_penalty", req.presence_penalty),
+        frequency_penalty=defaults.pick("frequency_penalty", req.frequency_penalty),
         **defaults.params("repeat_last_n"),
         seed=req.seed,
         max_tokens=req.max_output_tokens,

@@ -10,7 +10,7 @@ from __future__ import annotations
 from collections.abc import Sequence
 from typing import Annotated, Any, Literal
 
-from pydantic import Field, ValidationError, model_validator
+from pydantic import ConfigDict, Field, ValidationError, model_validator
 
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.schema import MAX_SEED, MIN_SEED, ChatFeatureFields, WireModel
@@ -127,8 +127,18 @@ class CompactionItem(WireModel):
     encrypted_content: str
 
 
+class OtherItem(WireModel):
+    """An item type read only as history (web_search_call, local_shell_call and its output, mcp_call...):
+    kept as sent; what of it the prompt shows is items.other_item_messages' choice (issue 46)."""
+
+    model_config = ConfigDict(strict=True, extra="allow", frozen=True)
+
+    type: str
+    id: str | None = None
+
+
 InputItem = (MessageItem | FunctionCallItem | FunctionCallOutputItem | CustomToolCallItem | CustomToolCallOutputItem
-             | ReasoningItem | CompactionItem)
+             | ReasoningItem | CompactionItem | OtherItem)
 ITEM_MODELS: dict[str, type[InputItem]] = {
     "message": MessageItem,
     "function_call": FunctionCallItem,
@@ -156,10 +166,9 @@ def _parse_item(index: int, raw: Any) -> InputItem:
     if kind == "item_reference":
         raise invalid_request(f"input.{index}: item_reference is not supported; send the item itself or "
                               "chain with previous_response_id")
-    model = ITEM_MODELS.get(kind) if isinstance(kind, str) else None
-    if model is None:
-        raise invalid_request(f"input.{index}: items of type {kind!r} are not supported by this server "
-                              f"(supported: {', '.join(ITEM_MODELS)})")
+    if not isinstance(kind, str):
+        raise invalid_request(f"input.{index}.type: must be a string, not {type(kind).__name__}")
+    model = ITEM_MODELS.get(kind, OtherItem)
     try:
         return model.model_validate(raw)
     except ValidationError as exc:

@@ -178,6 +178,8 @@ class ResponseEvents:
 
     def _call_end(self, event: ToolCallEnd) -> list[Event]:
         item = self._calls[event.index]
+        if not event.is_complete:
+            return []  # cut by the token limit: `finish` ends it as an incomplete item, its arguments as written
         item["status"] = "completed"
         index = self.draft.output.index(item)
         if item["type"] == "custom_tool_call":

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import abc
 import enum
+import json
 import logging
 import secrets
 import string
@@ -124,7 +125,9 @@ class ToolParser(abc.ABC):
         """End of the reply: close a call in progress, release held text."""
         out: list[OutputEvent] = []
         if self._mode is Mode.CALLS and self._reader is not None:
-            self._reader.close(out)  # a bare block cut off before naming a function is dropped
+            cut: list[OutputEvent] = []
+            self._reader.close(cut)  # a bare block cut off before naming a function is dropped
+            out.extend(mark_cut_calls(cut))
         if self._mode in (Mode.CALLS, Mode.AFTER) and self._is_refused_block():
             self._block.append(self._buffer)
             self._emit_content("".join(self._block), out)
@@ -250,6 +253,24 @@ class ToolParser(abc.ABC):
 # --- helpers formats share ---------------------------------------------------------------------
 
 
+def mark_cut_calls(closed: list[OutputEvent]) -> list[OutputEvent]:
+    """The events of closing calls the reply's end cut off: a call whose arguments were not yet a
+    whole object is not complete, and the closing fragment the reader made up to balance the JSON
+    (or a whole "{}") is dropped, so nobody mistakes a partial call for a finished one (issue 46)."""
+    ends = {e.index: e for e in closed if isinstance(e, ToolCallEnd)}
+    made_up = {i: "".join(e.text for e in closed if isinstance(e, ToolCallArguments) and e.index == i)
+               for i in ends}
+    kept: list[OutputEvent] = []
+    for event in closed:
+        if isinstance(event, ToolCallArguments) and event.index in ends:
+            continue
+        if isinstance(event, ToolCallEnd) and (made_up[event.index] or not is_json_object(event.arguments)):
+            written = event.arguments[: len(event.arguments) - len(made_up[event.index])]
+            event = ToolCallEnd(event.index, event.id, event.name, written, is_complete=False)
+        kept.append(event)
+    return kept
+
+
 def partial_suffix_len(buffer: str, markers: Sequence[str]) -> int:
     """Length of the longest end of `buffer` that is a proper prefix of one of `markers`."""
     longest = 0
@@ -355,6 +376,13 @@ def _key_verdict(rest: str, keys: Sequence[str]) -> Prefix:
     return Prefix.YES if rest[:end] in keys else Prefix.NO
 
 
+def is_json_object(text: str) -> bool:
+    try:
+        return isinstance(json.loads(text), dict)
+    except ValueError:
+        return False
+
+
 def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
     """Adjacent content deltas, and adjacent argument fragments of one call, joined (fewer chunks)."""
     merged: list[OutputEvent] = []
@@ -371,7 +399,7 @@ def coalesce(events: list[OutputEvent]) -> list[OutputEvent]:
 
 def collect_tool_calls(events: Sequence[OutputEvent]) -> list[ToolCall]:
     """The finished calls among `events` (for a non-streaming reply), in index order."""
-    calls = [ToolCall(e.index, e.id, e.name, e.arguments) for e in events if isinstance(e, ToolCallEnd)]
+    calls = [ToolCall(e.index, e.id, e.name, e.arguments, e.is_complete) for e in events if isinstance(e, ToolCallEnd)]
     return sorted(calls, key=lambda c: c.index)
 
 
