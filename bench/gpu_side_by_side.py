@@ -15,7 +15,7 @@ median time to first token, of fresh 128-token prompts (token ids, so both serve
 first, so first-use kernels and graph capture stay out of the figures.
 
 `--random-qwen15`: a random-weight model of Qwen2.5-1.5B's shape (transformers' Qwen2 with random weights, SmolLM2's
-tokenizer, vocabulary padded to 151,936), converted by llama.cpp's own convert_hf_to_gguf.py (`--outtype`). The
+tokenizer, vocabulary padded to 151,936, final norm x10 so that its logits spread as a trained model's), converted by llama.cpp's own convert_hf_to_gguf.py (`--outtype`). The
 converter picks the vocabulary's pre-tokenizer by hashing a tokenization through transformers' AutoTokenizer, which
 in transformers 5 loads Qwen2Tokenizer for a qwen2 config whatever tokenizer.json says, and so gives an unknown hash;
 the conversion runs with AutoTokenizer as the plain tokenizer.json backend (`convert_with_plain_tokenizer`).
@@ -54,6 +54,7 @@ QWEN15 = dict(hidden_size=1536, num_hidden_layers=28, num_attention_heads=12, nu
               rms_norm_eps=1e-6, tie_word_embeddings=True)
 SMOKE_SHAPE = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                    intermediate_size=128, vocab_size=49152, max_position_embeddings=4096, tie_word_embeddings=True)
+LOGIT_SCALE = 10.0
 PROBE = "The capital of France is"  # one greedy text request per server: do both continue it alike?
 
 
@@ -66,6 +67,9 @@ def random_qwen2_folder(folder: Path, shape: dict, tokenizer: Path, device: str)
     torch.manual_seed(0)
     with torch.device(device):  # 1.5B random weights: drawn on the GPU in seconds, on the CPU in minutes
         model = Qwen2ForCausalLM(Qwen2Config(**shape)).to(torch.bfloat16)
+        # Random weights give near-uniform next-token distributions; the final norm's gain spreads the logits as a
+        # trained model's are (bench/gpu_serving.py's --logit-scale 10), so top_p keeps a few tokens, not the vocabulary
+        model.model.norm.weight.data.mul_(LOGIT_SCALE)
     model.save_pretrained(folder, safe_serialization=True)
     for file in tokenizer.iterdir():
         shutil.copy(file, folder / file.name)
@@ -228,7 +232,9 @@ def client_share(args: tuple[str, list[list[int]], dict, float, int]) -> list[tu
                 if not line.startswith("data: {"):
                     continue
                 event = json.loads(line[6:])
-                if event.get("choices") and event["choices"][0].get("text"):
+                # a token's chunk (finish_reason null), text or not: a random model's padded vocabulary
+                # entries detokenize to nothing
+                if event.get("choices") and event["choices"][0].get("finish_reason") is None:
                     first = first or time.time()
                     chunks += 1
                 usage = event.get("usage") or usage
@@ -290,7 +296,7 @@ def table(report: dict, widths: list[int]) -> str:
     for model, servers in report["models"].items():
         for name, r in servers.items():
             if "error" in r:
-                rows.append(f"| {model} | {name} | error: {r['error'][:80]} |")
+                rows.append(f"| {model} | {name} | error: {r['error'][:80]!r} |")
                 continue
             cells = [" / ".join(f"{r[f'{m}@{w}']['tok_s']:,.0f}" for w in widths) for m in MODES]
             ttft = " / ".join(f"{r[f'greedy@{w}']['ttft_ms']:,.0f}" for w in widths)
