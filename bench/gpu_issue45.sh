@@ -2,7 +2,8 @@
 # Issue 45's two device calls, run from the folder that holds src/, bench/ and tests/ (see bench/RESULTS.md):
 #   bench/gpu_issue45.sh build   llama-server (CUDA) in the background; the CUDA tests and the random 1.5B GGUF
 #                                meanwhile; the binary back through $OUT; then, time allowing, the 1.5B side by side
-#   bench/gpu_issue45.sh bench   both servers on both GGUFs, then the 1.5B shape's decode-step profile, time allowing
+#   bench/gpu_issue45.sh bench   both servers on both GGUFs (SKIP_QWEN15=1: the SmolLM2 one alone), then the 1.5B
+#                                shape's decode-step profile, time allowing (BUDGET: the phase's seconds, default 580)
 # Files it expects beside it: llama-src.tar.xz (bench/gpu_llama_src.sh), pydeps.tar.xz (the server's packages the
 # device lacks, for Python 3.12), smol-tok/ (bench/gpu_serving.py --export-tokenizer), and the SmolLM2 Q4_1 GGUF in
 # two parts (smol.part-a with `build`, smol.part-b with `bench`: 98 MB is over one call's 64 MiB) with smol.sha256.
@@ -54,11 +55,13 @@ elif [[ $phase == bench ]]; then
   if [[ ! -x $BIN ]]; then  # a cold machine: the first call's build is gone; build again
     bench/gpu_llama_server_build.sh llama-src.tar.xz "$W/ls" cuda 16 2>&1 | tail -3
   fi
-  models=(--random-qwen15)
+  budget=${BUDGET:-580}  # seconds this phase may take in all (the call's limit, less a margin)
+  models=()
+  [[ ${SKIP_QWEN15:-0} == 1 ]] || models=(--random-qwen15)
   [[ -f $W/smol.gguf ]] && models=(--gguf "smol-q4_1=$W/smol.gguf" "${models[@]}")
-  side_by_side $(( 560 - $(elapsed) )) "${models[@]}" --widths 1,16,64,256
+  side_by_side $(( budget - 20 - $(elapsed) )) "${models[@]}" --widths 1,16,64,256
   echo "side by side done at $(elapsed) s"
-  left=$(( 580 - $(elapsed) ))
+  left=$(( budget - $(elapsed) ))
   if (( left > 60 )); then
     timeout "$left" python3 bench/gpu_profile.py --qwen15 --configs 64x65536 --kernels 2>&1 | tee "$OUT/profile.log" | tail -60
   fi
