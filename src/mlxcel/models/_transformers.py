@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,8 +29,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 IMPLEMENTATION = "transformers"  # what the log and /props say of a model loaded here (native families: "native")
 ATTN_IMPLEMENTATION = "mlxcel_paged"  # our name in transformers' AttentionInterface
