@@ -138,6 +138,21 @@ def test_layers_without_attention_are_refused() -> None:
         _fallback_model(config)
 
 
+def test_probe_notes_attention_arguments_attend_cannot_honour() -> None:
+    """Soft-capping and sinks reach the attention function as arguments (Gemma 2's `softcap`, gpt-oss's
+    `s_aux`): the load-time probe notes them, so the model is refused."""
+    from mlxcel.models import _transformers
+
+    probe = _transformers._ProbeStep(_transformers.ModelArgs.from_dict(FAMILIES["stablelm"]().to_dict()))
+    module = nn.Module()
+    module.layer_idx = 1
+    q, kv = torch.zeros(1, 4, 2, 16, device="meta"), torch.zeros(1, 2, 2, 16, device="meta")
+    with _transformers.attending(probe):
+        _transformers.paged_attention(module, q, kv, kv, None, scaling=0.25, softcap=30.0, s_aux=torch.zeros(4))
+    assert probe.layers == [1]
+    assert probe.problems == ["layer 1 has soft-capped attention scores", "layer 1 has attention sinks"]
+
+
 def test_refusal_through_the_loader_is_one_line(tmp_path: Path) -> None:
     """A hybrid (recurrent) checkpoint that transformers knows and we do not: one ModelLoadError line naming why."""
     config = transformers.Lfm2Config(**{**COMMON, "num_hidden_layers": 2}, num_key_value_heads=2,
@@ -223,7 +238,7 @@ def test_server_serves_the_fallback_with_batching_and_prefix_cache(tmp_path: Pat
     served = start_served_model(ResolvedModel(folder, "tiny-stablelm", "test"),
                                 RuntimeOptions(warmup=False, quantize="off"),
                                 EngineConfig(max_num_seqs=3, decode_step="native"))
-    server = ServerThread(ServerState(ServerConfig(port=0), served)).start()
+    server = ServerThread(ServerState(ServerConfig(port=0, endpoint_props=True), served)).start()
     try:
         props = httpx.get(server.address + "/props", timeout=30).json()
         assert props["model_implementation"] == "transformers"

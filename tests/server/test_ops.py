@@ -82,6 +82,7 @@ def test_f12_props_on_and_off(client: httpx.Client, single_server: ServerThread)
     props = client.get("/props").json()
     assert props["total_slots"] == 4 and props["default_generation_settings"]["n_ctx"] == 1024
     assert "im_start" in props["chat_template"]
+    assert props["model_implementation"] == "native"  # issue 40: SmolLM2 runs our llama module, not transformers'
     off = httpx.get(single_server.address + "/props")
     assert off.status_code == 501 and off.json()["error"]["type"] == "not_supported_error"
     assert httpx.get(single_server.address + "/metrics").status_code == 501

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import contextlib
 import contextvars
-import logging
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Protocol
@@ -30,8 +29,6 @@ from typing import Any, Protocol
 import torch
 import torch.nn.functional as F
 from torch import nn
-
-log = logging.getLogger(__name__)
 
 IMPLEMENTATION = "transformers"  # what the log and /props say of a model loaded here (native families: "native")
 ATTN_IMPLEMENTATION = "mlxcel_paged"  # our name in transformers' AttentionInterface
@@ -281,9 +278,12 @@ def paged_attention(module: nn.Module, query: torch.Tensor, key: torch.Tensor, v
 
     The mask transformers would build is not built (our name has no mask function): the step's own
     causal, per-sequence and window masks apply instead."""
+    step = _STEP.get()
+    if isinstance(step, _ProbeStep):  # the load-time probe also notes what the arguments ask for
+        step.note_arguments(module, kwargs)
     q, k, v = (t[0].transpose(0, 1) for t in (query, key, value))  # [T, H, D]
     scale = scaling if scaling is not None else query.shape[-1] ** -0.5
-    out = _STEP.get().attend(module.layer_idx, q, k, v, scale=scale, window=sliding_window or None)
+    out = step.attend(module.layer_idx, q, k, v, scale=scale, window=sliding_window or None)
     return out.unsqueeze(0), None
 
 
@@ -315,20 +315,25 @@ class _ProbeStep:
                                      f"{want} the KV cache holds")
         return torch.empty_like(q)
 
+    def note_arguments(self, module: nn.Module, kwargs: dict[str, Any]) -> None:
+        """The keyword arguments of an attention call that `attend` cannot honour (soft-capping, sinks, ...)."""
+        for name, what in _REFUSED_ATTENTION_KWARGS.items():
+            if kwargs.get(name) is not None:
+                self.problems.append(f"layer {module.layer_idx} has {what}")
+        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
+            self.problems.append(f"layer {module.layer_idx} is not causal")
+
 
 def _probe(model: Model, args: ModelArgs) -> None:
     """Run the inner model once on the meta device (no numbers, only shapes) to see every attention call:
     ValueError if one is something `attend` cannot compute or some layer attends otherwise."""
     probe = _ProbeStep(args)
-    checked = _KwargsCheck(probe)
     ids = torch.zeros(1, 2, dtype=torch.long, device="meta")
     try:
         with attending(probe), torch.no_grad(), _nonzero_on_meta():
             model.inner(input_ids=ids, position_ids=torch.zeros_like(ids), use_cache=False)
     except Exception as exc:  # noqa: BLE001 - transformers' code may fail on meta tensors in many ways
         raise ValueError(f"its transformers modeling code could not be checked for the fallback ({exc})") from exc
-    finally:
-        checked.close()
     expected = list(range(args.num_hidden_layers))
     if sorted(probe.layers) != expected:
         probe.problems.append(f"its attention calls name layers {sorted(probe.layers)}, not each of the "
@@ -344,27 +349,3 @@ def _nonzero_on_meta() -> Iterator[None]:
 
     with fx_config.patch(meta_nonzero_assume_all_nonzero=True):
         yield
-
-
-class _KwargsCheck:
-    """While the probe runs, attention calls also go through `check`, which notes the keyword arguments
-    (soft-capping, sinks, non-causal modules) that `attend` cannot honour."""
-
-    def __init__(self, probe: _ProbeStep) -> None:
-        from transformers import AttentionInterface
-
-        self.probe = probe
-        self.mapping = AttentionInterface._global_mapping
-        self.mapping[ATTN_IMPLEMENTATION] = self.check
-
-    def check(self, module: nn.Module, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-              attention_mask: torch.Tensor | None, **kwargs: Any) -> tuple[torch.Tensor, None]:
-        for name, what in _REFUSED_ATTENTION_KWARGS.items():
-            if kwargs.get(name) is not None:
-                self.probe.problems.append(f"layer {module.layer_idx} has {what}")
-        if getattr(module, "is_causal", True) is False or kwargs.get("is_causal") is False:
-            self.probe.problems.append(f"layer {module.layer_idx} is not causal")
-        return paged_attention(module, query, key, value, attention_mask, **kwargs)
-
-    def close(self) -> None:
-        self.mapping[ATTN_IMPLEMENTATION] = paged_attention
