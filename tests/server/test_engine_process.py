@@ -49,9 +49,12 @@ class SplitServer:
         return "".join(self.log)
 
 
-def start_split(*args: str, mode: str = "on") -> SplitServer:
-    command = [sys.executable, "-c", "import sys; from mlxcel.cli import server_main; sys.exit(server_main())",
-               "--port", "0", "-c", "4096", "--no-warmup", "--metrics", "--slots", "--engine-process", mode,
+SERVER_MAIN = "import sys; from mlxcel.cli import server_main; sys.exit(server_main())"
+
+
+def start_split(*args: str, mode: str = "on", boot: str = SERVER_MAIN) -> SplitServer:
+    """A real server process (`boot` is its `python -c` program), with the engine process `mode`."""
+    command = [sys.executable, "-c", boot, "--port", "0", "-c", "4096", "--no-warmup", "--metrics", "--slots", "--engine-process", mode,
                "--prefix-cache-disk-size", "0", *args]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)

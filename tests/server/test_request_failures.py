@@ -12,11 +12,8 @@ from __future__ import annotations
 
 import asyncio
 import json
-import os
 import re
 import signal
-import subprocess
-import sys
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -27,7 +24,8 @@ import pytest
 
 from .faults import ENCODER_NUM_TOKENS, ENCODER_TOP_LOGPROBS, FAULT_TOP_K
 from .padded_vocab_model import write_padded_vocab_model
-from .test_process import read_address
+from .test_engine_process import SplitServer as Server
+from .test_engine_process import start_split
 
 pytestmark = pytest.mark.slow
 REPO = str(Path(__file__).resolve().parents[2])
@@ -42,13 +40,6 @@ PATHS = {"chat": "/v1/chat/completions", "completions": "/v1/completions", "comp
          "responses": "/v1/responses", "messages": "/v1/messages"}
 
 
-@dataclass
-class Server:
-    process: subprocess.Popen[str]
-    address: str
-    log: list[str]
-
-
 @dataclass(frozen=True)
 class Outcome:
     status: int
@@ -56,24 +47,10 @@ class Outcome:
     error: dict | None  # the protocol's error object, when the request failed
 
 
-def start_server(folder: Path, mode: str) -> Server:
-    command = [sys.executable, "-c", BOOT, "-m", str(folder), "--port", "0", "-c", "4096", "-np", "8",
-               "--no-warmup", "--metrics", "--engine-process", mode, "--prefix-cache-disk-size", "0"]
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    process = subprocess.Popen(command, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=env)
-    log: list[str] = []
-    try:
-        return Server(process, read_address(process, log, timeout=300), log)
-    except BaseException:
-        process.kill()
-        process.wait()
-        raise
-
-
 @pytest.fixture(scope="module", params=["off", "on"], ids=["engine-process-off", "engine-process-on"])
 def server(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[Server]:
     folder = write_padded_vocab_model(tmp_path_factory.mktemp("faults") / "model")
-    server = start_server(folder, request.param)
+    server = start_split("-m", str(folder), "-np", "8", mode=request.param, boot=BOOT)
     yield server
     if server.process.poll() is None:
         server.process.kill()
