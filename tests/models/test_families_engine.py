@@ -23,7 +23,8 @@ from mlxcel.types import Request, SamplingParams
 from .harness import save_tiny_hf
 from .test_families import FAMILIES, VOCAB
 
-ENGINE_FAMILIES = ["gemma2", "cohere2", "olmo2", "phi3", "glm4", "exaone4", "starcoder2", "granite"]
+ENGINE_FAMILIES = ["gemma2", "cohere2", "olmo2", "phi3", "glm4", "exaone4", "starcoder2", "granite",
+                   "mixtral", "gpt_oss", "glm4_moe"]  # the last three: MoE (softmax, biased top-k, grouped)
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(1, VOCAB) for _ in range(n)] for n in (5, 9, 14, 23)]
 NUM_TOKENS = 16
