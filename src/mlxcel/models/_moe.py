@@ -19,6 +19,14 @@ from mlxcel.layers.moe import Layout, MoE, MoESpec, RouterKind, moe_spec_from_co
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
+# llama.cpp's MoE tensors (after "blk.N.") -> the names `layers.moe.sanitize_moe` stacks from.
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
+
 
 class MoEArgs:
     """Mixin for a `DecoderArgs` subclass: layer i's dense MLP becomes an MoE where `is_moe_layer(i)`."""

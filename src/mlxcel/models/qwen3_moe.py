@@ -4,9 +4,15 @@ softmax-routed MoE, top-k renormalised when `norm_topk_prob`; no shared expert."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.models import qwen3
-from mlxcel.models._moe import MoEArgs, MoEDecoderLM, is_sparse_layer
+from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM, is_sparse_layer
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
+
+GGUF_LAYER_NAMES = GGUF_MOE_NAMES
 
 
 @dataclass(frozen=True)
@@ -17,3 +23,8 @@ class ModelArgs(MoEArgs, qwen3.ModelArgs):
 
 class Model(MoEDecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """llama.cpp's qwen3moe always renormalises the top-k weights (Qwen3-MoE's norm_topk_prob)."""
+    return {"norm_topk_prob": True, **qwen3.gguf_config(config, gguf)}
