@@ -19,14 +19,13 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Protocol
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
-from mlxcel.layers.mla import MLARecipe
 from mlxcel.layers.norm import LayerNorm, RMSNorm
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
@@ -109,6 +108,19 @@ class AttentionRecipe:
         return Attention(hidden_size, self, layer_idx, rope, norm)
 
 
+class MixerRecipe(Protocol):
+    """What a layer's attention recipe gives the layer: its rope (shared tables are built per distinct
+    rope), the width the rope turns, and the module. `AttentionRecipe` here; MLA's in layers/mla.py."""
+
+    @property
+    def rope(self) -> RopeRecipe | None: ...
+
+    @property
+    def head_dim(self) -> int: ...
+
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module: ...
+
+
 @dataclass(frozen=True)
 class MLPRecipe:
     """Gated (act(gate) * up -> down) or plain (act(up) -> down); `names` are the checkpoint's."""
@@ -128,7 +140,7 @@ class LayerRecipe:
     checkpoint's module names; a slot left out has no norm. `feed_forward` builds the MoE of a
     MoE layer (any module with `forward(x, ctx)`); `mlp` the dense MLP otherwise."""
 
-    attention: AttentionRecipe | MLARecipe
+    attention: MixerRecipe
     norm: NormRecipe
     norm_names: Mapping[str, str]
     mlp: MLPRecipe | None = None
@@ -381,7 +393,7 @@ class DecoderModel(nn.Module):
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
-    def _rope(self, recipe: AttentionRecipe | MLARecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
+    def _rope(self, recipe: MixerRecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
         if recipe.rope is None:
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)

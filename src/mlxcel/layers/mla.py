@@ -18,16 +18,13 @@ kv_lora_rank dimensions.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
 
 from mlxcel.layers.attention import AttentionContext
+from mlxcel.layers.decoder import NormRecipe, Rope, RopeRecipe
 from mlxcel.layers.quant import linear
-
-if TYPE_CHECKING:
-    from mlxcel.layers.decoder import NormRecipe, Rope, RopeRecipe
 
 
 @dataclass(frozen=True)
