@@ -194,6 +194,10 @@ def _write_gguf_metadata(writer: Any, cfg: Any, arch: str) -> None:
     if rope.get("rope_type") == "linear":
         writer.add_rope_scaling_type(gguf.RopeScalingType.LINEAR)
         writer.add_rope_scaling_factor(rope["factor"])
+    if getattr(cfg, "num_experts", None):  # transformers 5 names it num_local_experts too
+        writer.add_expert_count(cfg.num_experts)
+        writer.add_expert_used_count(cfg.num_experts_per_tok)
+        writer.add_expert_feed_forward_length(cfg.moe_intermediate_size)
 
 
 def _gguf_tensors(model: nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
@@ -204,7 +208,7 @@ def _gguf_tensors(model: nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
     global_names = {hf: g for g, hf in GGUF_GLOBAL_NAMES.items()}
     cfg = model.config
     out = []
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _split_expert_stacks(model.state_dict()).items():
         if name == "lm_head.weight" and cfg.tie_word_embeddings:
             continue
         stem, kind = name.rsplit(".", 1)
@@ -217,6 +221,22 @@ def _gguf_tensors(model: nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
     rope = cfg.rope_parameters
     if rope.get("rope_type") == "llama3":
         out.append(("rope_freqs.weight", llama3_freq_factors(rope, head_dim_of(cfg), rope["rope_theta"])))
+    return out
+
+
+def _split_expert_stacks(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """transformers 5's stacked experts as llama.cpp's converter writes them: gate, up [E, I, H] and
+    down [E, H, I] apart, under names the family's GGUF_LAYER_NAMES map (ffn_*_exps)."""
+    out = {}
+    for name, tensor in state.items():
+        if name.endswith("experts.gate_up_proj"):
+            gate, up = tensor.chunk(2, dim=1)
+            out[f"{name[:-len('gate_up_proj')]}gate_proj.weight"] = gate
+            out[f"{name[:-len('gate_up_proj')]}up_proj.weight"] = up
+        elif name.endswith("experts.down_proj"):
+            out[f"{name}.weight"] = tensor
+        else:
+            out[name] = tensor
     return out
 
 

@@ -21,6 +21,9 @@ GGUF_FAMILIES: dict[str, Callable[[], Any]] = {
     "llama": lambda: transformers.LlamaConfig(**COMMON, rope_scaling=LLAMA3_ROPE),
     "qwen2": lambda: transformers.Qwen2Config(**COMMON, tie_word_embeddings=True),
     "qwen3": lambda: transformers.Qwen3Config(**COMMON, head_dim=32),
+    # llama.cpp's qwen3moe: experts stacked as ffn_{gate,up,down}_exps, the router as ffn_gate_inp.
+    "qwen3moe": lambda: transformers.Qwen3MoeConfig(
+        **COMMON, head_dim=32, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, norm_topk_prob=True),
     "gemma3": lambda: transformers.Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 6}, head_dim=16, query_pre_attn_scalar=16, sliding_window=4,
         rope_scaling={"rope_type": "linear", "factor": 2.0}),

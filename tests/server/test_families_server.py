@@ -18,6 +18,7 @@ import transformers
 from tokenizers import Tokenizer
 
 from mlxcel.config import EngineConfig
+from mlxcel.loading import resolve_model
 from mlxcel.serving.chat_model import start_served_model
 from mlxcel.serving.served_model import RuntimeOptions
 from tests.loading.tiny_checkpoint import EOS, tiny_tokenizer_json
@@ -34,6 +35,12 @@ CONFIGS = {
         attn_logit_softcapping=5.0, final_logit_softcapping=3.0),
     "phi3": lambda vocab: transformers.Phi3Config(
         **SMALL, num_hidden_layers=2, vocab_size=vocab, partial_rotary_factor=0.5),
+    "qwen3_moe": lambda vocab: transformers.Qwen3MoeConfig(
+        **SMALL, num_hidden_layers=2, vocab_size=vocab, head_dim=16, num_experts=8, num_experts_per_tok=2,
+        moe_intermediate_size=32),
+    "gpt_oss": lambda vocab: transformers.GptOssConfig(
+        **{**SMALL, "intermediate_size": 32}, num_hidden_layers=2, vocab_size=vocab, head_dim=16,
+        num_local_experts=8, num_experts_per_tok=2, sliding_window=8),
 }
 PROMPT = "The quick brown fox"
 NUM_TOKENS = 12
@@ -60,12 +67,14 @@ def _transformers_text(reference: torch.nn.Module, folder: Path) -> str:
     return tokenizer.decode(ids[start:])
 
 
-@pytest.fixture(params=[("gemma2", "off"), ("phi3", "off"), ("gemma2", "auto")], ids=lambda p: f"{p[0]}-{p[1]}")
+@pytest.fixture(params=[("gemma2", "off"), ("phi3", "off"), ("gemma2", "auto"), ("qwen3_moe", "off"),
+                        ("gpt_oss", "auto")], ids=lambda p: f"{p[0]}-{p[1]}")
 def served(request: pytest.FixtureRequest, tmp_path: Path, start_server) -> Iterator[tuple[str, str, str]]:
     family, quantize = request.param
     reference = _checkpoint(family, tmp_path)
     options = RuntimeOptions(warmup=False, quantize=quantize)
-    model = start_served_model(tmp_path, options, EngineConfig(max_num_seqs=2, ctx_size=512, decode_step="eager"))
+    model = start_served_model(resolve_model(str(tmp_path)), options,
+                               EngineConfig(max_num_seqs=2, ctx_size=512, decode_step="eager"))
     server = start_server(model)
     yield server.address, _transformers_text(reference, tmp_path), quantize
     model.close(30)

@@ -36,6 +36,7 @@ Parameters of one `MoE` (the module sits where the checkpoint's block sits: `mlp
                               "gpt_oss":    experts.gate_up_proj [E, H, 2I] transposed, its
                                             interleaved columns (gate 0::2, up 1::2) split
                               "stacked":    experts.gate_up_proj as stored (transformers 5's own names)
+                              any layout:   GGUF's experts.gate_proj.weight ; experts.up_proj.weight [E, I, H]
   experts.down_proj [E, H, I] "per_expert": experts.{e}.down_proj.weight; "mixtral": experts.{e}.w2.weight;
                               "granite": output_linear.weight; "gpt_oss": experts.down_proj [E, I, H]
                               transposed
@@ -432,7 +433,11 @@ _PER_EXPERT_NAMES = {
 
 def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     """The checkpoint's MoE entries (every layer's) renamed and stacked into `MoE`'s parameters;
-    other entries pass through. Values may be tensors or lazy readers (`loading/lazy.py`)."""
+    other entries pass through. Values may be tensors or lazy readers (`loading/lazy.py`).
+
+    Every layout also takes llama.cpp's GGUF form, as loading/ names its tensors: `experts.gate_proj.weight`,
+    `experts.up_proj.weight` [E, I, H] and `experts.down_proj.weight` [E, H, I] (ffn_*_exps)."""
+    weights = _merge_gguf_stacks(weights)
     if layout in _PER_EXPERT_NAMES:
         return _stack_per_expert(weights, _PER_EXPERT_NAMES[layout])
     if layout == "granite":
@@ -444,6 +449,17 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     if layout == "stacked":
         return dict(weights)
     raise ValueError(f"unknown MoE checkpoint layout {layout!r}")
+
+
+def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
+    kept = dict(weights)
+    for gate in [k for k in weights if k == "experts.gate_proj.weight" or k.endswith(".experts.gate_proj.weight")]:
+        prefix = gate[:-len("gate_proj.weight")]
+        up, down = f"{prefix}up_proj.weight", f"{prefix}down_proj.weight"
+        kept[f"{prefix}gate_up_proj"] = _combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
+        kept[f"{prefix}down_proj"] = kept.pop(down)
+        del kept[gate], kept[up]
+    return kept
 
 
 def _stack_per_expert(weights: dict[str, Value], names: dict[str, str]) -> dict[str, Value]:

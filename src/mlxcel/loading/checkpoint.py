@@ -38,6 +38,9 @@ GGUF_CONFIG_KEYS = {
     "attention.sliding_window": "sliding_window",
     "rope.freq_base": "rope_theta",
     "nextn_predict_layers": "num_nextn_predict_layers",  # MTP layers (F10's decision reads it)
+    "expert_count": "num_experts",  # mixture-of-experts families (issue 40)
+    "expert_used_count": "num_experts_per_tok",
+    "expert_feed_forward_length": "moe_intermediate_size",
 }
 
 # GGUF tensor name (per-layer part after "blk.N.") -> HF name; families may override entries.

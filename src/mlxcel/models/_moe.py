@@ -1,27 +1,70 @@
-"""What the mixture-of-experts families share: their MoE layers over layers/moe.py."""
+"""What the mixture-of-experts families share: their MoE layers over layers/moe.py.
+
+A family's `ModelArgs` puts `MoEArgs` before its dense base and names its router (`MOE_ROUTER`,
+`MOE_OPTIONS`), the checkpoint's module name of the block (`MOE_BLOCK`) and which layers are MoE
+(`is_moe_layer`); its `Model` is a `MoEDecoderLM` naming the checkpoint's expert layout."""
 
 from __future__ import annotations
 
 import re
+from collections.abc import Mapping
 from dataclasses import fields, replace
 from functools import partial
-from typing import Any
+from typing import Any, ClassVar
 
-from mlxcel.layers.decoder import DecoderArgs, LayerRecipe
-from mlxcel.layers.moe import MoE, MoESpec
+import torch
+
+from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe
+from mlxcel.layers.moe import Layout, MoE, MoESpec, RouterKind, moe_spec_from_config, sanitize_moe
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
+# llama.cpp's MoE tensors (after "blk.N.") -> the names `layers.moe.sanitize_moe` stacks from.
+GGUF_MOE_NAMES = {
+    "ffn_gate_inp": "mlp.gate",
+    "ffn_gate_exps": "mlp.experts.gate_proj",
+    "ffn_up_exps": "mlp.experts.up_proj",
+    "ffn_down_exps": "mlp.experts.down_proj",
+}
 
-def config_of(args: DecoderArgs) -> dict[str, Any]:
+
+class MoEArgs:
+    """Mixin for a `DecoderArgs` subclass: layer i's dense MLP becomes an MoE where `is_moe_layer(i)`."""
+
+    MOE_ROUTER: ClassVar[RouterKind] = "softmax"
+    MOE_OPTIONS: ClassVar[Mapping[str, Any]] = {}  # MoESpec / RouterSpec fields the config does not say
+    MOE_BLOCK: ClassVar[str] = "mlp"
+
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return True
+
+    def moe_spec(self) -> MoESpec:
+        return moe_spec_from_config(config_of(self), self.MOE_ROUTER, **self.MOE_OPTIONS)
+
+    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
+        recipe = super().layer_recipe(layer_idx)  # type: ignore[misc]
+        if not self.is_moe_layer(layer_idx):
+            return recipe
+        return replace(recipe, mlp=None, feed_forward=partial(MoE, self.moe_spec()), mlp_name=self.MOE_BLOCK)
+
+
+class MoEDecoderLM(DecoderLM):
+    """A decoder whose checkpoint stores its experts in `MOE_LAYOUT` (`layers.moe.sanitize_moe`)."""
+
+    MOE_LAYOUT: ClassVar[Layout] = "per_expert"
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        # Layers past the last decoder layer are the MTP layers DeepSeek-V3 / GLM-4.5 carry: not served here.
+        kept = {k: v for k, v in weights.items()
+                if not (m := _LAYER.match(k)) or int(m.group(1)) < args.num_hidden_layers}
+        return super().sanitize(sanitize_moe(kept, cls.MOE_LAYOUT), args)
+
+
+def config_of(args: Any) -> dict[str, Any]:
     """The family's config as a dict again (its fields over the keys it keeps in `extra`), for
     `layers.moe.moe_spec_from_config`, which reads the usual HF MoE keys."""
     return {**args.extra, **{f.name: getattr(args, f.name) for f in fields(args) if f.name != "extra"}}
-
-
-def moe_layer(recipe: LayerRecipe, spec: MoESpec, name: str = "mlp") -> LayerRecipe:
-    """`recipe` with its dense MLP replaced by an MoE block at the checkpoint's module `name`."""
-    return replace(recipe, mlp=None, feed_forward=partial(MoE, spec), mlp_name=name)
 
 
 def is_sparse_layer(args: DecoderArgs, layer_idx: int) -> bool:
@@ -30,9 +73,3 @@ def is_sparse_layer(args: DecoderArgs, layer_idx: int) -> bool:
     step, dense = config.get("decoder_sparse_step") or 1, config.get("mlp_only_layers") or ()
     num_experts = config.get("num_experts") or config.get("num_local_experts") or 0  # transformers 5 saves the latter
     return layer_idx not in dense and num_experts > 0 and (layer_idx + 1) % step == 0
-
-
-def decoder_layers_only(weights: dict[str, Any], num_layers: int) -> dict[str, Any]:
-    """Without the layers past the last decoder layer: the MTP layers DeepSeek-V3 and GLM-4.5
-    checkpoints carry (not served here)."""
-    return {k: v for k, v in weights.items() if not (m := _LAYER.match(k)) or int(m.group(1)) < num_layers}

@@ -7,17 +7,14 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-import torch
-
-from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe, RopeRecipe
+from mlxcel.layers.decoder import DecoderArgs, RopeRecipe
 from mlxcel.layers.mla import MLARecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
 from mlxcel.layers.rope import rope_type
-from mlxcel.models._moe import config_of, decoder_layers_only, moe_layer
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(MoEArgs, DecoderArgs):
     q_lora_rank: int | None = 1536
     kv_lora_rank: int = 512
     qk_nope_head_dim: int = 128
@@ -27,6 +24,8 @@ class ModelArgs(DecoderArgs):
     first_k_dense_replace: int = 3
     n_routed_experts: int | None = 256
     moe_intermediate_size: int = 2048
+
+    MOE_ROUTER = "sigmoid_grouped"
 
     @property
     def kv_heads(self) -> int:
@@ -57,17 +56,6 @@ class ModelArgs(DecoderArgs):
     def is_moe_layer(self, layer_idx: int) -> bool:
         return bool(self.n_routed_experts) and layer_idx >= self.first_k_dense_replace
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        recipe = super().layer_recipe(layer_idx)
-        if not self.is_moe_layer(layer_idx):
-            return recipe
-        return moe_layer(recipe, moe_spec_from_config(config_of(self), "sigmoid_grouped"))
 
-
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        kept = decoder_layers_only(weights, args.num_hidden_layers)
-        return super().sanitize(sanitize_moe(kept, "per_expert"), args)

@@ -8,19 +8,18 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
-from mlxcel.models._moe import config_of, decoder_layers_only, moe_layer
+from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(MoEArgs, DecoderArgs):
     rms_norm_eps: float = 1e-5
     partial_rotary_factor: float = 0.5
     use_qk_norm: bool = False
     first_k_dense_replace: int = 1
+
+    MOE_ROUTER = "sigmoid_grouped"
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -32,17 +31,9 @@ class ModelArgs(DecoderArgs):
         return replace(super().attention_recipe(layer_idx), o_bias=False,
                        qk_norm="head" if self.use_qk_norm else None)
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        recipe = super().layer_recipe(layer_idx)
-        if layer_idx < self.first_k_dense_replace:
-            return recipe
-        return moe_layer(recipe, moe_spec_from_config(config_of(self), "sigmoid_grouped"))
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return layer_idx >= self.first_k_dense_replace
 
 
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        kept = decoder_layers_only(weights, args.num_hidden_layers)
-        return super().sanitize(sanitize_moe(kept, "per_expert"), args)

@@ -10,32 +10,24 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
-from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
-from mlxcel.models._moe import config_of, moe_layer
+from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(MoEArgs, DecoderArgs):
     rms_norm_eps: float = 1e-5
     attention_bias: bool = True
     head_dim: int | None = 64
     rope_theta: float = 150000.0
 
+    MOE_ROUTER = "topk_softmax"
+    MOE_OPTIONS = {"has_bias": True, "has_expert_bias": True, "activation": "swiglu_clamped"}
+
     def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
         return replace(super().attention_recipe(layer_idx), has_sinks=True)
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        spec = moe_spec_from_config(config_of(self), "topk_softmax", has_bias=True, has_expert_bias=True,
-                                    activation="swiglu_clamped")
-        return moe_layer(super().layer_recipe(layer_idx), spec)
 
-
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "gpt_oss"), args)
+    MOE_LAYOUT = "gpt_oss"

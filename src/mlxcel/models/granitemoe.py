@@ -6,24 +6,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
-from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
 from mlxcel.models import granite
-from mlxcel.models._moe import config_of, moe_layer
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(granite.ModelArgs):
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        spec = moe_spec_from_config(config_of(self), "topk_softmax")
-        return moe_layer(super().layer_recipe(layer_idx), spec, "block_sparse_moe")
+class ModelArgs(MoEArgs, granite.ModelArgs):
+    MOE_ROUTER = "topk_softmax"
+    MOE_BLOCK = "block_sparse_moe"
 
 
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "granite"), args)
+    MOE_LAYOUT = "granite"

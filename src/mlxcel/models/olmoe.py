@@ -6,15 +6,12 @@ from __future__ import annotations
 from dataclasses import dataclass, replace
 from typing import Any
 
-import torch
-
-from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
-from mlxcel.models._moe import config_of, moe_layer
+from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(MoEArgs, DecoderArgs):
     rms_norm_eps: float = 1e-5
 
     @classmethod
@@ -26,13 +23,6 @@ class ModelArgs(DecoderArgs):
     def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
         return replace(super().attention_recipe(layer_idx), qk_norm="full")
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        return moe_layer(super().layer_recipe(layer_idx), moe_spec_from_config(config_of(self), "softmax"))
 
-
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "per_expert"), args)

@@ -7,19 +7,20 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Any
 
-import torch
 from torch import nn
 
-from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe, NormRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
-from mlxcel.models._moe import config_of, moe_layer
+from mlxcel.layers.decoder import DecoderArgs, NormRecipe
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(MoEArgs, DecoderArgs):
     rms_norm_eps: float = 1e-5
     rope_theta: float = 1e6
     lm_head_bias: bool = False
+
+    MOE_ROUTER = "sparsemixer"
+    MOE_BLOCK = "block_sparse_moe"
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -38,19 +39,12 @@ class ModelArgs(DecoderArgs):
     def layer_window(self, layer_idx: int) -> int | None:
         return self.sliding_window or None
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        spec = moe_spec_from_config(config_of(self), "sparsemixer")
-        return moe_layer(super().layer_recipe(layer_idx), spec, "block_sparse_moe")
 
-
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
+    MOE_LAYOUT = "mixtral"
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
         if args.lm_head_bias and not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=True)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "mixtral"), args)

@@ -6,32 +6,23 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 
-import torch
-
-from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
+from mlxcel.layers.decoder import AttentionRecipe
 from mlxcel.models import qwen2
-from mlxcel.models._moe import config_of, is_sparse_layer, moe_layer
+from mlxcel.models._moe import MoEArgs, MoEDecoderLM, is_sparse_layer
 
 
 @dataclass(frozen=True)
-class ModelArgs(qwen2.ModelArgs):
+class ModelArgs(MoEArgs, qwen2.ModelArgs):
     qkv_bias: bool = True
+
+    MOE_OPTIONS = {"shared_name": "shared_expert", "is_shared_gated": True}
 
     def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
         return replace(super().attention_recipe(layer_idx), q_bias=self.qkv_bias, kv_bias=self.qkv_bias)
 
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        recipe = super().layer_recipe(layer_idx)
-        if not is_sparse_layer(self, layer_idx):
-            return recipe
-        spec = moe_spec_from_config(config_of(self), "softmax", shared_name="shared_expert", is_shared_gated=True)
-        return moe_layer(recipe, spec)
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return is_sparse_layer(self, layer_idx)
 
 
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "per_expert"), args)

@@ -4,27 +4,27 @@ softmax-routed MoE, top-k renormalised when `norm_topk_prob`; no shared expert."
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
-import torch
-
-from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe
-from mlxcel.layers.moe import moe_spec_from_config, sanitize_moe
 from mlxcel.models import qwen3
-from mlxcel.models._moe import config_of, is_sparse_layer, moe_layer
+from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM, is_sparse_layer
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
+
+GGUF_LAYER_NAMES = GGUF_MOE_NAMES
 
 
 @dataclass(frozen=True)
-class ModelArgs(qwen3.ModelArgs):
-    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
-        recipe = super().layer_recipe(layer_idx)
-        if not is_sparse_layer(self, layer_idx):
-            return recipe
-        return moe_layer(recipe, moe_spec_from_config(config_of(self), "softmax"))
+class ModelArgs(MoEArgs, qwen3.ModelArgs):
+    def is_moe_layer(self, layer_idx: int) -> bool:
+        return is_sparse_layer(self, layer_idx)
 
 
-class Model(DecoderLM):
+class Model(MoEDecoderLM):
     ARGS = ModelArgs
 
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize(sanitize_moe(weights, "per_expert"), args)
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """llama.cpp's qwen3moe always renormalises the top-k weights (Qwen3-MoE's norm_topk_prob)."""
+    return {"norm_topk_prob": True, **qwen3.gguf_config(config, gguf)}
