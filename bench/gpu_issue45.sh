@@ -45,7 +45,8 @@ if [[ $phase == build ]]; then
     xz -T16 -3 -c "$BIN" >"$W/llama-server.xz" && ls -la "$W/llama-server.xz"
     split -b 15M -d "$W/llama-server.xz" "$OUT/llama-server.xz.part"
     left=$(( 570 - $(elapsed) ))
-    if (( left > 150 )); then side_by_side "$left" --random-qwen15 --widths 1,16,64,256; fi
+    # llama.cpp first: it starts in seconds, so a cut-short run still has one server's figures in full
+    if (( left > 120 )); then side_by_side "$left" --random-qwen15 --widths 1,16,64,256 --servers llama.cpp,mlxcel; fi
   fi
 elif [[ $phase == bench ]]; then
   if [[ -f $W/smol.part-a && -f smol.part-b ]]; then
