@@ -5,7 +5,8 @@
 set -euo pipefail
 git_dir=${1:?usage: gpu_llama_src.sh GIT_DIR OUT.tar.xz}
 out=${2:?usage: gpu_llama_src.sh GIT_DIR OUT.tar.xz}
-keep=(CMakeLists.txt LICENSE cmake common ggml include src tools vendor licenses convert_hf_to_gguf.py conversion gguf-py)
+keep=(CMakeLists.txt LICENSE cmake common ggml include src tools vendor licenses convert_hf_to_gguf.py conversion gguf-py
+      scripts/ui-assets.cmake)  # ui-assets.cmake: llama-ui's build step runs it even with LLAMA_BUILD_UI=OFF
 drop=()
 for backend in cann et hexagon hip metal musa opencl openvino sycl virtgpu vulkan webgpu zdnn zendnn blas; do
   drop+=(":(exclude)ggml/src/ggml-$backend")
