@@ -98,7 +98,7 @@ LAYOUTS: dict[str, Layout] = {
     "smollm3": Layout("smollm3", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "granite": Layout("granite", permute_qk=True, vocab_size_key=True, rope_dims=True, extra=_granite),
     "olmo2": Layout("olmo2", POST_NORM_NAMES, extra=_window_pattern),
-    "seed_oss": Layout("seed_oss"),
+    "seed_oss": Layout("seed_oss", {"post_attention_layernorm": "post_attention_norm"}),
     "hunyuan_v1_dense": Layout("hunyuan-dense", {"self_attn.query_layernorm": "attn_q_norm",
                                                  "self_attn.key_layernorm": "attn_k_norm"}, extra=_hunyuan),
     "glm4": Layout("glm4", {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",

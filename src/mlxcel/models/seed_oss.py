@@ -29,3 +29,7 @@ def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """The file has no bias flags: the bias tensors it holds say which projections have one."""
     return {**config, "attention_bias": has_layer_tensor(gguf, "attn_q.bias"),
             "attention_out_bias": has_layer_tensor(gguf, "attn_output.bias")}
+
+
+# llama.cpp's seed_oss names the norm before the MLP `post_attention_norm` (it has no `ffn_norm`).
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm"}
