@@ -22,6 +22,7 @@ import torch
 from mlxcel.layers.quant import Int4Levels, Int8Levels
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile
+from mlxcel.models._gguf import sliding_layer_types
 
 log = logging.getLogger(__name__)
 
@@ -36,6 +37,9 @@ GGUF_CONFIG_KEYS = {
     "attention.key_length": "head_dim",
     "attention.layer_norm_rms_epsilon": "rms_norm_eps",
     "attention.sliding_window": "sliding_window",
+    "attention.layer_norm_epsilon": "layer_norm_eps",
+    "attn_logit_softcapping": "attn_logit_softcapping",
+    "final_logit_softcapping": "final_logit_softcapping",
     "rope.freq_base": "rope_theta",
     "nextn_predict_layers": "num_nextn_predict_layers",  # MTP layers (F10's decision reads it)
     "expert_count": "num_experts",  # mixture-of-experts families (issue 40)
@@ -56,6 +60,16 @@ GGUF_LAYER_NAMES = {
     "ffn_gate": "mlp.gate_proj",
     "ffn_up": "mlp.up_proj",
     "ffn_down": "mlp.down_proj",
+}
+# GGUF general.architecture -> our model_type, where llama.cpp names it otherwise (one table:
+# every other architecture is its model_type). Mistral and Mixtral are written as "llama".
+GGUF_ARCHITECTURES = {
+    "hunyuan-dense": "hunyuan_v1_dense",
+    "qwen2moe": "qwen2_moe",
+    "qwen3moe": "qwen3_moe",
+    "gpt-oss": "gpt_oss",
+    "glm4moe": "glm4_moe",
+    "ernie4_5-moe": "ernie4_5_moe",
 }
 GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -114,13 +128,19 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
     arch = gguf.architecture
     if not arch:
         raise ModelLoadError(f"{gguf.path}: GGUF metadata has no general.architecture")
-    config: dict[str, Any] = {"model_type": arch}
+    model_type = GGUF_ARCHITECTURES.get(arch, arch)
+    config: dict[str, Any] = {"model_type": model_type}
     for key, hf_key in GGUF_CONFIG_KEYS.items():
         value = gguf.arch_value(key)
         if value is not None:
             config[hf_key] = value
+    _head_fields(config, gguf)
+    if (layer_types := sliding_layer_types(gguf, config.get("num_hidden_layers", 0), None)) is not None:
+        config["layer_types"] = layer_types
     tokens = gguf.metadata.get("tokenizer.ggml.tokens")
-    config["vocab_size"] = gguf.arch_value("vocab_size") or (len(tokens) if tokens else None)
+    embedding = gguf.tensors.get("token_embd.weight")  # converters for some architectures write no vocab_size
+    config["vocab_size"] = (gguf.arch_value("vocab_size") or (len(tokens) if tokens else None)
+                            or (embedding.shape[0] if embedding is not None else None))
     config["tie_word_embeddings"] = "output.weight" not in gguf.tensors
     scaling_type = gguf.arch_value("rope.scaling.type")
     if scaling_type and scaling_type != "none":
@@ -129,9 +149,20 @@ def gguf_config(gguf: GGUFFile) -> dict[str, Any]:
             "factor": gguf.arch_value("rope.scaling.factor", 1.0),
             "original_max_position_embeddings": gguf.arch_value("rope.scaling.original_context_length"),
         }
-    module = family_module(arch, kind="GGUF architecture")
+    module = family_module(model_type, kind="GGUF architecture")
     refine: Callable[[dict[str, Any], GGUFFile], dict[str, Any]] | None = getattr(module, "gguf_config", None)
     return refine(config, gguf) if refine else config
+
+
+def _head_fields(config: dict[str, Any], gguf: GGUFFile) -> None:
+    """head_dim (llama.cpp leaves `key_length` out when heads split the hidden size evenly) and
+    partial rotary from `rope.dimension_count` (the rotated dimensions of a head)."""
+    if "hidden_size" not in config or not config.get("num_attention_heads"):
+        return
+    head_dim = config.setdefault("head_dim", config["hidden_size"] // config["num_attention_heads"])
+    rope_dim = gguf.arch_value("rope.dimension_count")
+    if rope_dim and rope_dim != head_dim:
+        config["partial_rotary_factor"] = rope_dim / head_dim
 
 
 def gguf_state_dict(gguf: GGUFFile, module: ModuleType, config: dict[str, Any]) -> dict[str, torch.Tensor]:

@@ -6,9 +6,13 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe, NormRecipe, RopeRecipe
+from mlxcel.models._gguf import sliding_layer_types
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -34,3 +38,9 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """`logit_scale` is its own key; every 4th layer is global unless the file gives a pattern (llama.cpp)."""
+    layer_types = sliding_layer_types(gguf, config["num_hidden_layers"], 4)
+    return {**config, "logit_scale": gguf.arch_value("logit_scale", 0.0625), "layer_types": layer_types}

@@ -4,8 +4,13 @@ biases on every projection where `use_bias` is set."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, RopeRecipe
+from mlxcel.models._gguf import has_layer_tensor
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -26,3 +31,7 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    return {**config, "use_bias": has_layer_tensor(gguf, "attn_q.bias")}

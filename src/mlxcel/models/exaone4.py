@@ -5,10 +5,14 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, RopeRecipe
-from mlxcel.models.olmo2 import POST_NORMS
+from mlxcel.models._gguf import sliding_layer_types
+from mlxcel.models.olmo2 import GGUF_LAYER_NAMES, POST_NORMS
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -29,3 +33,16 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """As llama.cpp reads it: a pattern in the file, else every 4th layer global for the 32B (64
+    layers) alone; without sliding layers every layer has rope and no window."""
+    layers = config["num_hidden_layers"]
+    layer_types = sliding_layer_types(gguf, layers, 4 if layers == 64 else None)
+    if layer_types is None:
+        return {**config, "sliding_window": None, "layer_types": None}
+    return {**config, "sliding_window": config.get("sliding_window") or 4096, "layer_types": layer_types}
+
+
+__all__ = ["GGUF_LAYER_NAMES", "Model", "ModelArgs", "gguf_config"]

@@ -5,10 +5,14 @@ sliding and global layers alternate."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderLM, RopeRecipe
 from mlxcel.models import gemma3
+from mlxcel.models._gguf import unshift_norms
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -31,3 +35,15 @@ class ModelArgs(gemma3.ModelArgs):
 
 class Model(gemma3.Model):
     ARGS = ModelArgs
+
+
+GGUF_LAYER_NAMES = gemma3.GGUF_LAYER_NAMES
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """llama.cpp fixes the query scale in code (by the 27B's 46 layers); the converter writes no rope
+    base (llama.cpp's default 10000 is Gemma 2's)."""
+    return {"rope_theta": 10_000.0, **config, "query_pre_attn_scalar": gemma3.gemma_query_scalar(config, 46)}
+
+
+fix_gguf_weights = unshift_norms  # the converter stores (1 + w)

@@ -17,6 +17,7 @@ from mlxcel.layers.decoder import (
     FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe, RopeRecipe, activation,
 )
 from mlxcel.layers.rope import rope_settings
+from mlxcel.models._gguf import unshift_norms
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -134,18 +135,18 @@ GGUF_LAYER_NAMES = {
 
 
 def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
-    """Settings llama.cpp fixes in code for gemma3 rather than storing them in the file."""
-    config = {**config, "rope_local_base_freq": 10_000.0, "sliding_window_pattern": 6}
-    # llama.cpp: 27B (62 layers) scales queries by hidden/heads, every other size by head_dim.
-    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
-    is_27b = config["num_hidden_layers"] == 62
-    config["query_pre_attn_scalar"] = config["hidden_size"] // config["num_attention_heads"] if is_27b else head_dim
+    """Settings llama.cpp fixes in code for gemma3 rather than storing them in the file: every 6th
+    layer global unless the file gives a pattern, local rope theta 10000 unless `rope.freq_base_swa`."""
+    config = {**config, "rope_local_base_freq": gguf.arch_value("rope.freq_base_swa", 10_000.0),
+              "sliding_window_pattern": 6, "query_pre_attn_scalar": gemma_query_scalar(config, 62)}
     return config
 
 
-def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """llama.cpp's converter stores every Gemma norm as (1 + w); the HF weight is w."""
-    for name in list(state):
-        if name.endswith("norm.weight"):
-            state[name] = state[name] - 1.0
-    return state
+def gemma_query_scalar(config: dict[str, Any], layers_of_27b: int) -> int:
+    """llama.cpp: the 27B (by its layer count) scales queries by hidden/heads, every other size by head_dim."""
+    if config["num_hidden_layers"] == layers_of_27b:
+        return config["hidden_size"] // config["num_attention_heads"]
+    return config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+
+
+fix_gguf_weights = unshift_norms  # the converter stores (1 + w)

@@ -5,11 +5,15 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, replace
-from typing import ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, RopeRecipe, split_fused
+from mlxcel.models._gguf import has_layer_tensor
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 GLM_NORMS = {"attn_in": "input_layernorm", "attn_out": "post_self_attn_layernorm",
              "mlp_in": "post_attention_layernorm", "mlp_out": "post_mlp_layernorm"}
@@ -36,3 +40,12 @@ class Model(DecoderLM):
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         split_fused(weights, "gate_up_proj", {"gate_proj": args.intermediate_size, "up_proj": None})
         return super().sanitize(weights, args)
+
+
+# Sandwich norms under llama.cpp's names; `ffn_up` is the fused [gate; up] (split by `sanitize`).
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_self_attn_layernorm", "post_ffw_norm": "post_mlp_layernorm",
+                    "ffn_up": "mlp.gate_up_proj"}
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    return {**config, "attention_bias": has_layer_tensor(gguf, "attn_q.bias")}

@@ -5,8 +5,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe
+from mlxcel.models._gguf import unpermute_qk
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -34,3 +39,16 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+# GGUF key (after "granite.") -> Granite's multiplier; the converter renames each `_multiplier` `_scale`.
+GGUF_MULTIPLIERS = {"attention.scale": "attention_multiplier", "embedding_scale": "embedding_multiplier",
+                    "residual_scale": "residual_multiplier", "logit_scale": "logits_scaling"}
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    found = {hf: value for key, hf in GGUF_MULTIPLIERS.items() if (value := gguf.arch_value(key)) is not None}
+    return {**config, **found}
+
+
+fix_gguf_weights = unpermute_qk  # converted as a LlamaModel: q/k rows permuted

@@ -32,3 +32,8 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+# llama.cpp's arch "hunyuan-dense" (loading/checkpoint.py's GGUF_ARCHITECTURES). Its converter
+# writes the NTK-alpha base already scaled (rope.freq_base) with scaling type none.
+GGUF_LAYER_NAMES = {"attn_q_norm": "self_attn.query_layernorm", "attn_k_norm": "self_attn.key_layernorm"}

@@ -5,9 +5,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
-import torch
-
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM
+from mlxcel.models._gguf import unpermute_qk
 
 if TYPE_CHECKING:
     from mlxcel.models._gguf import GGUFTensors
@@ -25,12 +24,6 @@ class Model(DecoderLM):
     ARGS = ModelArgs
 
 
-def _unpermute(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
-    # llama.cpp's converter interleaves each head's rotary halves; HF keeps them split.
-    head_dim = weight.shape[0] // num_heads // 2
-    return weight.reshape(num_heads, head_dim, 2, *weight.shape[1:]).swapaxes(1, 2).reshape(weight.shape)
-
-
 def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """Llama 3.x GGUFs carry their rope scaling as a `rope_freqs` tensor, not as metadata."""
     if "rope_freqs.weight" in gguf.tensors:
@@ -39,13 +32,5 @@ def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     return config
 
 
-def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
-    """Undo the q/k row permutation that GGUF applies to Llama attention weights."""
-    heads = config["num_attention_heads"]
-    kv_heads = config.get("num_key_value_heads") or heads
-    for name in list(state):
-        if name.endswith("self_attn.q_proj.weight"):
-            state[name] = _unpermute(state[name], heads)
-        elif name.endswith("self_attn.k_proj.weight"):
-            state[name] = _unpermute(state[name], kv_heads)
-    return state
+# llama.cpp's converter interleaves each head's rotary halves of q and k (its `permute`).
+fix_gguf_weights = unpermute_qk

@@ -24,3 +24,7 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+# Norms after attention and MLP (llama.cpp's post_attention_norm / post_ffw_norm).
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm", "post_ffw_norm": "post_feedforward_layernorm"}

@@ -3,13 +3,9 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import TYPE_CHECKING, Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderLM
 from mlxcel.models import qwen2
-
-if TYPE_CHECKING:
-    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -24,10 +20,3 @@ class ModelArgs(qwen2.ModelArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
-
-
-def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
-    """GGUF leaves out `key_length` when heads split the hidden size evenly (llama.cpp's default)."""
-    if "head_dim" not in config:
-        config = {**config, "head_dim": config["hidden_size"] // config["num_attention_heads"]}
-    return config

@@ -4,8 +4,13 @@ projection's own (`attention_out_bias`)."""
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM
+from mlxcel.models._gguf import has_layer_tensor
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -18,3 +23,13 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """The file has no bias flags: the bias tensors it holds say which projections have one."""
+    return {**config, "attention_bias": has_layer_tensor(gguf, "attn_q.bias"),
+            "attention_out_bias": has_layer_tensor(gguf, "attn_output.bias")}
+
+
+# llama.cpp's seed_oss names the norm before the MLP `post_attention_norm` (it has no `ffn_norm`).
+GGUF_LAYER_NAMES = {"post_attention_norm": "post_attention_layernorm"}

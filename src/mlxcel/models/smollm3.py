@@ -7,6 +7,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM, RopeRecipe
+from mlxcel.models._gguf import unpermute_qk
 
 
 @dataclass(frozen=True)
@@ -33,3 +34,11 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+def gguf_config(config: dict[str, Any], gguf: object) -> dict[str, Any]:
+    """llama.cpp fixes the no-rope step at 4 in code (`n_no_rope_layer_step`); the file has no key."""
+    return {**config, "no_rope_layer_interval": 4}
+
+
+fix_gguf_weights = unpermute_qk  # converted as a LlamaModel: q/k rows permuted

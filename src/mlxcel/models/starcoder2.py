@@ -4,7 +4,13 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
+from typing import TYPE_CHECKING, Any
+
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe
+from mlxcel.models._gguf import has_layer_tensor
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -30,3 +36,12 @@ class ModelArgs(DecoderArgs):
 
 class Model(DecoderLM):
     ARGS = ModelArgs
+
+
+GGUF_LAYER_NAMES = {"ffn_up": "mlp.c_fc", "ffn_down": "mlp.c_proj"}
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """LayerNorm eps under its GGUF key; biases known by their tensors (the converter writes no window)."""
+    return {**config, "norm_epsilon": config.get("layer_norm_eps", 1e-5),
+            "use_bias": has_layer_tensor(gguf, "attn_q.bias")}

@@ -1,0 +1,211 @@
+"""A tiny transformers model written as a GGUF exactly as llama.cpp's convert_hf_to_gguf.py writes
+its architecture (issue 40): the architecture name, the `<arch>.` metadata keys, tensor names and
+the layout changes (Llama's q/k row permutation, Gemma's (1 + w) norms, rope factor tensors).
+Each entry was checked against the converter's own output (test_gguf_families.py's converter test).
+No tokenizer is written: the loader needs none, and the converter's is compared apart."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from torch import nn
+
+from .harness import llama3_freq_factors
+
+
+@dataclass(frozen=True)
+class Layout:
+    """How the converter writes one HF architecture."""
+
+    arch: str
+    names: dict[str, str] = field(default_factory=dict)  # HF per-layer part -> GGUF part, beyond LLAMA_NAMES
+    permute_qk: bool = False  # LlamaModel subclasses (llama, mistral, smollm3, granite)
+    norm_plus_one: bool = False  # Gemma
+    vocab_size_key: bool = False
+    rope_dims: bool = False  # writes rope.dimension_count
+    extra: Callable[[Any, dict[str, Any]], None] | None = None  # family metadata
+    drop_head: bool = False  # gemma2: lm_head.weight skipped
+
+
+LLAMA_NAMES = {
+    "input_layernorm": "attn_norm", "self_attn.q_proj": "attn_q", "self_attn.k_proj": "attn_k",
+    "self_attn.v_proj": "attn_v", "self_attn.o_proj": "attn_output", "self_attn.q_norm": "attn_q_norm",
+    "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
+    "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
+}
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
+               "post_feedforward_layernorm": "post_ffw_norm"}
+POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
+
+
+def _window_pattern(cfg: Any, meta: dict[str, Any]) -> None:
+    if getattr(cfg, "sliding_window", None) is not None:
+        meta["attention.sliding_window"] = cfg.sliding_window
+        if getattr(cfg, "layer_types", None):
+            meta["attention.sliding_window_pattern"] = [t == "sliding_attention" for t in cfg.layer_types]
+
+
+def _gemma2(cfg: Any, meta: dict[str, Any]) -> None:
+    meta.pop("rope.freq_base")
+    meta.update({"attn_logit_softcapping": cfg.attn_logit_softcapping,
+                 "final_logit_softcapping": cfg.final_logit_softcapping, "attention.sliding_window": cfg.sliding_window})
+
+
+def _gemma3(cfg: Any, meta: dict[str, Any]) -> None:
+    meta["attention.sliding_window"] = cfg.sliding_window
+    if (local := cfg.rope_parameters.get("sliding_attention", {}).get("rope_theta")) is not None:
+        meta["rope.freq_base_swa"] = local
+
+
+def _cohere2(cfg: Any, meta: dict[str, Any]) -> None:
+    meta.update({"logit_scale": cfg.logit_scale, "attention.sliding_window": cfg.sliding_window})
+
+
+def _granite(cfg: Any, meta: dict[str, Any]) -> None:
+    meta.update({"attention.scale": cfg.attention_multiplier, "embedding_scale": cfg.embedding_multiplier,
+                 "residual_scale": cfg.residual_multiplier, "logit_scale": cfg.logits_scaling})
+
+
+def _hunyuan(cfg: Any, meta: dict[str, Any]) -> None:
+    rope = cfg.rope_parameters
+    dim = cfg.head_dim
+    meta.update({"rope.freq_base": rope["rope_theta"] * rope["alpha"] ** (dim / (dim - 2)),
+                 "rope.scaling.type": "none", "rope.scaling.factor": 1.0,
+                 "rope.scaling.original_context_length": 256 * 1024, "context_length": 256 * 1024})
+
+
+def _phi3(cfg: Any, meta: dict[str, Any]) -> None:
+    meta["rope.scaling.original_context_length"] = cfg.rope_parameters["original_max_position_embeddings"]
+    meta["attention.sliding_window"] = cfg.sliding_window or 0
+    scale = cfg.max_position_embeddings / cfg.rope_parameters["original_max_position_embeddings"]
+    if cfg.rope_parameters.get("long_factor"):
+        orig = cfg.rope_parameters["original_max_position_embeddings"]
+        meta["rope.scaling.attn_factor"] = float(np.sqrt(1 + np.log(scale) / np.log(orig))) if scale > 1 else 1.0
+
+
+LAYOUTS: dict[str, Layout] = {
+    "llama": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
+    "mistral": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
+    "qwen2": Layout("qwen2"),
+    "qwen3": Layout("qwen3"),
+    "gemma3_text": Layout("gemma3", GEMMA_NAMES, norm_plus_one=True, extra=_gemma3),
+    "gemma2": Layout("gemma2", GEMMA_NAMES, norm_plus_one=True, extra=_gemma2, drop_head=True),
+    "smollm3": Layout("smollm3", permute_qk=True, vocab_size_key=True, rope_dims=True),
+    "granite": Layout("granite", permute_qk=True, vocab_size_key=True, rope_dims=True, extra=_granite),
+    "olmo2": Layout("olmo2", POST_NORM_NAMES, extra=_window_pattern),
+    "seed_oss": Layout("seed_oss", {"post_attention_layernorm": "post_attention_norm"}),
+    "hunyuan_v1_dense": Layout("hunyuan-dense", {"self_attn.query_layernorm": "attn_q_norm",
+                                                 "self_attn.key_layernorm": "attn_k_norm"}, extra=_hunyuan),
+    "glm4": Layout("glm4", {"post_self_attn_layernorm": "post_attention_norm", "post_mlp_layernorm": "post_ffw_norm",
+                            "mlp.gate_up_proj": "ffn_up"}, rope_dims=True),
+    "exaone4": Layout("exaone4", POST_NORM_NAMES, vocab_size_key=True, extra=_window_pattern),
+    "starcoder2": Layout("starcoder2", {"mlp.c_fc": "ffn_up", "mlp.c_proj": "ffn_down"}),
+    "ernie4_5": Layout("ernie4_5"),
+    "phi3": Layout("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, rope_dims=True,
+                   extra=_phi3),
+    "cohere2": Layout("cohere2", vocab_size_key=True, rope_dims=True, extra=_cohere2),
+}
+
+
+def converter_metadata(cfg: Any, layout: Layout) -> dict[str, Any]:
+    """The `<arch>.` keys (without the prefix) convert_hf_to_gguf.py writes for this config."""
+    raw = cfg.to_dict()
+    rope = cfg.rope_parameters.get("full_attention", cfg.rope_parameters)
+    meta: dict[str, Any] = {
+        "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
+        "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
+        "attention.head_count": cfg.num_attention_heads,
+        "attention.head_count_kv": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "rope.freq_base": rope["rope_theta"],
+    }
+    if (eps := raw.get("rms_norm_eps")) is not None:
+        meta["attention.layer_norm_rms_epsilon"] = eps
+    if (eps := raw.get("layer_norm_eps", raw.get("norm_epsilon"))) is not None:
+        meta["attention.layer_norm_epsilon"] = eps
+    if rope.get("rope_type") in ("linear", "yarn"):
+        meta["rope.scaling.type"] = rope["rope_type"]
+        meta["rope.scaling.factor"] = rope["factor"]
+        if rope["rope_type"] == "yarn":
+            meta["rope.scaling.original_context_length"] = rope["original_max_position_embeddings"]
+    if rope.get("rope_type") == "longrope":
+        meta["rope.scaling.type"] = "longrope"
+    head_dim = raw.get("head_dim")
+    if head_dim is not None and layout.arch != "granite":
+        meta["attention.key_length"] = meta["attention.value_length"] = head_dim
+    if layout.vocab_size_key:
+        meta["vocab_size"] = cfg.vocab_size
+    if layout.rope_dims:
+        full = head_dim or cfg.hidden_size // cfg.num_attention_heads
+        meta["rope.dimension_count"] = int(full * rope.get("partial_rotary_factor", raw.get("partial_rotary_factor") or 1.0))
+    if layout.extra is not None:
+        layout.extra(cfg, meta)
+    return meta
+
+
+def converter_tensors(model: nn.Module, layout: Layout) -> dict[str, np.ndarray]:
+    """GGUF tensor name -> array (numpy order), as the converter writes them (F32)."""
+    cfg = model.config
+    names = {**LLAMA_NAMES, **layout.names}
+    out: dict[str, np.ndarray] = {}
+    for name, tensor in model.state_dict().items():
+        if name == "lm_head.weight" and (cfg.tie_word_embeddings or layout.drop_head):
+            continue
+        stem, kind = name.rsplit(".", 1)
+        if stem.startswith("model.layers."):
+            _, _, idx, part = stem.split(".", 3)
+            gguf_name = f"blk.{idx}.{names[part]}.{kind}"
+        else:
+            gguf_name = f"{GLOBAL_NAMES[stem]}.{kind}"
+        out[gguf_name] = _layout(name, tensor.float().numpy(), cfg, layout)
+    rope = cfg.rope_parameters
+    if rope.get("rope_type") == "llama3":
+        head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
+        out["rope_freqs.weight"] = llama3_freq_factors(rope, head_dim, rope["rope_theta"])
+    if rope.get("rope_type") == "longrope":
+        out["rope_factors_long.weight"] = np.array(rope["long_factor"], dtype=np.float32)
+        out["rope_factors_short.weight"] = np.array(rope["short_factor"], dtype=np.float32)
+    return out
+
+
+def _layout(name: str, array: np.ndarray, cfg: Any, layout: Layout) -> np.ndarray:
+    if layout.permute_qk and name.endswith(("q_proj.weight", "k_proj.weight", "q_proj.bias", "k_proj.bias")):
+        heads = cfg.num_attention_heads if "q_proj" in name else cfg.num_key_value_heads
+        return array.reshape(heads, 2, array.shape[0] // heads // 2, *array.shape[1:]).swapaxes(1, 2).reshape(array.shape)
+    if layout.norm_plus_one and name.endswith("norm.weight"):
+        return array + 1.0
+    return array
+
+
+def write_converter_gguf(model: nn.Module, model_type: str, path: Path) -> Path:
+    """`model` as an F32 GGUF laid out as the converter writes `model_type`."""
+    import gguf
+
+    layout = LAYOUTS[model_type]
+    writer = gguf.GGUFWriter(str(path), layout.arch)
+    for key, value in converter_metadata(model.config, layout).items():
+        _add(writer, f"{layout.arch}.{key}", value)
+    for name, array in converter_tensors(model, layout).items():
+        writer.add_tensor(name, np.ascontiguousarray(array))
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def _add(writer: Any, key: str, value: Any) -> None:
+    if key.endswith("rope.scaling.type"):
+        writer.add_string(key, value)
+    elif isinstance(value, bool):
+        writer.add_bool(key, value)
+    elif isinstance(value, list):
+        writer.add_array(key, value)
+    elif isinstance(value, int):
+        writer.add_uint32(key, value)
+    else:
+        writer.add_float32(key, float(value))
