@@ -201,7 +201,8 @@ def test_issue46_a_named_tool_is_exactly_one_call_whatever_the_seed(sdk: openai.
         assert call.function.name == "get_weather"
         jsonschema.validate(json.loads(call.function.arguments), WEATHER_TOOL["function"]["parameters"])
         response = sdk.responses.create(
-            model="m", input="Weather in Paris, Rome and Oslo?", temperature=1.0, seed=seed, max_output_tokens=60,
+            model="m", input="Weather in Paris, Rome and Oslo?", temperature=1.0, extra_body={"seed": seed},
+            max_output_tokens=60,
             store=False, tool_choice={"type": "function", "name": "get_weather"},
             tools=[{"type": "function", "name": "get_weather", "parameters": WEATHER_TOOL["function"]["parameters"]}])
         assert response.status == "completed" and [i.type for i in response.output] == ["function_call"]
