@@ -16,6 +16,7 @@ from mlxcel.chat.grammar import GrammarProcessor
 from mlxcel.chat.loop_guard import LoopGuard
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import FinishReason
 from tests.chat.wire import chat_options
 
 # Qwen3-like: primes `<think>\n` when thinking is on, renders reasoning_content, teaches <tool_call>.
@@ -162,3 +163,24 @@ def test_completion_processors(features: ChatFeatures) -> None:
     options = chat_options({"thinking_budget_tokens": 4, "json_schema": {"type": "object"}}, max_tokens=16)
     processors = features.completion_processors(options, "<|im_start|>assistant\n<think>\n")
     assert [type(p) for p in processors] == [ReasoningBudget, GrammarProcessor]
+
+
+@pytest.mark.parametrize(("choice", "parallel", "is_one_call"), [
+    ({"type": "function", "function": {"name": "get_weather"}}, True, True),  # a named function: one call (OpenAI)
+    ("required", False, True),  # parallel_tool_calls false caps any forced choice
+    ("required", True, False),  # required with parallel calls: another call may follow
+])
+def test_issue46_a_named_tool_or_parallel_false_ends_the_grammar_after_one_call(
+        features: ChatFeatures, byte_level_tokenizer: Tokenizer, choice: Any, parallel: bool, is_one_call: bool) -> None:
+    """After one whole call, the forced grammar ends the reply; the parser keeps one call too."""
+    no_thinking = {"chat_template_kwargs": {"enable_thinking": False}}  # the grammar starts at the reply's start
+    plan = features.plan_chat(chat_options(no_thinking, tools=TOOLS, tool_choice=choice, parallel_tool_calls=parallel,
+                                           max_tokens=100), QUESTION)
+    render(plan, TOOLS)
+    (grammar,) = [p for p in plan.processors() if isinstance(p, GrammarProcessor)]
+    call = '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>'
+    finishes = [grammar.accept(token) for token in byte_level_tokenizer.encode(call, add_special_tokens=False)]
+    assert not any(finishes[:-1])
+    assert (finishes[-1] is FinishReason.STOP) == is_one_call  # the grammar ended with the call, or goes on
+    starts = [e for e in stream(plan, byte_level_tokenizer, f"{call}\n{call}") if isinstance(e, ToolCallStart)]
+    assert len(starts) == (1 if is_one_call else 2)

@@ -271,7 +271,7 @@ def test_codex_exec_completes_a_turn_over_responses(codex_bin: Path, recorder: R
     events = [json.loads(line) for line in done.stdout.splitlines() if line.startswith("{")]
     kinds = [event.get("type") for event in events]
     if done.returncode != 0:
-        # Codex sends no temperature (1 here) and no output limit: SmolLM2 sometimes runs past -n 256 on this
+        # Codex sends no temperature (llama-server's 0.8 here, issue 46) and no output limit: SmolLM2 sometimes runs past -n 256 on this
         # prompt, our reply is a well-formed `response.incomplete` (max_output_tokens) and Codex fails the turn
         # itself. That is the model's limit, not the protocol's: anything else fails.
         failed = [e for e in events if e.get("type") == "turn.failed"]
