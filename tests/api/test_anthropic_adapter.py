@@ -200,10 +200,11 @@ def test_e1_request_fields_reach_the_engine(tokenizer: Tokenizer, metadata: dict
     [request] = engine.requests
     rendered = ctx.chat_template.render([{"role": "system", "content": "Be brief."}, {"role": "user", "content": "Hi"}])
     assert request.prompt_token_ids == tokenizer.encode(rendered, add_special_tokens=False)
-    assert request.sampling == SamplingParams(temperature=0.3, top_p=0.9, top_k=5, max_tokens=10)
+    assert request.sampling == SamplingParams(temperature=0.3, top_p=0.9, top_k=5, min_p=0.05, max_tokens=10)
     assert request.priority is Priority.LOW and request.cache_prompt is True
     create(ctx, BODY)
-    assert engine.requests[1].sampling == SamplingParams(temperature=1.0, max_tokens=10)  # Anthropic's defaults
+    # Issue 46: no sampling fields -> llama-server's defaults (no server flags, no checkpoint values here).
+    assert engine.requests[1].sampling == SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, max_tokens=10)
 
 
 def test_e1_message_golden(tokenizer: Tokenizer, metadata: dict[str, Any]) -> None:

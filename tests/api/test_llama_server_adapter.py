@@ -252,7 +252,8 @@ def test_server_sampling_defaults_fill_only_the_fields_a_request_left_out() -> N
     from mlxcel.api.context import SamplingDefaults
 
     unset = completion.parse_completion_request({"prompt": "x"})
-    assert completion.with_server_defaults(unset, SamplingDefaults()) is unset  # no server value: as before
+    # No server value and no checkpoint value: llama-server's own defaults, which the native schema has already.
+    assert completion.with_server_defaults(unset, SamplingDefaults()).model_dump() == unset.model_dump()
     server = SamplingDefaults(temperature=0.2, top_k=5, repeat_penalty=1.3)
     filled = completion.with_server_defaults(unset, server)
     assert (filled.temperature, filled.top_k, filled.repeat_penalty, filled.top_p) == (0.2, 5, 1.3, 0.95)

@@ -292,7 +292,8 @@ def test_f2_sampling_fields_golden() -> None:
                                 "extra_body": {"top_k": 5, "seed": 3, "stop": "END", "cache_prompt": False}})
     params = generation_params(FakeContext(), req, {"x-priority": "high"})  # type: ignore[arg-type]
     sampling = chat_options(req).sampling  # the request's options carry its sampling (issue 17)
-    assert sampling == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, seed=3, max_tokens=7, logprobs=2)
+    assert sampling == SamplingParams(temperature=0.5, top_k=5, top_p=0.9, min_p=0.05, seed=3, max_tokens=7, logprobs=2)
     assert params.stop == ("END",) and params.priority is Priority.HIGH and params.cache_prompt is False
     default = chat_options(parse_create_request({"input": "x"})).sampling
-    assert default == SamplingParams(temperature=1.0, max_tokens=None, logprobs=None)
+    # Issue 46: no sampling fields -> llama-server's defaults (no server flags, no checkpoint values here).
+    assert default == SamplingParams(temperature=0.8, top_k=40, top_p=0.95, min_p=0.05, max_tokens=None, logprobs=None)
