@@ -184,6 +184,13 @@ def test_issue26_agents_sdk_default_model_never_calls_an_undeclared_tool(server:
             if "max_output_tokens" not in str(error):
                 pytest.fail(f"seed {seed}: {error}")
             result = error
+        except agents.UserError as error:
+            # Issue 46: a chat call cut by max_tokens comes back as written with finish_reason "length" (as
+            # OpenAI returns it), not closed with made-up arguments; the SDK then fails to parse it, as it
+            # would against OpenAI. A complete call is grammar-bound JSON, so only a cut one lands here.
+            if not isinstance(error.__cause__, json.JSONDecodeError):
+                pytest.fail(f"seed {seed}: {error}")
+            result = error
         assert {name for name, _ in calls} <= DECLARED, (seed, calls)
         if isinstance(result, agents.RunResult):
             assert isinstance(result.final_output, str), (seed, result.final_output)
