@@ -19,6 +19,7 @@ import numpy as np
 import pytest
 
 from mlxcel.loading import ModelLoadError, load_model, resolve_model
+from mlxcel.loading.checkpoint import supported_model_types
 
 from .cli_run import GUARD_EXIT, CliResult, cli_env, finish, run, start
 from .fake_hub import FakeHub
@@ -140,7 +141,8 @@ class BadInput:
     command: str | None = "generate"  # the CLI command it runs through; None: only in-process
 
 
-SUPPORTED = "(supported: gemma3, gemma3_text, llama, mimo, qwen2, qwen3)"
+# every family module is listed, so the line names what a user can load instead
+SUPPORTED = f"(supported: {', '.join(supported_model_types())})"
 BAD_INPUTS = {
     "missing-path": BadInput(lambda f: str(f / "nowhere" / "model.gguf"), ("no such file or folder",)),
     "missing-relative-gguf": BadInput(lambda f: "missing-model.gguf", ("no such file or folder",), None),

@@ -201,9 +201,9 @@ def _write_gguf_metadata(writer: Any, cfg: Any, arch: str) -> None:
 
 
 def _gguf_tensors(model: nn.Module, arch: str) -> list[tuple[str, np.ndarray]]:
-    from mlxcel.loading.checkpoint import GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, family_module
+    from mlxcel.loading.checkpoint import GGUF_ARCHITECTURES, GGUF_GLOBAL_NAMES, GGUF_LAYER_NAMES, family_module
 
-    module = family_module(arch)
+    module = family_module(GGUF_ARCHITECTURES.get(arch, arch), kind="GGUF architecture")
     layer_names = {hf: g for g, hf in {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}.items()}
     global_names = {hf: g for g, hf in GGUF_GLOBAL_NAMES.items()}
     cfg = model.config

@@ -27,4 +27,4 @@ class Model(MoEDecoderLM):
 
 def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
     """llama.cpp's qwen3moe always renormalises the top-k weights (Qwen3-MoE's norm_topk_prob)."""
-    return {"norm_topk_prob": True, **qwen3.gguf_config(config, gguf)}
+    return {"norm_topk_prob": True, **config}

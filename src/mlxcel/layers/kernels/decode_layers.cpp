@@ -33,6 +33,13 @@
 #include <immintrin.h>
 #endif
 
+// The vector paths: AVX-512 where the CPU has it (with VNNI for the 4-bit dot products), else AVX2 with
+// FMA and F16C (Zen 2/3, most desktop CPUs: 8 lanes, the same sums in the same order, so the same bits),
+// else plain loops. -march=native picks one per machine (the build is keyed by the CPU's flags).
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#define MLXCEL_AVX2 1
+#endif
+
 #include <algorithm>
 #include <cmath>
 #include <cstdint>
@@ -151,6 +158,21 @@ struct Scales {
             return _mm512_mul_ps(_mm512_loadu_ps(reinterpret_cast<const float*>(base) + 16 * v), _mm512_cvtepi32_ps(wide));
         }
     }
+#elif defined(MLXCEL_AVX2)
+    // Outputs 8 v .. 8 v + 7 of group g's part.
+    __m256 vec(int64_t g, int64_t part, int64_t v) const {
+        if constexpr (F == Form::F32) {
+            return _mm256_loadu_ps(reinterpret_cast<const float*>(block) + (g * parts + part) * W + 8 * v);
+        } else if constexpr (F == Form::F16) {
+            const uint16_t* h = reinterpret_cast<const uint16_t*>(block) + (g * parts + part) * W + 8 * v;
+            return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(h)));
+        } else {
+            const uint8_t* base = block + ((g / per_unit) * parts + part) * part_bytes();
+            const __m128i subs = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(base + 4 * W + (g % per_unit) * W + 8 * v));
+            const __m256i wide = std::is_signed_v<Sub> ? _mm256_cvtepi8_epi32(subs) : _mm256_cvtepu8_epi32(subs);
+            return _mm256_mul_ps(_mm256_loadu_ps(reinterpret_cast<const float*>(base) + 8 * v), _mm256_cvtepi32_ps(wide));
+        }
+    }
 #endif
 };
 
@@ -237,8 +259,48 @@ void int8_block(const float* x, int64_t in, const int8_t* w, int64_t count, int6
             for (int v = 0; v < 4; ++v) _mm512_storeu_ps(sums + r * OUT_BLOCK + 16 * v, total[r][v]);
         return;
     }
+#elif defined(MLXCEL_AVX2)
+    if (count == OUT_BLOCK) {
+        for (int half = 0; half < 2; ++half) {  // 32 outputs at a time (4 vectors of 8): 16 registers hold no more
+            __m256 acc[ROWS][4], total[ROWS][4];
+            for (int64_t r = 0; r < ROWS; ++r)
+                for (int v = 0; v < 4; ++v) total[r][v] = _mm256_setzero_ps();
+            for (int64_t k0 = 0; k0 < in; k0 += span) {
+                for (int64_t r = 0; r < ROWS; ++r)
+                    for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_setzero_ps();
+                for (int64_t k = k0; k < k0 + span; ++k) {
+                    const int8_t* wk = w + k * OUT_BLOCK + 32 * half;
+                    __m256 weights[4];
+                    for (int v = 0; v < 4; ++v)
+                        weights[v] = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_loadl_epi64(reinterpret_cast<const __m128i*>(wk + 8 * v))));
+                    for (int64_t r = 0; r < ROWS; ++r) {
+                        const __m256 xv = _mm256_set1_ps(x[r * in + k]);
+                        for (int v = 0; v < 4; ++v) acc[r][v] = _mm256_fmadd_ps(weights[v], xv, acc[r][v]);
+                    }
+                }
+                if (group > 0) {
+                    const int64_t g = k0 / group;
+                    for (int v = 0; v < 4; ++v) {
+                        const __m256 scale = scales.vec(g, 0, 4 * half + v);
+                        for (int64_t r = 0; r < ROWS; ++r) total[r][v] = _mm256_fmadd_ps(acc[r][v], scale, total[r][v]);
+                        if (lows) {
+                            const __m256 low = scales.vec(g, 1, 4 * half + v);
+                            for (int64_t r = 0; r < ROWS; ++r)
+                                total[r][v] = _mm256_fmadd_ps(low, _mm256_set1_ps(xsums[r * (in / group) + g]), total[r][v]);
+                        }
+                    }
+                } else {
+                    for (int64_t r = 0; r < ROWS; ++r)
+                        for (int v = 0; v < 4; ++v) total[r][v] = acc[r][v];
+                }
+            }
+            for (int64_t r = 0; r < ROWS; ++r)
+                for (int v = 0; v < 4; ++v) _mm256_storeu_ps(sums + r * OUT_BLOCK + 32 * half + 8 * v, total[r][v]);
+        }
+        return;
+    }
 #endif
-    for (int64_t r = 0; r < ROWS; ++r)  // a partial block (or no AVX-512): the same order, one output at a time
+    for (int64_t r = 0; r < ROWS; ++r)  // a partial block (or no vector path): the same order, one output at a time
         for (int64_t j = 0; j < count; ++j) {
             float total = 0.0f;
             for (int64_t k0 = 0; k0 < in; k0 += span) {
@@ -303,9 +365,31 @@ inline __m512 int6_values(const __m512i* d) {
     }
 }
 
+#endif
+
+#if defined(__AVX512F__) || defined(MLXCEL_AVX2)
 template <typename Body, int... K>
 inline void each_input(Body&& body, std::integer_sequence<int, K...>) {
     (body(std::integral_constant<int, K>{}), ...);
+}
+#endif
+
+#if defined(MLXCEL_AVX2)
+// int6_values for 8 outputs: the same bit tricks on 8 lanes (no funnel shift or ternary logic in AVX2).
+template <int K>
+inline __m256 int6_values8(const __m256i* d) {
+    if constexpr (K == INT6_CHUNK - 1) {
+        const __m256i upper = _mm256_or_si256(_mm256_srli_epi32(d[1], 30), _mm256_slli_epi32(d[2], 2));
+        const __m256i top = _mm256_or_si256(_mm256_srli_epi32(d[0], 4), _mm256_slli_epi32(upper, 28));
+        return _mm256_cvtepi32_ps(_mm256_srai_epi32(top, 26));
+    } else {
+        constexpr int field = K % 5, base = int6_base(K / 5);
+        constexpr int shift = field < 3 ? base + 6 * field : 6 * (field - 3);
+        const __m256i source = field < 3 ? d[K / 5] : _mm256_srli_epi32(d[K / 5], base + 18);
+        const __m256i bits = _mm256_or_si256(_mm256_and_si256(source, _mm256_set1_epi32(63 << shift)),
+                                             _mm256_set1_epi32((127 + 23 - shift) << 23));
+        return _mm256_sub_ps(_mm256_castsi256_ps(bits), _mm256_set1_ps(static_cast<float>((1 << (23 - shift)) + 32)));
+    }
 }
 #endif
 
@@ -409,6 +493,18 @@ void int6_to_int8(const uint32_t* w, int64_t in, int8_t* codes) {
                 _mm_storeu_si128(reinterpret_cast<__m128i*>(codes + (kc + K) * OUT_BLOCK + 16 * v), _mm512_cvtepi32_epi8(code));
             }, std::make_integer_sequence<int, INT6_CHUNK>{});
         }
+#elif defined(MLXCEL_AVX2)
+        for (int v = 0; v < 8; ++v) {
+            __m256i d[INT6_DWORDS];
+            for (int64_t j = 0; j < INT6_DWORDS; ++j)
+                d[j] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(chunk + j * OUT_BLOCK + 8 * v));
+            each_input([&](auto input) {
+                constexpr int K = decltype(input)::value;
+                const __m256i code = _mm256_cvtps_epi32(int6_values8<K>(d));  // small integers: exact
+                const __m128i words = _mm_packs_epi32(_mm256_castsi256_si128(code), _mm256_extracti128_si256(code, 1));
+                _mm_storel_epi64(reinterpret_cast<__m128i*>(codes + (kc + K) * OUT_BLOCK + 8 * v), _mm_packs_epi16(words, words));
+            }, std::make_integer_sequence<int, INT6_CHUNK>{});
+        }
 #else
         for (int64_t k = 0; k < INT6_CHUNK; ++k)
             for (int64_t j = 0; j < OUT_BLOCK; ++j) codes[(kc + k) * OUT_BLOCK + j] = static_cast<int8_t>(int6_code(chunk, k, j));
@@ -432,7 +528,11 @@ void int8_blocks(const float* xf, const float* xsums, int64_t rows, int64_t in, 
         float sums[ROWS_TOGETHER * OUT_BLOCK];
         const int8_t* wb = static_cast<const int8_t*>(wp) + b * in * OUT_BLOCK;
         const uint32_t* w6 = static_cast<const uint32_t*>(wp) + b * (in / INT6_CHUNK) * INT6_DWORDS * OUT_BLOCK;
+#if defined(__AVX512F__)
         const bool unpack = packed && rows > ROWS_TOGETHER;
+#else  // no 6-bit vector path: every block is unpacked to int8 codes (vectorized on AVX2) for int8_block's
+        const bool unpack = packed;
+#endif
         if (unpack) {
             thread_local std::vector<int8_t> unpacked;
             unpacked.resize(in * OUT_BLOCK);
@@ -595,6 +695,37 @@ void int4_block(const QuantizedRows& x, int64_t row0, int64_t in, const uint8_t*
         }
     }
     for (int64_t r = 0; r < ROWS; ++r) _mm512_storeu_ps(out + r * Q4_OUTS, total[r]);
+#elif defined(MLXCEL_AVX2)
+    // No VNNI: maddubs multiplies the unsigned levels by the signed codes and adds pairs into int16 (at most
+    // 2 x 15 x 127 a pair, 8 quads 30,480: no saturation), madd with ones adds pairs into int32; the same
+    // exact integer dot as the VNNI path, then its float steps: the same bits. Outputs 8 h .. 8 h + 7 per half h.
+    __m256 total[ROWS][2];
+    for (int64_t r = 0; r < ROWS; ++r) total[r][0] = total[r][1] = _mm256_setzero_ps();
+    const __m256i low_nibbles = _mm256_set1_epi8(0x0f), ones = _mm256_set1_epi16(1);
+    for (int64_t g = 0; g < groups; ++g) {
+        for (int h = 0; h < 2; ++h) {
+            __m256i levels[8];
+            for (int v = 0; v < 4; ++v) {
+                const __m256i bytes = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + (g * 4 + v) * 64 + 32 * h));
+                levels[v] = _mm256_and_si256(bytes, low_nibbles);
+                levels[4 + v] = _mm256_and_si256(_mm256_srli_epi16(bytes, 4), low_nibbles);
+            }
+            const __m256 step = scales.vec(g, 0, h), low = scales.vec(g, 1, h);
+            for (int64_t r = 0; r < ROWS; ++r) {
+                const int64_t row = row0 + r;
+                const int32_t* codes = reinterpret_cast<const int32_t*>(x.codes.data() + row * in + g * INT4_GROUP);
+                __m256i pairs = _mm256_setzero_si256();
+                for (int quad = 0; quad < 8; ++quad)
+                    pairs = _mm256_add_epi16(pairs, _mm256_maddubs_epi16(levels[quad], _mm256_set1_epi32(codes[quad])));
+                const __m256i dot = _mm256_madd_epi16(pairs, ones);
+                const __m256 scaled = _mm256_mul_ps(step, _mm256_set1_ps(x.scales[row * groups + g]));
+                total[r][h] = _mm256_fmadd_ps(scaled, _mm256_cvtepi32_ps(dot), total[r][h]);
+                total[r][h] = _mm256_fmadd_ps(low, _mm256_set1_ps(x.sums[row * groups + g]), total[r][h]);
+            }
+        }
+    }
+    for (int64_t r = 0; r < ROWS; ++r)
+        for (int h = 0; h < 2; ++h) _mm256_storeu_ps(out + r * Q4_OUTS + 8 * h, total[r][h]);
 #else
     for (int64_t r = 0; r < ROWS; ++r)
         for (int64_t i = 0; i < Q4_OUTS; ++i) {
