@@ -161,7 +161,11 @@ def test_issue26_v_default_model_never_calls_an_undeclared_tool(server: ServerTh
                           for c in chunk.choices[0].delta.tool_calls or ()]
                 names = [c.function.name for c in deltas if c.function and c.function.name]
             else:
-                message = sdk.chat.completions.create(**fields).choices[0].message
+                choice = sdk.chat.completions.create(**fields).choices[0]
+                message = choice.message
                 names = [call.function.name for call in message.tool_calls or ()]
-                assert all(isinstance(json.loads(c.function.arguments), dict) for c in message.tool_calls or ())
+                # a call cut by max_tokens comes back as written, finish_reason "length" (issue 46); a finished
+                # one's arguments are a JSON object
+                if choice.finish_reason != "length":
+                    assert all(isinstance(json.loads(c.function.arguments), dict) for c in message.tool_calls or ())
             assert set(names) <= declared, (seed, names)

@@ -59,7 +59,9 @@ def test_i_queue_full_503_timeout_504_and_chat_keeps_answering(address: str, sid
 
         chat = http.post("/v1/chat/completions", json=chat_body(max_tokens=4))
         assert chat.status_code == 200 and chat.json()["choices"][0]["message"]["content"]
-        assert stats()[0].queue_depth == 1  # the embedding worker was saturated all along
+        # the embedding worker was saturated all along: the queued request still waits, or its deadline passed
+        # while the chat ran (a slow machine) and it was answered 504 where it waited (issue 47)
+        assert stats()[0].queue_depth + stats()[0].num_timed_out >= 1
 
         for future in (running, queued):
             late = future.result()
