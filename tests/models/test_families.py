@@ -3,10 +3,14 @@ same weights, with and without the paged KV cache, alone and in a batch of mixed
 
 Tolerances (float32, CPU): ours vs transformers <= 2e-5 absolute on logits of magnitude ~1-10
 (measured up to 2.4e-6); cached vs uncached and batched vs alone <= 1e-5.
+
+MLXCEL_TEST_DEVICE=cuda runs the per-family tests on the GPU, both models there (the lent device;
+CI has none).
 """
 
 from __future__ import annotations
 
+import os
 import random
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,6 +30,7 @@ from .harness import (
 VOCAB = 128
 TOL_VS_TRANSFORMERS = 2e-5
 TOL_SAME_MATH = 1e-5
+DEVICE = torch.device(os.environ.get("MLXCEL_TEST_DEVICE", "cpu"))
 COMMON = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
               intermediate_size=128, vocab_size=VOCAB, max_position_embeddings=256)
 MOE_COMMON = {**COMMON, "intermediate_size": 32, "num_experts_per_tok": 2}
@@ -134,14 +139,14 @@ class Tiny:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     folder = tmp_path_factory.mktemp(request.param)
-    reference = save_tiny_hf(FAMILIES[request.param][1](), folder)
-    loaded = load_model(folder)
+    reference = save_tiny_hf(FAMILIES[request.param][1](), folder).to(DEVICE)
+    loaded = load_model(folder, device=DEVICE)
     return Tiny(request.param, reference, loaded.model, loaded.model_type, folder)
 
 
 @torch.inference_mode()
 def reference_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
-    return model(torch.tensor([ids])).logits[0]
+    return model(torch.tensor([ids], device=DEVICE)).logits[0]
 
 
 def test_a2_tiny_checkpoint_loads_as_its_family(tiny: Tiny) -> None:
