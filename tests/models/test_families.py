@@ -209,7 +209,7 @@ def test_gemma3_sliding_window_limits_what_each_position_sees(tmp_path: Path) ->
     uncached and through the cache; and transformers agrees on every position."""
     config = transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
                                            layer_types=["sliding_attention"] * 2)
-    reference = save_tiny_hf(config, tmp_path)
+    reference = save_tiny_hf(config, tmp_path).to(DEVICE)
     ours = load_model(tmp_path, device=DEVICE).model
     prompt = PROMPTS[-1]
     changed = [(prompt[0] + 1) % VOCAB, *prompt[1:]]
@@ -248,7 +248,7 @@ def test_gemma3_sanitize_keeps_only_the_text_model_of_a_multimodal_checkpoint() 
 def test_issue40_gemma2_soft_capping_takes_effect(tmp_path: Path) -> None:
     """Gemma 2's attention soft-cap is applied (a model without it gives other logits), uncached and cached."""
     config = FAMILIES["gemma2"][1]()
-    reference = save_tiny_hf(config, tmp_path / "capped")
+    reference = save_tiny_hf(config, tmp_path / "capped").to(DEVICE)
     ours = load_model(tmp_path / "capped", device=DEVICE).model
     config.attn_logit_softcapping = None
     save_tiny_hf(config, tmp_path / "uncapped")
