@@ -53,12 +53,13 @@ def test_mlx_fp4_modes_are_exact_int8_codes(mode: str) -> None:
 
 # ---- folders written by mlx-lm's converter ----
 
-def _tiny_hf(folder: Path) -> None:
-    """A tiny random qwen3 with peaked logits (norms near 1), saved with the tiny tokenizer."""
+def _tiny_hf(folder: Path, vocab_size: int = 128) -> None:
+    """A tiny random qwen3 with peaked logits (norms near 1), saved with the tiny tokenizer (96 tokens; by
+    default 128 rows, whole blocks of 64 for the int8 kernel)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer_json, vocab = tiny_tokenizer_json()
-    config = AutoConfig.for_model("qwen3", vocab_size=128,  # whole blocks of 64 rows for the int8 kernel
+    config = AutoConfig.for_model("qwen3", vocab_size=vocab_size,
                                   hidden_size=64, intermediate_size=128,
                                   num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
                                   max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=vocab - 1)

@@ -662,6 +662,18 @@ def quantize(model: nn.Module) -> QuantSummary:
                         num_kept_once=sum(m.weight is None for m in linears))
 
 
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (each storage once; meta tensors, not yet read, count 0):
+    the weights as kept in memory (issue 42: /props, /v1/models and the startup log)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Unquantized models (the GPU path): q/k/v and gate/up become one matmul each, in the
     weights' own dtype; returns how many linears were fused. Each weight is still kept once."""
