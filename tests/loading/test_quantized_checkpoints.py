@@ -182,3 +182,63 @@ def test_a_format_that_cannot_be_served_is_refused_in_one_line_before_any_weight
     with pytest.raises(ModelLoadError) as info:
         open_checkpoint(folder)  # no weights in the folder: refused from the config alone
     assert phrase in str(info.value) and "\n" not in str(info.value)
+
+
+# ---- compressed-tensors checkpoints, written by compressed-tensors' own compressor ----
+
+CT_SCHEMES = {  # name: (format, weight arguments)
+    "w4a16": ("pack-quantized", dict(num_bits=4, type="int", symmetric=True, strategy="group", group_size=32)),
+    "w8a16": ("pack-quantized", dict(num_bits=8, type="int", symmetric=True, strategy="channel")),
+    "fp8-block": ("float-quantized", dict(num_bits=8, type="float", symmetric=True, strategy="block",
+                                          block_structure=[32, 32])),
+}
+
+
+def _write_compressed(hf_folder: Path, out: Path, fmt: str, weights: dict) -> Path:
+    """`hf_folder`'s linears (not the head) quantized with absmax scales and saved by compressed-tensors'
+    ModelCompressor in `fmt`, as llm-compressor saves them."""
+    from compressed_tensors.compressors import ModelCompressor
+    from compressed_tensors.quantization import (QuantizationArgs, QuantizationConfig, QuantizationScheme,
+                                                 apply_quantization_config)
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    apply_quantization_config(model, QuantizationConfig(config_groups={"group_0": scheme}, ignore=["lm_head"]))
+    top = 448.0 if weights["type"] == "float" else (1 << (weights["num_bits"] - 1)) - 1
+    for module in model.modules():
+        if hasattr(module, "weight_scale"):
+            (n, k), (rows, cols) = module.weight.shape, module.weight_scale.shape
+            blocks = module.weight.detach().view(rows, n // rows, cols, k // cols).abs().amax((1, 3))
+            module.weight_scale.data.copy_((blocks / top).clamp(min=1e-8))
+    compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
+    compressor.compress_model(model)
+    model.save_pretrained(out)
+    compressor.update_config(str(out))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_text((hf_folder / name).read_text())
+    return out
+
+
+@pytest.mark.parametrize("scheme", list(CT_SCHEMES))
+def test_compressed_tensors_checkpoint_equals_transformers(scheme: str, hf_folder: Path, tmp_path: Path) -> None:
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    fmt, weights = CT_SCHEMES[scheme]
+    folder = _write_compressed(hf_folder, tmp_path / scheme, fmt, weights)
+    assert open_checkpoint(folder).quant.method == "compressed-tensors"
+    with torch.no_grad():  # transformers decompresses the checkpoint through compressed-tensors: the reference
+        expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(uncached_logits(load_model(folder).model, PROMPT), expected, rtol=0, atol=1e-4)
+    model = _packed(folder)
+    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+    if scheme == "w4a16":  # the stored 4-bit codes on the int4 kernel
+        assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in layers)
+    elif scheme == "w8a16":  # the stored int8 codes with their channel scales, as stored
+        assert all(m.int8_kernel and m.weight is None for m in layers)
+    else:  # FP8: no integer grid; rounded per output channel to int8 (documented in loading/quantized.py)
+        assert all(m.bits == 8 and m.weight is not None for m in layers)
+    spread = float(expected.abs().max())
+    tolerance = {"w4a16": 0.04, "w8a16": 0.02}.get(scheme, 0.05) * spread
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=tolerance)
