@@ -242,3 +242,137 @@ def test_compressed_tensors_checkpoint_equals_transformers(scheme: str, hf_folde
     spread = float(expected.abs().max())
     tolerance = {"w4a16": 0.04, "w8a16": 0.02}.get(scheme, 0.05) * spread
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=tolerance)
+
+
+# ---- block FP8 (DeepSeek-V3 / Qwen3-FP8 layout) ----
+
+def _with_weights(hf_folder: Path, out: Path, weights: dict[str, torch.Tensor], quantization_config: dict) -> Path:
+    from safetensors.torch import save_file
+
+    out.mkdir()
+    save_file(weights, str(out / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((hf_folder / "config.json").read_text())
+    (out / "config.json").write_text(json.dumps({**config, "quantization_config": quantization_config}))
+    for name in ("tokenizer.json", "tokenizer_config.json"):
+        (out / name).write_text((hf_folder / name).read_text())
+    return out
+
+
+def test_block_fp8_checkpoint_equals_transformers(hf_folder: Path, tmp_path: Path) -> None:
+    """float8_e4m3fn weights with a `weight_scale_inv` per 32 x 32 block, as DeepSeek-V3 ships them (128 x 128);
+    transformers dequantizes such a checkpoint on a CPU: the reference."""
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    weights = {}
+    for name, value in load_file(str(hf_folder / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            n, k = value.shape
+            scale = value.view(n // 32, 32, k // 32, 32).abs().amax((1, 3)) / 448
+            weights[name] = (value / scale.repeat_interleave(32, 0).repeat_interleave(32, 1)).to(torch.float8_e4m3fn)
+            weights[name.replace(".weight", ".weight_scale_inv")] = scale
+        else:
+            weights[name] = value
+    folder = _with_weights(hf_folder, tmp_path / "fp8", weights, {
+        "quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [32, 32]})
+    assert open_checkpoint(folder).quant.describe() == "FP8 (e4m3) 8-bit, blocks 32x32"
+    with torch.no_grad():
+        expected = AutoModelForCausalLM.from_pretrained(folder, dtype=torch.float32)(torch.tensor([PROMPT])).logits[0]
+    torch.testing.assert_close(uncached_logits(load_model(folder).model, PROMPT), expected, rtol=0, atol=1e-4)
+    packed = uncached_logits(_packed(folder), PROMPT)  # rounded per channel to int8 on the CPU
+    torch.testing.assert_close(packed, expected, rtol=0, atol=0.05 * float(expected.abs().max()))
+
+
+# ---- GPTQ and AWQ ----
+# Neither tool installs here (gptqmodel pulls another torch; transformers loads GPTQ/AWQ only through it), so
+# these writers follow the packings as AutoGPTQ and AutoAWQ write them. The float weights they encode are
+# computed here from the integer codes and put in a transformers model: its forward is the reference, and a
+# wrong bit order, zero convention, g_idx reading or nibble order of ours fails the comparison.
+
+AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
+
+
+def _pack_lsb(values: torch.Tensor, bits: int) -> torch.Tensor:
+    """Codes [R, C] -> int32 words [R, C * bits / 32] along C, each word's first field in its lowest bits."""
+    per = 32 // bits
+    words = ((values.to(torch.int64) & ((1 << bits) - 1)).view(values.shape[0], -1, per)
+             << (torch.arange(per) * bits)).sum(-1)
+    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
+
+
+def _affine_codes(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """Codes [N, K] in 0..2^bits-1, float16 scales and integer zeros [N, K / group]: w ~ (q - zero) * scale."""
+    n, k = w.shape
+    groups = w.view(n, k // group, group)
+    low, high = groups.amin(-1), groups.amax(-1)
+    scale = ((high - low) / ((1 << bits) - 1)).clamp(min=1e-6).half().float()
+    zero = torch.round(-low / scale).clamp(0, (1 << bits) - 1)
+    q = torch.round(groups / scale[..., None] + zero[..., None]).clamp(0, (1 << bits) - 1)
+    return q.view(n, k).to(torch.int64), scale, zero.to(torch.int64)
+
+
+def _gptq_linear(w: torch.Tensor, bits: int, group: int, desc_act: bool) -> tuple[dict, torch.Tensor]:
+    """AutoGPTQ's tensors of one linear (zeros stored less one) and the float weight they encode. With
+    `desc_act`, groups are formed over a permutation of the inputs and each input's group is its g_idx."""
+    n, k = w.shape
+    order = torch.randperm(k, generator=torch.Generator().manual_seed(k + n)) if desc_act else torch.arange(k)
+    q, scale, zero = _affine_codes(w[:, order], bits, group)
+    inverse = torch.argsort(order)
+    q, g_idx = q[:, inverse], (torch.arange(k) // group)[inverse]
+    tensors = {"qweight": _pack_lsb(q, bits).t().contiguous(), "qzeros": _pack_lsb(zero.t().contiguous() - 1, bits),
+               "scales": scale.t().contiguous().half(), "g_idx": g_idx.to(torch.int32)}
+    return tensors, (q - zero[:, g_idx]) * scale[:, g_idx]
+
+
+def _awq_linear(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
+    n, k = w.shape
+    q, scale, zero = _affine_codes(w, 4, group)
+    columns = lambda t: t.view(t.shape[0], -1, 8)[:, :, AWQ_ORDER].reshape(t.shape[0], -1)  # noqa: E731
+    tensors = {"qweight": _pack_lsb(columns(q.t().contiguous()), 4), "qzeros": _pack_lsb(columns(zero.t().contiguous()), 4),
+               "scales": scale.t().contiguous().half()}
+    return tensors, (q - zero.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
+
+
+GPTQ_AWQ = {  # name: (quantization_config, linear writer)
+    "gptq-4bit": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False},
+                  lambda w: _gptq_linear(w, 4, 32, False)),
+    "gptq-4bit-desc-act": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True, "sym": False},
+                           lambda w: _gptq_linear(w, 4, 32, True)),
+    "gptq-8bit": ({"quant_method": "gptq", "bits": 8, "group_size": 64, "desc_act": False, "sym": False},
+                  lambda w: _gptq_linear(w, 8, 64, False)),
+    "awq-4bit": ({"quant_method": "awq", "bits": 4, "group_size": 32, "version": "gemm", "zero_point": True},
+                 lambda w: _awq_linear(w, 32)),
+}
+
+
+@pytest.mark.parametrize("kind", list(GPTQ_AWQ))
+def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_folder: Path, tmp_path: Path) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    block, write = GPTQ_AWQ[kind]
+    stored, encoded = {}, {}
+    for name, value in load_file(str(hf_folder / "model.safetensors")).items():
+        if name.endswith("proj.weight"):
+            tensors, encoded[name] = write(value)
+            stored |= {name.replace(".weight", f".{part}"): t for part, t in tensors.items()}
+        else:
+            stored[name] = value
+    folder = _with_weights(hf_folder, tmp_path / kind, stored, block)
+    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    reference.load_state_dict(encoded, strict=False)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    dense = load_model(folder).model
+    for name, weight in encoded.items():
+        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
+    model = _packed(folder)
+    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+    if kind == "gptq-4bit-desc-act":  # groups are not runs of inputs: floats, rounded per channel to int8
+        assert all(m.bits == 8 and m.weight is not None for m in layers)
+    elif kind == "gptq-8bit":
+        assert all(m.int8_kernel and m.weight is None for m in layers)
+    else:
+        assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in layers)
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.05 * float(expected.abs().max()))
