@@ -376,3 +376,16 @@ def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_fol
     else:
         assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in layers)
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.05 * float(expected.abs().max()))
+
+
+def test_a_tied_4bit_table_is_read_from_the_heads_blocks_and_kept_once() -> None:
+    from mlxcel.layers.quant import Int4Levels, QuantEmbedding, TiedQuantEmbedding
+
+    n, k = 96, 128
+    for step in (torch.rand(n, k // 32).half().float(), torch.rand(n, k // 32)):  # float16 and float32 scale forms
+        levels = Int4Levels(torch.randint(0, 16, (n, k), dtype=torch.uint8), step, torch.rand(n, k // 32) - 0.5)
+        head = QuantLinear(levels, None)
+        ids = torch.tensor([[0, 5, 17, 95], [33, 16, 15, 64]])
+        assert TiedQuantEmbedding.can_read(head)
+        assert torch.equal(TiedQuantEmbedding(head)(ids), QuantEmbedding(levels)(ids))
+        assert not list(TiedQuantEmbedding(head).buffers())  # nothing of its own
