@@ -247,7 +247,9 @@ def hf_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: config.json is not a JSON object")
     if "text_config" in config and "model_type" in config["text_config"]:
-        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+        # issue 42: the quantization block sits at the top level of a multimodal config
+        quant = {key: config[key] for key in ("quantization", "quantization_config") if key in config}
+        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True), **quant}
     if "model_type" not in config:
         raise ModelLoadError(f"{path}: config.json has no model_type")
     return config

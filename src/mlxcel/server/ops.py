@@ -218,6 +218,7 @@ async def props(request: Request, state: ServerState) -> Response:
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
         "model_implementation": served.loaded.implementation,  # "native" | "transformers" (the fallback)
+        "weights": served.weights,  # issue 42: format, bits, group size, bytes resident and on disk
         "chat_template": template.source if template else "",
         "modalities": {"vision": False, "audio": False},
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,

@@ -27,7 +27,7 @@ from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
 from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
-from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
+from mlxcel.layers.quant import can_quantize, fuse_projections, quantize, resident_bytes
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
@@ -92,6 +92,7 @@ class ServedModel:
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
     mtp_decision: MtpDecision | None = None  # F10, where it needs no measuring (else the engine's policy holds it)
     image_marker: str | None = None  # U: the image placeholder of a model with a vision tower (None: text only)
+    weights: dict[str, Any] = field(default_factory=dict)  # issue 42: format, bits, resident bytes (/props, /v1/models)
 
     @property
     def context_size(self) -> int:
@@ -184,6 +185,9 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
              dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
+    weights = weights_report(loaded)
+    log.info("weights: %s; %.1f MiB resident (files %.1f MiB)", weights["description"],
+             weights["resident_bytes"] / 2**20, weights["file_bytes"] / 2**20)
     lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)
@@ -206,7 +210,15 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
         if drafts is not None and hasattr(drafts.drafter, "warm"):  # a draft model's own decode step (B1)
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
-                       mtp)
+                       mtp, weights=weights)
+
+
+def weights_report(loaded: LoadedModel) -> dict[str, Any]:
+    """The checkpoint's weight format and bits (issue 42), the bytes its weights take in memory as served (after
+    the CPU decode rewrite), and the bytes of its weight files."""
+    files = [loaded.path] if loaded.model_dir is None else list(loaded.model_dir.glob("*.safetensors"))
+    return {**loaded.weights_info(), "resident_bytes": resident_bytes(loaded.model),
+            "file_bytes": sum(p.stat().st_size for p in files)}
 
 
 _FINGERPRINT_BYTES = 1 << 20
