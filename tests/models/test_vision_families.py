@@ -27,7 +27,7 @@ from mlxcel.loading import load_model
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import ImageCacheKeys, ImageInput, Request, SamplingParams
 
-from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm
+from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_vlm
 
 TOL_VS_TRANSFORMERS = 2e-5
 NUM_TOKENS = 8
@@ -45,12 +45,15 @@ class Family:
         pixels = torch.cat([image.pixels["pixel_values"] for image in images])
         if self is FAMILIES["gemma3"]:
             return {"pixel_values": pixels, "token_type_ids": torch.tensor([[int(t == image_token) for t in ids]])}
-        return {"pixel_values": pixels[None]}  # idefics3: [batch, tiles, 3, H, W]
+        if self is FAMILIES["idefics3"]:
+            return {"pixel_values": pixels[None]}  # [batch, tiles, 3, H, W]
+        return {"pixel_values": pixels}
 
 
 FAMILIES = {
     "gemma3": Family(write_gemma3_vlm, "<start_of_image>", "<image_soft_token>", 4),
     "idefics3": Family(write_idefics3_vlm, "<image>", "<image>", 5 * 16),  # 2 x 2 tiles and the global image
+    "llava": Family(write_llava_vlm, "<image>", "<image>", 16),
 }
 
 

@@ -89,6 +89,26 @@ def write_idefics3_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, di
     return model, ids
 
 
+def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
+    """LLaVA over a Llama text model: a CLIP tower of 16x16 pixels in 4x4 patches (16 tokens, class token dropped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder, ["<image>"])
+    text = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=128, vocab_size=256 + 2, max_position_embeddings=512)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                           intermediate_size=64, image_size=16, patch_size=4)
+    config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=ids["<image>"])
+    torch.manual_seed(seed)
+    model = transformers.LlavaForConditionalGeneration(config)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(folder)
+    transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(
+        folder)
+    return model, ids
+
+
 def png(seed: int, width: int = 40, height: int = 30, fmt: str = "PNG") -> bytes:
     """A random RGB image, encoded."""
     from PIL import Image

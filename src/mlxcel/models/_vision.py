@@ -47,7 +47,7 @@ import torch
 from mlxcel.types import ImageInput, ImagePrompter
 
 __all__ = ["ImageInput", "ImagePrompter", "PromptTokenizer", "VisionLanguageModel", "config_token", "decode_image",
-           "expand_markers", "image_digest", "load_image_processor", "placeholder_runs"]
+           "expand_markers", "image_digest", "load_image_processor", "own_name", "placeholder_runs"]
 
 class PromptTokenizer(Protocol):
     """What a processor side needs of the tokenizer (text.tokenizer.Tokenizer is one)."""
@@ -103,6 +103,22 @@ def placeholder_runs(token_ids: Sequence[int], placeholder: int) -> list[tuple[i
         else:
             runs.append((index, 1))
     return runs
+
+
+def own_name(name: str, text_prefixes: dict[str, str], vision_prefixes: dict[str, str], *, has_vision: bool,
+             dropped: tuple[str, ...] = ()) -> str | None:
+    """A multimodal checkpoint's parameter name as our module names it: the text model's under `model.` /
+    `lm_head.`, the vision side's under the family's own names (kept only when the model has its tower);
+    None to drop it (vision weights of a text-only build; names the family never reads, `dropped`, after
+    the vision prefix)."""
+    for prefix, replacement in vision_prefixes.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return replacement + rest if has_vision and not rest.startswith(dropped) else None
+    for prefix, replacement in text_prefixes.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 def expand_markers(token_ids: Sequence[int], marker: int, expansions: Sequence[list[int]]) -> list[int]:

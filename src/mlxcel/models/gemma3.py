@@ -30,7 +30,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    placeholder_runs,
+    own_name, placeholder_runs,
 )
 
 if TYPE_CHECKING:
@@ -160,7 +160,10 @@ class Model(DecoderLM):
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         """Text weights under the text model's names; the vision weights too when the model has a tower."""
         has_vision = args.extra.get("vision") is not None
-        kept = {new: value for name, value in weights.items() if (new := _own_name(name, has_vision)) is not None}
+        # SigLIP's pooling head (vision_use_head) gives an output Gemma 3 never reads
+        kept = {new: value for name, value in weights.items()
+                if (new := own_name(name, _TEXT_PREFIXES, _VISION_PREFIXES, has_vision=has_vision,
+                                    dropped=("head.",))) is not None}
         return super().sanitize(kept, args)
 
 
@@ -201,18 +204,6 @@ _VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision
                     "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
                     "model.multi_modal_projector.": "multi_modal_projector.",
                     "multi_modal_projector.": "multi_modal_projector."}
-
-
-def _own_name(name: str, has_vision: bool) -> str | None:
-    for prefix, replacement in _VISION_PREFIXES.items():
-        if name.startswith(prefix):
-            rest = name[len(prefix):]
-            # SigLIP's pooling head (vision_use_head) gives an output Gemma 3 never reads
-            return replacement + rest if has_vision and not rest.startswith("head.") else None
-    for prefix, replacement in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            return replacement + name[len(prefix):]
-    return name
 
 
 # GGUF per-layer tensor names that differ from the Llama mapping.

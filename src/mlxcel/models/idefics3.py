@@ -25,7 +25,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pixel_shuffle
 from mlxcel.models import llama
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    placeholder_runs,
+    own_name, placeholder_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -78,19 +78,13 @@ class Model(llama.Model):
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         has_vision = args.extra.get("vision") is not None
-        kept = {new: value for name, value in weights.items() if (new := _own_name(name, has_vision)) is not None}
+        kept = {new: value for name, value in weights.items()
+                if (new := own_name(name, _TEXT_PREFIXES, _VISION_PREFIXES, has_vision=has_vision)) is not None}
         return super().sanitize(kept, args)
 
 
-_PREFIXES = {"model.text_model.": "model.", "model.vision_model.": "vision_model.", "model.connector.": "connector."}
-
-
-def _own_name(name: str, has_vision: bool) -> str | None:
-    for prefix, replacement in _PREFIXES.items():
-        if name.startswith(prefix):
-            is_text = replacement == "model."
-            return replacement + name[len(prefix):] if is_text or has_vision else None
-    return name
+_TEXT_PREFIXES = {"model.text_model.": "model."}
+_VISION_PREFIXES = {"model.vision_model.": "vision_model.", "model.connector.": "connector."}
 
 
 class ImagePrompter:
