@@ -37,10 +37,10 @@ def write_tokenizer(folder: Path, specials: list[str]) -> dict[str, int]:
     return {t: tokenizer.token_to_id(t) for t in [EOS, *specials]}
 
 
-def gemma3_config(ids: dict[str, int], vocab_size: int) -> transformers.Gemma3Config:
+def gemma3_config(ids: dict[str, int], vocab_size: int, pattern: int = 2) -> transformers.Gemma3Config:
     text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=512, head_dim=16,
-                query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=2)
+                query_pre_attn_scalar=16, sliding_window=8, sliding_window_pattern=pattern)
     vision = dict(hidden_size=32, num_hidden_layers=2, num_attention_heads=4, intermediate_size=64, image_size=32,
                   patch_size=4, vision_use_head=False)
     return transformers.Gemma3Config(
@@ -48,12 +48,12 @@ def gemma3_config(ids: dict[str, int], vocab_size: int) -> transformers.Gemma3Co
         eoi_token_index=ids["<end_of_image>"], image_token_index=ids["<image_soft_token>"])
 
 
-def write_gemma3_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
-    """The reference model (float32, eval) and the special tokens' ids."""
+def write_gemma3_vlm(folder: Path, seed: int = 0, pattern: int = 2) -> tuple[torch.nn.Module, dict[str, int]]:
+    """The reference model (float32, eval) and the special tokens' ids; every `pattern`-th text layer global."""
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder, GEMMA3_IMAGE_TOKENS)
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(gemma3_config(ids, 256 + 1 + len(GEMMA3_IMAGE_TOKENS)))
+    model = transformers.Gemma3ForConditionalGeneration(gemma3_config(ids, 256 + 1 + len(GEMMA3_IMAGE_TOKENS), pattern))
     with torch.no_grad():
         for p in model.parameters():  # larger than the init keeps logits far from ties
             p.normal_(0.0, 0.2)
