@@ -37,6 +37,16 @@ def write_tokenizer(folder: Path, specials: list[str]) -> dict[str, int]:
     return {t: tokenizer.token_to_id(t) for t in [EOS, *specials]}
 
 
+def save_random(model: torch.nn.Module, folder: Path) -> torch.nn.Module:
+    """`model` with every parameter drawn from N(0, 0.2) (larger than the init keeps logits far from ties),
+    saved in HF layout; returned in eval mode."""
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0.0, 0.2)
+    model.eval().save_pretrained(folder)
+    return model
+
+
 def gemma3_config(ids: dict[str, int], vocab_size: int, pattern: int = 2) -> transformers.Gemma3Config:
     text = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                 intermediate_size=128, vocab_size=vocab_size, max_position_embeddings=512, head_dim=16,
@@ -53,11 +63,8 @@ def write_gemma3_vlm(folder: Path, seed: int = 0, pattern: int = 2) -> tuple[tor
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder, GEMMA3_IMAGE_TOKENS)
     torch.manual_seed(seed)
-    model = transformers.Gemma3ForConditionalGeneration(gemma3_config(ids, 256 + 1 + len(GEMMA3_IMAGE_TOKENS), pattern))
-    with torch.no_grad():
-        for p in model.parameters():  # larger than the init keeps logits far from ties
-            p.normal_(0.0, 0.2)
-    model.eval().save_pretrained(folder)
+    model = save_random(transformers.Gemma3ForConditionalGeneration(
+        gemma3_config(ids, 256 + 1 + len(GEMMA3_IMAGE_TOKENS), pattern)), folder)
     processor = transformers.models.gemma3.image_processing_pil_gemma3.Gemma3ImageProcessorPil(
         size={"height": 32, "width": 32}, image_mean=[0.5] * 3, image_std=[0.5] * 3)
     processor.save_pretrained(folder)
@@ -78,11 +85,7 @@ def write_idefics3_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, di
     config = transformers.Idefics3Config(text_config=transformers.LlamaConfig(**text), vision_config=vision,
                                          scale_factor=2, image_token_id=ids["<image>"])
     torch.manual_seed(seed)
-    model = transformers.Idefics3ForConditionalGeneration(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.eval().save_pretrained(folder)
+    model = save_random(transformers.Idefics3ForConditionalGeneration(config), folder)
     processor = transformers.models.idefics3.image_processing_pil_idefics3.Idefics3ImageProcessorPil(
         size={"longest_edge": 64}, max_image_size={"longest_edge": 32})
     processor.save_pretrained(folder)
@@ -99,11 +102,7 @@ def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[
                                            intermediate_size=64, image_size=16, patch_size=4)
     config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=ids["<image>"])
     torch.manual_seed(seed)
-    model = transformers.LlavaForConditionalGeneration(config)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.normal_(0.0, 0.2)
-    model.eval().save_pretrained(folder)
+    model = save_random(transformers.LlavaForConditionalGeneration(config), folder)
     transformers.CLIPImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16}).save_pretrained(
         folder)
     return model, ids

@@ -43,7 +43,9 @@ async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef], *,
         resolved = await resolve_media_parts(refs, ctx.media_policy)
     except MediaError as exc:
         raise media_error(exc) from None
-    if takes_images and ctx.image_marker is not None and all(ref.kind is MediaKind.IMAGE for ref in refs):
+    # a vision-language model (issue 43) takes a video as its sampled frames
+    kinds = (MediaKind.IMAGE, MediaKind.VIDEO) if ctx.image_prompter is not None else (MediaKind.IMAGE,)
+    if takes_images and ctx.image_marker is not None and all(ref.kind in kinds for ref in refs):
         return resolved
     raise media_not_accepted(refs)
 

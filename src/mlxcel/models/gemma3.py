@@ -30,7 +30,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    own_name, placeholder_runs,
+    VisionFamily, pixel_batch, placeholder_runs,
 )
 
 if TYPE_CHECKING:
@@ -135,38 +135,6 @@ class Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(features.dtype)
 
 
-class Model(DecoderLM):
-    ARGS = ModelArgs
-
-    def __init__(self, args: DecoderArgs) -> None:
-        super().__init__(args)
-        self.vision = args.extra.get("vision")
-        if self.vision is not None:
-            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
-            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
-
-    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
-        weight = self.multi_modal_projector.mm_input_projection_weight
-        pixels = torch.cat([image.pixels["pixel_values"] for image in images]).to(weight.device, weight.dtype)
-        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
-
-    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
-        if self.vision is None:
-            raise ValueError("this Gemma 3 checkpoint has no vision tower")
-        return ImagePrompter(self.vision, model_dir, tokenizer)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        """Text weights under the text model's names; the vision weights too when the model has a tower."""
-        has_vision = args.extra.get("vision") is not None
-        # SigLIP's pooling head (vision_use_head) gives an output Gemma 3 never reads
-        kept = {new: value for name, value in weights.items()
-                if (new := own_name(name, _TEXT_PREFIXES, _VISION_PREFIXES, has_vision=has_vision,
-                                    dropped=("head.",))) is not None}
-        return super().sanitize(kept, args)
-
-
 class ImagePrompter:
     """Gemma 3's processor side (models/_vision.py): transformers' Gemma3 image processor with the
     checkpoint's settings; each `<start_of_image>` marker becomes Gemma3Processor's full image sequence."""
@@ -205,6 +173,25 @@ _VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision
                     "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
                     "model.multi_modal_projector.": "multi_modal_projector.",
                     "multi_modal_projector.": "multi_modal_projector."}
+
+
+class Model(VisionFamily, DecoderLM):
+    ARGS = ModelArgs
+    PROMPTER = ImagePrompter
+    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    DROPPED_VISION = ("head.",)  # SigLIP's pooling head (vision_use_head): an output Gemma 3 never reads
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
+            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
+        pixels = pixel_batch(images, self.multi_modal_projector.mm_input_projection_weight)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
 
 # GGUF per-layer tensor names that differ from the Llama mapping.

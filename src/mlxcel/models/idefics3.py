@@ -25,7 +25,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pixel_shuffle
 from mlxcel.models import llama
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    own_name, placeholder_runs,
+    VisionFamily, pixel_batch, placeholder_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -51,40 +51,6 @@ class Connector(nn.Module):
 
     def forward(self, features: torch.Tensor) -> torch.Tensor:
         return self.modality_projection.proj(pixel_shuffle(features, self.scale_factor))
-
-
-class Model(llama.Model):
-    ARGS = ModelArgs
-
-    def __init__(self, args: DecoderArgs) -> None:
-        super().__init__(args)
-        self.vision = args.extra.get("vision")
-        if self.vision is not None:
-            self.vision_model = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
-            self.connector = Connector(self.vision, args.hidden_size)
-
-    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Every tile of every image in one batch: [tiles x image_seq_len, hidden] per image."""
-        weight = self.connector.modality_projection.proj.weight
-        tiles = [image.pixels["pixel_values"] for image in images]
-        features = self.connector(self.vision_model(torch.cat(tiles).to(weight.device, weight.dtype)))
-        return [part.flatten(0, 1) for part in features.split([len(t) for t in tiles])]
-
-    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
-        if self.vision is None:
-            raise ValueError("this Idefics3 checkpoint has no vision tower")
-        return ImagePrompter(self.vision, model_dir, tokenizer)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        has_vision = args.extra.get("vision") is not None
-        kept = {new: value for name, value in weights.items()
-                if (new := own_name(name, _TEXT_PREFIXES, _VISION_PREFIXES, has_vision=has_vision)) is not None}
-        return super().sanitize(kept, args)
-
-
-_TEXT_PREFIXES = {"model.text_model.": "model."}
-_VISION_PREFIXES = {"model.vision_model.": "vision_model.", "model.connector.": "connector."}
 
 
 class ImagePrompter:
@@ -117,6 +83,28 @@ class ImagePrompter:
                                   {"pixel_values": tiles})
                        for data, tiles in zip(images, pixels))
         return expanded, inputs
+
+
+_TEXT_PREFIXES = {"model.text_model.": "model."}
+_VISION_PREFIXES = {"model.vision_model.": "vision_model.", "model.connector.": "connector."}
+
+
+class Model(VisionFamily, llama.Model):
+    ARGS = ModelArgs
+    PROMPTER = ImagePrompter
+    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            self.vision_model = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
+            self.connector = Connector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every tile of every image in one batch: [tiles x image_seq_len, hidden] per image."""
+        features = self.connector(self.vision_model(pixel_batch(images, self.connector.modality_projection.proj.weight)))
+        return [part.flatten(0, 1) for part in features.split([len(image.pixels["pixel_values"]) for image in images])]
 
 
 def image_prompt_string(rows: int, cols: int, seq_len: int, image_token: str) -> str:

@@ -24,7 +24,8 @@ from torch import nn
 from mlxcel.layers.decoder import DecoderArgs, activation
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer
 from mlxcel.models._vision import (
-    ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, own_name, placeholder_runs,
+    ImageInput, PromptTokenizer, VisionFamily, config_token, decode_image, expand_markers, image_digest, pixel_batch,
+    placeholder_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -57,68 +58,6 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(features)))
 
 
-class LlavaVision(nn.Module):
-    """What LLaVA adds to a text model; mixed in before the text family's Model (`_model_class`)."""
-
-    vision: dict[str, Any] | None
-
-    def __init__(self, args: DecoderArgs) -> None:
-        super().__init__(args)  # the text family's Model
-        self.vision = args.extra.get("vision")
-        if self.vision is not None:
-            config = self.vision["vision_config"]
-            is_clip = config.get("model_type", "clip_vision_model") == "clip_vision_model"
-            recipe = VisionRecipe.from_config(config, class_token=is_clip, pre_norm=is_clip, patch_bias=not is_clip)
-            self.vision_tower = VisionTransformer(recipe)
-            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
-
-    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        assert self.vision is not None
-        weight = self.multi_modal_projector.linear_1.weight
-        pixels = torch.cat([image.pixels["pixel_values"] for image in images]).to(weight.device, weight.dtype)
-        features = self.vision_tower(pixels, feature_layer=int(self.vision.get("vision_feature_layer", -2)))
-        if self.vision.get("vision_feature_select_strategy", "default") == "default" and self.vision_tower.recipe.class_token:
-            features = features[:, 1:]
-        return list(self.multi_modal_projector(features).unbind(0))
-
-    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
-        if self.vision is None:
-            raise ValueError("this LLaVA checkpoint has no vision tower")
-        return ImagePrompter(self.vision, model_dir, tokenizer)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        has_vision = args.extra.get("vision") is not None
-        kept = {new: value for name, value in weights.items()
-                if (new := own_name(name, _TEXT_PREFIXES, _VISION_PREFIXES, has_vision=has_vision,
-                                    dropped=("head.",))) is not None}
-        return super().sanitize(kept, args)  # type: ignore[misc]
-
-
-@functools.cache
-def _model_class(text: ModuleType) -> type[nn.Module]:
-    return type(f"Llava{text.Model.__name__}", (LlavaVision, text.Model), {"ARGS": text.ModelArgs})
-
-
-class Model(nn.Module):
-    """Builds the text family's Model with LLaVA's vision side (`LlavaVision` mixed in)."""
-
-    def __new__(cls, args: DecoderArgs) -> nn.Module:  # type: ignore[misc]
-        return _model_class(_text_module(args.extra))(args)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        return _model_class(_text_module(args.extra)).sanitize(weights, args)
-
-
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
-                  "language_model.lm_head.": "lm_head."}
-_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
-                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-                    "model.multi_modal_projector.": "multi_modal_projector.",
-                    "multi_modal_projector.": "multi_modal_projector."}
-
-
 class ImagePrompter:
     """LLaVA's processor side: the checkpoint's image processor; `<image>` -> one placeholder a patch."""
 
@@ -142,6 +81,56 @@ class ImagePrompter:
         runs = _split_runs(placeholder_runs(expanded, self.image_token), self.num_tokens)
         return expanded, tuple(ImageInput(image_digest(data), (run,), {"pixel_values": pixels[i:i + 1]})
                                for i, (data, run) in enumerate(zip(images, runs)))
+
+
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                    "model.multi_modal_projector.": "multi_modal_projector.",
+                    "multi_modal_projector.": "multi_modal_projector."}
+
+
+class LlavaVision(VisionFamily, nn.Module):
+    """What LLaVA adds to a text model; mixed in before the text family's Model (`_model_class`)."""
+
+    PROMPTER = ImagePrompter
+    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    DROPPED_VISION = ("head.",)  # a SigLIP tower's pooling head: unused
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)  # the text family's Model
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            config = self.vision["vision_config"]
+            is_clip = config.get("model_type", "clip_vision_model") == "clip_vision_model"
+            recipe = VisionRecipe.from_config(config, class_token=is_clip, pre_norm=is_clip, patch_bias=not is_clip)
+            self.vision_tower = VisionTransformer(recipe)
+            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        assert self.vision is not None
+        pixels = pixel_batch(images, self.multi_modal_projector.linear_1.weight)
+        features = self.vision_tower(pixels, feature_layer=int(self.vision.get("vision_feature_layer", -2)))
+        if self.vision.get("vision_feature_select_strategy", "default") == "default" and self.vision_tower.recipe.class_token:
+            features = features[:, 1:]
+        return list(self.multi_modal_projector(features).unbind(0))
+
+
+@functools.cache
+def _model_class(text: ModuleType) -> type[nn.Module]:
+    return type(f"Llava{text.Model.__name__}", (LlavaVision, text.Model), {"ARGS": text.ModelArgs})
+
+
+class Model(nn.Module):
+    """Builds the text family's Model with LLaVA's vision side (`LlavaVision` mixed in)."""
+
+    def __new__(cls, args: DecoderArgs) -> nn.Module:  # type: ignore[misc]
+        return _model_class(_text_module(args.extra))(args)
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        return _model_class(_text_module(args.extra)).sanitize(weights, args)
 
 
 def _split_runs(runs: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
