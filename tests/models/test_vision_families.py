@@ -30,7 +30,7 @@ from mlxcel.types import ImageCacheKeys, ImageInput, Request, SamplingParams
 from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_vlm
 
 TOL_VS_TRANSFORMERS = 2e-5
-NUM_TOKENS = 8
+NUM_TOKENS = 4
 
 
 @dataclass(frozen=True)
