@@ -28,7 +28,7 @@ from torch import nn
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
 from mlxcel.layers.norm import LayerNorm, RMSNorm
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
-from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings, rotary_table
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -398,7 +398,7 @@ class DecoderModel(nn.Module):
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
         if key not in tables:
-            tables[key] = RotaryEmbedding(key.dim, key.theta, key.scaling_dict())
+            tables[key] = rotary_table(key.dim, key.theta, key.scaling_dict())
             self.rotary.append(tables[key])
         return Rope(tables[key], recipe.rope, recipe.head_dim)
 
@@ -409,8 +409,10 @@ class DecoderModel(nn.Module):
         # The scale is rounded to the weights' dtype first, as the references do.
         return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        x = self.embed(input_ids)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                embeds: torch.Tensor | None = None) -> torch.Tensor:
+        """`embeds` [T, hidden]: the step's input rows where a vision family spliced its tokens in."""
+        x = self.embed(input_ids) if embeds is None else embeds
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)
