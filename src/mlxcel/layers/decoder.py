@@ -376,6 +376,19 @@ class DecoderArgs:
 
 # ---- the model --------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class EmbeddingOverride:
+    """Input embeddings that replace the token embeddings of some rows of a step (issue 43): the
+    vision encoder's output at image placeholder positions. rows: [n] long, values: [n, hidden]."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] (the scaled token embeddings) -> the same with `rows` replaced, unscaled."""
+        return x.index_copy(0, self.rows, self.values.to(dtype=x.dtype, device=x.device))
+
+
 class DecoderModel(nn.Module):
     """The checkpoint's `model.` part: embedding, layers, final norm."""
 
@@ -410,9 +423,10 @@ class DecoderModel(nn.Module):
         return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """`embeds` [T, hidden]: the step's input rows where a vision family spliced its tokens in."""
-        x = self.embed(input_ids) if embeds is None else embeds
+                embeds: EmbeddingOverride | None = None) -> torch.Tensor:
+        x = self.embed(input_ids)
+        if embeds is not None:
+            x = embeds.apply(x)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)
@@ -432,9 +446,13 @@ class DecoderLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                embeds: EmbeddingOverride | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]. `embeds`
+        replaces the input embeddings of some rows (image placeholders, issue 43)."""
+        if embeds is None:
+            return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A tied model has no lm_head until a rewrite (e.g. int8 quantization) adds one.

@@ -1,6 +1,9 @@
-"""The Qwen-VL vision tower (Qwen2.5-VL's): a ViT over patches of a dynamic-resolution grid, with a
-2-D rotary (height and width), attention within windows of the image (full on a few blocks), and a
-patch merger that turns each m x m block of patches into one language-model token.
+"""The Qwen-VL vision towers (Qwen2.5-VL's and Qwen3-VL's): a ViT over patches of a dynamic-resolution
+grid, with a 2-D rotary (height and width), and a patch merger that turns each m x m block of patches
+into one language-model token. Qwen2.5-VL attends within windows of the image (full on a few blocks),
+with RMSNorms and a gated MLP; Qwen3-VL attends over each whole frame, with LayerNorms, a plain MLP,
+learned position embeddings resampled to the grid, and "deepstack" mergers whose outputs of a few
+middle blocks are added to the language model's early hidden states.
 
 Images arrive as transformers' Qwen2-VL image processor lays them out: `pixels` [num_patches,
 channels * temporal_patch * patch * patch], the patches of each m x m merge block consecutive, and
@@ -41,11 +44,14 @@ class VisionSpec:
     fullatt_block_indexes: tuple[int, ...] = ()
     hidden_act: str = "silu"
     rope_theta: float = 10000.0
-    norm: str = "rms"  # "rms" (Qwen2.5-VL) | "layer"
-    tokens_per_second: float = 4.0  # M-RoPE's temporal positions per second of video
+    tokens_per_second: float = 4.0  # M-RoPE's temporal positions per second of video (Qwen2.5-VL)
+    # Qwen3-VL's choices: LayerNorms, a plain MLP, a patch bias, learned positions, deepstack mergers
+    is_v3: bool = False
+    num_position_embeddings: int = 0
+    deepstack_indexes: tuple[int, ...] = ()
 
     @staticmethod
-    def of(config: dict[str, Any]) -> VisionSpec:
+    def of(config: dict[str, Any], *, is_v3: bool = False) -> VisionSpec:
         rope = config.get("rope_parameters") or {}
         return VisionSpec(
             int(config["depth"]), int(config["hidden_size"]), int(config["intermediate_size"]),
@@ -53,8 +59,9 @@ class VisionSpec:
             int(config.get("temporal_patch_size", 2)), int(config.get("in_channels", 3)),
             int(config.get("spatial_merge_size", 2)), int(config.get("window_size", 0) or 0),
             tuple(config.get("fullatt_block_indexes") or ()), str(config.get("hidden_act", "silu")),
-            float(rope.get("rope_theta", config.get("rope_theta", 10000.0))), "rms",
-            float(config.get("tokens_per_second", 4.0)))
+            float(rope.get("rope_theta", config.get("rope_theta", 10000.0))),
+            float(config.get("tokens_per_second", 4.0)), is_v3, int(config.get("num_position_embeddings", 0)),
+            tuple(config.get("deepstack_visual_indexes") or ()) if is_v3 else ())
 
     @property
     def head_dim(self) -> int:
@@ -157,7 +164,14 @@ class VisionAttention(nn.Module):
 
 
 def _norm(spec: VisionSpec, dim: int) -> nn.Module:
-    return RMSNorm(dim, 1e-6) if spec.norm == "rms" else LayerNorm(dim, 1e-6)
+    return LayerNorm(dim, 1e-6) if spec.is_v3 else RMSNorm(dim, 1e-6)
+
+
+def _mlp_recipe(spec: VisionSpec) -> MLPRecipe:
+    if spec.is_v3:
+        return MLPRecipe(spec.intermediate_size, spec.hidden_act, gated=False, bias=True,
+                         names=("linear_fc1", "linear_fc2"))
+    return MLPRecipe(spec.intermediate_size, spec.hidden_act, bias=True)
 
 
 class VisionBlock(nn.Module):
@@ -167,7 +181,7 @@ class VisionBlock(nn.Module):
         super().__init__()
         self.norm1, self.norm2 = _norm(spec, spec.hidden_size), _norm(spec, spec.hidden_size)
         self.attn = VisionAttention(spec.hidden_size, spec.num_heads)
-        self.mlp = MLP(spec.hidden_size, MLPRecipe(spec.intermediate_size, spec.hidden_act, bias=True))
+        self.mlp = MLP(spec.hidden_size, _mlp_recipe(spec))
 
     def forward(self, x: torch.Tensor, rope: tuple[torch.Tensor, torch.Tensor], bounds: tuple[int, ...]) -> torch.Tensor:
         x = x + self.attn(self.norm1(x), rope, bounds)
@@ -187,17 +201,47 @@ class PatchMerger(nn.Module):
         return self.mlp(self.ln_q(x).view(-1, self.width))
 
 
+class PatchMergerV3(nn.Module):
+    """Qwen3-VL's merger: its LayerNorm over each patch (`after_shuffle`: over the m x m block, the
+    deepstack mergers), then fc1, GELU, fc2."""
+
+    def __init__(self, spec: VisionSpec, *, after_shuffle: bool = False) -> None:
+        super().__init__()
+        self.width, self.after_shuffle = spec.hidden_size * spec.merge_unit, after_shuffle
+        self.norm = LayerNorm(self.width if after_shuffle else spec.hidden_size, 1e-6)
+        self.linear_fc1 = nn.Linear(self.width, self.width)
+        self.linear_fc2 = nn.Linear(self.width, spec.out_hidden_size)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.norm(x.view(-1, self.width)) if self.after_shuffle else self.norm(x).view(-1, self.width)
+        return self.linear_fc2(F.gelu(self.linear_fc1(x)))
+
+
 class PatchEmbed(nn.Module):
     """The checkpoint's Conv3d (kernel = stride = one patch) as the matmul it is over flat patches."""
 
     def __init__(self, spec: VisionSpec) -> None:
         super().__init__()
         kernel = (spec.temporal_patch_size, spec.patch_size, spec.patch_size)
-        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel, stride=kernel, bias=False)
+        self.proj = nn.Conv3d(spec.in_channels, spec.hidden_size, kernel, stride=kernel, bias=spec.is_v3)
 
     def forward(self, pixels: torch.Tensor) -> torch.Tensor:
         weight = self.proj.weight
-        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1))
+        return F.linear(pixels.to(weight.dtype), weight.view(weight.shape[0], -1), self.proj.bias)
+
+
+def resampled_positions(table: torch.Tensor, grid_thw: list[tuple[int, int, int]], merge: int) -> torch.Tensor:
+    """Qwen3-VL's learned positions: the square table [side^2, hidden] resampled bilinearly (corners
+    aligned) to each image's h x w patches, in merge-block order, repeated per frame: [N, hidden]."""
+    side = int(table.shape[0] ** 0.5)
+    square = table.view(side, side, -1).permute(2, 0, 1).unsqueeze(0).float()  # [1, hidden, side, side]
+    out = []
+    for t, h, w in grid_thw:
+        grid = F.interpolate(square, size=(h, w), mode="bilinear", align_corners=True)[0]  # [hidden, h, w]
+        # [hidden, h/m, m, w/m, m] -> [h/m, w/m, m, m, hidden]
+        blocks = grid.view(-1, h // merge, merge, w // merge, merge).permute(1, 3, 2, 4, 0).reshape(h * w, -1)
+        out.append(blocks.repeat(t, 1))
+    return torch.cat(out).to(table.dtype)
 
 
 class QwenVisionTower(nn.Module):
@@ -207,8 +251,13 @@ class QwenVisionTower(nn.Module):
         super().__init__()
         self.spec = spec
         self.patch_embed = PatchEmbed(spec)
+        if spec.num_position_embeddings:
+            self.pos_embed = nn.Embedding(spec.num_position_embeddings, spec.hidden_size)
         self.blocks = nn.ModuleList(VisionBlock(spec) for _ in range(spec.depth))
-        self.merger = PatchMerger(spec)
+        self.merger = PatchMergerV3(spec) if spec.is_v3 else PatchMerger(spec)
+        if spec.deepstack_indexes:
+            self.deepstack_merger_list = nn.ModuleList(
+                PatchMergerV3(spec, after_shuffle=True) for _ in spec.deepstack_indexes)
 
     def rope(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         """cos and signed sin [N, 1, head_dim] of the 2-D rotary: the first quarter of the angles
@@ -221,9 +270,12 @@ class QwenVisionTower(nn.Module):
         half = emb.shape[-1] // 2
         return emb.cos().unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
 
-    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> torch.Tensor:
+    def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
+        """The merged tokens [N / m^2, out], then each deepstack merger's (Qwen3-VL), in the images' order."""
         spec, plan = self.spec, plan_patches(grid_thw, self.spec)
         x = self.patch_embed(pixels)
+        if spec.num_position_embeddings:
+            x = x + resampled_positions(self.pos_embed.weight, grid_thw, spec.spatial_merge_size).to(x.device)
         # Reorder whole merge blocks into window order (a permutation of [N / m^2] blocks).
         order = plan.window_order.to(x.device)
         x = x.view(-1, spec.merge_unit, x.shape[-1])[order].flatten(0, 1)
@@ -231,10 +283,13 @@ class QwenVisionTower(nn.Module):
         cos, sin = (t.view(-1, spec.merge_unit, *t.shape[1:])[order].flatten(0, 1) for t in (cos, sin))
         full = plan.image_bounds
         windowed = plan.window_bounds if spec.window_size else full
+        deepstack = []
         for i, block in enumerate(self.blocks):
             x = block(x, (cos, sin), full if i in spec.fullatt_block_indexes else windowed)
-        merged = self.merger(x)
-        return merged[torch.argsort(order)]
+            if i in spec.deepstack_indexes:
+                deepstack.append(self.deepstack_merger_list[spec.deepstack_indexes.index(i)](x))
+        back = torch.argsort(order)
+        return [merged[back] for merged in (self.merger(x), *deepstack)]
 
 
 # ---- the language model's M-RoPE positions ---------------------------------------------------------

@@ -4,44 +4,56 @@ patch merger), whose tokens replace the prompt's image / video placeholder token
 
 Checkpoint names as the Hub has them: `model.*` (the text decoder), `visual.*`, `lm_head`;
 transformers 5's in-memory `model.language_model.*` / `model.visual.*` are renamed on load.
+`QwenVLFields` and `QwenVLModel` are what qwen3_vl shares.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
-from mlxcel.layers.attention import AttentionContext
 from mlxcel.layers.decoder import DecoderLM, RopeRecipe
 from mlxcel.layers.vision_qwen import QwenVisionTower, VisionSpec, mrope_positions
 from mlxcel.models import qwen2
 
 
 @dataclass(frozen=True)
-class ModelArgs(qwen2.ModelArgs):
+class QwenVLFields:
+    """The vision-language part of a Qwen-VL config, mixed into a text family's ModelArgs."""
+
     vision_config: dict[str, Any] | None = None
     image_token_id: int = 151655
     video_token_id: int = 151656
     vision_start_token_id: int = 151652
     mrope_section: tuple[int, ...] = (16, 24, 24)
+    mrope_interleaved: bool = False
+
+    IS_V3: ClassVar[bool] = False
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
         config = text_config_of(config)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         section = tuple(rope.get("mrope_section") or cls.mrope_section)
-        config = super().prepare(config)
-        return {**config, "mrope_section": section}
+        interleaved = bool(rope.get("mrope_interleaved", cls.mrope_interleaved))
+        config = super().prepare(config)  # type: ignore[misc]
+        return {**config, "mrope_section": section, "mrope_interleaved": interleaved}
 
     @property
     def vision(self) -> VisionSpec:
-        return VisionSpec.of(self.vision_config or {})
+        return VisionSpec.of(self.vision_config or {}, is_v3=self.IS_V3)
 
     def layer_rope(self, layer_idx: int) -> RopeRecipe:
-        scaling = {**(self.rope_scaling or {}), "rope_type": "mrope", "mrope_section": list(self.mrope_section)}
-        return RopeRecipe.of(self.rope_theta, scaling, self.dim_per_head)
+        scaling = {**(self.rope_scaling or {}), "rope_type": "mrope", "mrope_section": list(self.mrope_section),
+                   "mrope_interleaved": self.mrope_interleaved}
+        return RopeRecipe.of(self.rope_theta, scaling, self.dim_per_head)  # type: ignore[attr-defined]
+
+
+@dataclass(frozen=True)
+class ModelArgs(QwenVLFields, qwen2.ModelArgs):
+    pass
 
 
 def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
@@ -53,23 +65,19 @@ def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
     return {**text, **{k: v for k, v in outer.items() if k not in text or k == "model_type"}}
 
 
-class Model(DecoderLM):
-    ARGS = ModelArgs
+class QwenVLModel(DecoderLM):
+    """A Qwen-VL model: the text decoder with the vision tower `visual` beside it."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: Any) -> None:
         super().__init__(args)
         self.visual = QwenVisionTower(args.vision)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                embeds: torch.Tensor | None = None) -> torch.Tensor:
-        """input_ids [T]; positions [T] or M-RoPE's [3, T]; `embeds` [T, hidden] where the step
-        carries vision tokens (the text embeddings with the vision rows spliced in)."""
-        return self.model(input_ids, positions, ctx, embeds=embeds)
-
     def encode_vision(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """The tokens [n_i, hidden] of each image or video (one grid each) of the batch `pixels`."""
-        merged = self.visual(pixels, grid_thw)
-        return list(merged.split([self.args.vision.tokens_of(g) for g in grid_thw]))
+        """Each image's or video's (one grid each) rows [n_i, width] for its placeholders: the input
+        embedding, then (Qwen3-VL) each deepstack layer's addition, side by side."""
+        outputs = self.visual(pixels, grid_thw)
+        rows = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
+        return list(rows.split([self.args.vision.tokens_of(g) for g in grid_thw]))
 
     def vision_positions(self, token_ids: list[int], grids: list[tuple[int, int, int]],
                          seconds_per_grid: list[float | None] | None = None) -> tuple[torch.Tensor, int]:
@@ -82,9 +90,8 @@ class Model(DecoderLM):
                                vision.spatial_merge_size, steps)
 
     @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        renamed = {_hub_name(k): v for k, v in weights.items()}
-        return super().sanitize(renamed, args)
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        return super().sanitize({_hub_name(k): v for k, v in weights.items()}, args)
 
 
 def _hub_name(name: str) -> str:
@@ -94,3 +101,7 @@ def _hub_name(name: str) -> str:
     if name.startswith("model.visual."):
         return name[len("model."):]
     return name
+
+
+class Model(QwenVLModel):
+    ARGS = ModelArgs
