@@ -24,6 +24,7 @@ from torch import nn
 
 from mlxcel.layers.decoder import MLP, MLPRecipe
 from mlxcel.layers.norm import LayerNorm, RMSNorm
+from mlxcel.layers.patch_attention import axial_rope, segment_attention
 from mlxcel.layers.rope import apply_rope
 
 
@@ -127,24 +128,6 @@ def _windows(t: int, gh: int, gw: int, spec: VisionSpec) -> tuple[torch.Tensor, 
 
 
 # ---- blocks -----------------------------------------------------------------------------------
-
-def segment_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bounds: tuple[int, ...],
-                      scale: float) -> torch.Tensor:
-    """Bidirectional attention of each segment [bounds[i], bounds[i+1]) over itself only.
-
-    q, k, v: [N, heads, head_dim] -> [N, heads, head_dim]. Segments of one length go through SDPA
-    as one batch (an image's windows are mostly equal)."""
-    out = torch.empty_like(q)
-    starts = torch.tensor(bounds[:-1])
-    lengths = torch.tensor(bounds[1:]) - starts
-    for length in lengths.unique().tolist():
-        rows = starts[lengths == length, None] + torch.arange(length)  # [segments, length]
-        rows = rows.to(q.device)
-        # [segments, length, heads, head_dim] -> [segments, heads, length, head_dim]
-        qs, ks, vs = (x[rows].transpose(1, 2) for x in (q, k, v))
-        out[rows] = F.scaled_dot_product_attention(qs, ks, vs, scale=scale).transpose(1, 2)
-    return out
-
 
 class VisionAttention(nn.Module):
     def __init__(self, dim: int, num_heads: int) -> None:
@@ -260,15 +243,11 @@ class QwenVisionTower(nn.Module):
                 PatchMergerV3(spec, after_shuffle=True) for _ in spec.deepstack_indexes)
 
     def rope(self, positions: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-        """cos and signed sin [N, 1, head_dim] of the 2-D rotary: the first quarter of the angles
-        turn with the row, the second with the column (float32)."""
+        """The 2-D rotary: rows and columns turn at the same head_dim / 4 frequencies."""
         quarter = self.spec.head_dim // 4
-        inv_freq = 1.0 / (self.spec.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float) / (2 * quarter)))
-        angles = (positions.to(device=device, dtype=torch.float)[..., None] * inv_freq.to(device)).flatten(1)
-        emb = torch.cat((angles, angles), dim=-1)  # [N, head_dim]
-        sin = emb.sin()
-        half = emb.shape[-1] // 2
-        return emb.cos().unsqueeze(1), torch.cat((-sin[:, :half], sin[:, half:]), dim=-1).unsqueeze(1)
+        freqs = 1.0 / (self.spec.rope_theta ** (torch.arange(0, 2 * quarter, 2, dtype=torch.float) / (2 * quarter)))
+        freqs = freqs.to(device)
+        return axial_rope(positions, freqs, freqs)
 
     def forward(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
         """The merged tokens [N / m^2, out], then each deepstack merger's (Qwen3-VL), in the images' order."""
