@@ -1,4 +1,9 @@
-"""Gemma 3 text family: the shared decoder's Gemma recipe (Gemma3ForCausalLM's parameter names).
+"""Gemma 3: the shared decoder's Gemma recipe (Gemma3ForCausalLM's parameter names) and, for a
+Gemma3ForConditionalGeneration checkpoint, its vision side (issue 43, models/_vision.py): a SigLIP
+tower (`vision_tower.`), then the projector (4x4 average pooling of the 64x64 patch grid to 256 tokens, a (1 + w)
+RMSNorm, one matmul into the text width). Each image becomes `<start_of_image>`, 256 soft tokens,
+`<end_of_image>` between blank lines (Gemma3Processor's expansion); its soft tokens attend each
+other both ways in prefill.
 
 Differences from Llama: embeddings scaled by sqrt(hidden); (1 + w) RMSNorms, also on q and k
 per head; norms before and after both attention and MLP; tanh-GELU MLP; a fixed query scale
@@ -8,16 +13,25 @@ global layers (which alone take the rope scaling).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from mlxcel.layers.decoder import (
     FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe, RopeRecipe, activation,
 )
+from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import rope_settings
+from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
+from mlxcel.models._vision import (
+    ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
+    placeholder_runs,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -100,25 +114,101 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"]))
 
 
+IS_VISION_LANGUAGE = True
+
+
+class Projector(nn.Module):
+    """Gemma3MultiModalProjector: pool the patch grid to mm_tokens_per_image, norm, project."""
+
+    def __init__(self, vision: dict[str, Any], text_hidden: int) -> None:
+        super().__init__()
+        width = int(vision["vision_config"]["hidden_size"])
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(width, text_hidden))
+        self.mm_soft_emb_norm = RMSNorm(width, float(vision["vision_config"].get("layer_norm_eps", 1e-6)), offset=1.0)
+        self.patches_per_side = int(vision["vision_config"]["image_size"]) // int(vision["vision_config"]["patch_size"])
+        tokens_per_side = int(int(vision.get("mm_tokens_per_image", 256)) ** 0.5)
+        self.kernel = self.patches_per_side // tokens_per_side
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, patches, vision hidden] -> [B, tokens, text hidden]."""
+        pooled = pool_patches(features, self.patches_per_side, self.kernel)
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(features.dtype)
+
+
 class Model(DecoderLM):
     ARGS = ModelArgs
 
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
+            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
+        weight = self.multi_modal_projector.mm_input_projection_weight
+        pixels = torch.cat([image.pixels["pixel_values"] for image in images]).to(weight.device, weight.dtype)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
+
+    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
+        if self.vision is None:
+            raise ValueError("this Gemma 3 checkpoint has no vision tower")
+        return ImagePrompter(self.vision, model_dir, tokenizer)
+
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        """Text weights only: multimodal checkpoints nest them under a language model prefix."""
-        kept = {text: value for name, value in weights.items() if (text := _text_name(name)) is not None}
+        """Text weights under the text model's names; the vision weights too when the model has a tower."""
+        has_vision = args.extra.get("vision") is not None
+        kept = {new: value for name, value in weights.items() if (new := _own_name(name, has_vision)) is not None}
         return super().sanitize(kept, args)
+
+
+class ImagePrompter:
+    """Gemma 3's processor side (models/_vision.py): transformers' Gemma3 image processor with the
+    checkpoint's settings; each `<start_of_image>` marker becomes Gemma3Processor's full image sequence."""
+
+    def __init__(self, vision: dict[str, Any], model_dir: Path | None, tokenizer: PromptTokenizer) -> None:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        size = int(vision["vision_config"]["image_size"])
+        self.processor = load_image_processor(model_dir, Gemma3ImageProcessorPil, size={"height": size, "width": size},
+                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+        self.boi = config_token(vision, "boi_token_index", "boi_token_id")
+        self.eoi = config_token(vision, "eoi_token_index", "eoi_token_id")
+        self.image_token = config_token(vision, "image_token_index", "image_token_id")
+        self.num_tokens = int(vision.get("mm_tokens_per_image", 256))
+        self.marker = tokenizer.decode([self.boi], skip_special_tokens=False)
+        self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        sequence = [*self.newlines, self.boi, *[self.image_token] * self.num_tokens, self.eoi, *self.newlines]
+        expanded = expand_markers(token_ids, self.boi, [sequence] * len(images))
+        runs = placeholder_runs(expanded, self.image_token)
+        if len(runs) != len(images):
+            raise ValueError("the prompt holds image soft tokens outside its images")
+        pixels = self.processor(images=[decode_image(data) for data in images], return_tensors="pt")["pixel_values"]
+        return expanded, tuple(ImageInput(image_digest(data), (run,), {"pixel_values": pixels[i:i + 1]},
+                                          is_bidirectional=True)
+                               for i, (data, run) in enumerate(zip(images, runs)))
 
 
 # Prefixes of the text model inside Gemma3ForConditionalGeneration (transformers 4 and 5 layouts).
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
-_VISION_MARKERS = ("vision_tower.", "multi_modal_projector.")
+# The tower's own `vision_model.` level (hub checkpoints have it; transformers 5 saves without it) is dropped.
+_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                    "model.multi_modal_projector.": "multi_modal_projector.",
+                    "multi_modal_projector.": "multi_modal_projector."}
 
 
-def _text_name(name: str) -> str | None:
-    if any(marker in name for marker in _VISION_MARKERS):
-        return None
+def _own_name(name: str, has_vision: bool) -> str | None:
+    for prefix, replacement in _VISION_PREFIXES.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            # SigLIP's pooling head (vision_use_head) gives an output Gemma 3 never reads
+            return replacement + rest if has_vision and not rest.startswith("head.") else None
     for prefix, replacement in _TEXT_PREFIXES.items():
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
