@@ -1,15 +1,22 @@
 """Qwen2.5-VL: Qwen2's decoder with M-RoPE (three rotary sections turned by temporal, height and
 width positions) under the Qwen-VL vision tower (layers/vision_qwen.py: windowed ViT, 2-D rope,
-patch merger), whose tokens replace the prompt's image / video placeholder tokens.
+patch merger), whose tokens replace the prompt's image placeholder tokens (models/_vision.py).
+
+An image renders in the chat prompt as `<|vision_start|><|image_pad|><|vision_end|>`, and its
+`<|image_pad|>` becomes one pad a merged token (t * h * w / m^2, the grid transformers' Qwen2-VL
+image processor picks for the image's size). Positions: `rope_positions` gives the prompt's
+M-RoPE positions [3, len] and the offset of every later position (index + offset on all three rows).
 
 Checkpoint names as the Hub has them: `model.*` (the text decoder), `visual.*`, `lm_head`;
 transformers 5's in-memory `model.language_model.*` / `model.visual.*` are renamed on load.
-`QwenVLFields` and `QwenVLModel` are what qwen3_vl shares.
+`QwenVLFields`, `QwenVLModel` and `QwenImagePrompter` are what qwen3_vl shares.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, ClassVar
 
 import torch
@@ -17,16 +24,18 @@ import torch
 from mlxcel.layers.decoder import DecoderLM, RopeRecipe
 from mlxcel.layers.vision_qwen import QwenVisionTower, VisionSpec, mrope_positions
 from mlxcel.models import qwen2
+from mlxcel.models._vision import (
+    ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
+)
+
+IS_VISION_LANGUAGE = True
 
 
 @dataclass(frozen=True)
 class QwenVLFields:
-    """The vision-language part of a Qwen-VL config, mixed into a text family's ModelArgs."""
+    """The M-RoPE part of a Qwen-VL config, mixed into a text family's ModelArgs; the vision part is
+    the top-level config that loading keeps in `extra["vision"]` (models/_vision.py)."""
 
-    vision_config: dict[str, Any] | None = None
-    image_token_id: int = 151655
-    video_token_id: int = 151656
-    vision_start_token_id: int = 151652
     mrope_section: tuple[int, ...] = (16, 24, 24)
     mrope_interleaved: bool = False
 
@@ -34,19 +43,20 @@ class QwenVLFields:
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
-        config = text_config_of(config)
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         section = tuple(rope.get("mrope_section") or cls.mrope_section)
         interleaved = bool(rope.get("mrope_interleaved", cls.mrope_interleaved))
         config = super().prepare(config)  # type: ignore[misc]
+        if config.get("sliding_window"):  # the decode step's query positions are M-RoPE's, not the cache's
+            raise ValueError("sliding-window attention with M-RoPE is not supported")
         return {**config, "mrope_section": section, "mrope_interleaved": interleaved}
 
     @property
-    def vision(self) -> VisionSpec:
-        return VisionSpec.of(self.vision_config or {}, is_v3=self.IS_V3)
+    def vision_spec(self) -> VisionSpec:
+        return VisionSpec.of(self.extra["vision"]["vision_config"], is_v3=self.IS_V3)  # type: ignore[attr-defined]
 
     def layer_rope(self, layer_idx: int) -> RopeRecipe:
-        scaling = {**(self.rope_scaling or {}), "rope_type": "mrope", "mrope_section": list(self.mrope_section),
+        scaling = {**(self.rope_scaling or {}), "rope_type": "mrope", "mrope_section": list(self.mrope_section),  # type: ignore[attr-defined]
                    "mrope_interleaved": self.mrope_interleaved}
         return RopeRecipe.of(self.rope_theta, scaling, self.dim_per_head)  # type: ignore[attr-defined]
 
@@ -56,42 +66,50 @@ class ModelArgs(QwenVLFields, qwen2.ModelArgs):
     pass
 
 
-def text_config_of(config: dict[str, Any]) -> dict[str, Any]:
-    """A VLM's config with its `text_config` raised to the top (the decoder's fields), the rest kept."""
-    text = config.get("text_config")
-    if not isinstance(text, dict):
-        return config
-    outer = {k: v for k, v in config.items() if k != "text_config"}
-    return {**text, **{k: v for k, v in outer.items() if k not in text or k == "model_type"}}
-
-
 class QwenVLModel(DecoderLM):
     """A Qwen-VL model: the text decoder with the vision tower `visual` beside it."""
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
-        self.visual = QwenVisionTower(args.vision)
+        self.vision = args.extra.get("vision")
+        if self.vision is None:
+            raise ValueError(f"{type(self).__module__}: the config has no vision_config")
+        self.visual = QwenVisionTower(args.vision_spec)
 
-    def encode_vision(self, pixels: torch.Tensor, grid_thw: list[tuple[int, int, int]]) -> list[torch.Tensor]:
-        """Each image's or video's (one grid each) rows [n_i, width] for its placeholders: the input
-        embedding, then (Qwen3-VL) each deepstack layer's addition, side by side."""
-        outputs = self.visual(pixels, grid_thw)
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every image or video (one grid each) through the tower in one batch: each one's rows
+        [n_i, width] for its placeholders, the input embedding then (Qwen3-VL) each deepstack layer's
+        addition side by side."""
+        weight = self.visual.patch_embed.proj.weight
+        pixels = torch.cat([image.pixels["pixel_values"] for image in images]).to(weight.device, weight.dtype)
+        grids = [_grid(image) for image in images]
+        outputs = self.visual(pixels, grids)
         rows = torch.cat(outputs, dim=-1) if len(outputs) > 1 else outputs[0]
-        return list(rows.split([self.args.vision.tokens_of(g) for g in grid_thw]))
+        return list(rows.split([self.args.vision_spec.tokens_of(g) for g in grids]))
 
-    def vision_positions(self, token_ids: list[int], grids: list[tuple[int, int, int]],
-                         seconds_per_grid: list[float | None] | None = None) -> tuple[torch.Tensor, int]:
-        """M-RoPE positions [3, len] of a prompt whose placeholders hold `grids` in order, and the
-        offset of every later position (the next token's position is its index plus the offset).
-        `seconds_per_grid`: a video's seconds per temporal patch (None for an image)."""
-        vision = self.args.vision
-        steps = [vision.tokens_per_second * s if s is not None else 1.0 for s in seconds_per_grid or [None] * len(grids)]
-        return mrope_positions(token_ids, grids, (self.args.image_token_id, self.args.video_token_id),
-                               vision.spatial_merge_size, steps)
+    def rope_positions(self, token_ids: Sequence[int], images: Sequence[ImageInput]) -> tuple[torch.Tensor, int]:
+        """M-RoPE positions [3, len] of a prompt holding `images`, and the offset of every later
+        position (the next token's position is its index plus the offset)."""
+        spec = self.args.vision_spec
+        grids = [_grid(image) for image in images]
+        steps = [spec.tokens_per_second * float(image.pixels["second_per_grid"]) if "second_per_grid" in image.pixels
+                 else 1.0 for image in images]
+        return mrope_positions(list(token_ids), grids, self._placeholder_ids(), spec.spatial_merge_size, steps)
+
+    def _placeholder_ids(self) -> tuple[int, ...]:
+        return (config_token(self.vision, "image_token_id"), config_token(self.vision, "video_token_id"))
+
+    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> QwenImagePrompter:
+        return QwenImagePrompter(self.vision, self.args.vision_spec, model_dir, tokenizer)
 
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
         return super().sanitize({_hub_name(k): v for k, v in weights.items()}, args)
+
+
+def _grid(image: ImageInput) -> tuple[int, int, int]:
+    t, h, w = (int(v) for v in image.pixels["image_grid_thw"].reshape(3).tolist())
+    return t, h, w
 
 
 def _hub_name(name: str) -> str:
@@ -101,6 +119,41 @@ def _hub_name(name: str) -> str:
     if name.startswith("model.visual."):
         return name[len("model."):]
     return name
+
+
+class QwenImagePrompter:
+    """The processor side (models/_vision.py): transformers' Qwen2-VL image processor with the
+    checkpoint's settings (dynamic resolution: the grid follows the image's size between its
+    min and max pixels); each `<|image_pad|>` of the prompt becomes that image's pads."""
+
+    def __init__(self, vision: dict[str, Any], spec: VisionSpec, model_dir: Path | None,
+                 tokenizer: PromptTokenizer) -> None:
+        from transformers.models.qwen2_vl.image_processing_pil_qwen2_vl import Qwen2VLImageProcessorPil
+
+        self.spec = spec
+        self.processor = load_image_processor(
+            model_dir, Qwen2VLImageProcessorPil, patch_size=spec.patch_size, merge_size=spec.spatial_merge_size,
+            temporal_patch_size=spec.temporal_patch_size)
+        self.pad = config_token(vision, "image_token_id")
+        start, end = config_token(vision, "vision_start_token_id"), config_token(vision, "vision_end_token_id")
+        self.marker = tokenizer.decode([start, self.pad, end], skip_special_tokens=False)
+
+    def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        if not images:
+            return token_ids, ()
+        processed = self.processor(images=[decode_image(data) for data in images], return_tensors="pt")
+        grids = [tuple(int(v) for v in g) for g in processed["image_grid_thw"]]
+        counts = [self.spec.tokens_of(g) for g in grids]
+        expanded = expand_markers(token_ids, self.pad, [[self.pad] * n for n in counts])
+        pixels, inputs, first_patch, search = processed["pixel_values"], [], 0, 0
+        for data, grid, count in zip(images, grids, counts):
+            start = expanded.index(self.pad, search)
+            num_patches = grid[0] * grid[1] * grid[2]
+            inputs.append(ImageInput(image_digest(data), ((start, count),), {
+                "pixel_values": pixels[first_patch:first_patch + num_patches],
+                "image_grid_thw": torch.tensor([grid])}))
+            first_patch, search = first_patch + num_patches, start + count
+        return expanded, tuple(inputs)
 
 
 class Model(QwenVLModel):

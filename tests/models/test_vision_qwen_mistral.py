@@ -1,0 +1,169 @@
+"""Issue 43 (part B): Qwen2.5-VL, Qwen3-VL and Mistral 3 from tiny random checkpoints transformers
+writes, loaded by our loader, images processed by our prompter (the checkpoint's own image processor).
+
+For one and two images our logits equal transformers' float32 forward on the same token ids and
+pixels, and greedy tokens through the paged KV cache (the prompt in two chunks, then one token a
+step at M-RoPE's offset positions) equal transformers' `generate`. The M-RoPE table and positions
+and the windowed tower are checked against transformers' own pieces too.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+
+from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
+from mlxcel.layers.decoder import EmbeddingOverride
+from mlxcel.layers.rope import MRotaryEmbedding
+from mlxcel.loading import load_model
+from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import ImageInput
+
+from .vision_qwen_checkpoints import png, write_mistral3, write_qwen_vl
+
+TOL_VS_TRANSFORMERS = 2e-5
+NUM_TOKENS = 6
+FAMILIES = ("qwen2_5_vl", "qwen3_vl", "mistral3")
+IMAGES = (png(1, 200, 120), png(2, 60, 90))  # Qwen2.5-VL: 4 x 7 merged tokens, in windows of 2 x 2
+
+
+@pytest.fixture(scope="module", params=FAMILIES)
+def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp(request.param)
+    reference, ids = write_mistral3(folder) if request.param == "mistral3" else write_qwen_vl(folder, request.param)
+    model = load_model(folder).model
+    tokenizer = Tokenizer.from_pretrained_dir(folder)
+    return request.param, reference, model, model.image_prompter(folder, tokenizer), tokenizer
+
+
+def _prompt(family, num_images: int) -> tuple[list[int], tuple[ImageInput, ...]]:
+    _, _, _, prompter, tokenizer = family
+    text = "Describe" + "".join(f" {prompter.marker} then" for _ in range(num_images)) + " please."
+    return prompter.prepare(tokenizer.encode(text, add_special_tokens=False), IMAGES[:num_images])
+
+
+def _reference_inputs(family, ids: list[int], images: tuple[ImageInput, ...]) -> dict[str, torch.Tensor]:
+    name, _, model, _, _ = family
+    inputs = {"input_ids": torch.tensor([ids])}
+    if name == "mistral3":
+        sizes = [image.pixels["pixel_values"].shape[1:] for image in images]
+        height, width = max(s[0] for s in sizes), max(s[1] for s in sizes)
+        padded = torch.zeros(len(images), 3, height, width)
+        for i, image in enumerate(images):
+            pixels = image.pixels["pixel_values"]
+            padded[i, :, :pixels.shape[1], :pixels.shape[2]] = pixels
+        return {**inputs, "pixel_values": padded, "image_sizes": torch.tensor([list(s) for s in sizes])}
+    image_token = model.vision["image_token_id"]
+    return {**inputs, "pixel_values": torch.cat([image.pixels["pixel_values"] for image in images]),
+            "image_grid_thw": torch.cat([image.pixels["image_grid_thw"] for image in images]),
+            "mm_token_type_ids": torch.tensor([[int(t == image_token) for t in ids]])}
+
+
+def _positions(model, ids: list[int], images: tuple[ImageInput, ...]) -> tuple[torch.Tensor, int]:
+    if hasattr(model, "rope_positions"):
+        return model.rope_positions(ids, images)
+    return torch.arange(len(ids)), 0
+
+
+def _override(rows: list[int], values: torch.Tensor, first: int) -> EmbeddingOverride:
+    return EmbeddingOverride(torch.tensor([r - first for r in rows]), values)
+
+
+@torch.inference_mode()
+def _our_logits(model, ids: list[int], images: tuple[ImageInput, ...]) -> torch.Tensor:
+    rows = sorted(p for image in images for p in image.positions())
+    values = torch.cat(model.encode_images(images))
+    positions, _ = _positions(model, ids, images)
+    ctx = AttentionContext([SequenceSlice(0, len(ids), len(ids))], None, torch.device("cpu"))
+    return model.compute_logits(model(torch.tensor(ids), positions, ctx, _override(rows, values, 0)))
+
+
+@pytest.mark.parametrize("num_images", [1, 2])
+def test_logits_match_transformers(family, num_images: int) -> None:
+    _, reference, model, _, _ = family
+    ids, images = _prompt(family, num_images)
+    assert len(images) == num_images and all(image.num_tokens > 0 for image in images)
+    with torch.inference_mode():
+        expected = reference(**_reference_inputs(family, ids, images)).logits[0]
+    ours = _our_logits(model, ids, images)
+    assert (ours - expected).abs().max().item() <= TOL_VS_TRANSFORMERS
+    # the images matter: another image moves the logits
+    other = _our_logits(model, *_prompt_with(family, num_images, png(7, 90, 90)))
+    assert other.shape != ours.shape or (other - ours).abs().max().item() > 1e-3
+
+
+def _prompt_with(family, num_images: int, image: bytes) -> tuple[list[int], tuple[ImageInput, ...]]:
+    _, _, _, prompter, tokenizer = family
+    text = "Describe" + "".join(f" {prompter.marker} then" for _ in range(num_images)) + " please."
+    return prompter.prepare(tokenizer.encode(text, add_special_tokens=False), (image,) * num_images)
+
+
+@torch.inference_mode()
+def _our_greedy(model, ids: list[int], images: tuple[ImageInput, ...], num_tokens: int) -> list[int]:
+    """The prompt in two chunks (the cut inside the first image's placeholders), then one token a step;
+    every step through a paged KV cache, decode positions at index + M-RoPE's offset."""
+    args, block = model.args, 4
+    kv = KVCache(args.num_hidden_layers, 64, block, args.kv_heads, args.dim_per_head, torch.float32, torch.device("cpu"))
+    table = tuple(range(63, 0, -1))  # non-contiguous blocks
+    rows = sorted(p for image in images for p in image.positions())
+    values = torch.cat(model.encode_images(images))
+    positions, offset = _positions(model, ids, images)
+
+    def step(tokens: list[int], first: int, pos: torch.Tensor, embeds: EmbeddingOverride | None) -> torch.Tensor:
+        stop = first + len(tokens)
+        ctx = AttentionContext([SequenceSlice(0, len(tokens), stop, block_table=table)], kv, torch.device("cpu"))
+        return model.compute_logits(model(torch.tensor(tokens), pos, ctx, embeds))[-1]
+
+    cut = rows[len(rows) // 2]
+    for first, stop in ((0, cut), (cut, len(ids))):
+        inside = [i for i, r in enumerate(rows) if first <= r < stop]
+        embeds = _override([rows[i] for i in inside], values[inside], first)
+        logits = step(ids[first:stop], first, positions[..., first:stop], embeds)
+    out = [int(logits.argmax())]
+    while len(out) < num_tokens:
+        index = len(ids) + len(out) - 1
+        out.append(int(step([out[-1]], index, torch.tensor([index + offset]), None).argmax()))
+    return out
+
+
+def test_greedy_tokens_match_transformers(family) -> None:
+    _, reference, model, _, _ = family
+    ids, images = _prompt(family, 2)
+    with torch.inference_mode():
+        expected = reference.generate(**_reference_inputs(family, ids, images), max_new_tokens=NUM_TOKENS,
+                                      do_sample=False)[0, len(ids):].tolist()
+    assert _our_greedy(model, ids, images, NUM_TOKENS) == expected
+
+
+def test_mrope_table_matches_transformers() -> None:
+    """Contiguous (Qwen2.5-VL) and interleaved (Qwen3-VL) sections, against transformers' rotary on
+    the same [3, T] positions; one row of positions is the plain rotary."""
+    from transformers.models.qwen2_5_vl.modeling_qwen2_5_vl import Qwen2_5_VLRotaryEmbedding
+    from transformers.models.qwen3_vl.modeling_qwen3_vl import Qwen3VLTextRotaryEmbedding
+
+    positions = torch.stack((torch.arange(12), torch.arange(12) % 4 + 3, torch.arange(12) // 4 + 5))
+    for reference_class, config_class, interleaved in (
+            (Qwen2_5_VLRotaryEmbedding, transformers.Qwen2_5_VLTextConfig, False),
+            (Qwen3VLTextRotaryEmbedding, transformers.Qwen3VLTextConfig, True)):
+        rope = {"rope_type": "default", "mrope_section": [2, 3, 3], "rope_theta": 10000.0,
+                "mrope_interleaved": interleaved}
+        config = config_class(hidden_size=64, num_attention_heads=4, head_dim=16, rope_parameters=rope)
+        cos_ref, sin_ref = reference_class(config)(torch.zeros(1, dtype=torch.float32), positions[:, None, :])
+        ours = MRotaryEmbedding(16, 10000.0, {"rope_type": "mrope", "mrope_section": [2, 3, 3],
+                                              "mrope_interleaved": interleaved})
+        cos, sin = ours.cos_sin(positions, torch.float32)
+        assert torch.allclose(cos[:, 0], cos_ref[0], atol=1e-6)
+        assert torch.allclose(sin[:, 0, 8:], sin_ref[0, :, 8:], atol=1e-6)  # the signed sin's second half
+        plain = ours.cos_sin(positions[0], torch.float32)[0]
+        assert torch.allclose(ours.cos_sin(positions[:1].expand(3, -1).clone(), torch.float32)[0], plain, atol=1e-6)
+
+
+def test_prompter_refuses_a_marker_count_that_differs(family) -> None:
+    _, _, _, prompter, tokenizer = family
+    ids = tokenizer.encode(f"one {prompter.marker} only", add_special_tokens=False)
+    with pytest.raises(ValueError):
+        prompter.prepare(ids, IMAGES)
