@@ -35,7 +35,7 @@ from mlxcel.loading.lazy import materialize_all
 from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import MtpDecision, Request, SamplingParams
+from mlxcel.types import ImagePrompter, MtpDecision, Request, SamplingParams
 from mlxcel.workers.diffusion import DiffusionOptions
 
 log = logging.getLogger(__name__)
@@ -92,6 +92,7 @@ class ServedModel:
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
     mtp_decision: MtpDecision | None = None  # F10, where it needs no measuring (else the engine's policy holds it)
     image_marker: str | None = None  # U: the image placeholder of a model with a vision tower (None: text only)
+    image_prompter: ImagePrompter | None = None  # issue 43: a vision-language model's processor side
 
     @property
     def context_size(self) -> int:
@@ -205,8 +206,19 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
         core.warm_decode_step()
         if drafts is not None and hasattr(drafts.drafter, "warm"):  # a draft model's own decode step (B1)
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
+    prompter = image_prompter(loaded, tokenizer)
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
-                       mtp)
+                       mtp, image_marker=prompter.marker if prompter else None, image_prompter=prompter)
+
+
+def image_prompter(loaded: LoadedModel, tokenizer: Tokenizer) -> ImagePrompter | None:
+    """The processor side of a vision-language model (issue 43, models/_vision.py); None for text only."""
+    model = loaded.model
+    if getattr(model, "vision", None) is None or not hasattr(model, "image_prompter"):
+        return None
+    prompter = model.image_prompter(loaded.model_dir, tokenizer)
+    log.info("image input: on (marker %r)", prompter.marker)
+    return prompter
 
 
 _FINGERPRINT_BYTES = 1 << 20

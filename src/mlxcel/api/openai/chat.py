@@ -21,7 +21,7 @@ from mlxcel.api.generation import (
 )
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, reply_timings, stream_telemetry
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
-from mlxcel.api.media import validate_media
+from mlxcel.api.media import validate_media, with_images
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
 from mlxcel.api.openai.messages import template_messages
@@ -62,7 +62,7 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     images = await validate_media(ctx, media_refs(req), takes_images=True)
     params = common.generation_params(req, headers)
     plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx))
-    prompt = replace(prompt, images=tuple(image.data for image in images))
+    prompt = await with_images(ctx, prompt, images)
     params = chat_features.with_chat_features(params, plan)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
