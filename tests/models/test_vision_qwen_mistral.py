@@ -2,20 +2,21 @@
 writes, loaded by our loader, images processed by our prompter (the checkpoint's own image processor).
 
 For one and two images our logits equal transformers' float32 forward on the same token ids and
-pixels, and greedy tokens through the paged KV cache (the prompt in two chunks, then one token a
-step at M-RoPE's offset positions) equal transformers' `generate`. The M-RoPE table and positions
-and the windowed tower are checked against transformers' own pieces too.
+pixels, and greedy tokens through the real engine (paged KV, prompts in chunks, the decode step at
+M-RoPE's offset positions, prefix-cache hits) equal transformers' `generate`. The M-RoPE table is
+checked against transformers' rotary on the same 3-D positions too.
 """
 
 from __future__ import annotations
 
 from pathlib import Path
 
+import asyncio
+
 import pytest
 import torch
 import transformers
 
-from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.decoder import EmbeddingOverride
 from mlxcel.layers.rope import MRotaryEmbedding
@@ -23,10 +24,10 @@ from mlxcel.loading import load_model
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import ImageInput
 
+from .test_vision_families import NUM_TOKENS, _engine, _generate
 from .vision_qwen_checkpoints import png, write_mistral3, write_qwen_vl
 
 TOL_VS_TRANSFORMERS = 2e-5
-NUM_TOKENS = 6
 FAMILIES = ("qwen2_5_vl", "qwen3_vl", "mistral3")
 IMAGES = (png(1, 200, 120), png(2, 60, 90))  # Qwen2.5-VL: 4 x 7 merged tokens, in windows of 2 x 2
 
@@ -102,41 +103,27 @@ def _prompt_with(family, num_images: int, image: bytes) -> tuple[list[int], tupl
     return prompter.prepare(tokenizer.encode(text, add_special_tokens=False), (image,) * num_images)
 
 
-@torch.inference_mode()
-def _our_greedy(model, ids: list[int], images: tuple[ImageInput, ...], num_tokens: int) -> list[int]:
-    """The prompt in two chunks (the cut inside the first image's placeholders), then one token a step;
-    every step through a paged KV cache, decode positions at index + M-RoPE's offset."""
-    args, block = model.args, 4
-    kv = KVCache(args.num_hidden_layers, 64, block, args.kv_heads, args.dim_per_head, torch.float32, torch.device("cpu"))
-    table = tuple(range(63, 0, -1))  # non-contiguous blocks
-    rows = sorted(p for image in images for p in image.positions())
-    values = torch.cat(model.encode_images(images))
-    positions, offset = _positions(model, ids, images)
-
-    def step(tokens: list[int], first: int, pos: torch.Tensor, embeds: EmbeddingOverride | None) -> torch.Tensor:
-        stop = first + len(tokens)
-        ctx = AttentionContext([SequenceSlice(0, len(tokens), stop, block_table=table)], kv, torch.device("cpu"))
-        return model.compute_logits(model(torch.tensor(tokens), pos, ctx, embeds))[-1]
-
-    cut = rows[len(rows) // 2]
-    for first, stop in ((0, cut), (cut, len(ids))):
-        inside = [i for i, r in enumerate(rows) if first <= r < stop]
-        embeds = _override([rows[i] for i in inside], values[inside], first)
-        logits = step(ids[first:stop], first, positions[..., first:stop], embeds)
-    out = [int(logits.argmax())]
-    while len(out) < num_tokens:
-        index = len(ids) + len(out) - 1
-        out.append(int(step([out[-1]], index, torch.tensor([index + offset]), None).argmax()))
-    return out
-
-
-def test_greedy_tokens_match_transformers(family) -> None:
+def test_engine_greedy_tokens_and_prefix_cache_match_transformers(family) -> None:
+    """Through the real engine (8-token prefill chunks of 4-token blocks, the CPU's decode step and
+    prompt tails, two requests batched): greedy tokens equal transformers' `generate`, and again
+    with every whole block a prefix-cache hit (M-RoPE positions then start mid-prompt)."""
     _, reference, model, _, _ = family
-    ids, images = _prompt(family, 2)
+    prompts = [_prompt(family, 1), _prompt(family, 2)]
     with torch.inference_mode():
-        expected = reference.generate(**_reference_inputs(family, ids, images), max_new_tokens=NUM_TOKENS,
-                                      do_sample=False)[0, len(ids):].tolist()
-    assert _our_greedy(model, ids, images, NUM_TOKENS) == expected
+        expected = [reference.generate(**_reference_inputs(family, ids, images), max_new_tokens=NUM_TOKENS,
+                                       do_sample=False)[0, len(ids):].tolist() for ids, images in prompts]
+    client = _engine(model)
+    try:
+        async def run(tag: str) -> list[tuple[list[int], int]]:
+            return list(await asyncio.gather(*(_generate(client, f"{tag}{i}", *p) for i, p in enumerate(prompts))))
+
+        assert [tokens for tokens, _ in asyncio.run(run("a"))] == expected
+        again = asyncio.run(run("b"))
+        assert [tokens for tokens, _ in again] == expected
+        # every whole block hits; the last prompt token is computed again for its logits
+        assert [cached for _, cached in again] == [min(len(ids) // 4 * 4, len(ids) - 1) for ids, _ in prompts]
+    finally:
+        client.core.stop(10)
 
 
 def test_mrope_table_matches_transformers() -> None:
