@@ -1,41 +1,25 @@
 """Tiny Qwen2.5-VL, Qwen3-VL and Mistral 3 checkpoints made by transformers (issue 43, part B):
-random weights (2 text layers, hidden 64; a 2-3 block vision tower of width 32), a byte-level
-tokenizer with the family's image tokens, and the family's image processor saved beside them
+random weights (2 text layers, hidden 64; a 2-3 block vision tower of width 32), vision_checkpoints'
+byte-level tokenizer with the family's image tokens, and the family's image processor saved beside them
 (preprocessor_config.json: small pixel bounds keep the patch grids to a few dozen patches).
 """
 
 from __future__ import annotations
 
-import io
-import json
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import transformers
 
-EOS = "<|endoftext|>"
+from .vision_checkpoints import EOS, png, write_tokenizer
+
+__all__ = ["EOS", "png", "write_mistral3", "write_qwen_vl"]
+
 QWEN_TOKENS = ["<|vision_start|>", "<|image_pad|>", "<|vision_end|>", "<|video_pad|>"]
 MISTRAL3_TOKENS = ["[IMG]", "[IMG_BREAK]", "[IMG_END]"]
-TEMPLATE = "{% for m in messages %}<{{ m['role'] }}>{{ m['content'] }}\n{% endfor %}<assistant>"
 TEXT = dict(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, intermediate_size=128,
             max_position_embeddings=1024)
-
-
-def write_tokenizer(folder: Path, specials: list[str]) -> dict[str, int]:
-    """A byte-level BPE (the 256 byte characters) plus EOS and `specials`; their ids."""
-    from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tokenizer = Tokenizer(models.BPE(vocab={ch: i for i, ch in enumerate(alphabet)}, merges=[]))
-    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    tokenizer.decoder = decoders.ByteLevel()
-    tokenizer.add_special_tokens([AddedToken(t, special=True, normalized=False) for t in [EOS, *specials]])
-    tokenizer.save(str(folder / "tokenizer.json"))
-    (folder / "tokenizer_config.json").write_text(json.dumps(
-        {"eos_token": EOS, "bos_token": None, "chat_template": TEMPLATE, "add_bos_token": False}))
-    return {t: tokenizer.token_to_id(t) for t in [EOS, *specials]}
 
 
 def _save(model: torch.nn.Module, processor: Any, folder: Path, seed: int) -> torch.nn.Module:
@@ -93,13 +77,3 @@ def write_mistral3(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[s
     processor = transformers.models.pixtral.image_processing_pil_pixtral.PixtralImageProcessorPil(
         size={"longest_edge": 64}, patch_size=8)
     return _save(transformers.Mistral3ForConditionalGeneration(config), processor, folder, seed), ids
-
-
-def png(seed: int, width: int = 40, height: int = 30) -> bytes:
-    """A random RGB image, encoded."""
-    from PIL import Image
-
-    pixels = (np.random.RandomState(seed).rand(height, width, 3) * 255).astype("uint8")
-    buffer = io.BytesIO()
-    Image.fromarray(pixels).save(buffer, format="PNG")
-    return buffer.getvalue()
