@@ -154,3 +154,27 @@ def test_prompter_refuses_a_marker_count_that_differs(family) -> None:
     ids = tokenizer.encode(f"one {prompter.marker} only", add_special_tokens=False)
     with pytest.raises(ValueError):
         prompter.prepare(ids, IMAGES)
+
+
+def test_qwen2_5_vl_video_logits_match_transformers(tmp_path: Path) -> None:
+    """A video of 3 frames (padded to 4: 2 temporal patches) beside an image: transformers' forward on
+    the same pixels as `pixel_values_videos`, its grid and seconds per temporal patch (M-RoPE's
+    temporal positions step by tokens_per_second * 2 / fps)."""
+    reference, _ = write_qwen_vl(tmp_path, "qwen2_5_vl")
+    model = load_model(tmp_path).model
+    tokenizer = Tokenizer.from_pretrained_dir(tmp_path)
+    prompter = model.image_prompter(tmp_path, tokenizer)
+    text = f"See {prompter.video_marker} and {prompter.marker} now."
+    frames = tuple(png(20 + i, 90, 60) for i in range(3))
+    ids, inputs = prompter.prepare_media(tokenizer.encode(text, add_special_tokens=False), [IMAGES[1]], [(frames, 2.0)])
+    video, image = inputs
+    assert video.pixels["image_grid_thw"].tolist() == [[2, 4, 6]] and video.runs[0][0] < image.runs[0][0]
+    video_token = model.vision["video_token_id"]
+    with torch.inference_mode():
+        expected = reference(
+            input_ids=torch.tensor([ids]), pixel_values=image.pixels["pixel_values"],
+            image_grid_thw=image.pixels["image_grid_thw"], pixel_values_videos=video.pixels["pixel_values"],
+            video_grid_thw=video.pixels["image_grid_thw"], second_per_grid_ts=torch.tensor([1.0]),
+            mm_token_type_ids=torch.tensor([[1 if t == model.vision["image_token_id"] else 2 if t == video_token else 0
+                                             for t in ids]])).logits[0]
+    assert (_our_logits(model, ids, inputs) - expected).abs().max().item() <= TOL_VS_TRANSFORMERS

@@ -4,7 +4,9 @@ patch merger), whose tokens replace the prompt's image placeholder tokens (model
 
 An image renders in the chat prompt as `<|vision_start|><|image_pad|><|vision_end|>`, and its
 `<|image_pad|>` becomes one pad a merged token (t * h * w / m^2, the grid transformers' Qwen2-VL
-image processor picks for the image's size). Positions: `rope_positions` gives the prompt's
+image processor picks for the image's size); a video as `<|vision_start|><|video_pad|><|vision_end|>`,
+its frames paired into temporal patches (t = frames / 2), whose M-RoPE temporal positions step by
+tokens_per_second * 2 / fps. Positions: `rope_positions` gives the prompt's
 M-RoPE positions [3, len] and the offset of every later position (index + offset on all three rows).
 
 Checkpoint names as the Hub has them: `model.*` (the text decoder), `visual.*`, `lm_head`;
@@ -135,25 +137,60 @@ class QwenImagePrompter:
             model_dir, Qwen2VLImageProcessorPil, patch_size=spec.patch_size, merge_size=spec.spatial_merge_size,
             temporal_patch_size=spec.temporal_patch_size)
         self.pad = config_token(vision, "image_token_id")
+        self.video_pad = config_token(vision, "video_token_id")
         start, end = config_token(vision, "vision_start_token_id"), config_token(vision, "vision_end_token_id")
         self.marker = tokenizer.decode([start, self.pad, end], skip_special_tokens=False)
+        # Qwen3-VL separates a video's frames by timestamps, which this prompter does not write
+        self.video_marker = None if spec.is_v3 else tokenizer.decode([start, self.video_pad, end],
+                                                                     skip_special_tokens=False)
 
     def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
-        if not images:
-            return token_ids, ()
-        processed = self.processor(images=[decode_image(data) for data in images], return_tensors="pt")
-        grids = [tuple(int(v) for v in g) for g in processed["image_grid_thw"]]
-        counts = [self.spec.tokens_of(g) for g in grids]
-        expanded = expand_markers(token_ids, self.pad, [[self.pad] * n for n in counts])
-        pixels, inputs, first_patch, search = processed["pixel_values"], [], 0, 0
-        for data, grid, count in zip(images, grids, counts):
-            start = expanded.index(self.pad, search)
-            num_patches = grid[0] * grid[1] * grid[2]
-            inputs.append(ImageInput(image_digest(data), ((start, count),), {
-                "pixel_values": pixels[first_patch:first_patch + num_patches],
-                "image_grid_thw": torch.tensor([grid])}))
-            first_patch, search = first_patch + num_patches, start + count
-        return expanded, tuple(inputs)
+        return self.prepare_media(token_ids, images, ())
+
+    def prepare_media(self, token_ids: list[int], images: Sequence[bytes],
+                      videos: Sequence[tuple[Sequence[bytes], float]]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        """`prepare` with videos too (frames, fps), each `<|video_pad|>` one video's temporal patches
+        (two frames each); the inputs in prompt order."""
+        if videos and self.video_marker is None:
+            raise ValueError("this model's video input is not supported")
+        stills = [self._image(data) for data in images]
+        clips = [self._video(frames, fps) for frames, fps in videos]
+        expanded = expand_markers(token_ids, self.pad, [[self.pad] * self.spec.tokens_of(g) for _, g, _ in stills])
+        expanded = expand_markers(expanded, self.video_pad, [[self.video_pad] * self.spec.tokens_of(g) for _, g, _ in clips])
+        inputs = [*self._inputs(expanded, self.pad, stills), *self._inputs(expanded, self.video_pad, clips)]
+        return expanded, tuple(sorted(inputs, key=lambda image: image.runs[0][0]))
+
+    def _image(self, data: bytes) -> tuple[str, tuple[int, int, int], dict[str, torch.Tensor]]:
+        processed = self.processor(images=[decode_image(data)], return_tensors="pt")
+        grid = tuple(int(v) for v in processed["image_grid_thw"][0])
+        return image_digest(data), grid, {"pixel_values": processed["pixel_values"], "image_grid_thw": torch.tensor([grid])}
+
+    def _video(self, frames: Sequence[bytes], fps: float) -> tuple[str, tuple[int, int, int], dict[str, torch.Tensor]]:
+        """A video's temporal patches: each frame resized and normalised as an image (the size of its
+        first), consecutive frames paired into one patch (the last repeated to an even count)."""
+        size = decode_image(frames[0]).size
+        decoded = [decode_image(data).resize(size) for data in frames]
+        tp = self.spec.temporal_patch_size
+        decoded += [decoded[-1]] * (-len(decoded) % tp)
+        processed = self.processor(images=decoded, return_tensors="pt")
+        _, h, w = (int(v) for v in processed["image_grid_thw"][0])
+        # [frames, h * w, C, tp, P, P] (a still's tp copies are equal): one copy of each frame,
+        # then frames t*tp..t*tp+tp-1 side by side -> [t * h * w, C * tp * P * P]
+        per_frame = processed["pixel_values"].view(len(decoded), h * w, -1, tp, self.spec.patch_size**2)[:, :, :, 0]
+        t = len(decoded) // tp
+        pixels = per_frame.view(t, tp, h * w, -1, self.spec.patch_size**2).permute(0, 2, 3, 1, 4).reshape(t * h * w, -1)
+        digest = image_digest(b"".join(bytes.fromhex(image_digest(data)) for data in frames))
+        return digest, (t, h, w), {"pixel_values": pixels, "image_grid_thw": torch.tensor([[t, h, w]]),
+                                   "second_per_grid": torch.tensor(tp / fps)}
+
+    def _inputs(self, expanded: list[int], pad: int,
+                processed: list[tuple[str, tuple[int, int, int], dict[str, torch.Tensor]]]) -> list[ImageInput]:
+        inputs, search = [], 0
+        for digest, grid, pixels in processed:
+            start, count = expanded.index(pad, search), self.spec.tokens_of(grid)
+            inputs.append(ImageInput(digest, ((start, count),), pixels))
+            search = start + count
+        return inputs
 
 
 class Model(QwenVLModel):
