@@ -81,3 +81,49 @@ def test_issue43_qwen2_5_vl_openai_sdk_image_url_matches_transformers(vlm) -> No
     again = client.chat.completions.create(model="m", messages=messages, max_tokens=NUM_TOKENS, temperature=0)
     assert again.choices[0].message.content == text
     assert again.usage.prompt_tokens_details.cached_tokens > num_prompt // 2  # the same images: a prefix-cache hit
+
+
+def test_issue43_qwen2_5_vl_video_url_as_temporal_patches(vlm) -> None:
+    """A video_url part (an MP4 data URL, sampled at its own 2 frames a second: 4 frames, 2 temporal
+    patches) renders as `<|video_pad|>`s; the reply is transformers' greedy text on the pixels our
+    prompter made of the media layer's frames, and usage counts the video's pads."""
+    from mlxcel.media.limits import MediaPolicy
+    from mlxcel.media.video import decode_video_frames
+    from tests.media.video_files import make_video
+
+    address, reference, folder = vlm
+    video = make_video(4, rate=2, width=64, height=48)
+    frames = []
+    for frame in decode_video_frames(video, 2.0, 16, MediaPolicy()):
+        buffer = io.BytesIO()
+        frame.save(buffer, format="PNG")
+        frames.append(buffer.getvalue())
+    tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
+    prompter = _prompter(folder)
+    prompt = "<user>" + prompter.video_marker + "\n" + QUESTION + "\n<assistant>"
+    ids, (clip,) = prompter.prepare_media(tokenizer.encode(prompt).ids, [], [(frames, 2.0)])
+    assert clip.pixels["image_grid_thw"][0, 0] == 2
+    pad = tokenizer.token_to_id("<|video_pad|>")
+    with torch.inference_mode():
+        out = reference.generate(
+            input_ids=torch.tensor([ids]), pixel_values_videos=clip.pixels["pixel_values"],
+            video_grid_thw=clip.pixels["image_grid_thw"], second_per_grid_ts=torch.tensor([1.0]),
+            mm_token_type_ids=torch.tensor([[2 * int(t == pad) for t in ids]]), max_new_tokens=NUM_TOKENS,
+            do_sample=False)[0, len(ids):].tolist()
+    eos = tokenizer.token_to_id(EOS)
+    text = tokenizer.decode(out[:out.index(eos)] if eos in out else out, skip_special_tokens=True)
+    client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+    url = "data:video/mp4;base64," + base64.b64encode(video).decode()
+    reply = client.chat.completions.create(model="m", max_tokens=NUM_TOKENS, temperature=0, messages=[{
+        "role": "user", "content": [{"type": "video_url", "video_url": {"url": url, "fps": 2}},
+                                    {"type": "text", "text": QUESTION}]}])
+    assert text and reply.choices[0].message.content == text
+    assert reply.usage.prompt_tokens == len(ids)
+
+
+def _prompter(folder: Path):
+    from mlxcel.loading import load_model
+    from mlxcel.text.tokenizer import Tokenizer as OurTokenizer
+
+    model = load_model(folder).model
+    return model.image_prompter(folder, OurTokenizer.from_pretrained_dir(folder))
