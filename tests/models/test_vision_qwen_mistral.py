@@ -178,3 +178,29 @@ def test_qwen2_5_vl_video_logits_match_transformers(tmp_path: Path) -> None:
             mm_token_type_ids=torch.tensor([[1 if t == model.vision["image_token_id"] else 2 if t == video_token else 0
                                              for t in ids]])).logits[0]
     assert (_our_logits(model, ids, inputs) - expected).abs().max().item() <= TOL_VS_TRANSFORMERS
+
+
+def test_qwen2_5_vl_loads_the_flat_transformers_4_config(tmp_path: Path) -> None:
+    """Most Hub checkpoints keep the text fields at the top level beside vision_config, with M-RoPE as
+    rope_scaling {"type": "mrope"}: the same weights give the same logits as the nested form."""
+    import json
+    import shutil
+
+    nested = tmp_path / "nested"
+    write_qwen_vl(nested, "qwen2_5_vl")
+    flat = tmp_path / "flat"
+    shutil.copytree(nested, flat)
+    config = json.loads((nested / "config.json").read_text())
+    text = config.pop("text_config")
+    rope = text.pop("rope_parameters")
+    config = {**text, **config, "rope_theta": rope["rope_theta"],
+              "rope_scaling": {"type": "mrope", "mrope_section": rope["mrope_section"]}}
+    (flat / "config.json").write_text(json.dumps(config))
+    tokenizer = Tokenizer.from_pretrained_dir(nested)
+    logits = []
+    for folder in (nested, flat):
+        model = load_model(folder).model
+        prompter = model.image_prompter(folder, tokenizer)
+        ids, images = prompter.prepare(tokenizer.encode(f"a {prompter.marker} b", add_special_tokens=False), IMAGES[:1])
+        logits.append(_our_logits(model, ids, images))
+    assert torch.equal(logits[0], logits[1])

@@ -45,6 +45,8 @@ class QwenVLFields:
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
+        if "vision" not in config and "vision_config" in config:  # transformers 4's flat form (most Hub checkpoints)
+            config = {**config, "vision": dict(config)}
         rope = config.get("rope_parameters") or config.get("rope_scaling") or {}
         section = tuple(rope.get("mrope_section") or cls.mrope_section)
         interleaved = bool(rope.get("mrope_interleaved", cls.mrope_interleaved))
