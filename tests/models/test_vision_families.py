@@ -10,7 +10,10 @@ misses from the first block its placeholders touch.
 from __future__ import annotations
 
 import asyncio
+from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -24,23 +27,48 @@ from mlxcel.loading import load_model
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import ImageCacheKeys, ImageInput, Request, SamplingParams
 
-from .vision_checkpoints import png, write_gemma3_vlm
+from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_vlm
 
 TOL_VS_TRANSFORMERS = 2e-5
 NUM_TOKENS = 8
 
 
-@pytest.fixture(scope="module")
-def gemma3(tmp_path_factory: pytest.TempPathFactory):
-    folder = tmp_path_factory.mktemp("gemma3_vlm")
-    reference, ids = write_gemma3_vlm(folder)
+@dataclass(frozen=True)
+class Family:
+    write: Callable[[Path], tuple[torch.nn.Module, dict[str, int]]]
+    marker: str  # the token an image part renders as
+    image_token: str  # the placeholder the encoder's rows replace
+    tokens_per_image: int  # for the 40 x 30 test images
+
+    def reference_inputs(self, ids: list[int], images: tuple[ImageInput, ...], image_token: int) -> dict[str, Any]:
+        """transformers' forward arguments for these images (how its own processor lays them out)."""
+        pixels = torch.cat([image.pixels["pixel_values"] for image in images])
+        if self is FAMILIES["gemma3"]:
+            return {"pixel_values": pixels, "token_type_ids": torch.tensor([[int(t == image_token) for t in ids]])}
+        if self is FAMILIES["idefics3"]:
+            return {"pixel_values": pixels[None]}  # [batch, tiles, 3, H, W]
+        return {"pixel_values": pixels}
+
+
+FAMILIES = {
+    "gemma3": Family(write_gemma3_vlm, "<start_of_image>", "<image_soft_token>", 4),
+    "idefics3": Family(write_idefics3_vlm, "<image>", "<image>", 5 * 16),  # 2 x 2 tiles and the global image
+    "llava": Family(write_llava_vlm, "<image>", "<image>", 16),
+}
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
+    family = FAMILIES[request.param]
+    folder = tmp_path_factory.mktemp(request.param)
+    reference, ids = family.write(folder)
     model = load_model(folder).model
     prompter = model.image_prompter(folder, Tokenizer.from_pretrained_dir(folder))
-    return reference, model, prompter, ids
+    return family, reference, model, prompter, ids
 
 
-def _prompt(tokenizer_ids: dict[str, int], num_images: int) -> list[int]:
-    marker = tokenizer_ids["<start_of_image>"]
+def _prompt(family: Family, tokenizer_ids: dict[str, int], num_images: int) -> list[int]:
+    marker = tokenizer_ids[family.marker]
     text = [ord(c) % 200 + 20 for c in "Describe"]
     ids = list(text)
     for i in range(num_images):
@@ -49,16 +77,15 @@ def _prompt(tokenizer_ids: dict[str, int], num_images: int) -> list[int]:
 
 
 @torch.inference_mode()
-def _reference_logits(reference: torch.nn.Module, ids: list[int], images: tuple[ImageInput, ...],
+def _reference_logits(family: Family, reference: torch.nn.Module, ids: list[int], images: tuple[ImageInput, ...],
                       image_token: int) -> torch.Tensor:
-    pixels = torch.cat([image.pixels["pixel_values"] for image in images])
-    token_type = torch.tensor([[int(t == image_token) for t in ids]])
-    return reference(input_ids=torch.tensor([ids]), pixel_values=pixels, token_type_ids=token_type).logits[0]
+    inputs = family.reference_inputs(ids, images, image_token)
+    return reference(input_ids=torch.tensor([ids]), **inputs).logits[0]
 
 
 @torch.inference_mode()
 def _our_logits(model: torch.nn.Module, ids: list[int], images: tuple[ImageInput, ...]) -> torch.Tensor:
-    spans = tuple((a, a + n) for image in images for a, n in image.runs)
+    spans = tuple((a, a + n) for image in images if image.is_bidirectional for a, n in image.runs)
     ctx = AttentionContext([SequenceSlice(0, len(ids), len(ids), bidirectional=spans)], None, "cpu")
     positions = torch.tensor([p for image in images for p in image.positions()])
     embeds = EmbeddingOverride(positions, torch.cat(model.encode_images(images)))
@@ -66,32 +93,32 @@ def _our_logits(model: torch.nn.Module, ids: list[int], images: tuple[ImageInput
 
 
 @pytest.mark.parametrize("num_images", [1, 2])
-def test_issue43_gemma3_logits_equal_transformers(gemma3, num_images: int) -> None:
-    reference, model, prompter, ids = gemma3
-    token_ids, images = prompter.prepare(_prompt(ids, num_images), [png(i) for i in range(num_images)])
-    image_token = ids["<image_soft_token>"]
-    # Gemma3Processor's expansion: blank lines, begin, 4 soft tokens, end, blank lines
-    assert sum(t == image_token for t in token_ids) == 4 * num_images
-    assert [image.num_tokens for image in images] == [4] * num_images
-    ours, expected = _our_logits(model, token_ids, images), _reference_logits(reference, token_ids, images, image_token)
+def test_issue43_vlm_logits_equal_transformers(vlm, num_images: int) -> None:
+    family, reference, model, prompter, ids = vlm
+    token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
+    image_token = ids[family.image_token]
+    assert sum(t == image_token for t in token_ids) == family.tokens_per_image * num_images
+    assert [image.num_tokens for image in images] == [family.tokens_per_image] * num_images
+    ours = _our_logits(model, token_ids, images)
+    expected = _reference_logits(family, reference, token_ids, images, image_token)
     assert (ours - expected).abs().max() <= TOL_VS_TRANSFORMERS
     # the image matters: another image gives other logits after the placeholders
-    _, others = prompter.prepare(_prompt(ids, num_images), [png(10 + i) for i in range(num_images)])
+    _, others = prompter.prepare(_prompt(family, ids, num_images), [png(10 + i) for i in range(num_images)])
     assert (_our_logits(model, token_ids, others)[-1] - ours[-1]).abs().max() > 1e-3
 
 
 @torch.inference_mode()
-def _reference_greedy(reference: torch.nn.Module, ids: list[int], images: tuple[ImageInput, ...],
+def _reference_greedy(family: Family, reference: torch.nn.Module, ids: list[int], images: tuple[ImageInput, ...],
                       image_token: int) -> list[int]:
     ids = list(ids)
     for _ in range(NUM_TOKENS):
-        ids.append(int(_reference_logits(reference, ids, images, image_token)[-1].argmax()))
+        ids.append(int(_reference_logits(family, reference, ids, images, image_token)[-1].argmax()))
     return ids[-NUM_TOKENS:]
 
 
 def _engine(model: torch.nn.Module) -> EngineClient:
     # 8-token prefill chunks of 4-token blocks: prompts come in several chunks; a soft-token run is never split
-    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 128, max_num_batched_tokens=8, block_size=4,
+    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 256, max_num_batched_tokens=8, block_size=4,
                           cache_type_k="f32", cache_type_v="f32")
     core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset())
     core.start()
@@ -108,14 +135,14 @@ async def _generate(client: EngineClient, request_id: str, ids: list[int],
     return tokens, cached
 
 
-def test_issue43_gemma3_engine_greedy_and_image_aware_prefix_cache(gemma3) -> None:
-    reference, model, prompter, ids = gemma3
-    image_token = ids["<image_soft_token>"]
-    one = prompter.prepare(_prompt(ids, 1), [png(0)])
-    two = prompter.prepare(_prompt(ids, 2), [png(1), png(2)])
-    other = prompter.prepare(_prompt(ids, 1), [png(3)])
+def test_issue43_vlm_engine_greedy_and_image_aware_prefix_cache(vlm) -> None:
+    family, reference, model, prompter, ids = vlm
+    image_token = ids[family.image_token]
+    one = prompter.prepare(_prompt(family, ids, 1), [png(0)])
+    two = prompter.prepare(_prompt(family, ids, 2), [png(1), png(2)])
+    other = prompter.prepare(_prompt(family, ids, 1), [png(3)])
     assert one[0] == other[0]  # the same token ids: only the pixels differ
-    expected = [_reference_greedy(reference, *p, image_token) for p in (one, two, other)]
+    expected = [_reference_greedy(family, reference, *p, image_token) for p in (one, two, other)]
     client = _engine(model)
     try:
         async def run(tag: str) -> list[tuple[list[int], int]]:
@@ -125,7 +152,7 @@ def test_issue43_gemma3_engine_greedy_and_image_aware_prefix_cache(gemma3) -> No
         assert [tokens for tokens, _ in first] == expected[:2]
         again = asyncio.run(run("b"))  # same images and text: every full block is a hit
         assert [tokens for tokens, _ in again] == expected[:2]
-        assert [cached for _, cached in again] == [(len(p[0]) - 1) // 4 * 4 for p in (one, two)]
+        assert [cached for _, cached in again] == [min(len(p[0]) // 4 * 4, len(p[0]) - 1) for p in (one, two)]
         tokens, cached = asyncio.run(_generate(client, "c", *other))  # another image, the same text
         assert tokens == expected[2]
         assert cached == one[1][0].runs[0][0] // 4 * 4  # hits stop at the block of the first soft token

@@ -134,6 +134,31 @@ def test_issue43_responses_input_image(vlm) -> None:
     assert reply.output_text == text and reply.usage.input_tokens == num_prompt
 
 
+def test_issue43_a_video_reaches_the_model_as_its_sampled_frames(vlm) -> None:
+    """A video_url part: its frames (--video-fps 2, at most --video-max-frames) as images, one marker each."""
+    from tests.media.video_files import make_video
+
+    from mlxcel.media.video import decode_video_frames
+    from mlxcel.media.limits import MediaPolicy
+
+    address, reference, folder = vlm
+    video = make_video(num_frames=20, rate=10)  # 2 s
+    frames = decode_video_frames(video, 2.0, 16, MediaPolicy())
+    pngs = []
+    for frame in frames:
+        buffer = io.BytesIO()
+        frame.save(buffer, format="PNG")
+        pngs.append(buffer.getvalue())
+    text, num_prompt = expected_text(reference, folder, pngs, QUESTION)
+    client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+    reply = client.chat.completions.create(model="m", max_tokens=NUM_TOKENS, temperature=0, messages=[{
+        "role": "user", "content": [
+            {"type": "video_url", "video_url": {"url": "data:video/mp4;base64," + base64.b64encode(video).decode()}},
+            {"type": "text", "text": QUESTION}]}])
+    assert len(frames) == 4 and reply.usage.prompt_tokens == num_prompt
+    assert reply.choices[0].message.content == text
+
+
 def test_issue43_models_and_props_say_the_model_takes_images(vlm) -> None:
     address, _, _ = vlm
     with httpx.Client(base_url=address, timeout=60) as http:

@@ -44,7 +44,8 @@ async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef], *,
         resolved = await resolve_media_parts(refs, ctx.media_policy)
     except MediaError as exc:
         raise media_error(exc) from None
-    kinds = {MediaKind.IMAGE, MediaKind.VIDEO} if video_marker(ctx) is not None else {MediaKind.IMAGE}
+    # a vision-language model (issue 43) takes a video as its sampled frames
+    kinds = (MediaKind.IMAGE, MediaKind.VIDEO) if ctx.image_prompter is not None else (MediaKind.IMAGE,)
     if takes_images and ctx.image_marker is not None and all(ref.kind in kinds for ref in refs):
         return resolved
     raise media_not_accepted(refs)
@@ -52,7 +53,7 @@ async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef], *,
 
 def video_marker(ctx: ApiContext) -> str | None:
     """The text a video part renders as, for a model that takes videos as such (Qwen2.5-VL's temporal
-    patches, issue 43: its prompter's `video_marker` and `prepare_media`); None: videos are refused."""
+    patches, issue 43: its prompter's `video_marker` and `prepare_media`); None: a video is its frames."""
     return getattr(ctx.image_prompter, "video_marker", None)
 
 

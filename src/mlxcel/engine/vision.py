@@ -20,15 +20,32 @@ from __future__ import annotations
 import bisect
 from collections.abc import Sequence as Seq
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import torch
 
+from mlxcel.layers.attention import SequenceSlice
 from mlxcel.layers.decoder import EmbeddingOverride
+from mlxcel.types import Request
 
-if TYPE_CHECKING:
-    from mlxcel.engine.scheduler import ScheduledSeq, Sequence
-    from mlxcel.layers.attention import SequenceSlice
+
+class Sequence(Protocol):
+    """What this module reads of the scheduler's Sequence (it is imported by the scheduler, so not the reverse)."""
+
+    request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
+    num_computed_tokens: int
+    image_embeds: ImageEmbeddings | None
+    rope_positions: RopePositions | None
+
+    @property
+    def num_tokens(self) -> int: ...
+
+
+class ScheduledSeq(Protocol):
+    seq: Sequence
+    num_new_tokens: int
 
 
 @dataclass(frozen=True, slots=True)

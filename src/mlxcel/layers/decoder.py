@@ -41,6 +41,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's vision towers (LLaVA)
 }
 
 

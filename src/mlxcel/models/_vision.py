@@ -38,16 +38,17 @@ from __future__ import annotations
 
 import hashlib
 import io
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, ClassVar, Protocol
 
 import torch
 
 from mlxcel.types import ImageInput, ImagePrompter
 
 __all__ = ["ImageInput", "ImagePrompter", "PromptTokenizer", "VisionLanguageModel", "config_token", "decode_image",
-           "expand_markers", "image_digest", "load_image_processor", "placeholder_runs"]
+           "expand_markers", "image_digest", "load_image_processor", "own_name", "pixel_batch", "placeholder_runs",
+           "VisionFamily"]
 
 class PromptTokenizer(Protocol):
     """What a processor side needs of the tokenizer (text.tokenizer.Tokenizer is one)."""
@@ -61,6 +62,36 @@ class VisionLanguageModel(Protocol):
     def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]: ...
 
     def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter: ...
+
+
+class VisionFamily:
+    """The parts every VLM family's Model shares, mixed in before its text Model: `image_prompter` (the
+    family's `PROMPTER` class over `self.vision`, the top-level config) and `sanitize` (the checkpoint's
+    names by the family's prefix tables, `own_name`, then the text Model's own sanitize)."""
+
+    PROMPTER: ClassVar[Any]
+    TEXT_PREFIXES: ClassVar[Mapping[str, str]]
+    VISION_PREFIXES: ClassVar[Mapping[str, str]]
+    DROPPED_VISION: ClassVar[tuple[str, ...]] = ()  # vision weights the family never reads (after the prefix)
+    vision: dict[str, Any] | None
+
+    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
+        if self.vision is None:
+            raise ValueError(f"this {type(self).__module__} checkpoint has no vision tower")
+        return self.PROMPTER(self.vision, model_dir, tokenizer)
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
+        has_vision = args.extra.get("vision") is not None
+        kept = {new: value for name, value in weights.items()
+                if (new := own_name(name, dict(cls.TEXT_PREFIXES), dict(cls.VISION_PREFIXES), has_vision=has_vision,
+                                    dropped=cls.DROPPED_VISION)) is not None}
+        return super().sanitize(kept, args)  # type: ignore[misc]
+
+
+def pixel_batch(images: Sequence[ImageInput], like: torch.Tensor) -> torch.Tensor:
+    """Every image's `pixel_values` in one batch, on `like`'s device and in its dtype."""
+    return torch.cat([image.pixels["pixel_values"] for image in images]).to(like.device, like.dtype)
 
 
 def config_token(config: dict[str, Any], *names: str) -> int:
@@ -103,6 +134,22 @@ def placeholder_runs(token_ids: Sequence[int], placeholder: int) -> list[tuple[i
         else:
             runs.append((index, 1))
     return runs
+
+
+def own_name(name: str, text_prefixes: dict[str, str], vision_prefixes: dict[str, str], *, has_vision: bool,
+             dropped: tuple[str, ...] = ()) -> str | None:
+    """A multimodal checkpoint's parameter name as our module names it: the text model's under `model.` /
+    `lm_head.`, the vision side's under the family's own names (kept only when the model has its tower);
+    None to drop it (vision weights of a text-only build; names the family never reads, `dropped`, after
+    the vision prefix)."""
+    for prefix, replacement in vision_prefixes.items():
+        if name.startswith(prefix):
+            rest = name[len(prefix):]
+            return replacement + rest if has_vision and not rest.startswith(dropped) else None
+    for prefix, replacement in text_prefixes.items():
+        if name.startswith(prefix):
+            return replacement + name[len(prefix):]
+    return name
 
 
 def expand_markers(token_ids: Sequence[int], marker: int, expansions: Sequence[list[int]]) -> list[int]:

@@ -30,7 +30,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    placeholder_runs,
+    VisionFamily, pixel_batch, placeholder_runs,
 )
 
 if TYPE_CHECKING:
@@ -135,35 +135,6 @@ class Projector(nn.Module):
         return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(features.dtype)
 
 
-class Model(DecoderLM):
-    ARGS = ModelArgs
-
-    def __init__(self, args: DecoderArgs) -> None:
-        super().__init__(args)
-        self.vision = args.extra.get("vision")
-        if self.vision is not None:
-            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
-            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
-
-    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
-        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
-        weight = self.multi_modal_projector.mm_input_projection_weight
-        pixels = torch.cat([image.pixels["pixel_values"] for image in images]).to(weight.device, weight.dtype)
-        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
-
-    def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> ImagePrompter:
-        if self.vision is None:
-            raise ValueError("this Gemma 3 checkpoint has no vision tower")
-        return ImagePrompter(self.vision, model_dir, tokenizer)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        """Text weights under the text model's names; the vision weights too when the model has a tower."""
-        has_vision = args.extra.get("vision") is not None
-        kept = {new: value for name, value in weights.items() if (new := _own_name(name, has_vision)) is not None}
-        return super().sanitize(kept, args)
-
-
 class ImagePrompter:
     """Gemma 3's processor side (models/_vision.py): transformers' Gemma3 image processor with the
     checkpoint's settings; each `<start_of_image>` marker becomes Gemma3Processor's full image sequence."""
@@ -173,7 +144,8 @@ class ImagePrompter:
 
         size = int(vision["vision_config"]["image_size"])
         self.processor = load_image_processor(model_dir, Gemma3ImageProcessorPil, size={"height": size, "width": size},
-                                              image_mean=[0.5] * 3, image_std=[0.5] * 3)
+                                              image_mean=vision.get("image_mean", [0.5] * 3),
+                                              image_std=vision.get("image_std", [0.5] * 3))
         self.boi = config_token(vision, "boi_token_index", "boi_token_id")
         self.eoi = config_token(vision, "eoi_token_index", "eoi_token_id")
         self.image_token = config_token(vision, "image_token_index", "image_token_id")
@@ -203,16 +175,23 @@ _VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision
                     "multi_modal_projector.": "multi_modal_projector."}
 
 
-def _own_name(name: str, has_vision: bool) -> str | None:
-    for prefix, replacement in _VISION_PREFIXES.items():
-        if name.startswith(prefix):
-            rest = name[len(prefix):]
-            # SigLIP's pooling head (vision_use_head) gives an output Gemma 3 never reads
-            return replacement + rest if has_vision and not rest.startswith("head.") else None
-    for prefix, replacement in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            return replacement + name[len(prefix):]
-    return name
+class Model(VisionFamily, DecoderLM):
+    ARGS = ModelArgs
+    PROMPTER = ImagePrompter
+    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    DROPPED_VISION = ("head.",)  # SigLIP's pooling head (vision_use_head): an output Gemma 3 never reads
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
+            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
+        pixels = pixel_batch(images, self.multi_modal_projector.mm_input_projection_weight)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
 
 # GGUF per-layer tensor names that differ from the Llama mapping.
@@ -240,3 +219,59 @@ def gemma_query_scalar(config: dict[str, Any], layers_of_27b: int) -> int:
 
 
 fix_gguf_weights = unshift_norms  # the converter stores (1 + w)
+
+
+# ---- llama.cpp's projector file (--mmproj, loading/mmproj.py) ----
+
+_MMPROJ_NAMES = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
+                 "v.post_ln": "post_layernorm"}
+_MMPROJ_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
+                       "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
+                       "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+
+
+def attach_mmproj(model: Model, mmproj: Any, tokenizer: PromptTokenizer) -> None:
+    """The SigLIP tower and projector from llama.cpp's gemma3 mmproj GGUF (its `clip.vision.*` settings;
+    tensor names as tools/mtmd/clip-impl.h names them), attached to a text model loaded from GGUF."""
+    meta = mmproj.metadata
+    clip = lambda key, default=None: meta.get(f"clip.vision.{key}", default)  # noqa: E731
+    size, patch = int(clip("image_size")), int(clip("patch_size"))
+    tokens_per_side = size // patch // int(clip("projector.scale_factor", 4))
+    config = {"hidden_size": clip("embedding_length"), "num_hidden_layers": clip("block_count"),
+              "num_attention_heads": clip("attention.head_count"), "intermediate_size": clip("feed_forward_length"),
+              "image_size": size, "patch_size": patch, "layer_norm_eps": clip("attention.layer_norm_epsilon", 1e-6)}
+    vision = {"vision_config": config, "mm_tokens_per_image": tokens_per_side**2,
+              "image_mean": list(clip("image_mean", [0.5] * 3)), "image_std": list(clip("image_std", [0.5] * 3)),
+              **{key: _token_id(tokenizer, text) for key, text in (
+                  ("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
+                  ("image_token_index", "<image_soft_token>"))}}
+    param = next(model.model.norm.parameters())
+    tower, projector = VisionTransformer(VisionRecipe.from_config(config)), Projector(vision, model.args.hidden_size)
+    tower.load_state_dict(_mmproj_state(mmproj, "v.", int(config["num_hidden_layers"])), strict=True)
+    projector.load_state_dict({
+        "mm_input_projection_weight": torch.from_numpy(mmproj.dequantize("mm.input_projection.weight").copy()),
+        "mm_soft_emb_norm.weight": torch.from_numpy(mmproj.dequantize("mm.soft_emb_norm.weight") - 1.0),  # (1 + w) stored
+    }, strict=True)
+    model.vision_tower, model.multi_modal_projector = tower.to(param.device, param.dtype).eval(), \
+        projector.to(param.device, param.dtype).eval()
+    model.vision = vision
+
+
+def _mmproj_state(mmproj: Any, prefix: str, num_layers: int) -> dict[str, torch.Tensor]:
+    names = dict(_MMPROJ_NAMES)
+    for i in range(num_layers):
+        names |= {f"{prefix}blk.{i}.{ours}": f"encoder.layers.{i}.{theirs}" for ours, theirs in _MMPROJ_LAYER_NAMES.items()}
+    state = {}
+    for gguf_name, ours in names.items():
+        for kind in ("weight", "bias"):
+            if f"{gguf_name}.{kind}" in mmproj.tensors:
+                state[f"{ours}.{kind}"] = torch.from_numpy(mmproj.dequantize(f"{gguf_name}.{kind}").copy())
+    return state
+
+
+def _token_id(tokenizer: PromptTokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"the text model's vocabulary has no {text} token")
+    return ids[0]
+

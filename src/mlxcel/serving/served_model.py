@@ -32,6 +32,7 @@ from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedMode
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
+from mlxcel.loading.mmproj import attach_mmproj
 from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
@@ -57,6 +58,7 @@ class RuntimeOptions:
     weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
     diffusion: DiffusionOptions = DiffusionOptions()  # a block-diffusion checkpoint's sampler and steps (U)
     engine_process: str = "off"  # --engine-process: auto | on | off (issue 25: the engine core in a child process)
+    mmproj: Path | None = None  # --mmproj: llama.cpp's projector GGUF beside a GGUF model (issue 43)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -182,6 +184,8 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     dtype = options.torch_dtype()
     is_lazy = options.weight_materialization == "lazy"
     loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
+    if options.mmproj is not None:  # issue 43: the vision side from llama.cpp's projector file
+        attach_mmproj(loaded.model, options.mmproj, tokenizer)
     log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
              dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
