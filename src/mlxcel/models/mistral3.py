@@ -4,15 +4,15 @@ placeholders (one per m x m block of patches), each row closed by `[IMG_BREAK]`,
 `[IMG_END]`; the projector's rows replace the `[IMG]` tokens in order.
 
 Checkpoint names: `language_model.model.*` / `language_model.lm_head` (renamed to the decoder's
-`model.*` / `lm_head` on load), `vision_tower.*`, `multi_modal_projector.*`.
+`model.*` / `lm_head` on load by `VisionFamily`'s tables), `vision_tower.*`, `multi_modal_projector.*`.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 
@@ -20,7 +20,8 @@ from mlxcel.layers.decoder import DecoderLM
 from mlxcel.layers.vision_pixtral import Mistral3Projector, PixtralSpec, PixtralTower
 from mlxcel.models import mistral
 from mlxcel.models._vision import (
-    ImageInput, PromptTokenizer, decode_image, expand_markers, image_digest, load_image_processor, placeholder_runs,
+    ImageInput, PromptTokenizer, VisionFamily, decode_image, expand_markers, image_digest, load_image_processor,
+    placeholder_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -53,8 +54,13 @@ class ModelArgs(mistral.ModelArgs):
         return PixtralSpec.of(self.vision_config or {})
 
 
-class Model(DecoderLM):
+class Model(VisionFamily, DecoderLM):
     ARGS = ModelArgs
+    TEXT_PREFIXES: ClassVar[Mapping[str, str]] = {
+        "language_model.model.": "model.", "language_model.lm_head.": "lm_head.", "model.language_model.": "model."}
+    VISION_PREFIXES: ClassVar[Mapping[str, str]] = {
+        "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+        "model.multi_modal_projector.": "multi_modal_projector.", "multi_modal_projector.": "multi_modal_projector."}
 
     def __init__(self, args: ModelArgs) -> None:
         super().__init__(args)
@@ -81,10 +87,6 @@ class Model(DecoderLM):
 
     def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> PixtralImagePrompter:
         return PixtralImagePrompter(self.args, model_dir, tokenizer)
-
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: ModelArgs) -> dict[str, torch.Tensor]:
-        return super().sanitize({_decoder_name(k): v for k, v in weights.items()}, args)
 
 
 class PixtralImagePrompter:
@@ -132,13 +134,3 @@ def _token_id(tokenizer: PromptTokenizer, text: str) -> int:
     if len(ids) != 1:
         raise ValueError(f"mistral3: the tokenizer has no {text} token")
     return ids[0]
-
-
-def _decoder_name(name: str) -> str:
-    """`language_model.model.*` -> `model.*`, `language_model.lm_head.*` -> `lm_head.*` (transformers 5 in memory:
-    `model.language_model.*`, `model.vision_tower.*`, `model.multi_modal_projector.*`)."""
-    for old, new in (("language_model.", ""), ("model.language_model.", "model."), ("model.vision_tower.", "vision_tower."),
-                     ("model.multi_modal_projector.", "multi_modal_projector.")):
-        if name.startswith(old):
-            return new + name[len(old):]
-    return name

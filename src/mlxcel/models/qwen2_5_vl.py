@@ -10,13 +10,13 @@ tokens_per_second * 2 / fps. Positions: `rope_positions` gives the prompt's
 M-RoPE positions [3, len] and the offset of every later position (index + offset on all three rows).
 
 Checkpoint names as the Hub has them: `model.*` (the text decoder), `visual.*`, `lm_head`;
-transformers 5's in-memory `model.language_model.*` / `model.visual.*` are renamed on load.
+transformers 5's in-memory `model.language_model.*` / `model.visual.*` are renamed on load (`VisionFamily`'s tables).
 `QwenVLFields`, `QwenVLModel` and `QwenImagePrompter` are what qwen3_vl shares.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, ClassVar
@@ -27,7 +27,8 @@ from mlxcel.layers.decoder import DecoderLM, RopeRecipe
 from mlxcel.layers.vision_qwen import QwenVisionTower, VisionSpec, mrope_positions
 from mlxcel.models import qwen2
 from mlxcel.models._vision import (
-    ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
+    ImageInput, PromptTokenizer, VisionFamily, config_token, decode_image, expand_markers, image_digest,
+    load_image_processor,
 )
 
 IS_VISION_LANGUAGE = True
@@ -70,8 +71,11 @@ class ModelArgs(QwenVLFields, qwen2.ModelArgs):
     pass
 
 
-class QwenVLModel(DecoderLM):
+class QwenVLModel(VisionFamily, DecoderLM):
     """A Qwen-VL model: the text decoder with the vision tower `visual` beside it."""
+
+    TEXT_PREFIXES: ClassVar[Mapping[str, str]] = {"model.language_model.": "model."}  # transformers 5 in memory
+    VISION_PREFIXES: ClassVar[Mapping[str, str]] = {"model.visual.": "visual.", "visual.": "visual."}
 
     def __init__(self, args: Any) -> None:
         super().__init__(args)
@@ -106,23 +110,11 @@ class QwenVLModel(DecoderLM):
     def image_prompter(self, model_dir: Path | None, tokenizer: PromptTokenizer) -> QwenImagePrompter:
         return QwenImagePrompter(self.vision, self.args.vision_spec, model_dir, tokenizer)
 
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: Any) -> dict[str, torch.Tensor]:
-        return super().sanitize({_hub_name(k): v for k, v in weights.items()}, args)
 
 
 def _grid(image: ImageInput) -> tuple[int, int, int]:
     t, h, w = (int(v) for v in image.pixels["image_grid_thw"].reshape(3).tolist())
     return t, h, w
-
-
-def _hub_name(name: str) -> str:
-    """transformers 5's in-memory names -> the Hub's (`model.language_model.` -> `model.`, `model.visual.` -> `visual.`)."""
-    if name.startswith("model.language_model."):
-        return "model." + name[len("model.language_model."):]
-    if name.startswith("model.visual."):
-        return name[len("model."):]
-    return name
 
 
 class QwenImagePrompter:
