@@ -33,7 +33,9 @@ from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.prompt_logprobs import PROMPT_LOGITS_BLOCK
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput, Sequence
-from mlxcel.engine.vision import bidirectional_spans, embedding_override, encode_pending, has_placeholders
+from mlxcel.engine.vision import (
+    bidirectional_spans, embedding_override, encode_pending, has_placeholders, rope_offset, step_positions,
+)
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.decoder import EmbeddingOverride
 from mlxcel.layers.lora import model_lora_rows, token_scales
@@ -188,7 +190,7 @@ class Runner:
         position = seq.num_computed_tokens
         return DecodeRow(seq.token_ids[position], position, seq.kv_start,
                          tuple(self.kv.block_table(seq.request_id)), seq.request.lora_scales,
-                         self._writes_kv(seq, position))
+                         self._writes_kv(seq, position), rope_offset(self.model, seq))
 
     def _verify_rows(self, item: ScheduledSeq) -> list[DecodeRow]:
         """The known token and each draft token as one single-token row at its own position."""
@@ -197,8 +199,9 @@ class Runner:
 
     def _rows(self, seq: Sequence, first: int, tokens: tuple[int, ...] | list[int]) -> list[DecodeRow]:
         table = tuple(self.kv.block_table(seq.request_id))
+        offset = rope_offset(self.model, seq)
         return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales,
-                          self._writes_kv(seq, first + i))
+                          self._writes_kv(seq, first + i), offset)
                 for i, token in enumerate(tokens)]
 
     @torch.inference_mode()
@@ -292,7 +295,7 @@ class Runner:
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceSlice]]:
         ids: list[int] = []
-        pos: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []
         slices: list[SequenceSlice] = []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
@@ -302,8 +305,9 @@ class Runner:
                                         block_table=tuple(self.kv.block_table(seq.request_id)),
                                         bidirectional=bidirectional_spans(seq) if seq.request.image_inputs else ()))
             ids.extend(seq.token_ids[start:stop])
-            pos.extend(range(start, stop))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+            spans.append((seq, start, stop))
+        pos = step_positions(self.model, spans)  # [T], or M-RoPE's [3, T]
+        as_tensor = lambda xs: torch.as_tensor(xs, dtype=torch.long).to(self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), slices
 
 

@@ -25,7 +25,7 @@ from mlxcel.engine.mirostat import with_mirostat
 from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
-from mlxcel.engine.vision import ImageEmbeddings, fit_chunk
+from mlxcel.engine.vision import ImageEmbeddings, RopePositions, fit_chunk
 from mlxcel.types import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -60,6 +60,7 @@ class Sequence:
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per scored position, if asked
     is_prompt_logprobs_sent: bool = False
     image_embeds: ImageEmbeddings | None = None  # issue 43: encoded once its first chunk needs them (engine/vision.py)
+    rope_positions: RopePositions | None = None  # issue 43: M-RoPE positions, once its first step needs them
 
     @property
     def request_id(self) -> str:

@@ -8,6 +8,11 @@ until it finishes (a preempted sequence recomputes its prompt from them). `embed
 gives the step's rows to overwrite; `bidirectional_spans` the runs that attend both ways (Gemma 3);
 `fit_chunk` keeps such a run inside one prefill chunk. The decode step never sees a placeholder:
 the runner keeps those positions in prefill chunks (`has_placeholders`).
+
+M-RoPE families (Qwen-VL: the model has `rope_positions`) turn rotary sections by an image's
+temporal, row and column positions: `sequence_rope` gives a sequence's prompt positions [3, len]
+(computed once from its prompt and images) and the offset every later position takes (index +
+offset on all three rows), which `step_positions` and the decode rows use.
 """
 
 from __future__ import annotations
@@ -28,8 +33,11 @@ class Sequence(Protocol):
     """What this module reads of the scheduler's Sequence (it is imported by the scheduler, so not the reverse)."""
 
     request: Request
+    token_ids: list[int]
+    num_prompt_tokens: int
     num_computed_tokens: int
     image_embeds: ImageEmbeddings | None
+    rope_positions: RopePositions | None
 
     @property
     def num_tokens(self) -> int: ...
@@ -106,3 +114,45 @@ def fit_chunk(seq: Sequence, start: int, num_new: int) -> int:
         if start < a < stop < end:
             return a - start
     return num_new
+
+
+@dataclass(frozen=True, slots=True)
+class RopePositions:
+    """A sequence's M-RoPE positions: its prompt's [3, num_prompt_tokens], then index + `offset`."""
+
+    prompt: torch.Tensor
+    offset: int
+
+    def between(self, start: int, stop: int) -> torch.Tensor:
+        """[3, stop - start] positions of indices start..stop-1."""
+        inside = self.prompt[:, start:min(stop, self.prompt.shape[1])]
+        first = max(start, self.prompt.shape[1])
+        after = torch.arange(first, max(stop, first)) + self.offset
+        return torch.cat((inside, after.expand(3, -1)), dim=1)
+
+
+def sequence_rope(model: torch.nn.Module, seq: Sequence) -> RopePositions | None:
+    """`seq`'s M-RoPE positions where the model takes them and the request has images (else None:
+    the plain positions, the same on every row)."""
+    if not seq.request.image_inputs or not hasattr(model, "rope_positions"):
+        return None
+    if seq.rope_positions is None:
+        prompt, offset = model.rope_positions(seq.token_ids[:seq.num_prompt_tokens], seq.request.image_inputs)
+        seq.rope_positions = RopePositions(prompt.to(torch.long).cpu(), int(offset))
+    return seq.rope_positions
+
+
+def rope_offset(model: torch.nn.Module, seq: Sequence) -> int:
+    """What a position past `seq`'s images adds to its index for the rotary (0 without M-RoPE)."""
+    rope = sequence_rope(model, seq)
+    return rope.offset if rope is not None else 0
+
+
+def step_positions(model: torch.nn.Module, spans: Seq[tuple[Sequence, int, int]]) -> list[int] | torch.Tensor:
+    """A prefill step's positions: each (sequence, start, stop)'s indices, or, when one of them takes
+    M-RoPE positions, [3, T] (the others' rows all the same)."""
+    ropes = [sequence_rope(model, seq) for seq, _, _ in spans]
+    if all(rope is None for rope in ropes):
+        return [p for _, start, stop in spans for p in range(start, stop)]
+    return torch.cat([rope.between(start, stop) if rope is not None else torch.arange(start, stop).expand(3, -1)
+                      for rope, (_, start, stop) in zip(ropes, spans)], dim=1)

@@ -28,7 +28,7 @@ from torch import nn
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
 from mlxcel.layers.norm import LayerNorm, RMSNorm
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
-from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings, rotary_table
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -412,7 +412,7 @@ class DecoderModel(nn.Module):
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
         if key not in tables:
-            tables[key] = RotaryEmbedding(key.dim, key.theta, key.scaling_dict())
+            tables[key] = rotary_table(key.dim, key.theta, key.scaling_dict())
             self.rotary.append(tables[key])
         return Rope(tables[key], recipe.rope, recipe.head_dim)
 

@@ -20,7 +20,7 @@ from mlxcel.api.generation import (
 )
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, reply_timings, stream_telemetry
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
-from mlxcel.api.media import validate_media, with_images
+from mlxcel.api.media import validate_media, video_marker, with_images
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
 from mlxcel.api.openai.messages import template_messages
@@ -127,7 +127,7 @@ def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest, options: ChatOptio
     default to a count's (`chat_options(req)`); `video_frames`: each video part's sampled frame count."""
     options = options or chat_options(req)
     messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages], ctx.image_marker,
-                                 video_frames)
+                                 video_frames, video_marker(ctx))
     plan = chat_features.plan_chat(ctx, options, messages)
     prompt = chat_features.render_plan(ctx, plan, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)
