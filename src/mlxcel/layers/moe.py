@@ -303,11 +303,13 @@ class QuantExperts(nn.Module):
         self.spec = spec
         self.gate_up = nn.ModuleList(gate_ups)
         self.down = nn.ModuleList(downs)
+        self.register_buffer("no_bias", torch.empty(0), persistent=False)
         self._flat: list[torch.Tensor] | None = None
+        self._on_kernels = paged_attention.available()
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
         spec = self.spec
-        if x.device.type == "cpu" and paged_attention.available():
+        if x.device.type == "cpu" and self._on_kernels:
             out = torch.ops.mlxcel.quant_experts(x.float().contiguous(), ids.long().contiguous(),
                                                  weights.float().contiguous(), self._linears(), spec.activation,
                                                  spec.swiglu_limit, spec.swiglu_alpha)
@@ -317,11 +319,15 @@ class QuantExperts(nn.Module):
                            len(self.gate_up), x, ids, weights)
 
     def _linears(self) -> list[torch.Tensor]:
-        if self._flat is None:  # once: the op's flat list, six tensors an expert
-            empty = torch.empty(0)
-            self._flat = [t for pair in zip(self.gate_up, self.down) for lin in pair
-                          for t in (lin.qweight, lin.scale, lin.bias if lin.bias is not None else empty)]
-        return self._flat
+        """The op's flat list, six tensors an expert: read from the buffers when traced (the compiled
+        decode step, one layer's code for every layer: they are its inputs), else kept once."""
+        if self._flat is not None and not torch.compiler.is_compiling():
+            return self._flat
+        flat = [t for pair in zip(self.gate_up, self.down) for lin in pair
+                for t in (lin.qweight, lin.scale, lin.bias if lin.bias is not None else self.no_bias)]
+        if not torch.compiler.is_compiling():
+            self._flat = flat
+        return flat
 
 
 EXPERT_PATHS = ("grouped", "per_expert", "gathered")
