@@ -96,6 +96,12 @@ def _experts(cfg: Any, meta: dict[str, Any]) -> None:
                  "expert_used_count": cfg.num_experts_per_tok})
 
 
+def _qwen2_moe(cfg: Any, meta: dict[str, Any]) -> None:
+    _experts(cfg, meta)
+    meta.update({"expert_feed_forward_length": cfg.moe_intermediate_size,
+                 "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size})
+
+
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "mistral": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
@@ -121,6 +127,10 @@ LAYOUTS: dict[str, Layout] = {
     # feed_forward_length (no expert_feed_forward_length).
     "mixtral": Layout("llama", MOE_NAMES, permute_qk=True, vocab_size_key=True, rope_dims=True, extra=_experts),
     "olmoe": Layout("olmoe", MOE_NAMES, extra=_experts),
+    "qwen2_moe": Layout("qwen2moe", {**MOE_NAMES, "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                                     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                                     "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                                     "mlp.shared_expert.down_proj": "ffn_down_shexp"}, extra=_qwen2_moe),
 }
 
 
