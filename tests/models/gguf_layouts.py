@@ -102,6 +102,16 @@ def _qwen2_moe(cfg: Any, meta: dict[str, Any]) -> None:
                  "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size})
 
 
+def _granitemoe(cfg: Any, meta: dict[str, Any]) -> None:
+    _granite(cfg, meta)
+    _experts(cfg, meta)
+
+
+# Transformers' granitemoe keeps its router as `router`, its experts under block_sparse_moe.
+GRANITE_MOE_NAMES = {"block_sparse_moe.router": "ffn_gate_inp",
+                     **{k.replace("mlp.", "block_sparse_moe."): v for k, v in MOE_NAMES.items() if k != "mlp.gate"}}
+
+
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "mistral": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
@@ -131,6 +141,8 @@ LAYOUTS: dict[str, Layout] = {
                                      "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
                                      "mlp.shared_expert.up_proj": "ffn_up_shexp",
                                      "mlp.shared_expert.down_proj": "ffn_down_shexp"}, extra=_qwen2_moe),
+    "granitemoe": Layout("granitemoe", GRANITE_MOE_NAMES, permute_qk=True, vocab_size_key=True, rope_dims=True,
+                         extra=_granitemoe),
 }
 
 

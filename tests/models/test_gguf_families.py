@@ -61,6 +61,7 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     # Every layer MoE (llama.cpp's qwen2moe has no dense layers), with the gated shared expert.
     "qwen2_moe": ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(
         **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "granitemoe": ("granitemoe", FAMILIES["granitemoe"][1]),
 }
 # Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not.
 NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5"}
