@@ -33,7 +33,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import run  # noqa: E402
 from run import (  # noqa: E402
-    GREEDY, LLAMA_SERVER, SAMPLED, Figures, free_port, llama_server_cmd, mlxcel_cmd, model_path, report,
+    GREEDY, LLAMA_SERVER, SAMPLED, Figures, free_port, llama_server_cmd, mlxcel_cmd, model_path, print_report,
     run_server_peer,
 )
 
@@ -179,10 +179,7 @@ def main() -> None:
         results[peer] = (run_server_peer(peer, cmd, port, tokenizer, shape, args.quick, decode_only=True) if cmd
                          else Figures(note=f"skipped: no llama-server at {LLAMA_SERVER}"))
     print(f"{tag} {args.quant}, {args.threads} threads, {'greedy' if args.greedy else 'sampled'} requests")
-    print(report(results))
-    for name, f in results.items():
-        if f.note:
-            print(f"{name}: {f.note}")
+    print_report(results)
 
 
 if __name__ == "__main__":

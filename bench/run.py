@@ -350,6 +350,10 @@ def main() -> None:
                              else Figures(note=f"skipped: no venv at {LLAMACPP_VENV}"))
         elif peer == "transformers":
             results[peer] = run_transformers(model, args.threads, args.quick)
+    print_report(results)
+
+
+def print_report(results: dict[str, Figures]) -> None:
     print(report(results))
     for name, f in results.items():
         if f.note:

@@ -15,7 +15,7 @@ import transformers
 
 from mlxcel.layers import paged_attention
 from mlxcel.layers.moe import QuantExperts
-from mlxcel.layers.quant import QuantLinear, quantize
+from mlxcel.layers.quant import quantize
 from mlxcel.loading import load_model
 from mlxcel.loading.lazy import materialize_all
 
