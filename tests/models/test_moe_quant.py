@@ -94,7 +94,7 @@ def _python_loop(packed: QuantExperts, x: torch.Tensor, ids: torch.Tensor, weigh
         packed._on_kernels = True
 
 
-def test_issue40_float_moe_checkpoint_packs_experts_to_int8_and_keeps_greedy_tokens(tmp_path: Path) -> None:
+def test_issue40_float_moe_checkpoint_packs_experts_to_int8_near_the_float_logits(tmp_path: Path) -> None:
     """`--quantize auto` on a float checkpoint: the experts go per-channel int8 (no 4-bit grid in them),
     without a bfloat16 copy; logits stay near the float model's."""
     save_tiny_hf(_qwen3_moe(), tmp_path)
