@@ -154,10 +154,11 @@ class QuantLinear(nn.Module):
     serves every row, as bfloat16 for prefill rows."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None, *, keep_dense: bool = False,
-                 search: bool = True) -> None:
+                 search: bool = True, packed_only: bool = False) -> None:
         """`weight`: float, or a checkpoint's 4-bit levels or int8 codes. `keep_dense`: keep the bfloat16 copy
         even on our kernels. `search`: look for a 4-bit grid in a float weight (off when the checkpoint says
-        it is stored otherwise: the search costs most of a load)."""
+        it is stored otherwise: the search costs most of a load). `packed_only`: keep no bfloat16 copy in any
+        case, every row takes the packed kernel (issue 40: an MoE's experts, most of its weights)."""
         super().__init__()
         grid = (weight if isinstance(weight, Int4Levels) else None if isinstance(weight, Int8Levels)
                 else int4_grid(weight.detach().float()) if search else None)
@@ -181,10 +182,10 @@ class QuantLinear(nn.Module):
         # bfloat16 matmul from 64 to 512 rows here: bench/RESULTS.md), so the weight is kept once,
         # packed; elsewhere a bfloat16 copy serves prefill rows. Stored int8 codes likewise (issue 27:
         # a bfloat16 copy would round them).
-        is_kept_once = (self.int4_kernel or stored is not None) and not keep_dense
-        w = (None if is_kept_once else weight.dequantize() if isinstance(weight, (Int4Levels, Int8Levels))
-             else weight.detach().float())
-        self.register_buffer("weight", None if w is None else w.to(torch.bfloat16))
+        is_kept_once = packed_only or ((self.int4_kernel or stored is not None) and not keep_dense)
+        w = (None if is_kept_once and (int4 is not None or stored is not None)
+             else weight.dequantize() if isinstance(weight, (Int4Levels, Int8Levels)) else weight.detach().float())
+        self.register_buffer("weight", None if w is None or is_kept_once else w.to(torch.bfloat16))
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
@@ -684,6 +685,9 @@ def quantize(model: nn.Module) -> QuantSummary:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, checkpoint.linear([_join(prefix, name)], [child]))
+            elif callable(getattr(child, "packed", None)):  # stacked weights that pack themselves (MoE experts)
+                setattr(parent, name, child.packed(StoredSource(checkpoint, _join(prefix, name), child)))
+                checkpoint.replaced(_join(prefix, name))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     kinds = [m.bits for m in linears]
     return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8),
@@ -759,6 +763,30 @@ class _Checkpoint:
     def replaced(self, prefix: str) -> None:
         if self.lazy is not None:
             self.lazy.forget(prefix)
+
+
+@dataclass(frozen=True)
+class StoredSource:
+    """What a module that packs its own stacked weights (layers/moe.py `Experts.packed`) reads through
+    `quantize`: the checkpoint's stored levels or codes of a tensor under its prefix, its float
+    parameters (read now where the model is lazy), and the packing of one linear."""
+
+    checkpoint: _Checkpoint
+    prefix: str
+    module: nn.Module
+
+    def stored(self, name: str) -> Int4Levels | Int8Levels | None:
+        full = f"{self.prefix}.{name}"
+        levels = self.checkpoint.packed.int4_levels(full) if self.checkpoint.packed is not None else None
+        reader = getattr(self.checkpoint.packed, "int8_levels", None)
+        return levels if levels is not None or reader is None else reader(full)
+
+    def param(self, name: str) -> torch.Tensor | None:
+        return self.checkpoint.param(self.prefix, self.module, name)
+
+    def pack(self, weights: list[Weight], bias: torch.Tensor | None) -> QuantLinear:
+        """One linear of these outputs stacked (stored parts stay stored), every row on the packed kernel."""
+        return QuantLinear(_cat_weights(weights), bias, search=self.checkpoint.search, packed_only=True)
 
 
 @dataclass(frozen=True, slots=True)
