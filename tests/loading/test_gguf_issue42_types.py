@@ -18,16 +18,11 @@ from mlxcel.layers.quant import Int8Levels, QuantLinear
 from mlxcel.loading import ModelLoadError
 from mlxcel.loading.gguf import SUPPORTED_TENSOR_TYPES, GGUFFile
 
-from .tiny_checkpoint import write_gguf
+from .tiny_checkpoint import GGUF_SCALE_FIELDS, random_gguf_blocks, write_gguf
 
 Q = gguf.GGMLQuantizationType
 ROWS, COLS = 128, 512  # whole blocks of 64 outputs for the int8 kernel; two 256-weight superblocks a row
-# Byte offsets of each type's float16 scales in a block (random bytes there would be NaN, inf or huge).
-F16_FIELDS = {
-    "Q5_K": (0, 2), "Q3_K": (108,), "Q2_K": (80, 82), "IQ4_NL": (0,), "IQ4_XS": (0,), "TQ1_0": (52,),
-    "TQ2_0": (64,), "IQ2_XXS": (0,), "IQ2_XS": (0,), "IQ2_S": (0,), "IQ3_XXS": (0,), "IQ3_S": (0,), "MXFP4": (),
-}  # fmt: skip
-NEW_TYPES = list(F16_FIELDS)
+NEW_TYPES = list(GGUF_SCALE_FIELDS)
 # Group of a scale along a row, and the codes' bound (|code| <= bound; Q5_K / Q2_K: levels 0..bound with a low).
 GROUPS = {"Q5_K": (32, 31), "Q3_K": (16, 4), "Q2_K": (16, 3), "IQ4_NL": (32, 127), "IQ4_XS": (32, 127),
           "TQ1_0": (256, 2), "TQ2_0": (256, 2), "IQ2_XXS": (32, 43), "IQ2_XS": (16, 43), "IQ2_S": (16, 43),
@@ -35,15 +30,7 @@ GROUPS = {"Q5_K": (32, 31), "Q3_K": (16, 4), "Q2_K": (16, 3), "IQ4_NL": (32, 127
 
 
 def random_blocks(type_name: str, seed: int) -> np.ndarray:
-    """[ROWS, bytes a row] of random blocks whose scales are small normal float16s (MXFP4: exponents near 2^-6)."""
-    rng = np.random.default_rng(seed)
-    block, block_bytes = gguf.GGML_QUANT_SIZES[Q[type_name]]
-    blocks = rng.integers(0, 256, (ROWS * COLS // block, block_bytes), dtype=np.uint8)
-    for at in F16_FIELDS[type_name]:
-        blocks[:, at:at + 2] = rng.uniform(2e-4, 4e-3, (len(blocks), 1)).astype(np.float16).view(np.uint8)
-    if type_name == "MXFP4":
-        blocks[:, 0] = rng.integers(118, 124, len(blocks))  # e8m0 exponent byte
-    return blocks.reshape(ROWS, -1)
+    return random_gguf_blocks(type_name, ROWS, COLS, seed)
 
 
 @pytest.fixture(scope="module")

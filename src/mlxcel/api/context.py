@@ -143,4 +143,5 @@ class ApiContext:
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: adapters and global scales
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # F9: replaced when PATCHed
     image_marker: str | None = None  # U: the text an image_url part renders as; None = images are refused (400)
+    weights: Mapping[str, Any] = field(default_factory=dict)  # issue 42: format, types, bits a weight, resident bytes
 

@@ -19,7 +19,7 @@ from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
 from mlxcel.loading.resolve import ResolvedModel, default_model_path, resolve_model
 
-__all__ = ["Checkpoint", "LoadedModel", "load_weights", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
+__all__ = ["Checkpoint", "LoadedModel", "load_weights", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "describe_weight_format", "load_model", "resident_bytes", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -57,9 +57,39 @@ class LoadedModel:
         """"native" (a family module of ours) or "transformers" (transformers' own modeling code, the fallback)."""
         return family_implementation(self.model_type)
 
+    def weight_format(self) -> dict[str, Any]:
+        """The checkpoint's weight format (a GGUF's tensor types and bits a weight, `GGUFFile.weight_format`) and
+        the bytes of the model's tensors resident now (after the CPU decode rewrite: as packed), issue 42."""
+        stored = self.gguf.weight_format() if self.gguf is not None else {"format": "safetensors"}
+        return {**stored, "resident_bytes": resident_bytes(self.model)}
+
     @property
     def supports_batching(self) -> bool:
         return bool(getattr(family_module(self.model_type), "SUPPORTS_BATCHING", True))
+
+
+def resident_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers that hold data (not meta: a lazy tensor not yet read),
+    each storage once (tied or viewed tensors share one)."""
+    storages: dict[int, int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.device.type != "meta":
+            storage = tensor.untyped_storage()
+            storages[storage.data_ptr()] = storage.nbytes()
+    return sum(storages.values())
+
+
+def describe_weight_format(summary: dict[str, Any]) -> str:
+    """One log phrase: e.g. "GGUF: Q4_K 88%, Q6_K 11%, F32 1% of weights, 4.87 bits a weight, 940.4 MiB in the
+    file; 1012.0 MiB resident"."""
+    resident = f"{summary['resident_bytes'] / 2**20:.1f} MiB resident"
+    types = summary.get("tensor_types")
+    if not types:
+        return f"{summary['format']}; {resident}"
+    total = sum(entry["weights"] for entry in types.values()) or 1
+    shares = ", ".join(f"{name} {100 * entry['weights'] / total:.0f}%" for name, entry in types.items())
+    return (f"{summary['format'].upper()}: {shares} of weights, {summary['bits_per_weight']:.2f} bits a weight, "
+            f"{summary['file_bytes'] / 2**20:.1f} MiB in the file; {resident}")
 
 
 def open_checkpoint(path: Path) -> Checkpoint:

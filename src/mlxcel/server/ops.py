@@ -218,6 +218,7 @@ async def props(request: Request, state: ServerState) -> Response:
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
         "model_implementation": served.loaded.implementation,  # "native" | "transformers" (the fallback)
+        "model_weights": served.loaded.weight_format(),  # issue 42: format, tensor types, bits a weight, bytes resident
         "chat_template": template.source if template else "",
         "modalities": {"vision": False, "audio": False},
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,

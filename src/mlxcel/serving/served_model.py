@@ -28,7 +28,7 @@ from mlxcel.engine.spec import DraftPolicy
 from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
-from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
+from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, describe_weight_format, load_weights
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
@@ -184,6 +184,7 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
              dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
+    log.info("weights: %s", describe_weight_format(loaded.weight_format()))
     lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)

@@ -19,7 +19,8 @@ from mlxcel.api.replies import JsonReply
 def model_card(ctx: ApiContext) -> dict[str, Any]:
     return {"id": ctx.model_name, "aliases": list(ctx.aliases), "tags": list(ctx.tags), "object": "model",
             "created": ctx.created, "owned_by": "mlxcel", "max_model_len": ctx.context_size,
-            "capabilities": ["completion", *(["block_diffusion"] if _is_block_diffusion(ctx) else [])]}
+            "capabilities": ["completion", *(["block_diffusion"] if _is_block_diffusion(ctx) else [])],
+            **({"weights": dict(ctx.weights)} if ctx.weights else {})}
 
 
 def _is_block_diffusion(ctx: ApiContext) -> bool:
