@@ -1,5 +1,5 @@
 """Issue 42: the GGUF types that were refused (MXFP4, IQ4_NL, IQ4_XS, IQ3_S, IQ3_XXS, IQ2_XXS/XS/S, TQ1_0,
-TQ2_0) and the K-quants that were widened (Q5_K, Q3_K, Q2_K). Each, written to a real GGUF file as random
+TQ2_0) and the types that were widened (Q5_K, Q3_K, Q2_K, Q5_1). Each, written to a real GGUF file as random
 blocks with sane float16 scales (every bit pattern of the codes is exercised), dequantizes equal to the
 `gguf` package's reference; its stored codes, scales and lows give those values bit for bit; and the CPU
 int8 kernel on the stored codes equals the float product of the dequantized weight within float32 rounding."""
@@ -24,7 +24,7 @@ Q = gguf.GGMLQuantizationType
 ROWS, COLS = 128, 512  # whole blocks of 64 outputs for the int8 kernel; two 256-weight superblocks a row
 NEW_TYPES = list(GGUF_SCALE_FIELDS)
 # Group of a scale along a row, and the codes' bound (|code| <= bound; Q5_K / Q2_K: levels 0..bound with a low).
-GROUPS = {"Q5_K": (32, 31), "Q3_K": (16, 4), "Q2_K": (16, 3), "IQ4_NL": (32, 127), "IQ4_XS": (32, 127),
+GROUPS = {"Q5_1": (32, 31), "Q5_K": (32, 31), "Q3_K": (16, 4), "Q2_K": (16, 3), "IQ4_NL": (32, 127), "IQ4_XS": (32, 127),
           "TQ1_0": (256, 2), "TQ2_0": (256, 2), "IQ2_XXS": (32, 43), "IQ2_XS": (16, 43), "IQ2_S": (16, 43),
           "IQ3_XXS": (32, 62), "IQ3_S": (32, 15), "MXFP4": (32, 12)}  # fmt: skip
 
@@ -67,7 +67,7 @@ def test_issue42_stored_codes_give_the_dequantized_values_bit_for_bit(
     codes, scale, low, units = file.int8_levels(name)
     group, bound = GROUPS[type_name]
     assert codes.dtype == np.int8 and codes.shape == (ROWS, COLS) and scale.shape == (ROWS, COLS // group)
-    assert (low is not None) == (type_name in ("Q5_K", "Q2_K"))
+    assert (low is not None) == (type_name in ("Q5_1", "Q5_K", "Q2_K"))
     assert int(np.abs(codes.astype(np.int32)).max()) <= bound
     rebuilt = codes.reshape(ROWS, -1, group).astype(np.float32) * scale[..., None]
     rebuilt = (rebuilt if low is None else rebuilt + low[..., None]).reshape(ROWS, COLS)
@@ -116,7 +116,7 @@ def test_issue42_fast_path_equals_the_widened_path_within_rounding(
     linear = QuantLinear(Int8Levels(codes, scale, low, units), None, search=False)
     assert linear.int8_kernel and linear.weight is None  # kept once, as stored: no bfloat16 copy
     packed_6bit = linear.qweight.dtype == torch.int32
-    assert packed_6bit == (GROUPS[type_name][1] <= 31 or type_name == "Q5_K")
+    assert packed_6bit == (GROUPS[type_name][1] <= 31)
     x = torch.randn(5, COLS, generator=torch.Generator().manual_seed(1))
     widened = x.double() @ torch.from_numpy(file.dequantize(f"{type_name.lower()}.weight")).double().T
     got = linear(x)

@@ -117,11 +117,11 @@ def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
         typed_file: tuple[GGUFFile, dict[str, np.ndarray]], type_name: str) -> None:
     """Issue 27 point 3: a Q8_0 / Q5_0 / Q6_K weight is kept as its stored int8 codes and group scales
     (32 a scale; Q6_K 16), which must give exactly the values `dequantize` gives (issue 42: Q5_K too, its
-    5-bit levels with a low per group); other types have none."""
+    5-bit levels with a low per group, and Q5_1 likewise); other types have none."""
     file, _ = typed_file
     name = f"{type_name.lower()}.weight"
     stored = file.int8_levels(name)
-    groups = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16, "Q5_K": 32}
+    groups = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16, "Q5_K": 32, "Q5_1": 32}
     if type_name not in groups:
         assert stored is None
         return
@@ -129,8 +129,8 @@ def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
     group = groups[type_name]
     assert codes.dtype == np.int8 and codes.shape == (ROWS, COLS)
     assert scale.dtype == np.float32 and scale.shape == (ROWS, COLS // group)
-    assert (low is not None) == (type_name == "Q5_K")
-    bound = {"Q8_0": 127, "Q5_0": 16, "Q6_K": 32, "Q5_K": 31}[type_name]
+    assert (low is not None) == (type_name in ("Q5_K", "Q5_1"))
+    bound = {"Q8_0": 127, "Q5_0": 16, "Q6_K": 32, "Q5_K": 31, "Q5_1": 31}[type_name]
     assert int(np.abs(codes.astype(np.int32)).max()) <= bound
     rebuilt = codes.reshape(ROWS, -1, group) * scale[..., None]
     rebuilt = (rebuilt if low is None else rebuilt + low[..., None]).reshape(ROWS, COLS)

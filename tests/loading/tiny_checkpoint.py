@@ -94,7 +94,7 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]]
 # Byte offsets of each type's float16 scales in a block, and the largest |code x sub-scale| of the type (issue 42):
 # random bytes there would be NaN, inf or huge, so `random_gguf_blocks` writes scales that bound the weights.
 GGUF_SCALE_FIELDS: dict[str, tuple[tuple[int, ...], float]] = {
-    "Q5_K": ((0, 2), 63 * 31), "Q3_K": ((108,), 32 * 4), "Q2_K": ((80, 82), 15 * 3), "IQ4_NL": ((0,), 127),
+    "Q5_1": ((0, 2), 31), "Q5_K": ((0, 2), 63 * 31), "Q3_K": ((108,), 32 * 4), "Q2_K": ((80, 82), 15 * 3), "IQ4_NL": ((0,), 127),
     "IQ4_XS": ((0,), 32 * 127), "TQ1_0": ((52,), 2), "TQ2_0": ((64,), 2), "IQ2_XXS": ((0,), 15.5 * 0.25 * 43),
     "IQ2_XS": ((0,), 15.5 * 0.25 * 43), "IQ2_S": ((0,), 15.5 * 0.25 * 43), "IQ3_XXS": ((0,), 15.5 * 0.5 * 62),
     "IQ3_S": ((0,), 31 * 15), "MXFP4": ((), 12),

@@ -125,8 +125,8 @@ class GGUFFile:
                 None if units is None else units.reshape(rows, cols // 256, 2))
 
     def int8_levels(self, name: str) -> Int8Blocks | None:
-        """A tensor stored as small integer codes times a scale per group (plus a low per group for Q5_K and
-        Q2_K; `_INT8_TYPES`) as its codes (int8 [N, K]), scales and lows (float32 [N, K / group]; lows None
+        """A tensor stored as small integer codes times a scale per group (plus a low per group for Q5_1, Q5_K
+        and Q2_K; `_INT8_TYPES`) as its codes (int8 [N, K]), scales and lows (float32 [N, K / group]; lows None
         where the type has none): w = low + code * scale, the values `dequantize` gives, bit for bit; and
         for a type of 256-weight superblocks their units (float32 [N, K / 256, 1 or 2]), of which the
         scales (and lows) are integer multiples; None for other types (issue 27: such a weight is kept as
@@ -235,6 +235,8 @@ class _CodeType:
         # NOTE: rows, not blocks: the package dequantizes [blocks, bytes] a dozen times slower (MXFP4: 650 ns a weight)
         values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[self.name])
         values = values.reshape(len(blocks), scale.shape[1], -1)
+        if low is not None:
+            values = values - low[..., None]
         with np.errstate(divide="ignore", invalid="ignore"):
             codes = np.rint(values / scale[..., None])
         codes = np.where(scale[..., None] != 0, codes, 0).clip(-128, 127)
@@ -362,6 +364,11 @@ def _one_scale(at: int) -> ScaleReader:
     return lambda blocks: (_f16(blocks, at), None, None)
 
 
+def _q5_1_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Groups of 32: w = d * q + m (q 5 bits; float16 d and m at bytes 0 and 2)."""
+    return _f16(blocks, 0), _f16(blocks, 2), None
+
+
 def _mxfp4_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, None]:
     """Groups of 32: w = 2^(e - 128) * kvalue[q] (an e8m0 exponent byte; the e2m1 values doubled)."""
     import gguf
@@ -372,6 +379,7 @@ def _mxfp4_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, None]:
 # The types `int8_levels` reads as codes (issue 27: Q8_0, Q5_0, Q6_K; issue 42: the rest).
 _INT8_TYPES = {kind.name: kind for kind in (
     _CodeType("Q8_0", _one_scale(0)), _CodeType("Q5_0", _one_scale(0)), _CodeType("Q6_K", _q6_k_scales),
+    _CodeType("Q5_1", _q5_1_scales),
     _CodeType("Q5_K", _q5_k_scales, _q5_k_levels), _CodeType("Q3_K", _q3_k_scales, _q3_k_levels),
     _CodeType("Q2_K", _q2_k_scales, _q2_k_levels),
     _CodeType("IQ4_NL", _one_scale(0), _codebook_levels(IQ4_VALUES, 2, 16)),
