@@ -214,8 +214,9 @@ class _CodeType:
 
     name: str
     scales: ScaleReader
-    # raw blocks -> codes [B, block], read from the bits: the types with lows (a division would lose the codes
-    # where the low dwarfs the step) and the common ones (5-10x faster than dividing the package's values)
+    # raw blocks -> codes [B, block], read from the bits: Q5_K and Q2_K, whose lows (a min times its own 6- or
+    # 4-bit scale) may dwarf a step, so that a division would lose the codes (Q5_1's low is its group's minimum,
+    # within 31 steps), and the common types (5-10x faster than dividing the package's values)
     levels: Callable[[np.ndarray], np.ndarray] | None = None
 
     @property
