@@ -93,7 +93,7 @@ def main() -> None:
     parser.add_argument("--generate", type=int, default=0, help="decode this many tokens with mlxcel generate")
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    stem = args.source.name.split(".")[0]
+    stem = args.source.name.removesuffix(".gguf")
     for type_name in args.types.split(","):
         target = args.out / f"{stem}.{type_name}.gguf"
         try:
