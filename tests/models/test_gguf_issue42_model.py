@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from mlxcel.layers import paged_attention
-from mlxcel.layers.quant import QuantHead, QuantLinear, quantize
+from mlxcel.layers.quant import CodesEmbedding, QuantHead, QuantLinear, quantize
 from mlxcel.loading import load_model
+from mlxcel.loading.lazy import materialize_all
 from tests.loading.tiny_checkpoint import random_gguf_blocks
 from tests.text.conftest import tiny_byte_level_metadata
 
@@ -91,11 +92,15 @@ def test_issue42_mixed_type_gguf_keeps_its_codes_and_the_widened_models_logits(m
     widened = load_model(mixed_gguf).model  # every tensor dequantized by the gguf package: the float reference
     packed = load_model(mixed_gguf, lazy=True).model
     summary = quantize(packed)
+    materialize_all(packed)  # the rest (norms, rope tables), as the serving runtime does after the rewrite
     linears = [m for name, m in packed.named_modules() if isinstance(m, QuantLinear) and "layers." in name]
     assert linears and summary.num_int4 == 0
     # q/k/v and gate/up are fused (mixed types stack as codes with lows); each kept once, as stored codes
     assert all(m.int8_kernel and m.weight is None and m.scale.dim() >= 3 for m in linears)
     assert isinstance(packed.lm_head, QuantHead)  # 269 rows: the widened path (per-row int8 + bfloat16 refine)
+    assert isinstance(packed.model.embed_tokens, CodesEmbedding)  # the Q5_K table as codes, scales and lows
+    ids = torch.tensor([PROMPTS[0], PROMPTS[0][::-1]])
+    assert torch.equal(packed.model.embed_tokens(ids), widened.model.embed_tokens(ids))  # the file's values
     got, want = batch_uncached_logits(packed, PROMPTS), batch_uncached_logits(widened, PROMPTS)
     for g, w in zip(got, want):
         assert torch.equal(g.argmax(-1), w.argmax(-1))
