@@ -111,14 +111,14 @@ def test_issue42_mixed_type_gguf_keeps_its_codes_and_the_widened_models_logits(m
     assert greedy(packed, PROMPTS[0], 6) == greedy(widened, PROMPTS[0], 6)
 
 
-def test_issue42_weight_format_names_the_types_and_bits(mixed_gguf: Path) -> None:
+def test_issue42_weights_info_names_the_types_and_bits(mixed_gguf: Path) -> None:
     loaded = load_model(mixed_gguf, lazy=True)
-    summary = loaded.weight_format()
+    summary = loaded.weights_info()
     types = summary["tensor_types"]
     assert summary["format"] == "gguf" and {t for layer in LAYER_TYPES for t in layer.values()} | {"F32"} == set(types)
     assert types["MXFP4"]["tensors"] == 2 and types["MXFP4"]["weights"] == INTER * HIDDEN + HIDDEN * INTER
     assert types["MXFP4"]["bytes"] == types["MXFP4"]["weights"] // 32 * 17  # 4.25 bits a weight
-    file_bytes = sum(e["bytes"] for e in types.values())
-    assert summary["file_bytes"] == file_bytes and file_bytes < mixed_gguf.stat().st_size
+    tensor_bytes = sum(e["bytes"] for e in types.values())
+    assert summary["tensor_bytes"] == tensor_bytes and tensor_bytes < mixed_gguf.stat().st_size
     assert 2.0 < summary["bits_per_weight"] < 6.0
-    assert summary["resident_bytes"] < 100_000  # lazy: only what is not a weight (rope tables) is read yet
+    assert "MXFP4 " in summary["description"] and "bits a weight" in summary["description"]

@@ -55,10 +55,10 @@ def test_issue42_server_generates_from_an_iq_mxfp4_gguf_and_reports_its_weights(
     widened = load_model(path).model  # every tensor dequantized by the gguf package
     want = greedy_without(widened, tokenizer.encode(prompt), 6, banned=sorted(tokenizer.eos_token_ids | {0, 1}))
     assert reply["tokens"] == want and reply["content"] == tokenizer.decode(want)
-    weights = props["model_weights"]
+    weights = props["weights"]
     assert weights["format"] == "gguf" and {"MXFP4", "IQ4_XS", "IQ2_XXS", "Q2_K", "TQ1_0"} <= set(weights["tensor_types"])
     assert 2.0 < weights["bits_per_weight"] < 6.0
     # Resident: the stored codes (int8, or 6 bits where they fit) with their scales, the float embedding table
     # (269 x 256) and the tied head's per-row int8 and bfloat16 copies: within a few times the file's bytes.
-    assert weights["file_bytes"] < weights["resident_bytes"] < 4 * weights["file_bytes"]
+    assert weights["tensor_bytes"] < weights["resident_bytes"] < 4 * weights["tensor_bytes"]
     assert card["weights"]["tensor_types"] == weights["tensor_types"]

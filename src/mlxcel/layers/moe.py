@@ -322,8 +322,10 @@ def _pick_path(x: torch.Tensor) -> str:
 def _run_grouped(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     num_tokens, top_k = ids.shape
     expert_of_pair, order = ids.reshape(-1).sort(stable=True)  # (token, slot) pairs sorted by expert
-    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0])
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # each expert's end in the sorted pairs; searchsorted, unlike bincount, never reads a size on the host,
+    # so the step stays capturable as a CUDA graph
+    experts = torch.arange(stack.gate_up.shape[0], device=ids.device, dtype=expert_of_pair.dtype)
+    offsets = torch.searchsorted(expert_of_pair, experts, right=True).to(torch.int32)
     hidden = F.grouped_mm(x[order // top_k], stack.gate_up.transpose(1, 2), offs=offsets)
     if stack.gate_up_bias is not None:
         hidden = hidden + stack.gate_up_bias[expert_of_pair]

@@ -501,6 +501,33 @@ class CodesEmbedding(nn.Module):
         return (rows if self.low is None else rows + self.low[input_ids][..., None]).flatten(-2)
 
 
+class TiedQuantEmbedding(QuantEmbedding):
+    """A tied embedding table read from the output head's own 4-bit blocks (`int4_blocks`' layout, scales in
+    its float16 or float32 form): the table is kept once, not as the head's blocks plus a second packed copy
+    (issue 42: an MLX 4-bit folder with tied embeddings then stays near its file size). A looked-up row is
+    the same float32 row `QuantEmbedding` gives."""
+
+    def __init__(self, head: QuantLinear) -> None:
+        nn.Module.__init__(self)  # no tables of its own (QuantEmbedding's are the head's, read in place)
+        self._head = [head]  # a list: the head's buffers stay registered once, on the head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @staticmethod
+    def can_read(head: QuantLinear) -> bool:
+        return head.int4_kernel and head.scale.dtype in (torch.float16, torch.float32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        ids = input_ids.reshape(-1)
+        block, row = ids // INT4_BLOCK, ids % INT4_BLOCK
+        groups = self.embedding_dim // INT4_GROUP
+        packed = head.qweight.view(-1, groups, 4, INT4_BLOCK, 4)[block, :, :, row, :]  # [n, group, v, t]
+        q = torch.stack((packed & 0x0F, packed >> 4), dim=2).view(-1, groups, INT4_GROUP).float()  # [n, group, 32]
+        scales = head.scale[block, :, :, row].float()  # [n, group, 2]: step, low
+        rows = scales[..., 1:2] + q * scales[..., 0:1]
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 # Sibling linears that read the same input in every family here; each group becomes one matmul.
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -667,7 +694,9 @@ def quantize(model: nn.Module) -> QuantSummary:
             weight = checkpoint.kept("model.embed_tokens", embed).weight
         model.lm_head = QuantHead(weight, search=checkpoint.search)
     if embed_levels is not None or embed_codes is not None:
-        model.model.embed_tokens = (QuantEmbedding(embed_levels) if embed_levels is not None
+        tied = embed_levels is not None and head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
+        model.model.embed_tokens = (TiedQuantEmbedding(model.lm_head.linear) if tied
+                                    else QuantEmbedding(embed_levels) if embed_levels is not None
                                     else CodesEmbedding(embed_codes))  # type: ignore[arg-type]
         checkpoint.replaced("model.embed_tokens")
     del embed_levels, embed_codes
@@ -680,6 +709,18 @@ def quantize(model: nn.Module) -> QuantSummary:
     kinds = [m.bits for m in linears]
     return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8),
                         num_kept_once=sum(m.weight is None for m in linears))
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (each storage once; meta tensors, not yet read, count 0):
+    the weights as kept in memory (issue 42: /props, /v1/models and the startup log)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
 
 
 def fuse_projections(model: nn.Module) -> int:

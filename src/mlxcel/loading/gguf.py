@@ -69,7 +69,8 @@ class GGUFFile:
 
     def weight_format(self) -> dict[str, Any]:
         """What /props, /v1/models and the startup log say of the file's weights (issue 42): each tensor type
-        with its number of tensors, of weights and of bytes in the file, and the bits a weight over all of them."""
+        with its number of tensors, of weights and of bytes in the file, the bits a weight over all of them and
+        the bytes of tensor data (the file less its header and vocabulary)."""
         types: dict[str, dict[str, int]] = {}
         for tensor in self.tensors.values():
             entry = types.setdefault(tensor.type_name, {"tensors": 0, "weights": 0, "bytes": 0})
@@ -77,9 +78,9 @@ class GGUFFile:
             entry["weights"] += int(np.prod(tensor.shape, dtype=np.int64))
             entry["bytes"] += int(tensor.raw.nbytes)
         weights = sum(e["weights"] for e in types.values())
-        file_bytes = sum(e["bytes"] for e in types.values())
+        tensor_bytes = sum(e["bytes"] for e in types.values())
         return {"format": "gguf", "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1]["weights"])),
-                "bits_per_weight": round(8 * file_bytes / max(weights, 1), 3), "file_bytes": file_bytes}
+                "bits_per_weight": round(8 * tensor_bytes / max(weights, 1), 3), "tensor_bytes": tensor_bytes}
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in PyTorch shape order (a new array: the file's pages are let go)."""
