@@ -105,12 +105,12 @@ def build_mamba(folder: Path) -> str:
     return str(write_gguf(folder / "mamba.gguf", "mamba", tensors, {"block_count": 1, "embedding_length": 8}))
 
 
-def build_iq2_xxs(folder: Path) -> str:
-    iq2 = gguf.GGMLQuantizationType.IQ2_XXS
-    _, block_bytes = gguf.GGML_QUANT_SIZES[iq2]
+def build_iq1_s(folder: Path) -> str:
+    iq1 = gguf.GGMLQuantizationType.IQ1_S  # still refused (issue 42 added IQ2_XXS and the other IQ2-IQ4 types)
+    _, block_bytes = gguf.GGML_QUANT_SIZES[iq1]
     tensors = {"token_embd.weight": (np.zeros((16, 256), np.float32), None),
-               "blk.0.ffn_down.weight": (np.zeros((4, block_bytes), np.uint8), iq2)}  # [4, 256] in IQ2_XXS
-    return str(write_gguf(folder / "iq2.gguf", "llama", tensors, {"block_count": 1, "embedding_length": 256}))
+               "blk.0.ffn_down.weight": (np.zeros((4, block_bytes), np.uint8), iq1)}  # [4, 256] in IQ1_S
+    return str(write_gguf(folder / "iq1.gguf", "llama", tensors, {"block_count": 1, "embedding_length": 256}))
 
 
 def build_no_weights(folder: Path) -> str:
@@ -150,8 +150,8 @@ BAD_INPUTS = {
     "truncated-gguf": BadInput(build_truncated_header, ("truncated or corrupt GGUF file", "1000000 bytes")),
     "truncated-tensor-data": BadInput(build_truncated_data, ("truncated or corrupt GGUF file",), None),
     "unsupported-architecture": BadInput(build_mamba, ("GGUF architecture 'mamba' is not supported", SUPPORTED)),
-    "unsupported-tensor-type": BadInput(build_iq2_xxs, (
-        "tensor blk.0.ffn_down.weight has type IQ2_XXS, which is not supported", "supported: BF16, F16, F32")),
+    "unsupported-tensor-type": BadInput(build_iq1_s, (
+        "tensor blk.0.ffn_down.weight has type IQ1_S, which is not supported", "supported: BF16, F16, F32")),
     "folder-without-weights": BadInput(build_no_weights, ("no *.safetensors weights found",)),
     # An HF folder's model_type may also take the transformers fallback (issue 40), which the line says.
     "unknown-model-type": BadInput(build_unknown_type, ("model type 'frobnicator' is not supported",

@@ -116,28 +116,31 @@ def test_a2_4bit_types_give_their_stored_levels_and_others_none(
 def test_issue27_int8_code_types_give_their_stored_codes_and_others_none(
         typed_file: tuple[GGUFFile, dict[str, np.ndarray]], type_name: str) -> None:
     """Issue 27 point 3: a Q8_0 / Q5_0 / Q6_K weight is kept as its stored int8 codes and group scales
-    (32 a scale; Q6_K 16), which must give exactly the values `dequantize` gives; other types have none."""
+    (32 a scale; Q6_K 16), which must give exactly the values `dequantize` gives (issue 42: Q5_K too, its
+    5-bit levels with a low per group, and Q5_1 likewise); other types have none."""
     file, _ = typed_file
     name = f"{type_name.lower()}.weight"
     stored = file.int8_levels(name)
-    groups = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16}
+    groups = {"Q8_0": 32, "Q5_0": 32, "Q6_K": 16, "Q5_K": 32, "Q5_1": 32}
     if type_name not in groups:
         assert stored is None
         return
-    codes, scale, units = stored
+    codes, scale, low, units = stored
     group = groups[type_name]
     assert codes.dtype == np.int8 and codes.shape == (ROWS, COLS)
     assert scale.dtype == np.float32 and scale.shape == (ROWS, COLS // group)
-    bound = {"Q8_0": 127, "Q5_0": 16, "Q6_K": 32}[type_name]
+    assert (low is not None) == (type_name in ("Q5_K", "Q5_1"))
+    bound = {"Q8_0": 127, "Q5_0": 16, "Q6_K": 32, "Q5_K": 31, "Q5_1": 31}[type_name]
     assert int(np.abs(codes.astype(np.int32)).max()) <= bound
-    rebuilt = (codes.reshape(ROWS, -1, group) * scale[..., None]).reshape(ROWS, COLS)
+    rebuilt = codes.reshape(ROWS, -1, group) * scale[..., None]
+    rebuilt = (rebuilt if low is None else rebuilt + low[..., None]).reshape(ROWS, COLS)
     np.testing.assert_allclose(rebuilt, file.dequantize(name), rtol=2e-7, atol=0)  # float32 product order only
-    if type_name != "Q6_K":
+    if type_name not in ("Q6_K", "Q5_K"):
         assert units is None
         return
-    # Issue 27: Q6_K's scales are its superblock's d times int8 integers, exactly.
-    assert units.shape == (ROWS, COLS // 256, 1)
-    unit = np.repeat(units[..., 0], 16, axis=1)
+    # Issue 27: Q6_K's scales are its superblock's d times int8 integers, exactly (Q5_K: d and -dmin).
+    assert units.shape == (ROWS, COLS // 256, 1 if low is None else 2)
+    unit = np.repeat(units[..., 0], 256 // group, axis=1)
     multiples = np.rint(np.divide(scale, unit, out=np.zeros_like(scale), where=unit != 0))
     assert np.abs(multiples).max() <= 127
     np.testing.assert_array_equal(unit * multiples, scale)

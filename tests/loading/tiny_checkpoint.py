@@ -89,3 +89,31 @@ def write_gguf(path: Path, arch: str, tensors: dict[str, tuple[np.ndarray, Any]]
     writer.write_tensors_to_file()
     writer.close()
     return path
+
+
+# Byte offsets of each type's float16 scales in a block, and the largest |code x sub-scale| of the type (issue 42):
+# random bytes there would be NaN, inf or huge, so `random_gguf_blocks` writes scales that bound the weights.
+GGUF_SCALE_FIELDS: dict[str, tuple[tuple[int, ...], float]] = {
+    "Q5_1": ((0, 2), 31), "Q5_K": ((0, 2), 63 * 31), "Q3_K": ((108,), 32 * 4), "Q2_K": ((80, 82), 15 * 3), "IQ4_NL": ((0,), 127),
+    "IQ4_XS": ((0,), 32 * 127), "TQ1_0": ((52,), 2), "TQ2_0": ((64,), 2), "IQ2_XXS": ((0,), 15.5 * 0.25 * 43),
+    "IQ2_XS": ((0,), 15.5 * 0.25 * 43), "IQ2_S": ((0,), 15.5 * 0.25 * 43), "IQ3_XXS": ((0,), 15.5 * 0.5 * 62),
+    "IQ3_S": ((0,), 31 * 15), "MXFP4": ((), 12),
+}  # fmt: skip
+
+
+def random_gguf_blocks(type_name: str, rows: int, cols: int, seed: int, max_abs: float = 8.0) -> np.ndarray:
+    """[rows, bytes a row] of random `type_name` blocks (every bit pattern of the codes) whose float16 scales
+    keep |w| under about `max_abs` (MXFP4: exponents that do)."""
+    import gguf
+
+    rng = np.random.default_rng(seed)
+    block, block_bytes = gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[type_name]]
+    blocks = rng.integers(0, 256, (rows * cols // block, block_bytes), dtype=np.uint8)
+    fields, top = GGUF_SCALE_FIELDS[type_name]
+    for at in fields:
+        scale = rng.uniform(0.05, 1.0, (len(blocks), 1)) * max_abs / top
+        blocks[:, at:at + 2] = scale.astype(np.float16).view(np.uint8)
+    if type_name == "MXFP4":  # w = 2^(e - 128) * (up to 12)
+        high = int(np.floor(np.log2(max_abs / top))) + 128
+        blocks[:, 0] = rng.integers(high - 4, high + 1, len(blocks))
+    return blocks.reshape(rows, -1)

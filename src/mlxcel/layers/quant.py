@@ -483,6 +483,25 @@ class QuantEmbedding(nn.Module):
         return (self.low[input_ids][..., None] + q * self.step[input_ids][..., None]).flatten(-2)
 
 
+class CodesEmbedding(nn.Module):
+    """An embedding table stored as int8 codes with a scale (and low) per group (issue 42: Q8_0, Q6_K, Q5_K,
+    IQ4_XS, ... `Int8Levels`), kept as stored: a looked-up row is the float32 row the file dequantizes to, at a
+    quarter of the float table's memory or less (Qwen2.5-1.5B's 151,936 x 1,536 table in Q6_K: 0.29 GiB, not 0.87)."""
+
+    def __init__(self, levels: Int8Levels) -> None:
+        super().__init__()
+        self.register_buffer("codes", levels.codes.contiguous())  # [V, K]
+        self.register_buffer("scale", levels.scale.contiguous())  # [V, K / group]
+        self.register_buffer("low", None if levels.low is None else levels.low.contiguous())
+        self.num_embeddings, self.embedding_dim = levels.codes.shape
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        groups = self.scale.shape[1]
+        codes = self.codes[input_ids].view(*input_ids.shape, groups, -1).float()
+        rows = codes * self.scale[input_ids][..., None]  # Int8Levels.dequantize's operations, in its order
+        return (rows if self.low is None else rows + self.low[input_ids][..., None]).flatten(-2)
+
+
 class TiedQuantEmbedding(QuantEmbedding):
     """A tied embedding table read from the output head's own 4-bit blocks (`int4_blocks`' layout, scales in
     its float16 or float32 form): the table is kept once, not as the head's blocks plus a second packed copy
@@ -662,24 +681,26 @@ def quantize(model: nn.Module) -> QuantSummary:
     head = getattr(model, "lm_head", None)
     embed = getattr(getattr(model, "model", None), "embed_tokens", None)
     embed_levels = checkpoint.levels("model.embed_tokens") if isinstance(embed, nn.Embedding) else None
+    # Issue 42: a table stored as int8 codes (Q8_0, Q6_K, IQ4_XS, ...) stays codes too, not a float table.
+    embed_codes = checkpoint.codes("model.embed_tokens") if isinstance(embed, nn.Embedding) and embed_levels is None else None
     if isinstance(head, nn.Linear):
         model.lm_head = QuantHead(checkpoint.weight("lm_head", head), search=checkpoint.search)
         checkpoint.replaced("lm_head")
     elif head is None and isinstance(embed, nn.Embedding):
-        # Tied output head: the largest matmul of a decode step, quantized like the rest. A float
-        # table stays the embedding: read in place, once; the head then takes the file's int8 codes
-        # where it stores them (Q8_0: SmolLM2's table), not a second rounding of the floats.
-        weight: Weight | None = embed_levels
+        # Tied output head: the largest matmul of a decode step, quantized like the rest, from the file's
+        # levels or int8 codes where it stores them (Q8_0: SmolLM2's table), not a second rounding of the
+        # floats; a float table stays the embedding, read in place, once.
+        weight: Weight | None = embed_levels if embed_levels is not None else embed_codes
         if weight is None:
-            table = checkpoint.kept("model.embed_tokens", embed).weight
-            weight = checkpoint.codes("model.embed_tokens")
-            weight = weight if weight is not None else table
+            weight = checkpoint.kept("model.embed_tokens", embed).weight
         model.lm_head = QuantHead(weight, search=checkpoint.search)
-    if embed_levels is not None:
-        tied = head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
-        model.model.embed_tokens = TiedQuantEmbedding(model.lm_head.linear) if tied else QuantEmbedding(embed_levels)
+    if embed_levels is not None or embed_codes is not None:
+        tied = embed_levels is not None and head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
+        model.model.embed_tokens = (TiedQuantEmbedding(model.lm_head.linear) if tied
+                                    else QuantEmbedding(embed_levels) if embed_levels is not None
+                                    else CodesEmbedding(embed_codes))  # type: ignore[arg-type]
         checkpoint.replaced("model.embed_tokens")
-    del embed_levels
+    del embed_levels, embed_codes
     for prefix, parent in list(model.named_modules()):
         _fuse_groups(parent, lambda linears, names: checkpoint.linear([_join(prefix, n) for n in names], linears))
         for name, child in list(parent.named_children()):

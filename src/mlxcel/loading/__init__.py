@@ -61,7 +61,8 @@ class LoadedModel:
             return {"format": self.quant.method, "mode": self.quant.mode, "bits": self.quant.bits,
                     "group_size": self.quant.group_size, "description": self.quant.describe()}
         if self.gguf is not None:
-            return {"format": "gguf", "description": f"GGUF {_gguf_file_type(self.gguf)}"}
+            stored = self.gguf.weight_format()  # issue 42b: tensor types, bits a weight, bytes of tensor data
+            return {**stored, "description": f"GGUF {_gguf_file_type(self.gguf)} ({_type_shares(stored)})"}
         dtype = self.config.get("torch_dtype") or self.config.get("dtype") or "float"
         return {"format": "safetensors", "description": f"safetensors {dtype}"}
 
@@ -73,6 +74,14 @@ class LoadedModel:
     @property
     def supports_batching(self) -> bool:
         return bool(getattr(family_module(self.model_type), "SUPPORTS_BATCHING", True))
+
+
+def _type_shares(stored: dict[str, Any]) -> str:
+    """e.g. "Q4_K 62%, Q6_K 21%, Q5_0 17% of weights, 4.87 bits a weight"."""
+    types = stored["tensor_types"]
+    total = sum(entry["weights"] for entry in types.values()) or 1
+    shares = ", ".join(f"{name} {100 * entry['weights'] / total:.0f}%" for name, entry in types.items())
+    return f"{shares} of weights, {stored['bits_per_weight']:.2f} bits a weight"
 
 
 def _gguf_file_type(gguf_file: GGUFFile) -> str:

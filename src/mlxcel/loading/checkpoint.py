@@ -211,8 +211,8 @@ class GGUFPackedWeights:
         stored = self.gguf.int8_levels(self.names[name]) if name in self.names else None
         if stored is None:
             return None
-        codes, scale, units = (self._fixed(name, array) for array in stored)
-        return Int8Levels(codes, scale, None, units)
+        codes, scale, low, units = (self._fixed(name, array) for array in stored)
+        return Int8Levels(codes, scale, low, units)
 
     def _fixed(self, name: str, array: np.ndarray | None) -> torch.Tensor | None:
         """One part of parameter `name` as a tensor, its rows moved as the family's fix moves the weight's."""

@@ -9,6 +9,7 @@ from __future__ import annotations
 import contextlib
 import mmap
 import struct
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,11 +18,13 @@ import numpy as np
 
 from mlxcel.loading.errors import ModelLoadError
 
-# Tensor types the loader accepts (the `gguf` package dequantizes each of them).
+# Tensor types the loader accepts (the `gguf` package dequantizes each of them; issue 42 added MXFP4, the
+# I-quants and the ternary types, whose float reference is that package's dequantizer).
 SUPPORTED_TENSOR_TYPES = frozenset(
     {
         "F32", "F16", "BF16", "Q8_0", "Q4_0", "Q4_1", "Q5_0", "Q5_1",
         "Q2_K", "Q3_K", "Q4_K", "Q5_K", "Q6_K", "Q8_K",
+        "MXFP4", "IQ4_NL", "IQ4_XS", "IQ3_S", "IQ3_XXS", "IQ2_XXS", "IQ2_XS", "IQ2_S", "TQ1_0", "TQ2_0",
     }
 )  # fmt: skip
 
@@ -63,6 +66,21 @@ class GGUFFile:
     def arch_value(self, key: str, default: Any = None) -> Any:
         """`<architecture>.<key>` from the metadata, e.g. arch_value("block_count")."""
         return self.metadata.get(f"{self.architecture}.{key}", default)
+
+    def weight_format(self) -> dict[str, Any]:
+        """What /props, /v1/models and the startup log say of the file's weights (issue 42): each tensor type
+        with its number of tensors, of weights and of bytes in the file, the bits a weight over all of them and
+        the bytes of tensor data (the file less its header and vocabulary)."""
+        types: dict[str, dict[str, int]] = {}
+        for tensor in self.tensors.values():
+            entry = types.setdefault(tensor.type_name, {"tensors": 0, "weights": 0, "bytes": 0})
+            entry["tensors"] += 1
+            entry["weights"] += int(np.prod(tensor.shape, dtype=np.int64))
+            entry["bytes"] += int(tensor.raw.nbytes)
+        weights = sum(e["weights"] for e in types.values())
+        tensor_bytes = sum(e["bytes"] for e in types.values())
+        return {"format": "gguf", "tensor_types": dict(sorted(types.items(), key=lambda kv: -kv[1]["weights"])),
+                "bits_per_weight": round(8 * tensor_bytes / max(weights, 1), 3), "tensor_bytes": tensor_bytes}
 
     def dequantize(self, name: str) -> np.ndarray:
         """The tensor as float32 in PyTorch shape order (a new array: the file's pages are let go)."""
@@ -107,22 +125,21 @@ class GGUFFile:
         return (q.reshape(rows, cols), step.reshape(rows, cols // 32), low.reshape(rows, cols // 32),
                 None if units is None else units.reshape(rows, cols // 256, 2))
 
-    def int8_levels(self, name: str) -> tuple[np.ndarray, np.ndarray, np.ndarray | None] | None:
-        """A tensor stored as int8 codes times a scale per group (Q8_0, Q5_0: groups of 32; Q6_K: of 16) as
-        its codes (int8 [N, K]) and scales (float32 [N, K / group]): w = code * scale, the values
-        `dequantize` gives, and for Q6_K its superblocks' d (float32 [N, K / 256, 1]), of which the scales
-        are integer multiples; None for other types (issue 27: such a weight is kept as stored)."""
+    def int8_levels(self, name: str) -> Int8Blocks | None:
+        """A tensor stored as small integer codes times a scale per group (plus a low per group for Q5_1, Q5_K
+        and Q2_K; `_INT8_TYPES`) as its codes (int8 [N, K]), scales and lows (float32 [N, K / group]; lows None
+        where the type has none): w = low + code * scale, the values `dequantize` gives, bit for bit; and
+        for a type of 256-weight superblocks their units (float32 [N, K / 256, 1 or 2]), of which the
+        scales (and lows) are integer multiples; None for other types (issue 27: such a weight is kept as
+        stored). Issue 42: the K-quants, the I-quants' codebooks (IQ4's 16 int8 values, IQ3 / IQ2 grid
+        magnitudes with their signs), MXFP4's doubled e2m1 values and the ternary types are all such codes."""
         tensor = self.tensors[name]
-        group_scales = _INT8_SCALES.get(tensor.type_name)
-        if group_scales is None or len(tensor.shape) < 2:
+        kind = _INT8_TYPES.get(tensor.type_name)
+        if kind is None or len(tensor.shape) < 2:
             return None
-        import gguf
-
-        rows, cols = _as_rows(tensor.shape)
-        qtype, block_bytes = gguf.GGMLQuantizationType[tensor.type_name], _INT8_BLOCK_BYTES[tensor.type_name]
+        rows, cols = _as_rows(tensor.shape)  # a stack of experts as E * N rows (issue 40)
         codes = np.empty((rows, cols), dtype=np.int8)
-        scales: list[np.ndarray] = []
-        units: list[np.ndarray] = []
+        parts: list[list[np.ndarray | None]] = []
         try:
             raw = np.asarray(tensor.raw).view(np.uint8).reshape(rows, -1)
             step = max(1, DEQUANTIZE_CHUNK // raw.shape[1])
@@ -130,18 +147,14 @@ class GGUFFile:
             # whole: several float32 copies of 0.9 GB at once, +1 GB peak RSS at load).
             for start in range(0, rows, step):
                 part = raw[start:start + step]
-                scale = group_scales(part.reshape(-1, block_bytes)).reshape(len(part), -1)  # [n, K / group]
-                values = gguf.quants.dequantize(part, qtype).reshape(len(part), scale.shape[1], -1)
-                with np.errstate(divide="ignore", invalid="ignore"):
-                    part_codes = np.rint(values / scale[..., None])
-                part_codes = np.where(scale[..., None] != 0, part_codes, 0).clip(-128, 127)
+                part_codes, *scales = kind.decode(part)
                 codes[start:start + step] = part_codes.reshape(len(part), cols)
-                scales.append(scale.astype(np.float32))
-                if tensor.type_name == "Q6_K":
-                    units.append(_f16(part.reshape(-1, block_bytes), 208).reshape(len(part), -1, 1))
+                parts.append([None if a is None else a.astype(np.float32).reshape(len(part), -1, *a.shape[2:])
+                              for a in scales])
         finally:
             self.release_pages()
-        return codes, np.concatenate(scales), np.concatenate(units) if units else None
+        scale, low, units = (None if parts[0][i] is None else np.concatenate([p[i] for p in parts]) for i in range(3))
+        return codes, scale, low, units  # type: ignore[return-value]
 
     def _check_tensor_types(self) -> None:
         for tensor in self.tensors.values():
@@ -186,14 +199,199 @@ def _q4_k(blocks: np.ndarray) -> Int4Blocks:
 _INT4_DECODERS = {"Q4_0": _q4_0, "Q4_1": _q4_1, "Q4_K": _q4_k}
 
 
-def _q6_k_scales(blocks: np.ndarray) -> np.ndarray:
+Int8Blocks = tuple[np.ndarray, np.ndarray, "np.ndarray | None", "np.ndarray | None"]  # codes, scales, lows, units
+# A type's raw blocks [B, block bytes] -> scales [B, groups], lows (or None) and units [B, 1, 1 or 2] (or None).
+ScaleReader = Callable[[np.ndarray], tuple[np.ndarray, "np.ndarray | None", "np.ndarray | None"]]
+
+_F32 = np.float32
+
+
+@dataclass(frozen=True, slots=True)
+class _CodeType:
+    """A GGUF type whose weights are integer codes times a scale per group (plus a low per group): how to
+    read its scales from the raw blocks, and its codes straight from the bits, or else (the grid types IQ2 /
+    IQ3, TQ1_0) as the package's dequantized values over their group's scale, rounded (exact: each value is
+    one float32 product of the scale and a small integer)."""
+
+    name: str
+    scales: ScaleReader
+    # raw blocks -> codes [B, block], read from the bits: Q5_K and Q2_K, whose lows (a min times its own 6- or
+    # 4-bit scale) may dwarf a step, so that a division would lose the codes (Q5_1's low is its group's minimum,
+    # within 31 steps), and the common types (5-10x faster than dividing the package's values)
+    levels: Callable[[np.ndarray], np.ndarray] | None = None
+
+    @property
+    def block_bytes(self) -> int:
+        import gguf
+
+        return int(gguf.GGML_QUANT_SIZES[gguf.GGMLQuantizationType[self.name]][1])
+
+    def decode(self, rows: np.ndarray) -> Int8Blocks:
+        """Raw rows [N, bytes a row] -> codes [blocks, block], scales, lows [blocks, groups], units [blocks, 1, parts]."""
+        import gguf
+
+        blocks = rows.reshape(-1, self.block_bytes)
+        scale, low, units = self.scales(blocks)
+        if self.levels is not None:
+            return self.levels(blocks).astype(np.int8), scale, low, units
+        # NOTE: rows, not blocks: the package dequantizes [blocks, bytes] a dozen times slower (MXFP4: 650 ns a weight)
+        values = gguf.quants.dequantize(rows, gguf.GGMLQuantizationType[self.name])
+        values = values.reshape(len(blocks), scale.shape[1], -1)
+        if low is not None:
+            values = values - low[..., None]
+        with np.errstate(divide="ignore", invalid="ignore"):
+            codes = np.rint(values / scale[..., None])
+        codes = np.where(scale[..., None] != 0, codes, 0).clip(-128, 127)
+        return codes.reshape(len(blocks), -1).astype(np.int8), scale, low, units
+
+
+def _nibbles(packed: np.ndarray) -> np.ndarray:
+    """uint8 [B, n] -> [B, 2 n]: each byte's low nibble, then its high one (a scale per nibble)."""
+    return ((packed[:, :, None] >> np.array([0, 4], dtype=np.uint8)) & 0x0F).reshape(len(packed), -1)
+
+
+def _per_block(d: np.ndarray) -> np.ndarray:
+    return d[:, None]  # [B, 1] -> units [B, 1, 1]
+
+
+def _q6_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, np.ndarray]:
     """256 weights a block in 16 groups of 16: w = d * sc_j * q (int8 sc_j at byte 192, float16 d at 208)."""
-    return _f16(blocks, 208) * blocks[:, 192:208].view(np.int8).astype(np.float32)  # [blocks, 16]
+    d = _f16(blocks, 208)
+    return d * blocks[:, 192:208].view(np.int8).astype(_F32), None, _per_block(d)
 
 
-# Scale per group of the int8-code types (Q8_0: d * q; Q5_0: d * (q - 16)), from their raw blocks.
-_INT8_SCALES = {"Q8_0": lambda blocks: _f16(blocks, 0), "Q5_0": lambda blocks: _f16(blocks, 0), "Q6_K": _q6_k_scales}
-_INT8_BLOCK_BYTES = {"Q8_0": 34, "Q5_0": 22, "Q6_K": 210}
+def _q5_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """8 groups of 32: w = d * sc_j * q - dmin * m_j (6-bit sc_j, m_j as Q4_K packs them; q 5 bits)."""
+    import gguf
+
+    sc, m = gguf.quants.Q4_K.get_scale_min(blocks[:, 4:16])
+    d, dmin = _f16(blocks, 0), _f16(blocks, 2)
+    return d * sc.astype(_F32), -(dmin * m.astype(_F32)), np.stack((d, -dmin), axis=-1)
+
+
+def _q5_k_levels(blocks: np.ndarray) -> np.ndarray:
+    n = len(blocks)
+    low = (blocks[:, 48:176].reshape(n, -1, 1, 32) >> np.array([0, 4], dtype=np.uint8).reshape(1, 1, 2, 1)) & 0x0F
+    high = (blocks[:, 16:48].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return (low.reshape(n, 8, 32) | (high << 4)).reshape(n, -1)
+
+
+def _q2_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """16 groups of 16: w = d * (sc_j & 15) * q - dmin * (sc_j >> 4) (q 2 bits; d, dmin at bytes 80, 82)."""
+    sc, d, dmin = blocks[:, :16], _f16(blocks, 80), _f16(blocks, 82)
+    return d * (sc & 0x0F).astype(_F32), -(dmin * (sc >> 4).astype(_F32)), np.stack((d, -dmin), axis=-1)
+
+
+def _q2_k_levels(blocks: np.ndarray) -> np.ndarray:
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((blocks[:, 16:80].reshape(len(blocks), -1, 1, 32) >> shifts) & 3).reshape(len(blocks), -1)
+
+
+def _q3_k_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, np.ndarray]:
+    """16 groups of 16: w = d * (sc_j - 32) * q, q in -4..3; the 6-bit sc_j at bytes 96-107 (low 4 bits
+    in the first 8 bytes' nibbles, high 2 bits in the last 4 bytes' pairs), d at 108."""
+    n, packed = len(blocks), blocks[:, 96:108]
+    low = _nibbles(packed[:, :8]).reshape(n, 8, 2).transpose(0, 2, 1).reshape(n, 16)
+    high = (packed[:, 8:12].reshape(n, 1, 4) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 4, 1)) & 3
+    sc = (low | (high.reshape(n, 16) << 4)).astype(np.int8) - np.int8(32)
+    d = _f16(blocks, 108)
+    return d * sc.astype(_F32), None, _per_block(d)
+
+
+def _q3_k_levels(blocks: np.ndarray) -> np.ndarray:
+    """q = 2 low bits (bytes 32-95, 4 a byte) - 4 where the high-bit mask (bytes 0-31) is clear: -4..3."""
+    n = len(blocks)
+    low = (blocks[:, 32:96].reshape(n, -1, 1, 32) >> np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)) & 3
+    high = (blocks[:, :32].reshape(n, 1, 32) >> np.arange(8, dtype=np.uint8).reshape(1, 8, 1)) & 1
+    return low.reshape(n, -1).astype(np.int8) - ((1 - high.reshape(n, -1)) << 2).astype(np.int8)
+
+
+IQ4_VALUES = np.array([-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113], dtype=np.int8)
+MXFP4_VALUES = np.array([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=np.int8)  # e2m1, doubled
+
+
+def _codebook_levels(values: np.ndarray, start: int, group_bytes: int) -> Callable[[np.ndarray], np.ndarray]:
+    """Nibble-indexed codebooks (IQ4_NL, IQ4_XS, MXFP4): per group of `group_bytes` packed bytes from `start`,
+    the low nibbles then the high ones index `values`."""
+
+    def read(blocks: np.ndarray) -> np.ndarray:
+        packed = blocks[:, start:].reshape(len(blocks), -1, group_bytes)
+        return values[_halves(packed)].reshape(len(blocks), -1)
+
+    return read
+
+
+def _tq2_0_levels(blocks: np.ndarray) -> np.ndarray:
+    shifts = np.array([0, 2, 4, 6], dtype=np.uint8).reshape(1, 1, 4, 1)
+    return ((blocks[:, :64].reshape(len(blocks), -1, 1, 32) >> shifts) & 3).reshape(len(blocks), -1).astype(np.int8) - 1
+
+
+def _iq4_xs_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, np.ndarray]:
+    """8 groups of 32: w = d * (ls_j - 32) * kvalue[q] (6-bit ls_j: low nibbles at byte 4, high pairs in
+    the uint16 at byte 2)."""
+    n = len(blocks)
+    high = blocks[:, 2:4].copy().view(np.uint16).reshape(n, 1) >> (2 * np.arange(8, dtype=np.uint16))
+    ls = (_nibbles(blocks[:, 4:8]) | ((high & 3).astype(np.uint8) << 4)).astype(np.int8) - np.int8(32)
+    d = _f16(blocks, 0)
+    return d * ls.astype(_F32), None, _per_block(d)
+
+
+def _iq2_iq3_scales(at: int, count: int, mul: float) -> ScaleReader:
+    """IQ2_XS / IQ2_S (16 nibble scales a block at byte `at`) and IQ3_S: w = d * (0.5 + ls) * mul * grid *
+    sign (IQ3_S: d * (1 + 2 ls), `mul` 0); units d * mul / 2 (integer sub-scales 2 ls + 1)."""
+
+    def read(blocks: np.ndarray) -> tuple[np.ndarray, None, np.ndarray]:
+        d, ls = _f16(blocks, 0), _nibbles(blocks[:, at:at + count // 2])
+        if mul == 0:
+            return d * (1 + 2 * ls), None, _per_block(d)
+        return d * (_F32(0.5) + ls) * _F32(mul), None, _per_block(d * _F32(mul / 2))
+
+    return read
+
+
+def _iq_top_nibble_scales(at: int, stride: int, mul: float) -> ScaleReader:
+    """IQ2_XXS / IQ3_XXS: 8 groups of 32, ls_j the top 4 bits of every `stride`-th uint32 from byte `at`
+    (IQ2_XXS's words pair with grid indices): w = d * (0.5 + ls) * mul * grid * sign."""
+
+    def read(blocks: np.ndarray) -> tuple[np.ndarray, None, np.ndarray]:
+        ls = blocks[:, at:].copy().view(np.uint32)[:, stride - 1::stride] >> 28
+        d = _f16(blocks, 0)
+        return d * (_F32(0.5) + ls.astype(_F32)) * _F32(mul), None, _per_block(d * _F32(mul / 2))
+
+    return read
+
+
+def _one_scale(at: int) -> ScaleReader:
+    """Types with one float16 scale a block at byte `at` (Q8_0, Q5_0, IQ4_NL: groups of 32; TQ1_0, TQ2_0: 256)."""
+    return lambda blocks: (_f16(blocks, at), None, None)
+
+
+def _q5_1_scales(blocks: np.ndarray) -> tuple[np.ndarray, np.ndarray, None]:
+    """Groups of 32: w = d * q + m (q 5 bits; float16 d and m at bytes 0 and 2)."""
+    return _f16(blocks, 0), _f16(blocks, 2), None
+
+
+def _mxfp4_scales(blocks: np.ndarray) -> tuple[np.ndarray, None, None]:
+    """Groups of 32: w = 2^(e - 128) * kvalue[q] (an e8m0 exponent byte; the e2m1 values doubled)."""
+    import gguf
+
+    return gguf.quants.MXFP4.e8m0_to_fp32_half(blocks[:, :1]).astype(_F32), None, None
+
+
+# The types `int8_levels` reads as codes (issue 27: Q8_0, Q5_0, Q6_K; issue 42: the rest).
+_INT8_TYPES = {kind.name: kind for kind in (
+    _CodeType("Q8_0", _one_scale(0)), _CodeType("Q5_0", _one_scale(0)), _CodeType("Q6_K", _q6_k_scales),
+    _CodeType("Q5_1", _q5_1_scales),
+    _CodeType("Q5_K", _q5_k_scales, _q5_k_levels), _CodeType("Q3_K", _q3_k_scales, _q3_k_levels),
+    _CodeType("Q2_K", _q2_k_scales, _q2_k_levels),
+    _CodeType("IQ4_NL", _one_scale(0), _codebook_levels(IQ4_VALUES, 2, 16)),
+    _CodeType("IQ4_XS", _iq4_xs_scales, _codebook_levels(IQ4_VALUES, 8, 16)),
+    _CodeType("MXFP4", _mxfp4_scales, _codebook_levels(MXFP4_VALUES, 1, 16)),
+    _CodeType("TQ1_0", _one_scale(52)), _CodeType("TQ2_0", _one_scale(64), _tq2_0_levels),
+    _CodeType("IQ2_XXS", _iq_top_nibble_scales(2, 2, 0.25)), _CodeType("IQ3_XXS", _iq_top_nibble_scales(66, 1, 0.5)),
+    _CodeType("IQ2_XS", _iq2_iq3_scales(66, 16, 0.25)), _CodeType("IQ2_S", _iq2_iq3_scales(74, 16, 0.25)),
+    _CodeType("IQ3_S", _iq2_iq3_scales(106, 8, 0)),
+)}
 _INT4_BLOCK_BYTES = {"Q4_0": 18, "Q4_1": 20, "Q4_K": 144}
 
 
