@@ -138,11 +138,14 @@ def test_issue42_an_unsupported_type_is_refused_in_one_line_naming_type_and_tens
 
 
 def test_issue42_a_stack_of_mxfp4_experts_dequantizes_equal_to_the_gguf_package(tmp_path: Path) -> None:
-    """gpt-oss GGUFs store their expert stacks [experts, rows, cols] in MXFP4: loaded dequantized (widened),
-    the package's values; `int8_levels` is for matrices only."""
+    """gpt-oss GGUFs store their expert stacks [experts, rows, cols] in MXFP4: dequantized, the package's
+    values; as codes (`int8_levels`, experts stacked as E * rows, issue 40's QuantExperts), the same values."""
     raw = random_gguf_blocks("MXFP4", 4 * 64, 256, 3).reshape(4, 64, -1)
     file = GGUFFile(write_gguf(tmp_path / "experts.gguf", "llama", {"blk.0.ffn_up_exps.weight": (raw, Q.MXFP4)}))
     assert file.tensors["blk.0.ffn_up_exps.weight"].shape == (4, 64, 256)
     values = file.dequantize("blk.0.ffn_up_exps.weight")
     np.testing.assert_array_equal(values, gguf.quants.dequantize(raw, Q.MXFP4))
-    assert file.int8_levels("blk.0.ffn_up_exps.weight") is None
+    codes, scale, low, _ = file.int8_levels("blk.0.ffn_up_exps.weight")
+    assert codes.shape == (4 * 64, 256) and low is None
+    rebuilt = codes.astype(np.float32).reshape(4 * 64, scale.shape[1], -1) * scale[:, :, None]
+    np.testing.assert_array_equal(rebuilt.reshape(4, 64, 256), values)
