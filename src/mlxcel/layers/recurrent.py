@@ -24,17 +24,17 @@ state pool, engine/kv/states.py, or a test). It is kept small and stable: other 
    its state after the step's last row is written to (usually the same; a speculative verify or a
    prefix-cache resume read one slot and write another). It hangs it on the step's attention
    context as `ctx.states` (`AttentionContext(..., states=...)`, `DecodeAttention.states`); a
-   context without it (`states_of(ctx)` is None) is a plain forward: every sequence starts from
-   zero and nothing is kept.
+   context without it is a plain forward (`states_of(ctx, x)` then treats the rows as one sequence
+   starting from zero, and keeps nothing).
 
 4. A mixer's forward, given x [T, hidden] for the step's rows:
 
-       states = states_of(ctx)
-       conv0, rec0 = states.read(self.layer_idx) if states else (None, None)   # [S, *shape] each
+       states = states_of(ctx, x)                  # a plain forward: one sequence from zero
+       conv0, rec0 = states.read(self.layer_idx)  # [S, *shape] each; None where a plain forward
        ... prefill form over the sequences (`states.to_batch` pads rows to [S, L, ...]; padded
            positions must leave the state unchanged), or the one-token decode form when
            `states.is_decode` (every sequence one row, rows 0..S-1 in order) ...
-       if states: states.write(self.layer_idx, conv1, rec1)                  # [S, *shape] each
+       states.write(self.layer_idx, conv1, rec1)  # [S, *shape] each; a plain forward keeps nothing
 
    When `states.token_slots` is set (speculative verify rows), the mixer also writes the state after
    each row t to slot `token_slots[t]` (`write_tokens`), so a rejected draft can be rolled back by
@@ -138,40 +138,45 @@ class StateTensors:
 class RecurrentStates:
     """One step's view of the states: the sequences in flat-batch order, where each reads and writes."""
 
-    def __init__(self, store: StateTensors, q_starts: list[int], q_lens: list[int], read_slots: list[int],
-                 write_slots: list[int], *, token_slots: list[int] | None = None) -> None:
+    def __init__(self, store: StateTensors | None, q_starts: list[int], q_lens: list[int],
+                 read_slots: list[int] | torch.Tensor, write_slots: list[int] | torch.Tensor, *,
+                 token_slots: list[int] | torch.Tensor | None = None, device: torch.device | str | None = None) -> None:
+        """`store` None: a plain forward (every sequence starts from zero; `read` gives None, `write` keeps nothing)."""
         self.store = store
-        device = store.device
+        device = self.device = torch.device(device) if device is not None else store.device
         self.q_starts, self.q_lens = list(q_starts), list(q_lens)
         self.num_seqs, self.num_tokens = len(self.q_lens), sum(self.q_lens)
-        self.read_slots = torch.tensor(read_slots, dtype=torch.long, device=device)  # [S]
-        self.write_slots = torch.tensor(write_slots, dtype=torch.long, device=device)  # [S]
-        self.token_slots = (torch.tensor(token_slots, dtype=torch.long, device=device)
-                            if token_slots is not None else None)  # [T]
+        as_index = lambda xs: torch.as_tensor(xs, dtype=torch.long, device=device)  # noqa: E731
+        self.read_slots, self.write_slots = as_index(read_slots), as_index(write_slots)  # [S]
+        self.token_slots = as_index(token_slots) if token_slots is not None else None  # [T]
         # Every sequence one row, rows 0..S-1 in order: the one-token decode form applies.
         self.is_decode = all(n == 1 for n in self.q_lens) and self.q_starts == list(range(self.num_seqs))
         self.max_len = max(self.q_lens, default=0)
         self._batch_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
-    @staticmethod
-    def decode(store: StateTensors, slots: torch.Tensor) -> RecurrentStates:
+    @classmethod
+    def decode(cls, store: StateTensors, slots: torch.Tensor) -> RecurrentStates:
         """A decode step over B rows, row b reading and writing slot `slots[b]` (padding rows: scratch)."""
-        states = RecurrentStates.__new__(RecurrentStates)
-        states.store, n = store, int(slots.shape[0])
-        states.q_starts, states.q_lens = list(range(n)), [1] * n
-        states.num_seqs, states.num_tokens, states.max_len = n, n, 1
-        states.read_slots = states.write_slots = slots
-        states.token_slots, states.is_decode, states._batch_index = None, True, None
-        return states
+        n = int(slots.shape[0])
+        return cls(store, list(range(n)), [1] * n, slots, slots)
+
+    @classmethod
+    def plain(cls, num_tokens: int, device: torch.device | str) -> RecurrentStates:
+        """A plain forward's view: the rows are one sequence from a zero state, nothing kept."""
+        return cls(None, [0], [num_tokens], [SCRATCH_SLOT], [SCRATCH_SLOT], device=device)
 
     def read(self, layer: int) -> tuple[torch.Tensor | None, torch.Tensor | None]:
         """The step's starting states of `layer`: conv [S, *conv_shape] and recurrent [S, *recurrent_shape]."""
+        if self.store is None:
+            return None, None
         conv, rec = self.store.conv.get(layer), self.store.recurrent.get(layer)
         return (conv.index_select(0, self.read_slots) if conv is not None else None,
                 rec.index_select(0, self.read_slots) if rec is not None else None)
 
     def write(self, layer: int, conv: torch.Tensor | None, recurrent: torch.Tensor | None) -> None:
         """The states after each sequence's last row of this step: [S, *shape] each (None: not held)."""
+        if self.store is None:
+            return
         for target, value in ((self.store.conv.get(layer), conv), (self.store.recurrent.get(layer), recurrent)):
             if target is not None and value is not None:
                 target.index_copy_(0, self.write_slots, value.to(target.dtype))
@@ -195,7 +200,7 @@ class RecurrentStates:
 
     def _index(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self._batch_index is None:
-            device = self.store.device
+            device = self.device
             pos = torch.arange(self.max_len, device=device)
             starts = torch.tensor(self.q_starts, dtype=torch.long, device=device)
             lens = torch.tensor(self.q_lens, dtype=torch.long, device=device)
@@ -227,9 +232,17 @@ class RecurrentStates:
         return out
 
 
-def states_of(ctx: object) -> RecurrentStates | None:
-    """The step's recurrent states, None for a plain forward (no owner)."""
-    return getattr(ctx, "states", None)
+def states_of(ctx: object, x: torch.Tensor) -> RecurrentStates:
+    """The step's recurrent states (`ctx.states`), or for a plain forward (none: a context of no
+    engine) each of the context's sequences (`ctx.seqs`, else all rows x [T, ...] as one) from zero."""
+    states = getattr(ctx, "states", None)
+    if states is not None:
+        return states
+    seqs = getattr(ctx, "seqs", None)
+    if not seqs:
+        return RecurrentStates.plain(x.shape[0], x.device)
+    zeros = [SCRATCH_SLOT] * len(seqs)
+    return RecurrentStates(None, [s.q_start for s in seqs], [s.q_len for s in seqs], zeros, zeros, device=x.device)
 
 
 # ---- the causal depthwise convolution every mixer shares ----
