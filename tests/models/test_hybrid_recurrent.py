@@ -12,6 +12,7 @@ from tiny random checkpoints transformers writes, and their recurrent state in t
 from __future__ import annotations
 
 import asyncio
+import logging
 import random
 from pathlib import Path
 
@@ -228,10 +229,11 @@ def test_issue41_rejected_drafts_roll_the_state_back(hybrid) -> None:
         client.core.stop(10)
 
 
-def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid) -> None:
+def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid, caplog: pytest.LogCaptureFixture) -> None:
     """64 streams on 4 slots and a KV pool too small for all of them (preemptions), a random third of
     them disconnected mid-stream: afterwards no slot is held, and a new request gets the greedy tokens."""
     reference, model = hybrid
+    caplog.set_level(logging.INFO, logger="mlxcel.engine.scheduler")
     client = _engine(model, kv_cache_bytes=20 * 4 * 512)  # 20 blocks: 4 streams need up to 28
     rng = random.Random(5)
 
@@ -255,6 +257,7 @@ def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid) -> None:
     try:
         asyncio.run(run_all())
         assert client.core.scheduler.num_aborted > 0
+        assert any("preempting" in r.getMessage() for r in caplog.records)
         _assert_no_state_held(client)
         assert asyncio.run(_generate(client, "after", PROMPTS[1]))[0] == _transformers_greedy(reference, PROMPTS[1])
     finally:
