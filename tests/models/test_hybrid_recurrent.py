@@ -125,7 +125,8 @@ def test_issue41_pieces_over_a_state_store_equal_one_piece(hybrid) -> None:
 def _engine(model: torch.nn.Module, drafts: DraftPolicy | None = None, **overrides: object) -> EngineClient:
     config = EngineConfig(**{"max_num_seqs": 4, "ctx_size": 4 * 64, "max_num_batched_tokens": 32, "block_size": 4,
                              "cache_type_k": "f32", "cache_type_v": "f32", **overrides})
-    core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset(), drafts=drafts)
+    core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset(), drafts=drafts,
+                      cache_identity=f"tiny-{model.args.__class__.__module__}")
     core.start()
     return EngineClient(core)
 
@@ -260,5 +261,27 @@ def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid, caplog: py
         assert any("preempting" in r.getMessage() for r in caplog.records)
         _assert_no_state_held(client)
         assert asyncio.run(_generate(client, "after", PROMPTS[1]))[0] == _transformers_greedy(reference, PROMPTS[1])
+    finally:
+        client.core.stop(10)
+
+
+def test_issue41_a_restarted_engine_resumes_from_snapshots_on_disk(hybrid, tmp_path: Path) -> None:
+    """The disk tier keeps the state snapshots beside the KV blocks: after a graceful stop, a new engine
+    (a new process's, as far as the cache can tell) resumes the same prompt from disk, with the cold run's
+    tokens and logprob bits; a prefix-cache reset deletes the snapshot files too."""
+    _, model = hybrid
+    disk = dict(prefix_cache_dir=str(tmp_path), prefix_cache_disk_bytes=1 << 26)
+    client = _engine(model, **disk)
+    try:
+        cold = asyncio.run(_generate(client, "cold", PROMPTS[-1]))
+    finally:
+        client.core.stop(10)
+    assert list(tmp_path.rglob("*.rstate")) and list(tmp_path.rglob("*.kvb"))
+    client = _engine(model, **disk)
+    try:
+        warm = asyncio.run(_generate(client, "warm", PROMPTS[-1]))
+        assert warm == (cold[0], cold[1], 20) and client.core.states.num_resumed == 1
+        assert client.core.reset_prefix_cache().is_reset
+        assert not list(tmp_path.rglob("*.rstate"))
     finally:
         client.core.stop(10)
