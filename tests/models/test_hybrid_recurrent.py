@@ -235,7 +235,7 @@ def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid, caplog: py
     them disconnected mid-stream: afterwards no slot is held, and a new request gets the greedy tokens."""
     reference, model = hybrid
     caplog.set_level(logging.INFO, logger="mlxcel.engine.scheduler")
-    client = _engine(model, kv_cache_bytes=20 * 4 * 512)  # 20 blocks: 4 streams need up to 28
+    client = _engine(model, ctx_size=4 * 32, kv_cache_bytes=12 * 4 * 512)  # 12 blocks: 4 streams need up to 28
     rng = random.Random(5)
 
     async def stream(i: int) -> None:
@@ -285,3 +285,21 @@ def test_issue41_a_restarted_engine_resumes_from_snapshots_on_disk(hybrid, tmp_p
         assert not list(tmp_path.rglob("*.rstate"))
     finally:
         client.core.stop(10)
+
+
+def test_issue41_slot_save_and_restore_carry_the_state(hybrid, tmp_path: Path) -> None:
+    """F12 on a hybrid: the slot file holds the state snapshots along its prefix; after a prefix-cache reset
+    and a restore, the same prompt resumes from the restored snapshot with the cold run's tokens and bits."""
+    _, model = hybrid
+    client = _engine(model, slot_save_path=str(tmp_path), max_num_seqs=1)
+    core = client.core
+    try:
+        cold = asyncio.run(_generate(client, "cold", PROMPTS[-1]))
+        assert core.call(lambda: core.save_slot(0, "s.bin")).result(10).num_tokens == 36  # 39 computed: 9 blocks
+        core.call(core.reset_prefix_cache).result(10)
+        assert asyncio.run(_generate(client, "reset", PROMPTS[-1]))[2] == 0
+        core.call(core.reset_prefix_cache).result(10)
+        core.call(lambda: core.restore_slot(0, "s.bin")).result(10)
+        assert asyncio.run(_generate(client, "restored", PROMPTS[-1])) == (cold[0], cold[1], 20)
+    finally:
+        core.stop(10)

@@ -258,12 +258,13 @@ class EngineCore:
     def save_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
         content = self._slot_content(slot_id)
-        return slot_files.save_slot(self.kv, self.kv_cache, content, self.lora_adapters, slot_id, path)
+        return slot_files.save_slot(self.kv, self.kv_cache, content, self.lora_adapters, slot_id, path, self.states)
 
     def restore_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
         self._slot_content(slot_id, must_exist=False)
-        result, content = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path, self.lora_adapters)
+        result, content = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path, self.lora_adapters,
+                                                  self.states)
         self.scheduler.slot_contents[slot_id] = content
         return result
 

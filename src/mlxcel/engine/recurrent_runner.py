@@ -52,16 +52,18 @@ class RecurrentRunner(Runner):
         self._after_pieces(heads)
         if not rests:
             return
+        head_lens = [self._head_len(item) for item in rests]
+        pieces = [ScheduledSeq(item.seq, item.num_new_tokens - head) for item, head in zip(rests, head_lens)]
         # NOTE: the rest of a split chunk starts where its head ended: the sequence is moved on for the pass
         # (the scheduler moves it on again, by the whole chunk, once the step is over).
-        for item in rests:
-            item.seq.num_computed_tokens += self._head_len(item)
+        for item, head in zip(rests, head_lens):
+            item.seq.num_computed_tokens += head
         try:
-            super()._run_prefill([ScheduledSeq(i.seq, i.num_new_tokens - self._head_len(i)) for i in rests], ids, parts)
-            self._after_pieces([ScheduledSeq(i.seq, i.num_new_tokens - self._head_len(i)) for i in rests])
+            super()._run_prefill(pieces, ids, parts)
+            self._after_pieces(pieces)
         finally:
-            for item in rests:
-                item.seq.num_computed_tokens -= self._head_len(item)
+            for item, head in zip(rests, head_lens):
+                item.seq.num_computed_tokens -= head
 
     def _head_len(self, item: ScheduledSeq) -> int:
         """Positions of `item` up to the last block boundary strictly inside it (0: none)."""
