@@ -117,7 +117,7 @@ class RecurrentRunner(Runner):
 
     def _verify(self, verify: list[ScheduledSeq]) -> dict[str, torch.Tensor]:
         """Each verify row's 1 + k positions as one chunk: logits [1 + k, vocab] per request."""
-        input_ids, positions, slices = self._verify_inputs(verify)
+        input_ids, positions, slices = self._prepare(verify)
         token_slots: list[int] = []
         for item in verify:
             token_slots += self.states.verify_slots(item.seq.slot_id, item.num_new_tokens)
@@ -136,17 +136,3 @@ class RecurrentRunner(Runner):
             self.states.wrote(self.states.live_slot(seq.slot_id), seq.request_id, first + item.num_new_tokens)
             out[seq.request_id] = logits[sl.q_start:sl.q_start + sl.q_len]
         return out
-
-    def _verify_inputs(self, verify: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceSlice]]:
-        """The known token and the draft of each verify row, at positions num_computed.. (as `_prepare`)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slices: list[SequenceSlice] = []
-        for item in verify:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            slices.append(SequenceSlice(q_start=len(ids), q_len=item.num_new_tokens, kv_len=start + item.num_new_tokens,
-                                        kv_start=seq.kv_start, block_table=tuple(self.kv.block_table(seq.request_id))))
-            ids += [seq.token_ids[start], *item.draft]
-            pos += range(start, start + item.num_new_tokens)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), slices
