@@ -153,6 +153,7 @@ def test_issue41_engine_greedy_alone_batched_and_after_a_snapshot_resume(hybrid)
     expected = [_transformers_greedy(reference, p) for p in PROMPTS]
     client = _engine(model)
     try:
+        assert len(client.core.kv_cache.k) == 1  # KV for the attention layer only, none for the recurrent one
         cold = asyncio.run(_generate(client, "cold", PROMPTS[-1]))
         assert cold[0] == expected[-1] and cold[2] == 0
         # The same prompt again resumes from the snapshot at its last whole block (20 of 23 tokens): the

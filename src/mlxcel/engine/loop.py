@@ -70,7 +70,9 @@ class ModelShape:
     @classmethod
     def of(cls, args: Any) -> ModelShape:
         """From a family's ModelArgs (every decoder family exposes these four)."""
-        return cls(args.num_hidden_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
+        # A hybrid keeps KV for its attention layers only; at least one layer (a model of recurrent layers alone).
+        num_layers = max(getattr(args, "num_kv_layers", args.num_hidden_layers), 1)
+        return cls(num_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
 
 
 class EngineCore:

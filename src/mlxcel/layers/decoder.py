@@ -264,10 +264,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
+    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None,
+                 kv_index: int | None = None) -> None:
+        """`kv_index`: the layer's index in the KV cache (its count among the layers that keep keys and values:
+        a hybrid's recurrent layers keep none, issue 41); None for a recurrent layer, which goes by `layer_idx`."""
         super().__init__()
         self.recipe = recipe
-        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
+        self.kv_index = kv_index
+        mixer_index = kv_index if kv_index is not None else layer_idx
+        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, mixer_index, rope, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -337,6 +342,11 @@ class DecoderArgs:
         return {**config, "rope_theta": theta, "rope_scaling": scaling}
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers whose keys and values the KV cache holds (a hybrid's recurrent layers hold none)."""
+        return sum(getattr(self.layer_recipe(i).attention, "has_kv", True) for i in range(self.num_hidden_layers))
+
+    @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
@@ -396,9 +406,12 @@ class DecoderModel(nn.Module):
         tables: dict[RopeRecipe, RotaryEmbedding] = {}
         self.rotary = nn.ModuleList()  # one table per distinct rope, shared by the layers that use it
         layers = []
+        num_kv_layers = 0
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
-            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope))
+            has_kv = getattr(recipe.attention, "has_kv", True)
+            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope, num_kv_layers if has_kv else None))
+            num_kv_layers += has_kv
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
