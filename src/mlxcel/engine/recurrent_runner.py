@@ -15,6 +15,8 @@ What differs from `Runner`:
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import torch
 
 from mlxcel.engine.decode_step import DecodeRow
@@ -108,8 +110,7 @@ class RecurrentRunner(Runner):
         row = super()._decode_row(item)
         seq = item.seq
         live = self.states.live_slot(seq.slot_id)
-        row = DecodeRow(row.token_id, row.position, row.kv_start, row.block_table, row.lora_scales, row.writes_kv,
-                        self._read_slot(seq), live)
+        row = replace(row, state_read=self._read_slot(seq), state_write=live)
         self._pending.append((seq, live, row.position + 1))  # noted (and snapshotted) once the step ran
         return row
 
