@@ -239,7 +239,8 @@ def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid, caplog: py
     them disconnected mid-stream: afterwards no slot is held, and a new request gets the greedy tokens."""
     reference, model = hybrid
     caplog.set_level(logging.INFO, logger="mlxcel.engine.scheduler")
-    client = _engine(model, ctx_size=4 * 32, kv_cache_bytes=12 * 4 * 512)  # 12 blocks: 4 streams need up to 28
+    # 12 blocks of 4 tokens (256 bytes a token: K and V of the one attention layer); 4 streams need up to 28
+    client = _engine(model, ctx_size=4 * 32, kv_cache_bytes=12 * 4 * 256)
     rng = random.Random(5)
 
     async def stream(i: int) -> None:
