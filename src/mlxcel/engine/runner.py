@@ -235,7 +235,7 @@ class Runner:
     def _prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[str], torch.Tensor]:
         encode_pending(self.model, scheduled)  # issue 43: the step's new images, one batch
         input_ids, positions, slices = self._prepare(scheduled)
-        ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
+        ctx = self._prefill_context(scheduled, slices)
         self._set_lora_rows(scheduled)
         embeds = embedding_override(scheduled, slices, self.device)
         if self.features is not None:  # set only when the decode step has taps
@@ -252,6 +252,10 @@ class Runner:
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [r[0] for r in rows], logits.float()
+
+    def _prefill_context(self, scheduled: list[ScheduledSeq], slices: list[SequenceSlice]) -> AttentionContext:
+        """The prefill chunks' attention context (a hybrid model's runner adds its recurrent states)."""
+        return AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
 
     def _send_prompt_logits(self, scheduled: list[ScheduledSeq], slices: list[SequenceSlice],
                             hidden: torch.Tensor) -> None:
@@ -304,7 +308,8 @@ class Runner:
                                         kv_start=seq.kv_start,
                                         block_table=tuple(self.kv.block_table(seq.request_id)),
                                         bidirectional=bidirectional_spans(seq) if seq.request.image_inputs else ()))
-            ids.extend(seq.token_ids[start:stop])
+            ids.extend(seq.token_ids[start:stop - len(item.draft)])  # a verify row: its known token, then the draft
+            ids.extend(item.draft)
             spans.append((seq, start, stop))
         pos = step_positions(self.model, spans)  # [T], or M-RoPE's [3, T]
         as_tensor = lambda xs: torch.as_tensor(xs, dtype=torch.long).to(self.device)  # noqa: E731

@@ -104,6 +104,8 @@ class AttentionRecipe:
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     softcap: float | None = None
     has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
+    # Qwen3-Next / Qwen3.5: q_proj also gives a gate a head ([q, gate] per head); out * sigmoid(gate)
+    output_gate: bool = False
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module:
         return Attention(hidden_size, self, layer_idx, rope, norm)
@@ -149,6 +151,7 @@ class LayerRecipe:
     mlp_name: str = "mlp"
     parallel: bool = False
     residual_multiplier: float = 1.0
+    attention_name: str = "self_attn"  # the mixer's checkpoint name (Qwen3.5's recurrent layers: linear_attn)
 
     @property
     def is_llama_layout(self) -> bool:
@@ -160,7 +163,7 @@ class LayerRecipe:
         return (dict(self.norm_names) == {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
                 and self.norm.kind == "rms" and self.norm.offset == 0.0 and not self.parallel
                 and self.residual_multiplier == 1.0 and att.qk_norm is None and att.softcap is None
-                and not att.has_sinks and not att.o_bias and att.rope is not None
+                and not att.has_sinks and not att.output_gate and not att.o_bias and att.rope is not None
                 and att.rope.dim == att.head_dim and not att.rope.interleaved
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
@@ -201,7 +204,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = r.num_heads, r.num_kv_heads, r.head_dim
         self.scale, self.window = r.scale, r.window
         q_out, kv_out = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
-        self.q_proj = nn.Linear(hidden_size, q_out, bias=r.q_bias)
+        self.q_proj = nn.Linear(hidden_size, q_out * (2 if r.output_gate else 1), bias=r.q_bias)
         self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         self.o_proj = nn.Linear(q_out, hidden_size, bias=r.o_bias)
@@ -216,6 +219,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t, r = x.shape[0], self.recipe
         q, k, v = project(self, x, QKV, ctx)
+        gate = None
+        if r.output_gate:  # [T, H, 2D]: each head's query, then its gate
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(t, -1), gate.reshape(t, -1)
         if r.qk_norm == "full":
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -228,7 +235,8 @@ class Attention(nn.Module):
         if r.qk_norm == "head_after_rope":
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
-        return linear(self.o_proj, out.reshape(t, -1), ctx)
+        out = out.reshape(t, -1)
+        return linear(self.o_proj, out * torch.sigmoid(gate) if gate is not None else out, ctx)
 
     def _rule(self) -> ScoreRule:
         if self.recipe.softcap is None and not self.recipe.has_sinks:
@@ -257,10 +265,15 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
+    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None,
+                 kv_index: int | None = None) -> None:
+        """`kv_index`: the layer's index in the KV cache (its count among the layers that keep keys and values:
+        a hybrid's recurrent layers keep none, issue 41); None for a recurrent layer, which goes by `layer_idx`."""
         super().__init__()
         self.recipe = recipe
-        self.self_attn = recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm)
+        self.kv_index = kv_index
+        mixer_index = kv_index if kv_index is not None else layer_idx
+        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, mixer_index, rope, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -274,10 +287,11 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         r, ffn = self.recipe, getattr(self, self.recipe.mlp_name)
+        mixer = getattr(self, r.attention_name)
         h = self._norm("attn_in", x)
         if r.parallel:
-            return x + (self.self_attn(h, positions, ctx) + ffn(h, ctx))
-        a = self._norm("attn_out", self.self_attn(h, positions, ctx))
+            return x + (mixer(h, positions, ctx) + ffn(h, ctx))
+        a = self._norm("attn_out", mixer(h, positions, ctx))
         x = x + (a * r.residual_multiplier if r.residual_multiplier != 1.0 else a)
         f = self._norm("mlp_out", ffn(self._norm("mlp_in", x), ctx))
         return x + (f * r.residual_multiplier if r.residual_multiplier != 1.0 else f)
@@ -327,6 +341,11 @@ class DecoderArgs:
         """The config as this family reads it (rope in either form; families add their own fixes)."""
         theta, scaling = rope_settings(config, default_theta=cls.rope_theta)
         return {**config, "rope_theta": theta, "rope_scaling": scaling}
+
+    @property
+    def num_kv_layers(self) -> int:
+        """Layers whose keys and values the KV cache holds (a hybrid's recurrent layers hold none)."""
+        return sum(getattr(self.layer_recipe(i).attention, "has_kv", True) for i in range(self.num_hidden_layers))
 
     @property
     def kv_heads(self) -> int:
@@ -401,9 +420,12 @@ class DecoderModel(nn.Module):
         tables: dict[RopeRecipe, RotaryEmbedding] = {}
         self.rotary = nn.ModuleList()  # one table per distinct rope, shared by the layers that use it
         layers = []
+        num_kv_layers = 0
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
-            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope))
+            has_kv = getattr(recipe.attention, "has_kv", True)
+            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope, num_kv_layers if has_kv else None))
+            num_kv_layers += has_kv
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
