@@ -103,6 +103,7 @@ class AttentionRecipe:
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     softcap: float | None = None
     has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
+    o_name: str = "o_proj"  # LFM2: out_proj
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module:
         return Attention(hidden_size, self, layer_idx, rope, norm)
@@ -148,6 +149,10 @@ class LayerRecipe:
     mlp_name: str = "mlp"
     parallel: bool = False
     residual_multiplier: float = 1.0
+    mixer_name: str = "self_attn"  # a recurrent mixer's checkpoint name (LFM2's `conv`, Granite 4's `mamba`)
+
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None) -> nn.Module:
+        return DecoderLayer(hidden_size, self, layer_idx, rope)
 
     @property
     def is_llama_layout(self) -> bool:
@@ -163,7 +168,8 @@ class LayerRecipe:
                 and att.rope.dim == att.head_dim and not att.rope.interleaved
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
-                and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp")
+                and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
+                and self.mixer_name == "self_attn" and att.o_name == "o_proj")
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -203,7 +209,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, q_out, bias=r.q_bias)
         self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
-        self.o_proj = nn.Linear(q_out, hidden_size, bias=r.o_bias)
+        setattr(self, r.o_name, nn.Linear(q_out, hidden_size, bias=r.o_bias))
         if r.qk_norm is not None:
             q_dim, k_dim = (q_out, kv_out) if r.qk_norm == "full" else (r.head_dim, r.head_dim)
             setattr(self, r.qk_norm_names[0], norm.build(q_dim))
@@ -227,7 +233,7 @@ class Attention(nn.Module):
         if r.qk_norm == "head_after_rope":
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
-        return linear(self.o_proj, out.reshape(t, -1), ctx)
+        return linear(getattr(self, r.o_name), out.reshape(t, -1), ctx)
 
     def _rule(self) -> ScoreRule:
         if self.recipe.softcap is None and not self.recipe.has_sinks:
@@ -259,7 +265,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
         super().__init__()
         self.recipe = recipe
-        self.self_attn = recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm)
+        setattr(self, recipe.mixer_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -272,11 +278,11 @@ class DecoderLayer(nn.Module):
         return getattr(self, name)(x) if name is not None else x
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        r, ffn = self.recipe, getattr(self, self.recipe.mlp_name)
+        r, ffn, mixer = self.recipe, getattr(self, self.recipe.mlp_name), getattr(self, self.recipe.mixer_name)
         h = self._norm("attn_in", x)
         if r.parallel:
-            return x + (self.self_attn(h, positions, ctx) + ffn(h, ctx))
-        a = self._norm("attn_out", self.self_attn(h, positions, ctx))
+            return x + (mixer(h, positions, ctx) + ffn(h, ctx))
+        a = self._norm("attn_out", mixer(h, positions, ctx))
         x = x + (a * r.residual_multiplier if r.residual_multiplier != 1.0 else a)
         f = self._norm("mlp_out", ffn(self._norm("mlp_in", x), ctx))
         return x + (f * r.residual_multiplier if r.residual_multiplier != 1.0 else f)
@@ -389,12 +395,12 @@ class DecoderModel(nn.Module):
         layers = []
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
-            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope))
+            layers.append(recipe.build(args.hidden_size, i, rope))
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
-    def _rope(self, recipe: MixerRecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
-        if recipe.rope is None:
+    def _rope(self, recipe: MixerRecipe | None, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
+        if recipe is None or recipe.rope is None:
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
         if key not in tables:

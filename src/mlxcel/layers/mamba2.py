@@ -1,0 +1,226 @@
+"""Mamba-2 (SSD) mixer with its causal conv and gated RMSNorm: Nemotron-H, Granite 4, Falcon-H1.
+
+    zxbcdt = in_proj(x) (* Falcon-H1's per-part multipliers)
+    z | xBC | dt;  xBC = silu(conv(xBC)) -> x | B | C
+    state_t = state_{t-1} * exp(dt_t * A) + dt_t * x_t (outer) B_t;  y_t = state_t . C_t + D * x_t
+    out = out_proj(norm(y, gate z))            (per-group RMSNorm of y * silu(z), or Falcon's variants)
+
+States a sequence: the conv window [conv_dim, K-1] and the SSM state [heads, head_dim, state_size]
+in float32. A prompt chunk runs the chunked SSD scan (the quadratic form inside chunks of
+`chunk_size`, the state carried between chunks); decode rows the one-step update.
+Parameter names are the checkpoint's (`in_proj`, `conv1d`, `dt_bias`, `A_log`, `D`, `norm`, `out_proj`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from mlxcel.layers.causal_conv import conv_chunk, conv_step
+from mlxcel.layers.quant import linear
+from mlxcel.layers.recurrent_mixer import RecurrentMixer
+
+
+@dataclass(frozen=True)
+class Mamba2Recipe:
+    num_heads: int
+    head_dim: int
+    state_size: int
+    num_groups: int
+    conv_kernel: int
+    chunk_size: int = 256
+    eps: float = 1e-5
+    proj_bias: bool = False
+    conv_bias: bool = True
+    out_bias: bool | None = None  # None: as proj_bias
+    dt_limit: tuple[float, float] = (0.0, float("inf"))
+    has_norm: bool = True  # Falcon-H1's mamba_rms_norm
+    norm_before_gate: bool = False
+    # Falcon-H1: input scale and one multiplier per part of the projection (z, x, B, C, dt)
+    in_multiplier: float = 1.0
+    part_multipliers: tuple[float, float, float, float, float] | None = None
+
+    @property
+    def inner_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def conv_dim(self) -> int:
+        return self.inner_size + 2 * self.num_groups * self.state_size
+
+    def build(self, hidden_size: int, layer_idx: int, rope: object = None, norm: object = None) -> Mamba2Mixer:
+        return Mamba2Mixer(hidden_size, self, layer_idx)
+
+    # The MixerRecipe protocol of layers/decoder.py: no rope.
+    rope = None
+
+
+class GatedRMSNorm(nn.Module):
+    """RMSNorm per group of `group_size` channels with a SiLU gate, applied before the norm (Mamba-2's
+    default) or after it (`norm_before_gate`)."""
+
+    def __init__(self, dim: int, group_size: int, eps: float, norm_before_gate: bool = False) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.group_size, self.eps, self.norm_before_gate = group_size, eps, norm_before_gate
+
+    def forward(self, x: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+        h = x.float()
+        if not self.norm_before_gate:
+            h = h * F.silu(gate.float())
+        groups = h.view(*h.shape[:-1], -1, self.group_size)
+        h = (groups * torch.rsqrt(groups.pow(2).mean(-1, keepdim=True) + self.eps)).view(h.shape)
+        if self.norm_before_gate:
+            return (self.weight.float() * h * F.silu(gate.float())).to(x.dtype)
+        return self.weight * h.to(x.dtype)
+
+
+class Mamba2Mixer(RecurrentMixer):
+    def __init__(self, hidden_size: int, recipe: Mamba2Recipe, layer_idx: int) -> None:
+        super().__init__()
+        r = self.recipe = recipe
+        self.layer_idx = layer_idx
+        self.in_proj = nn.Linear(hidden_size, r.inner_size + r.conv_dim + r.num_heads, bias=r.proj_bias)
+        self.conv1d = nn.Conv1d(r.conv_dim, r.conv_dim, r.conv_kernel, groups=r.conv_dim, bias=r.conv_bias,
+                                padding=r.conv_kernel - 1)
+        self.dt_bias = nn.Parameter(torch.ones(r.num_heads))
+        self.A_log = nn.Parameter(torch.zeros(r.num_heads))
+        self.D = nn.Parameter(torch.ones(r.num_heads))
+        if r.has_norm:
+            self.norm = GatedRMSNorm(r.inner_size, r.inner_size // r.num_groups, r.eps, r.norm_before_gate)
+        out_bias = r.proj_bias if r.out_bias is None else r.out_bias
+        self.out_proj = nn.Linear(r.inner_size, hidden_size, bias=out_bias)
+        if r.part_multipliers is not None:
+            self.register_buffer("mup", self._mup_vector(), persistent=False)
+
+    def rebuild_buffers(self, device: torch.device | str) -> None:
+        """The multipliers' buffer again after a build on the meta device (loading/checkpoint.py)."""
+        if self.recipe.part_multipliers is not None:
+            self.mup = self._mup_vector().to(device)
+
+    def _mup_vector(self) -> torch.Tensor:
+        r = self.recipe
+        sizes = (r.inner_size, r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size, r.num_heads)
+        return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, r.part_multipliers)])
+
+    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
+        r = self.recipe
+        return (r.conv_dim, r.conv_kernel - 1), (r.num_heads, r.head_dim, r.state_size)
+
+    def state_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
+        return dtype, torch.float32
+
+    def output_shape(self, u: torch.Tensor) -> tuple[int, ...]:
+        return (self.recipe.inner_size,)
+
+    def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
+        r = self.recipe
+        if r.in_multiplier != 1.0:
+            x = x * r.in_multiplier
+        projected = linear(self.in_proj, x, ctx)
+        if r.part_multipliers is not None:
+            projected = projected * self.mup.to(projected.dtype)
+        gate, u = projected.split([r.inner_size, r.conv_dim + r.num_heads], dim=-1)
+        y = self.recur(u, positions, ctx)
+        if r.has_norm:
+            y = self.norm(y, gate)
+        else:
+            y = y * F.silu(gate)
+        return linear(self.out_proj, y, ctx)
+
+    # ---- the recurrence ----
+
+    def _conv_weight(self) -> torch.Tensor:
+        return self.conv1d.weight[:, 0, :]  # [conv_dim, K]
+
+    def _dt(self, dt: torch.Tensor) -> torch.Tensor:
+        lo, hi = self.recipe.dt_limit
+        dt = F.softplus(dt.float() + self.dt_bias.float())
+        return dt if (lo, hi) == (0.0, float("inf")) else dt.clamp(lo, hi)
+
+    def scan_chunk(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
+                   positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        r = self.recipe
+        conv_state, ssm_state = states
+        xbc, dt = u.split([r.conv_dim, r.num_heads], dim=-1)
+        xbc, conv_state = conv_chunk(xbc, conv_state, self._conv_weight(), self.conv1d.bias)
+        xs, b, c = F.silu(xbc).split([r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size], -1)
+        length = u.shape[0]
+        y, ssm_state = ssd_chunked(
+            xs.view(length, r.num_heads, r.head_dim), self._dt(dt), -torch.exp(self.A_log.float()),
+            b.view(length, r.num_groups, r.state_size), c.view(length, r.num_groups, r.state_size),
+            self.D, ssm_state, r.chunk_size)
+        return y.reshape(length, r.inner_size).to(u.dtype), (conv_state, ssm_state)
+
+    def scan_step(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
+                  positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+        r = self.recipe
+        conv_state, ssm_state = states
+        xbc, dt = u.split([r.conv_dim, r.num_heads], dim=-1)
+        xbc, conv_state = conv_step(xbc, conv_state, self._conv_weight(), self.conv1d.bias)
+        xs, b, c = F.silu(xbc).split([r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size], -1)
+        rows = u.shape[0]
+        y, ssm_state = ssd_step(
+            xs.view(rows, r.num_heads, r.head_dim), self._dt(dt), -torch.exp(self.A_log.float()),
+            b.view(rows, r.num_groups, r.state_size), c.view(rows, r.num_groups, r.state_size), self.D, ssm_state)
+        return y.reshape(rows, r.inner_size).to(u.dtype), (conv_state, ssm_state)
+
+
+def _segsum(x: torch.Tensor) -> torch.Tensor:
+    """x [..., T] -> [..., T, T]: out[..., i, j] = x[j+1] + ... + x[i] for j <= i, -inf above the
+    diagonal; summed from masked copies, not as a difference of cumulative sums (which loses the
+    small sums of a long sequence's large totals)."""
+    t = x.shape[-1]
+    lower = torch.ones(t, t, dtype=torch.bool, device=x.device).tril(-1)
+    sums = x[..., None, :].expand(*x.shape, t).transpose(-1, -2).masked_fill(~lower, 0).cumsum(-2)
+    return sums.masked_fill(~torch.ones(t, t, dtype=torch.bool, device=x.device).tril(), float("-inf"))
+
+
+def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+                d: torch.Tensor, state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The SSD scan of one sequence in chunks, in float32.
+
+    x [L, H, P], dt [L, H] (after bias and softplus), a [H] (negative), b, c [L, G, N], d [H],
+    state [H, P, N] before the chunk -> (y [L, H, P], state after it)."""
+    length, num_heads, _ = x.shape
+    heads_per_group = num_heads // b.shape[1]
+    b = b.float().repeat_interleave(heads_per_group, dim=1)  # [L, H, N]
+    c = c.float().repeat_interleave(heads_per_group, dim=1)
+    xf = x.float()
+    pad = (-length) % chunk_size
+    xdt = F.pad(xf * dt[..., None], (0, 0, 0, 0, 0, pad))
+    adt = F.pad(a * dt, (0, 0, 0, pad))  # [L', H]; padded steps neither decay nor add
+    b, c = F.pad(b, (0, 0, 0, 0, 0, pad)), F.pad(c, (0, 0, 0, 0, 0, pad))
+    nc = (length + pad) // chunk_size
+    xdt, b, c = (t.view(nc, chunk_size, *t.shape[1:]) for t in (xdt, b, c))
+    adt = adt.view(nc, chunk_size, num_heads).permute(0, 2, 1)  # [C, H, Q]
+    a_cum = adt.cumsum(-1)
+    # Inside each chunk: the quadratic (attention-like) form.
+    decay = torch.exp(_segsum(adt))  # [C, H, Q(l), Q(s)]
+    scores = torch.einsum("clhn,cshn->chls", c, b) * decay
+    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    # Each chunk's own contribution to the state at its end.
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [C, H, Q]
+    chunk_states = torch.einsum("clhn,chl,clhp->chpn", b, to_end, xdt)
+    # Between chunks: the state entering each chunk, from the initial state and earlier chunks.
+    states = torch.cat((state.float()[None], chunk_states))  # [C+1, H, P, N]
+    carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (0, 0, 1, 0)).t()))  # [H, C+1, C+1]
+    entering = torch.einsum("hcz,zhpn->chpn", carry, states)  # [C+1, H, P, N]
+    y = y + torch.einsum("clhn,chpn->clhp", c, entering[:-1]) * torch.exp(a_cum).permute(0, 2, 1)[..., None]
+    y = y.reshape(nc * chunk_size, num_heads, -1)[:length] + xf * d.float()[:, None]
+    return y, entering[-1]
+
+
+def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
+             d: torch.Tensor, state: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One token a row: x [B, H, P], dt [B, H], b, c [B, G, N], state [B, H, P, N] -> (y [B, H, P], state)."""
+    heads_per_group = x.shape[1] // b.shape[1]
+    b = b.float().repeat_interleave(heads_per_group, dim=1)  # [B, H, N]
+    c = c.float().repeat_interleave(heads_per_group, dim=1)
+    xf = x.float()
+    state = state.float() * torch.exp(dt * a)[..., None, None] + (xf * dt[..., None])[..., None] * b[:, :, None, :]
+    y = torch.einsum("bhpn,bhn->bhp", state, c) + xf * d.float()[:, None]
+    return y, state
