@@ -11,12 +11,15 @@ interface over one layer's cache tensors.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 import torch.nn.functional as F
 
 from mlxcel.layers import kv_quant, paged_attention
+
+if TYPE_CHECKING:
+    from mlxcel.layers.recurrent import RecurrentStates
 
 
 PREFILL_BLOCK = 64  # prefill queries attend in blocks of this many positions (see _attend_prefill)
@@ -130,11 +133,14 @@ class AttentionContext:
     """Index tensors and masks for one step, computed once and reused by every layer."""
 
     def __init__(self, seqs: list[SequenceSlice], kv: PagedKV | None = None,
-                 device: torch.device | str = "cpu", *, prefill_only: bool = False) -> None:
+                 device: torch.device | str = "cpu", *, prefill_only: bool = False,
+                 states: RecurrentStates | None = None) -> None:
         """`prefill_only`: every row is prompt (the runner's prefill chunks), a one-token chunk too,
         so it is computed as the same position of a whole prompt is (kernels and bits: see
-        `num_decode_rows`). Without it the context is a plain forward, not an engine step."""
+        `num_decode_rows`). Without it the context is a plain forward, not an engine step.
+        `states`: the recurrent layers' states of the step's sequences (layers/recurrent.py)."""
         self.seqs = seqs
+        self.states = states
         self.prefill_only = prefill_only
         self.kv = kv
         self.device = torch.device(device)
@@ -386,6 +392,7 @@ class DecodeAttention:
         self.k_cache, self.v_cache = k_cache, v_cache  # [slots, Hkv, D] of this layer (codes if quantized)
         self.k_scales, self.v_scales = k_scales, v_scales  # [slots, Hkv, D / 32] when quantized
         self.k_type, self.v_type, self.rotation = k_type, v_type, rotation
+        self.states: RecurrentStates | None = None  # the step's recurrent states (layers/recurrent.py), if any
         self.slot_mapping = slot_mapping  # [B] where each row's new key goes
         self.key_slots = key_slots  # [B, L] cache slots of each row's live keys, padding -> scratch
         self.key_pos = key_pos  # [B, L] their positions, -1 for padding

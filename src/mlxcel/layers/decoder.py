@@ -104,6 +104,8 @@ class AttentionRecipe:
     softcap: float | None = None
     has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
     o_name: str = "o_proj"  # LFM2: out_proj
+    # Qwen3-Next / Qwen3.5: q_proj also gives a gate a head ([q, gate] per head); out * sigmoid(gate)
+    output_gate: bool = False
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module:
         return Attention(hidden_size, self, layer_idx, rope, norm)
@@ -149,7 +151,7 @@ class LayerRecipe:
     mlp_name: str = "mlp"
     parallel: bool = False
     residual_multiplier: float = 1.0
-    mixer_name: str = "self_attn"  # a recurrent mixer's checkpoint name (LFM2's `conv`, Granite 4's `mamba`)
+    attention_name: str = "self_attn"  # the mixer's checkpoint name (Qwen3.5's recurrent layers: linear_attn)
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None) -> nn.Module:
         return DecoderLayer(hidden_size, self, layer_idx, rope)
@@ -164,12 +166,12 @@ class LayerRecipe:
         return (dict(self.norm_names) == {"attn_in": "input_layernorm", "mlp_in": "post_attention_layernorm"}
                 and self.norm.kind == "rms" and self.norm.offset == 0.0 and not self.parallel
                 and self.residual_multiplier == 1.0 and att.qk_norm is None and att.softcap is None
-                and not att.has_sinks and not att.o_bias and att.rope is not None
+                and not att.has_sinks and not att.output_gate and not att.o_bias and att.rope is not None
                 and att.rope.dim == att.head_dim and not att.rope.interleaved
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
                 and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
-                and self.mixer_name == "self_attn" and att.o_name == "o_proj")
+                and self.attention_name == "self_attn" and att.o_name == "o_proj")
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -206,7 +208,7 @@ class Attention(nn.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = r.num_heads, r.num_kv_heads, r.head_dim
         self.scale, self.window = r.scale, r.window
         q_out, kv_out = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
-        self.q_proj = nn.Linear(hidden_size, q_out, bias=r.q_bias)
+        self.q_proj = nn.Linear(hidden_size, q_out * (2 if r.output_gate else 1), bias=r.q_bias)
         self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         setattr(self, r.o_name, nn.Linear(q_out, hidden_size, bias=r.o_bias))
@@ -221,6 +223,10 @@ class Attention(nn.Module):
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t, r = x.shape[0], self.recipe
         q, k, v = project(self, x, QKV, ctx)
+        gate = None
+        if r.output_gate:  # [T, H, 2D]: each head's query, then its gate
+            q, gate = q.view(t, self.num_heads, 2 * self.head_dim).chunk(2, dim=-1)
+            q, gate = q.reshape(t, -1), gate.reshape(t, -1)
         if r.qk_norm == "full":
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         q = q.view(t, self.num_heads, self.head_dim)
@@ -233,7 +239,8 @@ class Attention(nn.Module):
         if r.qk_norm == "head_after_rope":
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
-        return linear(getattr(self, r.o_name), out.reshape(t, -1), ctx)
+        out = out.reshape(t, -1)
+        return linear(getattr(self, r.o_name), out * torch.sigmoid(gate) if gate is not None else out, ctx)
 
     def _rule(self) -> ScoreRule:
         if self.recipe.softcap is None and not self.recipe.has_sinks:
@@ -265,7 +272,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
         super().__init__()
         self.recipe = recipe
-        setattr(self, recipe.mixer_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
+        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -278,7 +285,8 @@ class DecoderLayer(nn.Module):
         return getattr(self, name)(x) if name is not None else x
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        r, ffn, mixer = self.recipe, getattr(self, self.recipe.mlp_name), getattr(self, self.recipe.mixer_name)
+        r, ffn = self.recipe, getattr(self, self.recipe.mlp_name)
+        mixer = getattr(self, r.attention_name)
         h = self._norm("attn_in", x)
         if r.parallel:
             return x + (mixer(h, positions, ctx) + ffn(h, ctx))

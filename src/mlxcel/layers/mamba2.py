@@ -19,8 +19,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlxcel.layers.causal_conv import conv_chunk, conv_step
 from mlxcel.layers.quant import linear
+from mlxcel.layers.recurrent import StateSpec, causal_conv
 from mlxcel.layers.recurrent_mixer import RecurrentMixer
 
 
@@ -83,6 +83,7 @@ class Mamba2Mixer(RecurrentMixer):
         super().__init__()
         r = self.recipe = recipe
         self.layer_idx = layer_idx
+        self.state_spec = StateSpec((r.conv_dim, r.conv_kernel - 1), (r.num_heads, r.head_dim, r.state_size))
         self.in_proj = nn.Linear(hidden_size, r.inner_size + r.conv_dim + r.num_heads, bias=r.proj_bias)
         self.conv1d = nn.Conv1d(r.conv_dim, r.conv_dim, r.conv_kernel, groups=r.conv_dim, bias=r.conv_bias,
                                 padding=r.conv_kernel - 1)
@@ -106,16 +107,6 @@ class Mamba2Mixer(RecurrentMixer):
         sizes = (r.inner_size, r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size, r.num_heads)
         return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, r.part_multipliers)])
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        r = self.recipe
-        return (r.conv_dim, r.conv_kernel - 1), (r.num_heads, r.head_dim, r.state_size)
-
-    def state_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        return dtype, torch.float32
-
-    def output_shape(self, u: torch.Tensor) -> tuple[int, ...]:
-        return (self.recipe.inner_size,)
-
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
         r = self.recipe
         if r.in_multiplier != 1.0:
@@ -124,49 +115,42 @@ class Mamba2Mixer(RecurrentMixer):
         if r.part_multipliers is not None:
             projected = projected * self.mup.to(projected.dtype)
         gate, u = projected.split([r.inner_size, r.conv_dim + r.num_heads], dim=-1)
-        y = self.recur(u, positions, ctx)
+        y = self.recur(u, ctx)
         if r.has_norm:
             y = self.norm(y, gate)
         else:
             y = y * F.silu(gate)
         return linear(self.out_proj, y, ctx)
 
-    # ---- the recurrence ----
-
-    def _conv_weight(self) -> torch.Tensor:
-        return self.conv1d.weight[:, 0, :]  # [conv_dim, K]
-
     def _dt(self, dt: torch.Tensor) -> torch.Tensor:
         lo, hi = self.recipe.dt_limit
         dt = F.softplus(dt.float() + self.dt_bias.float())
         return dt if (lo, hi) == (0.0, float("inf")) else dt.clamp(lo, hi)
 
-    def scan_chunk(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
-                   positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
+    def scan(self, u: torch.Tensor, conv: torch.Tensor | None, recurrent: torch.Tensor | None,
+             valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """u [S, L, conv_dim + heads] (xBC, dt) -> y [S, L, inner] before the gated norm."""
         r = self.recipe
-        conv_state, ssm_state = states
+        num_seqs, length = u.shape[:2]
         xbc, dt = u.split([r.conv_dim, r.num_heads], dim=-1)
-        xbc, conv_state = conv_chunk(xbc, conv_state, self._conv_weight(), self.conv1d.bias)
-        xs, b, c = F.silu(xbc).split([r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size], -1)
-        length = u.shape[0]
-        y, ssm_state = ssd_chunked(
-            xs.view(length, r.num_heads, r.head_dim), self._dt(dt), -torch.exp(self.A_log.float()),
-            b.view(length, r.num_groups, r.state_size), c.view(length, r.num_groups, r.state_size),
-            self.D, ssm_state, r.chunk_size)
-        return y.reshape(length, r.inner_size).to(u.dtype), (conv_state, ssm_state)
-
-    def scan_step(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
-                  positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        r = self.recipe
-        conv_state, ssm_state = states
-        xbc, dt = u.split([r.conv_dim, r.num_heads], dim=-1)
-        xbc, conv_state = conv_step(xbc, conv_state, self._conv_weight(), self.conv1d.bias)
-        xs, b, c = F.silu(xbc).split([r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size], -1)
-        rows = u.shape[0]
-        y, ssm_state = ssd_step(
-            xs.view(rows, r.num_heads, r.head_dim), self._dt(dt), -torch.exp(self.A_log.float()),
-            b.view(rows, r.num_groups, r.state_size), c.view(rows, r.num_groups, r.state_size), self.D, ssm_state)
-        return y.reshape(rows, r.inner_size).to(u.dtype), (conv_state, ssm_state)
+        xbc, conv = causal_conv(xbc, self.conv1d.weight[:, 0, :], self.conv1d.bias, conv, valid)
+        groups = r.num_groups * r.state_size
+        xs, b, c = F.silu(xbc).split([r.inner_size, groups, groups], dim=-1)
+        dt = self._dt(dt)
+        if valid is not None:  # a padded position neither decays nor feeds the state (dt 0)
+            dt = dt * valid.unsqueeze(-1)
+        if recurrent is None:
+            recurrent = u.new_zeros(num_seqs, *self.state_spec.recurrent_shape, dtype=torch.float32)
+        xs = xs.reshape(num_seqs, length, r.num_heads, r.head_dim)
+        b = b.reshape(num_seqs, length, r.num_groups, r.state_size)
+        c = c.reshape(num_seqs, length, r.num_groups, r.state_size)
+        a = -torch.exp(self.A_log.float())
+        if length == 1:
+            y, recurrent = ssd_step(xs[:, 0], dt[:, 0], a, b[:, 0], c[:, 0], self.D, recurrent)
+            y = y.unsqueeze(1)
+        else:
+            y, recurrent = ssd_chunked(xs, dt, a, b, c, self.D, recurrent, r.chunk_size)
+        return y.reshape(num_seqs, length, r.inner_size).to(u.dtype), conv, recurrent
 
 
 def _segsum(x: torch.Tensor) -> torch.Tensor:
@@ -181,37 +165,37 @@ def _segsum(x: torch.Tensor) -> torch.Tensor:
 
 def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,
                 d: torch.Tensor, state: torch.Tensor, chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The SSD scan of one sequence in chunks, in float32.
+    """The SSD scan of a batch of sequences in chunks, in float32.
 
-    x [L, H, P], dt [L, H] (after bias and softplus), a [H] (negative), b, c [L, G, N], d [H],
-    state [H, P, N] before the chunk -> (y [L, H, P], state after it)."""
-    length, num_heads, _ = x.shape
-    heads_per_group = num_heads // b.shape[1]
-    b = b.float().repeat_interleave(heads_per_group, dim=1)  # [L, H, N]
-    c = c.float().repeat_interleave(heads_per_group, dim=1)
+    x [S, L, H, P], dt [S, L, H] (after bias and softplus; 0 at padding), a [H] (negative),
+    b, c [S, L, G, N], d [H], state [S, H, P, N] before the chunk -> (y [S, L, H, P], state after it)."""
+    num_seqs, length, num_heads, _ = x.shape
+    heads_per_group = num_heads // b.shape[2]
+    b = b.float().repeat_interleave(heads_per_group, dim=2)  # [S, L, H, N]
+    c = c.float().repeat_interleave(heads_per_group, dim=2)
     xf = x.float()
     pad = (-length) % chunk_size
     xdt = F.pad(xf * dt[..., None], (0, 0, 0, 0, 0, pad))
-    adt = F.pad(a * dt, (0, 0, 0, pad))  # [L', H]; padded steps neither decay nor add
+    adt = F.pad(a * dt, (0, 0, 0, pad))  # [S, L', H]; padded steps neither decay nor add
     b, c = F.pad(b, (0, 0, 0, 0, 0, pad)), F.pad(c, (0, 0, 0, 0, 0, pad))
     nc = (length + pad) // chunk_size
-    xdt, b, c = (t.view(nc, chunk_size, *t.shape[1:]) for t in (xdt, b, c))
-    adt = adt.view(nc, chunk_size, num_heads).permute(0, 2, 1)  # [C, H, Q]
+    xdt, b, c = (t.view(num_seqs, nc, chunk_size, *t.shape[2:]) for t in (xdt, b, c))
+    adt = adt.view(num_seqs, nc, chunk_size, num_heads).permute(0, 1, 3, 2)  # [S, C, H, Q]
     a_cum = adt.cumsum(-1)
     # Inside each chunk: the quadratic (attention-like) form.
-    decay = torch.exp(_segsum(adt))  # [C, H, Q(l), Q(s)]
-    scores = torch.einsum("clhn,cshn->chls", c, b) * decay
-    y = torch.einsum("chls,cshp->clhp", scores, xdt)
+    decay = torch.exp(_segsum(adt))  # [S, C, H, Q(l), Q(s)]
+    scores = torch.einsum("zclhn,zcshn->zchls", c, b) * decay
+    y = torch.einsum("zchls,zcshp->zclhp", scores, xdt)
     # Each chunk's own contribution to the state at its end.
-    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [C, H, Q]
-    chunk_states = torch.einsum("clhn,chl,clhp->chpn", b, to_end, xdt)
+    to_end = torch.exp(a_cum[..., -1:] - a_cum)  # [S, C, H, Q]
+    chunk_states = torch.einsum("zclhn,zchl,zclhp->zchpn", b, to_end, xdt)
     # Between chunks: the state entering each chunk, from the initial state and earlier chunks.
-    states = torch.cat((state.float()[None], chunk_states))  # [C+1, H, P, N]
-    carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (0, 0, 1, 0)).t()))  # [H, C+1, C+1]
-    entering = torch.einsum("hcz,zhpn->chpn", carry, states)  # [C+1, H, P, N]
-    y = y + torch.einsum("clhn,chpn->clhp", c, entering[:-1]) * torch.exp(a_cum).permute(0, 2, 1)[..., None]
-    y = y.reshape(nc * chunk_size, num_heads, -1)[:length] + xf * d.float()[:, None]
-    return y, entering[-1]
+    states = torch.cat((state.float()[:, None], chunk_states), dim=1)  # [S, C+1, H, P, N]
+    carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (0, 0, 1, 0)).transpose(1, 2)))  # [S, H, C+1, C+1]
+    entering = torch.einsum("zhcj,zjhpn->zchpn", carry, states)  # [S, C+1, H, P, N]
+    y = y + torch.einsum("zclhn,zchpn->zclhp", c, entering[:, :-1]) * torch.exp(a_cum).permute(0, 1, 3, 2)[..., None]
+    y = y.reshape(num_seqs, nc * chunk_size, num_heads, -1)[:, :length] + xf * d.float()[:, None]
+    return y, entering[:, -1]
 
 
 def ssd_step(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Tensor, c: torch.Tensor,

@@ -1,91 +1,58 @@
-"""What the recurrent mixers (Mamba-2, LFM2's short conv, the RG-LRU) share: a step's rows cut per
-sequence, each sequence's state read, advanced and written back.
+"""The base of the recurrent mixers built here (Mamba-2, LFM2's short conv, the RG-LRU) over
+layers/recurrent.py's state interface.
 
-A mixer projects every row of the step at once (`linear` over the flat batch), then runs its
-recurrence in one of two forms with its state explicit:
-  - `scan_chunk(u, states, positions)`: one sequence's chunk [L, ...] in one go (chunked scan, conv
-    over the chunk), from the state before it to the state after it;
-  - `scan_step(u, states)`: a batch of single-token rows [B, ...] (decode), states [B, ...].
-The states come from the context (`ctx.recurrent`, the engine's state pool, see `RecurrentStates`);
-a plain forward (no pool: tests, the reranker) starts every sequence from zeros and keeps nothing.
+A mixer projects every row of the step at once (`linear` over the flat batch), then advances its
+recurrence over the step's sequences as one padded batch [S, L, ...] with its states explicit:
+`scan(u, conv, recurrent, valid) -> (y, conv, recurrent)`, the chunked form for a prompt chunk
+(SSD's chunked scan, a conv over the whole chunk) and, for L == 1, the one-token form. Padded
+positions (`valid` False) leave the states unchanged. `recur` reads the states from the context
+(`states_of`: a plain forward starts every sequence from zero and keeps nothing) and writes them back;
+speculative verify rows (`token_slots`) go one position at a time so the state after every row is kept.
 """
 
 from __future__ import annotations
 
-from typing import Protocol
-
 import torch
 from torch import nn
 
-
-class RecurrentStates(Protocol):
-    """The per-sequence states of one step, as the engine hands them to the layers: rows are the
-    step's sequences in `ctx.seqs` order (every row of a decode step)."""
-
-    def read(self, layer: int, rows: list[int]) -> tuple[torch.Tensor, ...]: ...
-
-    def write(self, layer: int, rows: list[int], states: tuple[torch.Tensor, ...]) -> None: ...
+from mlxcel.layers.recurrent import RecurrentStates, StateSpec, states_of
 
 
 class RecurrentMixer(nn.Module):
-    """Base of a mixer whose memory is a fixed-size state a sequence (see the module docstring)."""
-
     layer_idx: int
+    state_spec: StateSpec
 
-    def state_shapes(self) -> tuple[tuple[int, ...], ...]:
-        """The shape of each state tensor of one sequence (no batch dimension)."""
+    def scan(self, u: torch.Tensor, conv: torch.Tensor | None, recurrent: torch.Tensor | None,
+             valid: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """u [S, L, ...] -> (y [S, L, ...], conv and recurrent states after each sequence's last
+        valid position); None states in: zeros."""
         raise NotImplementedError
 
-    def state_dtypes(self, dtype: torch.dtype) -> tuple[torch.dtype, ...]:
-        """Each state's dtype for activations of `dtype` (a recurrence's state stays float32)."""
-        return tuple(dtype for _ in self.state_shapes())
+    def recur(self, u: torch.Tensor, ctx: object) -> torch.Tensor:
+        """u [T, ...] (the step's rows, flat) -> y [T, ...] through each sequence's recurrence."""
+        states = states_of(ctx, u)
+        conv, rec = states.read(self.layer_idx)
+        if states.is_decode:
+            y, conv, rec = self.scan(u.unsqueeze(1), conv, rec, None)
+            states.write(self.layer_idx, conv, rec)
+            return y.squeeze(1)
+        batch = states.to_batch(u)
+        if states.token_slots is not None:
+            return self._recur_verify(batch, conv, rec, states)
+        y, conv, rec = self.scan(batch, conv, rec, states.valid)
+        states.write(self.layer_idx, conv, rec)
+        return states.from_batch(y)
 
-    def zero_states(self, num_rows: int, device: torch.device, dtype: torch.dtype) -> tuple[torch.Tensor, ...]:
-        return tuple(torch.zeros(num_rows, *shape, device=device, dtype=d)
-                     for shape, d in zip(self.state_shapes(), self.state_dtypes(dtype)))
-
-    def scan_chunk(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
-                   positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        raise NotImplementedError
-
-    def scan_step(self, u: torch.Tensor, states: tuple[torch.Tensor, ...],
-                  positions: torch.Tensor) -> tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
-        raise NotImplementedError
-
-    def recur(self, u: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
-        """u: [T, ...] the step's rows -> [T, ...]: each sequence's rows through its recurrence."""
-        pool: RecurrentStates | None = getattr(ctx, "recurrent", None)
-        seqs = getattr(ctx, "seqs", None)
-        if seqs is None:  # the decode step: every row a sequence of one token
-            rows = list(range(u.shape[0]))
-            return self._step_rows(u, positions, rows, pool)
-        decode = [i for i, s in enumerate(seqs) if s.q_len == 1 and pool is not None]
-        out = torch.empty(u.shape[0], *self.output_shape(u), dtype=u.dtype, device=u.device)
-        if decode:
-            index = torch.tensor([seqs[i].q_start for i in decode], device=u.device)
-            out[index] = self._step_rows(u[index], positions[index], decode, pool)
-        chunked = set(decode)
-        for i, s in enumerate(seqs):
-            if i in chunked:
-                continue
-            rows = slice(s.q_start, s.q_start + s.q_len)
-            states = pool.read(self.layer_idx, [i]) if pool is not None else \
-                self.zero_states(1, u.device, u.dtype)
-            y, new = self.scan_chunk(u[rows], tuple(t[0] for t in states), positions[rows])
-            out[rows] = y
-            if pool is not None:
-                pool.write(self.layer_idx, [i], tuple(t.unsqueeze(0) for t in new))
-        return out
-
-    def output_shape(self, u: torch.Tensor) -> tuple[int, ...]:
-        """The shape of one row of the recurrence's output (as one row of its input by default)."""
-        return tuple(u.shape[1:])
-
-    def _step_rows(self, u: torch.Tensor, positions: torch.Tensor, rows: list[int],
-                   pool: RecurrentStates | None) -> torch.Tensor:
-        states = pool.read(self.layer_idx, rows) if pool is not None else \
-            self.zero_states(len(rows), u.device, u.dtype)
-        y, new = self.scan_step(u, states, positions)
-        if pool is not None:
-            pool.write(self.layer_idx, rows, new)
-        return y
+    def _recur_verify(self, batch: torch.Tensor, conv: torch.Tensor | None, rec: torch.Tensor | None,
+                      states: RecurrentStates) -> torch.Tensor:
+        """Draft rows to verify (a few a sequence): one position at a time, keeping every row's state."""
+        outputs, convs, recs = [], [], []
+        for t in range(batch.shape[1]):
+            y, conv, rec = self.scan(batch[:, t:t + 1], conv, rec, states.valid[:, t:t + 1])
+            outputs.append(y)
+            convs.append(conv)
+            recs.append(rec)
+        stacked = [None if parts[0] is None else states.from_batch(torch.stack(parts, dim=1)) for parts in (convs, recs)]
+        states.write_tokens(self.layer_idx, *stacked)
+        states.write(self.layer_idx, conv, rec)
+        return states.from_batch(torch.cat(outputs, dim=1))
