@@ -36,6 +36,17 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
         **MAMBA, layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
         head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
         chunk_size=8)),
+    # Mamba-2 then rope attention, each followed by 8 experts (top-2) plus the shared MLP; Granite's multipliers.
+    "granitemoehybrid": ("granitemoehybrid", lambda: transformers.GraniteMoeHybridConfig(
+        **MAMBA, num_hidden_layers=2, layer_types=["mamba", "attention"], intermediate_size=32,
+        num_local_experts=8, num_experts_per_tok=2, shared_intermediate_size=48, position_embedding_type="rope",
+        mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16, mamba_n_groups=2, mamba_chunk_size=8,
+        embedding_multiplier=3.0, attention_multiplier=0.2, residual_multiplier=0.5, logits_scaling=4.0)),
+    # No experts (the shared MLP alone) and no rope.
+    "granitemoehybrid-dense-nope": ("granitemoehybrid", lambda: transformers.GraniteMoeHybridConfig(
+        **MAMBA, num_hidden_layers=2, layer_types=["attention", "mamba"], intermediate_size=32,
+        num_local_experts=0, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
+        mamba_n_groups=1, mamba_chunk_size=8)),
 }
 
 _rng = random.Random(3)
