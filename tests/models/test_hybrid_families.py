@@ -47,6 +47,10 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
         **MAMBA, num_hidden_layers=2, layer_types=["attention", "mamba"], intermediate_size=32,
         num_local_experts=0, shared_intermediate_size=48, mamba_n_heads=8, mamba_d_head=16, mamba_d_state=16,
         mamba_n_groups=1, mamba_chunk_size=8)),
+    # conv, attention, conv: the short conv's window of 3; the feed-forward width auto-adjusted (2/3, multiple of 32).
+    "lfm2": ("lfm2", lambda: transformers.Lfm2Config(
+        **MAMBA, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=144,
+        block_multiple_of=32, conv_L_cache=3, conv_bias=True)),
 }
 
 _rng = random.Random(3)
