@@ -51,6 +51,10 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "lfm2": ("lfm2", lambda: transformers.Lfm2Config(
         **MAMBA, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=144,
         block_multiple_of=32, conv_L_cache=3, conv_bias=True)),
+    # recurrent, recurrent, local attention (a window of 6, shorter than the prompts); rope over half a head.
+    "recurrent_gemma": ("recurrent_gemma", lambda: transformers.RecurrentGemmaConfig(
+        **MAMBA, num_hidden_layers=3, head_dim=16, lru_width=64, intermediate_size=128, attention_window_size=6,
+        conv1d_width=4, logits_soft_cap=5.0)),
 }
 
 _rng = random.Random(3)

@@ -153,7 +153,7 @@ class Mamba2Mixer(RecurrentMixer):
         return y.reshape(num_seqs, length, r.inner_size).to(u.dtype), conv, recurrent
 
 
-def _segsum(x: torch.Tensor) -> torch.Tensor:
+def segsum(x: torch.Tensor) -> torch.Tensor:
     """x [..., T] -> [..., T, T]: out[..., i, j] = x[j+1] + ... + x[i] for j <= i, -inf above the
     diagonal; summed from masked copies, not as a difference of cumulative sums (which loses the
     small sums of a long sequence's large totals)."""
@@ -183,7 +183,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     adt = adt.view(num_seqs, nc, chunk_size, num_heads).permute(0, 1, 3, 2)  # [S, C, H, Q]
     a_cum = adt.cumsum(-1)
     # Inside each chunk: the quadratic (attention-like) form.
-    decay = torch.exp(_segsum(adt))  # [S, C, H, Q(l), Q(s)]
+    decay = torch.exp(segsum(adt))  # [S, C, H, Q(l), Q(s)]
     scores = torch.einsum("zclhn,zcshn->zchls", c, b) * decay
     y = torch.einsum("zchls,zcshp->zclhp", scores, xdt)
     # Each chunk's own contribution to the state at its end.
@@ -191,7 +191,7 @@ def ssd_chunked(x: torch.Tensor, dt: torch.Tensor, a: torch.Tensor, b: torch.Ten
     chunk_states = torch.einsum("zclhn,zchl,zclhp->zchpn", b, to_end, xdt)
     # Between chunks: the state entering each chunk, from the initial state and earlier chunks.
     states = torch.cat((state.float()[:, None], chunk_states), dim=1)  # [S, C+1, H, P, N]
-    carry = torch.exp(_segsum(F.pad(a_cum[..., -1], (0, 0, 1, 0)).transpose(1, 2)))  # [S, H, C+1, C+1]
+    carry = torch.exp(segsum(F.pad(a_cum[..., -1], (0, 0, 1, 0)).transpose(1, 2)))  # [S, H, C+1, C+1]
     entering = torch.einsum("zhcj,zjhpn->zchpn", carry, states)  # [S, C+1, H, P, N]
     y = y + torch.einsum("zclhn,zchpn->zclhp", c, entering[:, :-1]) * torch.exp(a_cum).permute(0, 1, 3, 2)[..., None]
     y = y.reshape(num_seqs, nc * chunk_size, num_heads, -1)[:, :length] + xf * d.float()[:, None]
