@@ -55,6 +55,18 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "recurrent_gemma": ("recurrent_gemma", lambda: transformers.RecurrentGemmaConfig(
         **MAMBA, num_hidden_layers=3, head_dim=16, lru_width=64, intermediate_size=128, attention_window_size=6,
         conv1d_width=4, logits_soft_cap=5.0)),
+    # Attention beside Mamba-2 in every layer, every muP multiplier away from 1, biases on, the gated norm on.
+    "falcon_h1": ("falcon_h1", lambda: transformers.FalconH1Config(
+        **MAMBA, num_hidden_layers=2, head_dim=16, intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=2, mamba_d_state=16, mamba_chunk_size=8, mamba_rms_norm=True,
+        mamba_norm_before_gate=False, mamba_proj_bias=True, projectors_bias=True, attention_bias=True, mlp_bias=True,
+        embedding_multiplier=2.0, lm_head_multiplier=0.5, attention_in_multiplier=0.7, attention_out_multiplier=1.3,
+        key_multiplier=0.6, ssm_in_multiplier=1.2, ssm_out_multiplier=0.8, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7],
+        mlp_multipliers=[1.5, 0.6])),
+    # Falcon-H1's default Mamba: no gated norm (y * silu(z)), norm before gate unused.
+    "falcon_h1-no-norm": ("falcon_h1", lambda: transformers.FalconH1Config(
+        **MAMBA, num_hidden_layers=2, head_dim=16, intermediate_size=96, mamba_d_ssm=64, mamba_n_heads=4,
+        mamba_d_head=16, mamba_n_groups=1, mamba_d_state=16, mamba_chunk_size=8, ssm_multipliers=[0.9, 1.1, 0.8, 1.2, 0.7])),
 }
 
 _rng = random.Random(3)

@@ -152,6 +152,9 @@ class LayerRecipe:
     parallel: bool = False
     residual_multiplier: float = 1.0
     attention_name: str = "self_attn"  # the mixer's checkpoint name (Qwen3.5's recurrent layers: linear_attn)
+    # Falcon-H1: a second mixer beside the first over the same normed input, the two outputs summed
+    side_mixer: MixerRecipe | None = None
+    side_mixer_name: str = "mamba"
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None) -> nn.Module:
         return DecoderLayer(hidden_size, self, layer_idx, rope)
@@ -171,7 +174,7 @@ class LayerRecipe:
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
                 and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
-                and self.attention_name == "self_attn" and att.o_name == "o_proj")
+                and self.attention_name == "self_attn" and att.o_name == "o_proj" and self.side_mixer is None)
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -273,6 +276,8 @@ class DecoderLayer(nn.Module):
         super().__init__()
         self.recipe = recipe
         setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
+        if recipe.side_mixer is not None:
+            setattr(self, recipe.side_mixer_name, recipe.side_mixer.build(hidden_size, layer_idx, None, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -290,7 +295,10 @@ class DecoderLayer(nn.Module):
         h = self._norm("attn_in", x)
         if r.parallel:
             return x + (mixer(h, positions, ctx) + ffn(h, ctx))
-        a = self._norm("attn_out", mixer(h, positions, ctx))
+        a = mixer(h, positions, ctx)
+        if r.side_mixer is not None:
+            a = a + getattr(self, r.side_mixer_name)(h, positions, ctx)
+        a = self._norm("attn_out", a)
         x = x + (a * r.residual_multiplier if r.residual_multiplier != 1.0 else a)
         f = self._norm("mlp_out", ffn(self._norm("mlp_in", x), ctx))
         return x + (f * r.residual_multiplier if r.residual_multiplier != 1.0 else f)

@@ -1,6 +1,6 @@
 """Mamba-2 (SSD) mixer with its causal conv and gated RMSNorm: Nemotron-H, Granite 4, Falcon-H1.
 
-    zxbcdt = in_proj(x) (* Falcon-H1's per-part multipliers)
+    zxbcdt = in_proj(x)
     z | xBC | dt;  xBC = silu(conv(xBC)) -> x | B | C
     state_t = state_{t-1} * exp(dt_t * A) + dt_t * x_t (outer) B_t;  y_t = state_t . C_t + D * x_t
     out = out_proj(norm(y, gate z))            (per-group RMSNorm of y * silu(z), or Falcon's variants)
@@ -37,11 +37,8 @@ class Mamba2Recipe:
     conv_bias: bool = True
     out_bias: bool | None = None  # None: as proj_bias
     dt_limit: tuple[float, float] = (0.0, float("inf"))
-    has_norm: bool = True  # Falcon-H1's mamba_rms_norm
+    has_norm: bool = True  # Falcon-H1's mamba_rms_norm (without it: y * silu(z))
     norm_before_gate: bool = False
-    # Falcon-H1: input scale and one multiplier per part of the projection (z, x, B, C, dt)
-    in_multiplier: float = 1.0
-    part_multipliers: tuple[float, float, float, float, float] | None = None
 
     @property
     def inner_size(self) -> int:
@@ -94,26 +91,10 @@ class Mamba2Mixer(RecurrentMixer):
             self.norm = GatedRMSNorm(r.inner_size, r.inner_size // r.num_groups, r.eps, r.norm_before_gate)
         out_bias = r.proj_bias if r.out_bias is None else r.out_bias
         self.out_proj = nn.Linear(r.inner_size, hidden_size, bias=out_bias)
-        if r.part_multipliers is not None:
-            self.register_buffer("mup", self._mup_vector(), persistent=False)
-
-    def rebuild_buffers(self, device: torch.device | str) -> None:
-        """The multipliers' buffer again after a build on the meta device (loading/checkpoint.py)."""
-        if self.recipe.part_multipliers is not None:
-            self.mup = self._mup_vector().to(device)
-
-    def _mup_vector(self) -> torch.Tensor:
-        r = self.recipe
-        sizes = (r.inner_size, r.inner_size, r.num_groups * r.state_size, r.num_groups * r.state_size, r.num_heads)
-        return torch.cat([torch.full((n,), float(m)) for n, m in zip(sizes, r.part_multipliers)])
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: object) -> torch.Tensor:
         r = self.recipe
-        if r.in_multiplier != 1.0:
-            x = x * r.in_multiplier
         projected = linear(self.in_proj, x, ctx)
-        if r.part_multipliers is not None:
-            projected = projected * self.mup.to(projected.dtype)
         gate, u = projected.split([r.inner_size, r.conv_dim + r.num_heads], dim=-1)
         y = self.recur(u, ctx)
         if r.has_norm:
