@@ -23,14 +23,16 @@ class MemoryBudget:
     budget_bytes: int
     draft_bytes_per_token: int = 0  # a draft model's own KV (speculative decoding); 0 = none
     max_live_tokens: int = 0  # --max-kv-size window plus its slack; 0 = no window
+    state_bytes: int = 0  # a hybrid model's recurrent state of one sequence (issue 41), held beside its KV
 
     @classmethod
     def of(cls, num_pool_blocks: int, block_size: int, bytes_per_token: int, lowered_to: int = 0,
-           *, max_live_tokens: int = 0) -> MemoryBudget:
-        """The pool's capacity, lowered to `lowered_to` bytes when that is smaller (never raised)."""
-        pool_bytes = num_pool_blocks * block_size * bytes_per_token
+           *, max_live_tokens: int = 0, state_bytes: int = 0) -> MemoryBudget:
+        """The pool's capacity (KV blocks, plus one sequence's recurrent state), lowered to `lowered_to` bytes
+        when that is smaller (never raised)."""
+        pool_bytes = num_pool_blocks * block_size * bytes_per_token + state_bytes
         budget = min(pool_bytes, lowered_to) if lowered_to else pool_bytes
-        return cls(block_size, bytes_per_token, budget, max_live_tokens=max_live_tokens)
+        return cls(block_size, bytes_per_token, budget, max_live_tokens=max_live_tokens, state_bytes=state_bytes)
 
     def num_blocks(self, num_prompt_tokens: int, num_output_tokens: int) -> int:
         """KV blocks for the prompt and the planned output (a sliding window caps the live part)."""
@@ -47,11 +49,11 @@ class MemoryBudget:
     @property
     def max_request_tokens(self) -> int:
         """The most tokens (prompt plus output) whose KV fits the budget: whole blocks only."""
-        return self.budget_bytes // self.block_bytes * self.block_size
+        return max(self.budget_bytes - self.state_bytes, 0) // self.block_bytes * self.block_size
 
     def estimate_bytes(self, num_prompt_tokens: int, num_output_tokens: int) -> int:
         tokens = self.num_blocks(num_prompt_tokens, num_output_tokens) * self.block_size
-        return tokens * (self.bytes_per_token + self.draft_bytes_per_token)
+        return tokens * (self.bytes_per_token + self.draft_bytes_per_token) + self.state_bytes
 
     def check(self, request_id: str, num_prompt_tokens: int, num_output_tokens: int) -> None:
         """Raise RequestMemoryError when the request's estimate is over the budget."""

@@ -35,6 +35,7 @@ from mlxcel.engine.native_step import NativeLayers
 from mlxcel.engine.sampler import on_device
 from mlxcel.layers.attention import DecodeAttention
 from mlxcel.layers.lora import model_lora_rows
+from mlxcel.layers.recurrent import SCRATCH_SLOT, RecurrentStates, StateTensors, state_specs
 
 log = logging.getLogger(__name__)
 
@@ -52,6 +53,8 @@ class DecodeRow:
     block_table: tuple[int, ...]
     lora_scales: tuple[float, ...] = ()  # F8: this row's adapter scales; () = none (all 0)
     writes_kv: bool = True  # False: the key at `position` is already cached (a prefix-cache hit); write scratch
+    state_read: int = 0  # hybrid models: the recurrent-state slots this row reads and writes (engine/kv/states.py)
+    state_write: int = 0
 
 
 @dataclass(slots=True)
@@ -137,6 +140,13 @@ class DecodeStep:
         self.taps = tuple(taps)
         self.tapped: torch.Tensor | None = None  # [rows, len(taps) x hidden] of the last run, when taps
         self.is_whole_model = not getattr(model, "can_step_layers", True)
+        # Hybrid models: the recurrent layers' states (set by the engine), handed to each layer per step.
+        self.states: StateTensors | None = None
+        self._step_states: RecurrentStates | None = None
+        if state_specs(model) and mode != "eager":
+            log.info("decode step: eager, not %s: the model has recurrent layers (issue 41: their compiled and "
+                     "captured steps are not written yet)", mode)
+            self.mode = mode = "eager"
         if self.is_whole_model:
             if self.taps:
                 raise ValueError("this model runs whole (transformers' own modeling code): a drafter cannot read "
@@ -184,6 +194,7 @@ class DecodeStep:
             x = inner.embed(input_ids)
             for index, layer in enumerate(inner.layers):
                 ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
+                ctx.states = self._step_states
                 x = outputs[index] = self._layer(layer, x, positions, ctx)
         if self.taps:
             self.tapped = torch.cat([outputs[i] for i in self.taps], dim=-1)
@@ -201,6 +212,10 @@ class DecodeStep:
         # NOTE: compiled, a batch of one would take a graph specialised for size 1, whose sums
         # are ordered differently; a padding row keeps every batch on the one symbolic graph.
         num_rows = max(len(rows), 2) if self.mode == "compile" else len(rows)
+        if self.states is not None:
+            padding = [SCRATCH_SLOT] * (num_rows - len(rows))
+            self._step_states = RecurrentStates.decode(self.states, [r.state_read for r in rows] + padding,
+                                                       [r.state_write for r in rows] + padding)
         inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
                               num_adapters=self.num_adapters, device=self.device)
         logits = self.forward(*inputs.tensors())

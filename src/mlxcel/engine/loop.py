@@ -30,6 +30,8 @@ from mlxcel.engine.kv.disk import DiskBlockStore, DiskTierConfig, open_disk_tier
 from mlxcel.engine.kv.host import HostBlockTier, default_host_bytes, open_host_tier
 from mlxcel.engine.kv.prefix import KVCacheManager
 from mlxcel.engine.kv.tensors import KVCache
+from mlxcel.engine.kv.states import SnapshotPrefixCache, StatePool
+from mlxcel.engine.recurrent_runner import RecurrentRunner
 from mlxcel.engine.runner import Runner, StepLogits
 from mlxcel.engine.sampler import PenaltyCounts, SamplingRow, sample
 from mlxcel.engine.scheduler import (
@@ -38,6 +40,7 @@ from mlxcel.engine.scheduler import (
 from mlxcel.engine.spec import DraftPolicy, build_policy
 from mlxcel.layers import kv_quant
 from mlxcel.layers.lora import model_lora_rows
+from mlxcel.layers.recurrent import state_specs
 from mlxcel.types import (
     ContextOverflowError, DraftStats, EngineShutdownError, EngineStats, FinishReason, PrefixCacheReset, PrefixCacheStats,
     PromptProgress,
@@ -91,23 +94,29 @@ class EngineCore:
                                  enable_prefix_caching=config.enable_prefix_caching)
         # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (serving.served_model)
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
+        # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
+        # prefix cache hits only where a state snapshot exists (engine/kv/states.py).
+        self.states = _state_pool(model, config, dtype, device)
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
         self.drafts = drafts or build_policy(config.speculative)
-        self.scheduler = Scheduler(config, self.kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
+        scheduled_kv = SnapshotPrefixCache(self.kv, self.states) if self.states is not None else self.kv
+        self.scheduler = Scheduler(config, scheduled_kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
         self.memory_budget = MemoryBudget.of(  # spec O: checked at submit, before any forward pass
             num_blocks, config.block_size, bytes_per_token, config.request_memory_budget_bytes,
-            max_live_tokens=config.max_kv_size + 2 * config.block_size if config.max_kv_size else 0)
+            max_live_tokens=config.max_kv_size + 2 * config.block_size if config.max_kv_size else 0,
+            state_bytes=self.states.bytes_per_slot if self.states is not None else 0)
         mode = config.decode_step_mode(str(device))
         cache_dir = Path(config.compile_cache_dir) if config.compile_cache_dir else None
         taps = getattr(self.drafts.drafter, "feature_layers", ())  # a DFlash drafter reads target layers
         decode_step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=_max_decode_rows(config),
                                  max_positions=max(shape.context_length, self.slot_context),
                                  max_keys=self.slot_context, cache_dir=cache_dir, taps=taps)
-        self.runner = Runner(model, self.kv_cache, self.kv, device, decode_step,
-                             features=self.drafts.drafter.record if taps else None,
-                             prompt_logits=self.scheduler.record_prompt_logits)
+        runner_kind, extra = (Runner, {}) if self.states is None else (RecurrentRunner, {"states": self.states})
+        self.runner = runner_kind(model, self.kv_cache, self.kv, device, decode_step,
+                                  features=self.drafts.drafter.record if taps else None,
+                                  prompt_logits=self.scheduler.record_prompt_logits, **extra)
         # On a GPU a step's events go out once the next step is launched, so the HTTP side turns
         # them into bytes while the device computes (the loop waits GIL-free); on the CPU at once
         # (there the step computes as it is called, and a late event would only add latency).
@@ -657,3 +666,24 @@ def _remaining(seq: Sequence | None) -> int:
     if seq is None or seq.request.sampling.max_tokens is None:
         return -1
     return max(seq.request.sampling.max_tokens - seq.num_output_tokens, 0)
+
+
+# Prefix snapshots of recurrent state a slot may keep (issue 41): each is one sequence's whole state.
+SNAPSHOTS_PER_SLOT = 4
+
+
+def _state_pool(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
+                device: torch.device | str) -> StatePool | None:
+    """The recurrent-state pool of a hybrid model (None for attention-only models)."""
+    specs = state_specs(model)
+    if not specs:
+        return None
+    num_snapshots = SNAPSHOTS_PER_SLOT * config.max_num_seqs if config.enable_prefix_caching else 0
+    verify_width = config.speculative.draft_max + 1 if config.speculative.is_enabled else 0
+    pool = StatePool(specs, num_seqs=config.max_num_seqs, num_snapshots=num_snapshots, verify_width=verify_width,
+                     block_size=config.block_size, dtype=dtype, device=device)
+    log.info("recurrent state: %d layers, %.2f MiB a sequence; %d slots (%d live, %d verify, %d prefix snapshots), "
+             "%.1f MiB", len(specs), pool.bytes_per_slot / 2**20, pool.tensors.num_slots, config.max_num_seqs,
+             config.max_num_seqs * verify_width, num_snapshots, pool.num_bytes / 2**20)
+    return pool
+

@@ -227,7 +227,7 @@ class Runner:
 
     def _prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[str], torch.Tensor]:
         input_ids, positions, slices = self._prepare(scheduled)
-        ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
+        ctx = self._prefill_context(scheduled, slices)
         self._set_lora_rows(scheduled)
         if self.features is not None:  # set only when the decode step has taps
             hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices)
@@ -241,6 +241,10 @@ class Runner:
         index = torch.tensor([r[1] for r in rows], device=self.device)
         logits = self.model.compute_logits(hidden.index_select(0, index))
         return [r[0] for r in rows], logits.float()
+
+    def _prefill_context(self, scheduled: list[ScheduledSeq], slices: list[SequenceSlice]) -> AttentionContext:
+        """The prefill chunks' attention context (a hybrid model's runner adds its recurrent states)."""
+        return AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
 
     def _send_prompt_logits(self, scheduled: list[ScheduledSeq], slices: list[SequenceSlice],
                             hidden: torch.Tensor) -> None:

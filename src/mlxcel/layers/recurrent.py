@@ -155,10 +155,11 @@ class RecurrentStates:
         self._batch_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def decode(cls, store: StateTensors, slots: torch.Tensor) -> RecurrentStates:
-        """A decode step over B rows, row b reading and writing slot `slots[b]` (padding rows: scratch)."""
-        n = int(slots.shape[0])
-        return cls(store, list(range(n)), [1] * n, slots, slots)
+    def decode(cls, store: StateTensors, read_slots: list[int], write_slots: list[int]) -> RecurrentStates:
+        """A decode step over B rows, row b reading slot `read_slots[b]` and writing `write_slots[b]`
+        (padding rows: the scratch slot)."""
+        n = len(read_slots)
+        return cls(store, list(range(n)), [1] * n, read_slots, write_slots)
 
     @classmethod
     def plain(cls, num_tokens: int, device: torch.device | str) -> RecurrentStates:

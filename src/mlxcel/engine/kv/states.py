@@ -1,0 +1,209 @@
+"""The recurrent-state pool of a hybrid model, beside the paged KV blocks (issue 41).
+
+A recurrent layer keeps one conv state and one recurrent state per sequence (layers/recurrent.py);
+`StatePool` holds them in one `StateTensors` of slots:
+
+    0                         scratch: always zero; a fresh sequence reads it, padding rows write it
+    1 .. S                    live: scheduler slot i's running sequence keeps its state in slot i + 1
+    S + 1 .. S + S * W        verify: W = draft_max + 1 per scheduler slot, the state after each row of a
+                              verify step (a rejected draft rolls back to the last accepted row's)
+    the rest                  snapshots: the state at a block boundary, keyed by that block's chain hash
+                              (the prefix cache's), LRU and bounded
+
+Which slot a step reads is decided from what each slot holds (`_holds`: slot -> (request, position)),
+never from a flag that could go stale: a sequence reads its live slot when that slot holds its state
+at exactly its `num_computed_tokens`, a verify slot when it rolled back to one of those positions, a
+snapshot after a prefix-cache hit, and the scratch slot when it starts from zero. A finished, aborted
+or preempted sequence's slots are simply not read again (the next holder overwrites them): nothing
+can leak, and a preempted sequence recomputes (or resumes from a snapshot) like any other.
+
+`SnapshotPrefixCache` wraps the prefix cache (engine/kv/prefix.py) so that a hit never reaches past
+the longest cached prefix whose state has a snapshot: attention layers resume from their cached
+blocks and recurrent layers from the snapshot at the same position.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Sequence as Seq
+from typing import Any
+
+import torch
+
+from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
+from mlxcel.layers.recurrent import SCRATCH_SLOT, StateSpec, StateTensors
+
+log = logging.getLogger(__name__)
+
+
+class StatePool:
+    """Slots of recurrent state for the running sequences, their verify rows and prefix snapshots."""
+
+    def __init__(self, specs: dict[int, StateSpec], *, num_seqs: int, num_snapshots: int, verify_width: int,
+                 block_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
+        self.num_seqs, self.verify_width, self.block_size = num_seqs, verify_width, block_size
+        self.first_verify = 1 + num_seqs
+        self.first_snapshot = self.first_verify + num_seqs * verify_width
+        self.num_snapshots = num_snapshots
+        self.tensors = StateTensors(specs, self.first_snapshot + num_snapshots, dtype, device)
+        self._holds: dict[int, tuple[str, int]] = {}  # slot -> (request id, positions computed into it)
+        self._snapshots: OrderedDict[int, int] = OrderedDict()  # block chain hash -> snapshot slot (LRU order)
+        self._free_snapshots = list(range(self.first_snapshot, self.first_snapshot + num_snapshots))
+        self._hashes: dict[str, list[int]] = {}  # request -> chain hashes of its full blocks so far
+        self._rolling: dict[str, int] = {}  # request -> the key of its latest decode-step snapshot
+        self.num_resumed = 0  # sequences that started from a snapshot
+
+    @property
+    def bytes_per_slot(self) -> int:
+        return self.tensors.bytes_per_slot
+
+    @property
+    def num_bytes(self) -> int:
+        return self.bytes_per_slot * self.tensors.num_slots
+
+    @property
+    def num_snapshots_held(self) -> int:
+        return len(self._snapshots)
+
+    # ---- which slot a step reads and writes ----
+
+    def live_slot(self, slot_id: int) -> int:
+        return 1 + slot_id
+
+    def verify_slots(self, slot_id: int, num_rows: int) -> list[int]:
+        first = self.first_verify + slot_id * self.verify_width
+        return list(range(first, first + num_rows))
+
+    def read_slot(self, request_id: str, slot_id: int, position: int, token_ids: Seq[int], extra: object) -> int:
+        """The slot holding `request_id`'s state after `position` tokens (scratch when `position` is 0)."""
+        if position == 0:
+            return SCRATCH_SLOT
+        live = self.live_slot(slot_id)
+        if self._holds.get(live) == (request_id, position):
+            return live
+        for slot in self.verify_slots(slot_id, self.verify_width):
+            if self._holds.get(slot) == (request_id, position):
+                return slot
+        snapshot = self._snapshot_at(token_ids, position, extra)
+        if snapshot is None:
+            raise RuntimeError(f"request {request_id}: no recurrent state for its first {position} tokens")
+        self.num_resumed += 1
+        return snapshot
+
+    def wrote(self, slot: int, request_id: str, position: int) -> None:
+        """`slot` now holds `request_id`'s state after `position` tokens."""
+        self._holds[slot] = (request_id, position)
+
+    # ---- snapshots at block boundaries ----
+
+    def snapshot(self, request_id: str, slot: int, token_ids: Seq[int], position: int, extra: object, *,
+                 is_rolling: bool = False) -> None:
+        """Keep a copy of `slot` (the state after `position` tokens, a whole number of blocks) under the
+        chain hash of its last block, evicting the least recently used snapshot when full.
+
+        `is_rolling` (decode steps): the request's previous rolling snapshot is dropped, so a long
+        generation keeps one (its latest block: what a follow-up turn resumes from), not one per block."""
+        if position == 0 or position % self.block_size or self.num_snapshots == 0:
+            return
+        key = self._hash_at(request_id, token_ids, position, extra)
+        if key in self._snapshots:
+            self._snapshots.move_to_end(key)
+            return
+        if is_rolling and (previous := self._rolling.pop(request_id, None)) in self._snapshots:
+            self._free_snapshots.append(self._snapshots.pop(previous))
+        target = self._free_snapshots.pop() if self._free_snapshots else self._snapshots.popitem(last=False)[1]
+        self.tensors.copy([slot], [target])
+        self._snapshots[key] = target
+        if is_rolling:
+            self._rolling[request_id] = key
+
+    def has_snapshot(self, block_hash: int) -> bool:
+        return block_hash in self._snapshots
+
+    def _snapshot_at(self, token_ids: Seq[int], position: int, extra: object) -> int | None:
+        if position % self.block_size:
+            return None
+        key = _chain_hash(token_ids, position, self.block_size, extra)
+        slot = self._snapshots.get(key)
+        if slot is not None:
+            self._snapshots.move_to_end(key)
+        return slot
+
+    def _hash_at(self, request_id: str, token_ids: Seq[int], position: int, extra: object) -> int:
+        """The chain hash of the block ending at `position`, extending the request's hashes as it goes."""
+        hashes = self._hashes.setdefault(request_id, [])
+        size = self.block_size
+        while len(hashes) * size < position:
+            start = len(hashes) * size
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[start:start + size], extra))
+        return hashes[position // size - 1]
+
+    def forget(self, request_id: str) -> None:
+        """The request left (finished, aborted, preempted): drop its hashes; its slots are not read again."""
+        self._hashes.pop(request_id, None)
+        self._rolling.pop(request_id, None)  # its last rolling snapshot stays, as any other
+        for slot in [s for s, (rid, _) in self._holds.items() if rid == request_id]:
+            del self._holds[slot]
+
+    def reset(self) -> int:
+        """Drop every snapshot (a prefix-cache reset); returns how many."""
+        count = len(self._snapshots)
+        self._free_snapshots += list(self._snapshots.values())
+        self._snapshots.clear()
+        return count
+
+    def export_snapshot(self, block_hash: int) -> dict[str, torch.Tensor] | None:
+        slot = self._snapshots.get(block_hash)
+        return None if slot is None else self.tensors.export(slot)
+
+    def import_snapshot(self, block_hash: int, saved: dict[str, torch.Tensor]) -> None:
+        """A snapshot read back from disk or a slot file, under `block_hash`."""
+        if block_hash in self._snapshots:
+            return
+        target = self._free_snapshots.pop() if self._free_snapshots else self._snapshots.popitem(last=False)[1]
+        self.tensors.load(target, saved)
+        self._snapshots[block_hash] = target
+
+
+def _chain_hash(token_ids: Seq[int], position: int, block_size: int, extra: object) -> int:
+    parent: int | None = None
+    for start in range(0, position, block_size):
+        parent = hash_block_tokens(parent, token_ids[start:start + block_size], extra)
+    assert parent is not None
+    return parent
+
+
+class SnapshotPrefixCache:
+    """The prefix cache of a hybrid model: `KVCacheManager`'s, its hits cut back to the longest prefix
+    whose recurrent state has a snapshot, and each request's pool entries dropped when it frees."""
+
+    def __init__(self, inner: KVCacheManager, pool: StatePool) -> None:
+        self.inner, self.states = inner, pool
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+    def find_cached_prefix(self, token_ids: Seq[int], *, cache_prompt: bool, extra: object = None,
+                           include_last_block: bool = False) -> tuple[list[int], int]:
+        """The inner cache's hit, cut to whole blocks ending where a snapshot exists, short of the last token.
+
+        NOTE: never the whole prompt (the recurrent layers must see the last token to give its logits)."""
+        blocks, _ = self.inner.find_cached_prefix(token_ids, cache_prompt=cache_prompt, extra=extra,
+                                                  include_last_block=include_last_block)
+        size = self.inner.block_size
+        parent: int | None = None
+        best = 0
+        for index in range(min(len(blocks), (len(token_ids) - 1) // size)):
+            parent = hash_block_tokens(parent, token_ids[index * size:(index + 1) * size], extra)
+            if self.states.has_snapshot(parent):
+                best = index + 1
+        return blocks[:best], best * size
+
+    def free(self, request_id: str, *, num_computed_tokens: int | None = None) -> None:
+        self.states.forget(request_id)
+        self.inner.free(request_id, num_computed_tokens=num_computed_tokens)
+
+    def reset(self) -> bool:
+        self.states.reset()
+        return self.inner.reset()

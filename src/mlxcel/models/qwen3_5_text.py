@@ -1,0 +1,17 @@
+"""Qwen3.5 / Qwen3.6 dense (`qwen3_5_text`, also the text part of a `qwen3_5` checkpoint): the
+Qwen3-Next hybrid (models/qwen3_next.py) with a dense MLP in every layer."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from mlxcel.models.qwen3_next import HybridArgs, HybridLM
+
+
+@dataclass(frozen=True)
+class ModelArgs(HybridArgs):
+    pass
+
+
+class Model(HybridLM):
+    ARGS = ModelArgs
