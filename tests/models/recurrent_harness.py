@@ -1,13 +1,13 @@
-"""Running a hybrid (recurrent + attention) family the ways the engine does, with its recurrent
-states carried explicitly: a paged KV cache for its attention layers and a `StateTensors` pool
-(layers/recurrent.py) with one slot a sequence for its recurrent layers."""
+"""A hybrid (recurrent + attention) family run the ways the engine runs it, with its recurrent states
+carried explicitly: harness.py's paged KV cache for its attention layers plus a `StateTensors`
+pool (layers/recurrent.py) with one slot a sequence for its recurrent layers. Pass
+`sequences=HybridSequences` to harness.py's `cached_logits`, `lockstep_cached_logits` and `greedy`."""
 
 from __future__ import annotations
 
-import torch
 from torch import nn
 
-from mlxcel.layers.attention import AttentionContext
+from mlxcel.layers.attention import AttentionContext, SequenceSlice
 from mlxcel.layers.recurrent import RecurrentStates, StateTensors, state_specs
 
 from .harness import PagedSequences
@@ -22,52 +22,11 @@ class HybridSequences(PagedSequences):
         self.pool = StateTensors(state_specs(model), num_slots, param.dtype, param.device)
         self.slots: dict[int, int] = {}
 
-    @torch.inference_mode()
-    def step(self, feeds: dict[int, list[int]]) -> dict[int, torch.Tensor]:
-        ids: list[int] = []
-        pos: list[int] = []
-        slices = [self._slice(seq_id, tokens, len(ids), ids, pos) for seq_id, tokens in feeds.items()]
-        for seq_id in feeds:
+    def _context(self, seq_ids: list[int], slices: list[SequenceSlice]) -> AttentionContext:
+        for seq_id in seq_ids:
             if seq_id not in self.slots:  # slot 0 is the scratch slot
                 self.slots[seq_id] = len(self.slots) + 1
                 self.pool.clear([self.slots[seq_id]])
-        slots = [self.slots[seq_id] for seq_id in feeds]
+        slots = [self.slots[seq_id] for seq_id in seq_ids]
         states = RecurrentStates(self.pool, [s.q_start for s in slices], [s.q_len for s in slices], slots, slots)
-        ctx = AttentionContext(slices, self.kv, self.device, states=states)
-        hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
-        logits = self.model.compute_logits(hidden)
-        return {seq_id: logits[s.q_start:s.q_start + s.q_len] for seq_id, s in zip(feeds, slices)}
-
-
-def cached_logits(model: nn.Module, ids: list[int], prefill_chunks: tuple[int, ...]) -> torch.Tensor:
-    """Prefill in the given chunk sizes, then one token a step: [T, vocab]."""
-    seqs = HybridSequences(model)
-    parts, start = [], 0
-    for size in prefill_chunks:
-        parts.append(seqs.step({0: ids[start:start + size]})[0])
-        start += size
-    for token in ids[start:]:
-        parts.append(seqs.step({0: [token]})[0])
-    return torch.cat(parts)
-
-
-def lockstep_cached_logits(model: nn.Module, prompts: list[list[int]], prefill_len: int) -> list[torch.Tensor]:
-    """Every prompt's first `prefill_len` tokens in one mixed step, then all one token a step together."""
-    seqs = HybridSequences(model)
-    out = {i: [logits] for i, logits in seqs.step({i: p[:prefill_len] for i, p in enumerate(prompts)}).items()}
-    for t in range(prefill_len, max(len(p) for p in prompts)):
-        live = {i: [p[t]] for i, p in enumerate(prompts) if t < len(p)}
-        for i, logits in seqs.step(live).items():
-            out[i].append(logits)
-    return [torch.cat(out[i]) for i in range(len(prompts))]
-
-
-def greedy(model: nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
-    """Greedy continuation: the prompt in one step, then one token a step."""
-    seqs = HybridSequences(model, num_blocks=(len(prompt) + num_tokens) // 4 + 2)
-    token = int(seqs.step({0: prompt})[0][-1].argmax())
-    generated = [token]
-    while len(generated) < num_tokens:
-        token = int(seqs.step({0: [token]})[0][-1].argmax())
-        generated.append(token)
-    return generated
+        return AttentionContext(slices, self.kv, self.device, states=states)
