@@ -98,6 +98,8 @@ class EngineCore:
         # prefix cache hits only where a state snapshot exists (engine/kv/states.py).
         self.states = _state_pool(model, config, dtype, device)
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
+        if self.states is not None and self.disk is not None:
+            self.states.attach_disk(self.disk.folder)
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
         self.drafts = drafts or build_policy(config.speculative)
         scheduled_kv = SnapshotPrefixCache(self.kv, self.states) if self.states is not None else self.kv
@@ -276,6 +278,8 @@ class EngineCore:
         num_blocks = self.kv.pool.num_cached_blocks
         if not self.kv.reset():
             return PrefixCacheReset(is_reset=False)
+        if self.states is not None:  # issue 41: the recurrent-state snapshots, in RAM and on disk
+            self.states.reset()
         num_host = self.host.reset() if self.host is not None else 0
         num_files, num_bytes = self.disk.reset() if self.disk is not None else (0, 0)
         return PrefixCacheReset(is_reset=True, num_blocks=num_blocks, num_host_blocks=num_host,
@@ -312,6 +316,8 @@ class EngineCore:
                     self.host.close()
                 if self.disk is not None:  # issue 29: every block still cached goes to disk
                     self.disk.close(self.kv.pool)
+                if self.states is not None:  # issue 41: and the recurrent-state snapshots beside them
+                    self.states.save_all()
                 return
             if self.scheduler.has_work:
                 self._step()

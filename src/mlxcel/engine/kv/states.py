@@ -25,16 +25,21 @@ blocks and recurrent layers from the snapshot at the same position.
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Sequence as Seq
+from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors.torch import load_file, save_file
 
 from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
 from mlxcel.layers.recurrent import SCRATCH_SLOT, StateSpec, StateTensors
 
 log = logging.getLogger(__name__)
+
+STATE_SUFFIX = ".rstate"  # a snapshot's file (safetensors) beside the disk tier's `.kvb` block files
 
 
 class StatePool:
@@ -53,6 +58,7 @@ class StatePool:
         self._hashes: dict[str, list[int]] = {}  # request -> chain hashes of its full blocks so far
         self._rolling: dict[str, int] = {}  # request -> the key of its latest decode-step snapshot
         self.num_resumed = 0  # sequences that started from a snapshot
+        self.folder: Path | None = None  # the disk tier's folder, when there is one (`attach_disk`)
 
     @property
     def bytes_per_slot(self) -> int:
@@ -119,7 +125,58 @@ class StatePool:
             self._rolling[request_id] = key
 
     def has_snapshot(self, block_hash: int) -> bool:
-        return block_hash in self._snapshots
+        """In RAM, or on disk (a previous run's, read back into a snapshot slot now)."""
+        if block_hash in self._snapshots:
+            return True
+        path = self._file(block_hash)
+        if path is None or not path.is_file():
+            return False
+        try:
+            saved = load_file(str(path))
+            self.import_snapshot(block_hash, saved)
+        except Exception as exc:  # noqa: BLE001 - a bad file is dropped, never used
+            log.warning("recurrent state snapshot %s cannot be used (%s); deleting it", path.name, exc)
+            path.unlink(missing_ok=True)
+            return False
+        return True
+
+    # ---- the disk tier: snapshots beside the KV block files, so a restarted server resumes ----
+
+    def attach_disk(self, folder: Path) -> None:
+        """Keep snapshots as files in `folder` (the disk tier's, named by the model's KV identity)."""
+        self.folder = folder
+
+    def _file(self, block_hash: int) -> Path | None:
+        return None if self.folder is None else self.folder / f"{block_hash:064x}{STATE_SUFFIX}"
+
+    def save_all(self) -> int:
+        """Write every snapshot held to disk (a graceful stop, with the KV blocks); how many were written."""
+        if self.folder is None:
+            return 0
+        written = 0
+        for block_hash, slot in self._snapshots.items():
+            path = self._file(block_hash)
+            assert path is not None
+            if path.is_file():
+                continue
+            temp = path.with_suffix(f".{os.getpid()}.tmp")
+            try:
+                save_file(self.tensors.export(slot), str(temp))
+                temp.replace(path)
+            except OSError as exc:
+                log.warning("recurrent state snapshots: writing %s failed (%s)", path, exc)
+                temp.unlink(missing_ok=True)
+                return written
+            written += 1
+        return written
+
+    def delete_files(self) -> int:
+        if self.folder is None or not self.folder.is_dir():
+            return 0
+        files = list(self.folder.glob(f"*{STATE_SUFFIX}"))
+        for path in files:
+            path.unlink(missing_ok=True)
+        return len(files)
 
     def _snapshot_at(self, token_ids: Seq[int], position: int, extra: object) -> int | None:
         if position % self.block_size:
@@ -147,7 +204,8 @@ class StatePool:
             del self._holds[slot]
 
     def reset(self) -> int:
-        """Drop every snapshot (a prefix-cache reset); returns how many."""
+        """Drop every snapshot (a prefix-cache reset), on disk too; returns how many were in RAM."""
+        self.delete_files()
         count = len(self._snapshots)
         self._free_snapshots += list(self._snapshots.values())
         self._snapshots.clear()
@@ -192,12 +250,11 @@ class SnapshotPrefixCache:
         blocks, _ = self.inner.find_cached_prefix(token_ids, cache_prompt=cache_prompt, extra=extra,
                                                   include_last_block=include_last_block)
         size = self.inner.block_size
-        parent: int | None = None
-        best = 0
+        hashes: list[int] = []
         for index in range(min(len(blocks), (len(token_ids) - 1) // size)):
-            parent = hash_block_tokens(parent, token_ids[index * size:(index + 1) * size], extra)
-            if self.states.has_snapshot(parent):
-                best = index + 1
+            hashes.append(hash_block_tokens(hashes[-1] if hashes else None, token_ids[index * size:(index + 1) * size],
+                                            extra))
+        best = next((n for n in range(len(hashes), 0, -1) if self.states.has_snapshot(hashes[n - 1])), 0)
         return blocks[:best], best * size
 
     def free(self, request_id: str, *, num_computed_tokens: int | None = None) -> None:
