@@ -74,7 +74,7 @@ VARIANTS = ("granitemoehybrid-dense-nope", "falcon_h1-no-norm")
 MAIN = [f for f in FAMILIES if f not in VARIANTS]
 
 _rng = random.Random(3)
-PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (3, 8, 13, 21)]
+PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (3, 8, 21)]
 
 
 @dataclass
