@@ -193,7 +193,8 @@ class DecodeStep:
                 self.lora_rows.set_rows(lora_scales)
             x = inner.embed(input_ids)
             for index, layer in enumerate(inner.layers):
-                ctx = self.kv_cache.decode_attention(index, slot_mapping, key_slots, key_pos, positions)
+                kv_index = getattr(layer, "kv_index", index)  # a recurrent layer (None) reads no KV: any layer's
+                ctx = self.kv_cache.decode_attention(kv_index or 0, slot_mapping, key_slots, key_pos, positions)
                 ctx.states = self._step_states
                 x = outputs[index] = self._layer(layer, x, positions, ctx)
         if self.taps:

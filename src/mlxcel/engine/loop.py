@@ -70,7 +70,9 @@ class ModelShape:
     @classmethod
     def of(cls, args: Any) -> ModelShape:
         """From a family's ModelArgs (every decoder family exposes these four)."""
-        return cls(args.num_hidden_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
+        # A hybrid keeps KV for its attention layers only; at least one layer (a model of recurrent layers alone).
+        num_layers = max(getattr(args, "num_kv_layers", args.num_hidden_layers), 1)
+        return cls(num_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
 
 
 class EngineCore:
@@ -258,12 +260,13 @@ class EngineCore:
     def save_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
         content = self._slot_content(slot_id)
-        return slot_files.save_slot(self.kv, self.kv_cache, content, self.lora_adapters, slot_id, path)
+        return slot_files.save_slot(self.kv, self.kv_cache, content, self.lora_adapters, slot_id, path, self.states)
 
     def restore_slot(self, slot_id: int, filename: str) -> slot_files.SlotFileResult:
         path = slot_files.slot_file(self.config.slot_save_path, filename)
         self._slot_content(slot_id, must_exist=False)
-        result, content = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path, self.lora_adapters)
+        result, content = slot_files.restore_slot(self.kv, self.kv_cache, slot_id, path, self.lora_adapters,
+                                                  self.states)
         self.scheduler.slot_contents[slot_id] = content
         return result
 

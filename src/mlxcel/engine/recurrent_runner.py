@@ -52,16 +52,18 @@ class RecurrentRunner(Runner):
         self._after_pieces(heads)
         if not rests:
             return
+        head_lens = [self._head_len(item) for item in rests]
+        pieces = [ScheduledSeq(item.seq, item.num_new_tokens - head) for item, head in zip(rests, head_lens)]
         # NOTE: the rest of a split chunk starts where its head ended: the sequence is moved on for the pass
         # (the scheduler moves it on again, by the whole chunk, once the step is over).
-        for item in rests:
-            item.seq.num_computed_tokens += self._head_len(item)
+        for item, head in zip(rests, head_lens):
+            item.seq.num_computed_tokens += head
         try:
-            super()._run_prefill([ScheduledSeq(i.seq, i.num_new_tokens - self._head_len(i)) for i in rests], ids, parts)
-            self._after_pieces([ScheduledSeq(i.seq, i.num_new_tokens - self._head_len(i)) for i in rests])
+            super()._run_prefill(pieces, ids, parts)
+            self._after_pieces(pieces)
         finally:
-            for item in rests:
-                item.seq.num_computed_tokens -= self._head_len(item)
+            for item, head in zip(rests, head_lens):
+                item.seq.num_computed_tokens -= head
 
     def _head_len(self, item: ScheduledSeq) -> int:
         """Positions of `item` up to the last block boundary strictly inside it (0: none)."""
@@ -115,7 +117,7 @@ class RecurrentRunner(Runner):
 
     def _verify(self, verify: list[ScheduledSeq]) -> dict[str, torch.Tensor]:
         """Each verify row's 1 + k positions as one chunk: logits [1 + k, vocab] per request."""
-        input_ids, positions, slices = self._verify_inputs(verify)
+        input_ids, positions, slices = self._prepare(verify)
         token_slots: list[int] = []
         for item in verify:
             token_slots += self.states.verify_slots(item.seq.slot_id, item.num_new_tokens)
@@ -134,17 +136,3 @@ class RecurrentRunner(Runner):
             self.states.wrote(self.states.live_slot(seq.slot_id), seq.request_id, first + item.num_new_tokens)
             out[seq.request_id] = logits[sl.q_start:sl.q_start + sl.q_len]
         return out
-
-    def _verify_inputs(self, verify: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceSlice]]:
-        """The known token and the draft of each verify row, at positions num_computed.. (as `_prepare`)."""
-        ids: list[int] = []
-        pos: list[int] = []
-        slices: list[SequenceSlice] = []
-        for item in verify:
-            seq, start = item.seq, item.seq.num_computed_tokens
-            slices.append(SequenceSlice(q_start=len(ids), q_len=item.num_new_tokens, kv_len=start + item.num_new_tokens,
-                                        kv_start=seq.kv_start, block_table=tuple(self.kv.block_table(seq.request_id))))
-            ids += [seq.token_ids[start], *item.draft]
-            pos += range(start, start + item.num_new_tokens)
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
-        return as_tensor(ids), as_tensor(pos), slices

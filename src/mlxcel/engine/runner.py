@@ -293,7 +293,8 @@ class Runner:
             slices.append(SequenceSlice(q_start=len(ids), q_len=item.num_new_tokens, kv_len=stop,
                                         kv_start=seq.kv_start,
                                         block_table=tuple(self.kv.block_table(seq.request_id))))
-            ids.extend(seq.token_ids[start:stop])
+            ids.extend(seq.token_ids[start:stop - len(item.draft)])  # a verify row: its known token, then the draft
+            ids.extend(item.draft)
             pos.extend(range(start, stop))
         as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), slices

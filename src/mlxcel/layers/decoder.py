@@ -156,8 +156,8 @@ class LayerRecipe:
     side_mixer: MixerRecipe | None = None
     side_mixer_name: str = "mamba"
 
-    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None) -> nn.Module:
-        return DecoderLayer(hidden_size, self, layer_idx, rope)
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, kv_index: int | None = None) -> nn.Module:
+        return DecoderLayer(hidden_size, self, layer_idx, rope, kv_index)
 
     @property
     def is_llama_layout(self) -> bool:
@@ -272,11 +272,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None) -> None:
+    def __init__(self, hidden_size: int, recipe: LayerRecipe, layer_idx: int, rope: Rope | None,
+                 kv_index: int | None = None) -> None:
+        """`kv_index`: the layer's index in the KV cache (its count among the layers that keep keys and values:
+        a hybrid's recurrent layers keep none, issue 41); None for a recurrent layer, which goes by `layer_idx`."""
         super().__init__()
         self.recipe = recipe
-        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm))
-        if recipe.side_mixer is not None:
+        self.kv_index = kv_index
+        mixer_index = kv_index if kv_index is not None else layer_idx
+        setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, mixer_index, rope, recipe.norm))
+        if recipe.side_mixer is not None:  # a recurrent mixer: by its layer index
             setattr(self, recipe.side_mixer_name, recipe.side_mixer.build(hidden_size, layer_idx, None, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
@@ -350,6 +355,11 @@ class DecoderArgs:
         return {**config, "rope_theta": theta, "rope_scaling": scaling}
 
     @property
+    def num_kv_layers(self) -> int:
+        """Layers whose keys and values the KV cache holds (a hybrid's recurrent layers hold none)."""
+        return sum(getattr(self.layer_recipe(i).attention, "has_kv", True) for i in range(self.num_hidden_layers))
+
+    @property
     def kv_heads(self) -> int:
         return self.num_key_value_heads or self.num_attention_heads
 
@@ -409,9 +419,12 @@ class DecoderModel(nn.Module):
         tables: dict[RopeRecipe, RotaryEmbedding] = {}
         self.rotary = nn.ModuleList()  # one table per distinct rope, shared by the layers that use it
         layers = []
+        num_kv_layers = 0
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
-            layers.append(recipe.build(args.hidden_size, i, rope))
+            has_kv = getattr(recipe.attention, "has_kv", True)
+            layers.append(recipe.build(args.hidden_size, i, rope, num_kv_layers if has_kv else None))
+            num_kv_layers += has_kv
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 

@@ -39,6 +39,7 @@ class GatedDeltaNetRecipe:
     eps: float = 1e-6
     rope: None = None
     head_dim: int = 0
+    has_kv: bool = False  # a recurrent layer: its state lives in the state pool, not the KV cache
 
     def build(self, hidden_size: int, layer_idx: int, rope: object, norm: object) -> nn.Module:
         return GatedDeltaNet(hidden_size, self, layer_idx)

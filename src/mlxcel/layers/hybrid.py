@@ -26,18 +26,22 @@ class BlockRecipe:
     norm_name: str = "norm"
     mixer_name: str = "mixer"
 
-    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None) -> nn.Module:
-        return MixerBlock(hidden_size, self, layer_idx, rope)
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, kv_index: int | None = None) -> nn.Module:
+        return MixerBlock(hidden_size, self, layer_idx, rope, kv_index)
 
 
 class MixerBlock(nn.Module):
-    def __init__(self, hidden_size: int, recipe: BlockRecipe, layer_idx: int, rope: Rope | None) -> None:
+    def __init__(self, hidden_size: int, recipe: BlockRecipe, layer_idx: int, rope: Rope | None,
+                 kv_index: int | None = None) -> None:
+        """`kv_index`: an attention mixer's index in the KV cache (decoder.DecoderLayer's); a recurrent
+        mixer goes by `layer_idx`."""
         super().__init__()
-        self.recipe = recipe
+        self.recipe, self.kv_index = recipe, kv_index
         self.native_layout = None  # the CPU's native decode step runs Llama-shaped layers only
         setattr(self, recipe.norm_name, recipe.norm.build(hidden_size))
         if recipe.attention is not None:
-            mixer = recipe.attention.build(hidden_size, layer_idx, rope, recipe.norm)
+            index = kv_index if kv_index is not None else layer_idx
+            mixer = recipe.attention.build(hidden_size, index, rope, recipe.norm)
         elif recipe.feed_forward is not None:
             mixer = recipe.feed_forward()
         else:

@@ -53,6 +53,7 @@ class Mamba2Recipe:
 
     # The MixerRecipe protocol of layers/decoder.py: no rope.
     rope = None
+    has_kv = False  # a recurrent layer: no keys and values in the KV cache
 
 
 class GatedRMSNorm(nn.Module):

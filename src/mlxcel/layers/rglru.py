@@ -36,6 +36,7 @@ class RGLRURecipe:
     activation: str = "gelu_pytorch_tanh"
 
     rope = None  # the MixerRecipe protocol of layers/decoder.py
+    has_kv = False  # a recurrent layer: no keys and values in the KV cache
     head_dim = 0
 
     def build(self, hidden_size: int, layer_idx: int, rope: object = None, norm: object = None) -> RecurrentBlock:

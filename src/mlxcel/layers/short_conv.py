@@ -23,6 +23,7 @@ class ShortConvRecipe:
     bias: bool = False
 
     rope = None  # the MixerRecipe protocol of layers/decoder.py
+    has_kv = False  # a recurrent layer: no keys and values in the KV cache
     head_dim = 0
 
     def build(self, hidden_size: int, layer_idx: int, rope: object = None, norm: object = None) -> ShortConv:

@@ -21,7 +21,8 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
+from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens, hash_prompt_blocks
+from mlxcel.engine.kv.states import StatePool
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import SlotContent
 from mlxcel.layers import kv_quant
@@ -53,7 +54,7 @@ def slot_file(save_dir: str | None, filename: str) -> Path:
 
 
 def save_slot(kv: KVCacheManager, cache: KVCache, content: SlotContent, adapters: tuple[str, ...], slot_id: int,
-              path: Path) -> SlotFileResult:
+              path: Path, states: StatePool | None = None) -> SlotFileResult:
     """Write the slot's cached full blocks (tokens, per-layer K/V, the LoRA scales they were computed under)."""
     scales = content.lora_scales if any(content.lora_scales) else ()
     block_ids, num_tokens = kv.find_cached_prefix(content.token_ids + [0], cache_prompt=True,
@@ -67,13 +68,16 @@ def save_slot(kv: KVCacheManager, cache: KVCache, content: SlotContent, adapters
         "lora_scales": list(scales), "lora_adapters": list(adapters) if scales else [],
         **{name: _rows(tensors, slots) for name, tensors in _cache_tensors(cache).items()},
     }
+    if states is not None:  # issue 41: a hybrid model's state snapshots along the saved prefix
+        payload["recurrent_states"] = _snapshots_along(states, content.token_ids[:num_tokens], cache.block_size,
+                                                       lora_cache_extra(scales))
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, path)
     return SlotFileResult(slot_id, path.name, num_tokens, path.stat().st_size, scales)
 
 
 def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
-                 adapters: tuple[str, ...]) -> tuple[SlotFileResult, SlotContent]:
+                 adapters: tuple[str, ...], states: StatePool | None = None) -> tuple[SlotFileResult, SlotContent]:
     """Load a snapshot into free blocks and register them in the prefix cache under its LoRA scales."""
     if not path.is_file():
         raise SlotError(f"no saved slot file {path.name!r}")
@@ -89,6 +93,9 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
     kv.pool.flush_evictions()  # the lower tiers gather what that evicted before it is overwritten
     _write_blocks(cache, block_ids, payload)
     _register(kv, block_ids, tokens, cache.block_size, lora_cache_extra(scales))
+    if states is not None:
+        _restore_snapshots(states, payload.get("recurrent_states", {}), tokens, cache.block_size,
+                           lora_cache_extra(scales))
     kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted
     result = SlotFileResult(slot_id, path.name, len(tokens), path.stat().st_size, scales)
     return result, SlotContent(tokens, scales)
@@ -139,6 +146,22 @@ def _cache_tensors(cache: KVCache) -> dict[str, list[torch.Tensor]]:
 
 def _rows(tensors: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:
     return [layer.index_select(0, slots.to(layer.device)).cpu() for layer in tensors]
+
+
+def _snapshots_along(states: StatePool, tokens: list[int], block_size: int,
+                     extra: object) -> dict[int, dict[str, torch.Tensor]]:
+    """{position: the recurrent state after it} for each block boundary of `tokens` with a snapshot."""
+    hashes = hash_prompt_blocks(tokens, block_size, extra)
+    saved = {(i + 1) * block_size: states.export_snapshot(h) for i, h in enumerate(hashes)}
+    return {position: tensors for position, tensors in saved.items() if tensors is not None}
+
+
+def _restore_snapshots(states: StatePool, saved: dict[int, dict[str, torch.Tensor]], tokens: list[int],
+                       block_size: int, extra: object) -> None:
+    hashes = hash_prompt_blocks(tokens, block_size, extra)
+    for position, tensors in saved.items():
+        if 0 < position <= len(hashes) * block_size and position % block_size == 0:
+            states.import_snapshot(hashes[position // block_size - 1], tensors)
 
 
 def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int, extra: object) -> None:
