@@ -66,10 +66,13 @@ class PagedSequences:
         ids: list[int] = []
         pos: list[int] = []
         slices = [self._slice(seq_id, tokens, len(ids), ids, pos) for seq_id, tokens in feeds.items()]
-        ctx = AttentionContext(slices, self.kv, self.device)
+        ctx = self._context(list(feeds), slices)
         hidden = self.model(torch.tensor(ids, device=self.device), torch.tensor(pos, device=self.device), ctx)
         logits = self.model.compute_logits(hidden)
         return {seq_id: logits[s.q_start:s.q_start + s.q_len] for seq_id, s in zip(feeds, slices)}
+
+    def _context(self, seq_ids: list[int], slices: list[SequenceSlice]) -> AttentionContext:
+        return AttentionContext(slices, self.kv, self.device)
 
     def _slice(self, seq_id: int, tokens: list[int], q_start: int, ids: list[int], pos: list[int]) -> SequenceSlice:
         start = self.lengths.get(seq_id, 0)
@@ -83,9 +86,10 @@ class PagedSequences:
         return SequenceSlice(q_start=q_start, q_len=len(tokens), kv_len=stop, block_table=tuple(table))
 
 
-def cached_logits(model: nn.Module, ids: list[int], prefill_chunks: tuple[int, ...]) -> torch.Tensor:
+def cached_logits(model: nn.Module, ids: list[int], prefill_chunks: tuple[int, ...],
+                  sequences: type[PagedSequences] = PagedSequences) -> torch.Tensor:
     """Prefill in the given chunk sizes, then decode the rest one token a step: [T, vocab]."""
-    seqs = PagedSequences(model)
+    seqs = sequences(model)
     parts, start = [], 0
     for size in prefill_chunks:
         parts.append(seqs.step({0: ids[start:start + size]})[0])
@@ -95,9 +99,10 @@ def cached_logits(model: nn.Module, ids: list[int], prefill_chunks: tuple[int, .
     return torch.cat(parts)
 
 
-def lockstep_cached_logits(model: nn.Module, prompts: list[list[int]], prefill_len: int) -> list[torch.Tensor]:
+def lockstep_cached_logits(model: nn.Module, prompts: list[list[int]], prefill_len: int,
+                           sequences: type[PagedSequences] = PagedSequences) -> list[torch.Tensor]:
     """Every prompt's first `prefill_len` tokens in one mixed step, then all decode together."""
-    seqs = PagedSequences(model)
+    seqs = sequences(model)
     out = {i: [logits] for i, logits in seqs.step({i: p[:prefill_len] for i, p in enumerate(prompts)}).items()}
     for t in range(prefill_len, max(len(p) for p in prompts)):
         live = {i: [p[t]] for i, p in enumerate(prompts) if t < len(p)}
@@ -106,9 +111,10 @@ def lockstep_cached_logits(model: nn.Module, prompts: list[list[int]], prefill_l
     return [torch.cat(out[i]) for i in range(len(prompts))]
 
 
-def greedy(model: nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
+def greedy(model: nn.Module, prompt: list[int], num_tokens: int,
+           sequences: type[PagedSequences] = PagedSequences) -> list[int]:
     """Greedy continuation through the paged cache (prefill once, then one token a step)."""
-    seqs = PagedSequences(model, num_blocks=(len(prompt) + num_tokens) // 4 + 2)
+    seqs = sequences(model, num_blocks=(len(prompt) + num_tokens) // 4 + 2)
     token = int(seqs.step({0: prompt})[0][-1].argmax())
     generated = [token]
     while len(generated) < num_tokens:

@@ -104,6 +104,7 @@ class AttentionRecipe:
     qk_norm_names: tuple[str, str] = ("q_norm", "k_norm")
     softcap: float | None = None
     has_sinks: bool = False  # gpt-oss: `self_attn.sinks` [num_heads]
+    o_name: str = "o_proj"  # LFM2: out_proj
     # Qwen3-Next / Qwen3.5: q_proj also gives a gate a head ([q, gate] per head); out * sigmoid(gate)
     output_gate: bool = False
 
@@ -152,6 +153,12 @@ class LayerRecipe:
     parallel: bool = False
     residual_multiplier: float = 1.0
     attention_name: str = "self_attn"  # the mixer's checkpoint name (Qwen3.5's recurrent layers: linear_attn)
+    # Falcon-H1: a second mixer beside the first over the same normed input, the two outputs summed
+    side_mixer: MixerRecipe | None = None
+    side_mixer_name: str = "mamba"
+
+    def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, kv_index: int | None = None) -> nn.Module:
+        return DecoderLayer(hidden_size, self, layer_idx, rope, kv_index)
 
     @property
     def is_llama_layout(self) -> bool:
@@ -167,7 +174,8 @@ class LayerRecipe:
                 and att.rope.dim == att.head_dim and not att.rope.interleaved
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
-                and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp")
+                and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
+                and self.attention_name == "self_attn" and att.o_name == "o_proj" and self.side_mixer is None)
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -207,7 +215,7 @@ class Attention(nn.Module):
         self.q_proj = nn.Linear(hidden_size, q_out * (2 if r.output_gate else 1), bias=r.q_bias)
         self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
-        self.o_proj = nn.Linear(q_out, hidden_size, bias=r.o_bias)
+        setattr(self, r.o_name, nn.Linear(q_out, hidden_size, bias=r.o_bias))
         if r.qk_norm is not None:
             q_dim, k_dim = (q_out, kv_out) if r.qk_norm == "full" else (r.head_dim, r.head_dim)
             setattr(self, r.qk_norm_names[0], norm.build(q_dim))
@@ -236,7 +244,7 @@ class Attention(nn.Module):
             q, k = getattr(self, r.qk_norm_names[0])(q), getattr(self, r.qk_norm_names[1])(k)
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
         out = out.reshape(t, -1)
-        return linear(self.o_proj, out * torch.sigmoid(gate) if gate is not None else out, ctx)
+        return linear(getattr(self, r.o_name), out * torch.sigmoid(gate) if gate is not None else out, ctx)
 
     def _rule(self) -> ScoreRule:
         if self.recipe.softcap is None and not self.recipe.has_sinks:
@@ -274,6 +282,8 @@ class DecoderLayer(nn.Module):
         self.kv_index = kv_index
         mixer_index = kv_index if kv_index is not None else layer_idx
         setattr(self, recipe.attention_name, recipe.attention.build(hidden_size, mixer_index, rope, recipe.norm))
+        if recipe.side_mixer is not None:  # a recurrent mixer: by its layer index
+            setattr(self, recipe.side_mixer_name, recipe.side_mixer.build(hidden_size, layer_idx, None, recipe.norm))
         ffn = recipe.feed_forward() if recipe.feed_forward is not None else MLP(hidden_size, recipe.mlp)
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
@@ -291,7 +301,10 @@ class DecoderLayer(nn.Module):
         h = self._norm("attn_in", x)
         if r.parallel:
             return x + (mixer(h, positions, ctx) + ffn(h, ctx))
-        a = self._norm("attn_out", mixer(h, positions, ctx))
+        a = mixer(h, positions, ctx)
+        if r.side_mixer is not None:
+            a = a + getattr(self, r.side_mixer_name)(h, positions, ctx)
+        a = self._norm("attn_out", a)
         x = x + (a * r.residual_multiplier if r.residual_multiplier != 1.0 else a)
         f = self._norm("mlp_out", ffn(self._norm("mlp_in", x), ctx))
         return x + (f * r.residual_multiplier if r.residual_multiplier != 1.0 else f)
@@ -424,13 +437,13 @@ class DecoderModel(nn.Module):
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
             has_kv = getattr(recipe.attention, "has_kv", True)
-            layers.append(DecoderLayer(args.hidden_size, recipe, i, rope, num_kv_layers if has_kv else None))
+            layers.append(recipe.build(args.hidden_size, i, rope, num_kv_layers if has_kv else None))
             num_kv_layers += has_kv
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
 
-    def _rope(self, recipe: MixerRecipe, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
-        if recipe.rope is None:
+    def _rope(self, recipe: MixerRecipe | None, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
+        if recipe is None or recipe.rope is None:
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
         if key not in tables:

@@ -1,0 +1,75 @@
+"""NVIDIA Nemotron-H: one job a layer, after `hybrid_override_pattern` (or transformers'
+`layers_block_type`): `M` Mamba-2, `*` attention without rope, `-` a plain relu^2 MLP; each a
+pre-norm residual block (layers/hybrid.py). The checkpoint's `backbone.embeddings` and
+`backbone.norm_f` are read as `model.embed_tokens` and `model.norm`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe
+from mlxcel.layers.hybrid import BlockRecipe
+from mlxcel.layers.mamba2 import Mamba2Recipe
+from mlxcel.models._hybrid import rename_prefixes, time_step_limit
+
+# hybrid_override_pattern's letters -> transformers' layer kinds
+PATTERN = {"M": "linear_attention", "*": "full_attention", "-": "mlp", "E": "moe"}
+MAMBA, ATTENTION, MLP_LAYER = "linear_attention", "full_attention", "mlp"
+# The checkpoint's names (NVIDIA's `backbone.`, or transformers' `model.`) -> ours
+_GLOBAL_NAMES = {"backbone.embeddings.": "model.embed_tokens.", "backbone.norm_f.": "model.norm.",
+                 "backbone.": "model.", "model.embeddings.": "model.embed_tokens.", "model.norm_f.": "model.norm."}
+
+
+@dataclass(frozen=True)
+class ModelArgs(DecoderArgs):
+    layers_block_type: tuple[str, ...] = ()
+    layer_norm_epsilon: float = 1e-5
+    mlp_hidden_act: str = "relu2"
+    mamba_num_heads: int = 128
+    mamba_head_dim: int = 64
+    ssm_state_size: int = 128
+    n_groups: int = 8
+    conv_kernel: int = 4
+    chunk_size: int = 128
+    use_conv_bias: bool = True
+    mamba_proj_bias: bool = False
+    use_bias: bool = False
+    time_step_limit: tuple[float, float] = (0.0, float("inf"))
+
+    @classmethod
+    def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
+        config = super().prepare(config)
+        kinds = config.get("layers_block_type") or [PATTERN[c] for c in config.get("hybrid_override_pattern", "")]
+        unknown = sorted({k for k in kinds if k not in (MAMBA, ATTENTION, MLP_LAYER)})
+        if unknown:
+            raise ValueError(f"Nemotron-H layers of kind {', '.join(unknown)} are not supported")
+        return {**config, "layers_block_type": tuple(kinds), "num_hidden_layers": len(kinds),
+                "time_step_limit": time_step_limit(config)}
+
+    def norm_recipe(self) -> NormRecipe:
+        return NormRecipe("rms", self.layer_norm_epsilon)
+
+    def mamba_recipe(self) -> Mamba2Recipe:
+        return Mamba2Recipe(self.mamba_num_heads, self.mamba_head_dim, self.ssm_state_size, self.n_groups,
+                            self.conv_kernel, self.chunk_size, self.layer_norm_epsilon,
+                            proj_bias=self.use_bias, conv_bias=self.use_conv_bias, dt_limit=self.time_step_limit)
+
+    def layer_recipe(self, layer_idx: int) -> BlockRecipe:  # type: ignore[override]
+        kind, norm = self.layers_block_type[layer_idx], self.norm_recipe()
+        if kind == MAMBA:
+            return BlockRecipe(norm, attention=self.mamba_recipe())
+        if kind == ATTENTION:
+            return BlockRecipe(norm, attention=AttentionRecipe(
+                self.num_attention_heads, self.kv_heads, self.dim_per_head, self.dim_per_head**-0.5, None,
+                q_bias=self.attention_bias, kv_bias=self.attention_bias, o_bias=self.attention_bias))
+        return BlockRecipe(norm, mlp=MLPRecipe(self.intermediate_size, self.mlp_hidden_act, gated=False,
+                                               bias=self.mlp_bias, names=("up_proj", "down_proj")))
+
+
+class Model(DecoderLM):
+    ARGS: ClassVar[type[DecoderArgs]] = ModelArgs
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, Any], args: DecoderArgs) -> dict[str, Any]:
+        return super().sanitize(rename_prefixes(weights, _GLOBAL_NAMES), args)
