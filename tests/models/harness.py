@@ -119,8 +119,11 @@ def greedy(model: nn.Module, prompt: list[int], num_tokens: int) -> list[int]:
 
 # ---- tiny checkpoints -------------------------------------------------------------------------
 
-def save_tiny_hf(config: Any, folder: Path, seed: int = 0) -> nn.Module:
-    """A transformers model with random weights (biases and norms too), saved in HF layout."""
+def save_tiny_hf(config: Any, folder: Path, seed: int = 0, model_type: str | None = None) -> nn.Module:
+    """A transformers model with random weights (biases and norms too), saved in HF layout;
+    `model_type` renames the saved config's type (Kimi K2 ships DeepSeek-V3's architecture as "kimi_k2")."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -132,6 +135,9 @@ def save_tiny_hf(config: Any, folder: Path, seed: int = 0) -> nn.Module:
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
     model.eval().save_pretrained(folder)
+    if model_type is not None and model_type != config.model_type:
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**saved, "model_type": model_type}))
     return model
 
 
