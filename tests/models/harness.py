@@ -54,7 +54,8 @@ class PagedSequences:
         args = model.args
         self.model, self.device = model, param.device
         self.kv = KVCache(args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
-                          args.dim_per_head, param.dtype, param.device)
+                          args.dim_per_head, param.dtype, param.device,
+                          values_are_keys=getattr(args, "kv_values_are_keys", False))
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)  # non-contiguous tables exercise the slot mapping
         self.tables: dict[int, list[int]] = {}

@@ -309,3 +309,8 @@ def test_issue40_mla_caches_the_latent_not_the_heads() -> None:
     args = deepseek_v3.ModelArgs.from_dict(FAMILIES["deepseek_v3"][1]().to_dict())
     shape = ModelShape.of(args)
     assert (shape.num_kv_heads, shape.head_dim) == (1, 16 + 8)
+    # The latent is stored once (values are keys): half the bytes of a K + V cache of that width.
+    assert shape.values_are_keys and shape.kv_bytes_per_token("f16", "f16") == 2 * (16 + 8) * 2
+    cache = ModelShape(2, 1, 32, 64, values_are_keys=True).kv_cache(4, 4, torch.float32, "cpu", "q8_0", "f16")
+    assert list(cache.stacked_tensors()) == ["k", "k_scales"] and cache.v_type == "q8_0"
+    assert cache.bytes_per_token == 2 * 32 * (1 + 2 / 32) and cache.v[1] is cache.k[1]

@@ -336,6 +336,11 @@ class DecoderArgs:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def kv_values_are_keys(self) -> bool:
+        """The layers attend with their keys as values (MLA), so the KV cache stores keys only."""
+        return False
+
+    @property
     def embed_scale(self) -> float | None:
         return None
 
