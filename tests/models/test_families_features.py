@@ -21,18 +21,16 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-import torch
 import transformers
 
-from mlxcel.config import EngineConfig
 from mlxcel.engine.client import EngineClient
-from mlxcel.engine.loop import EngineCore, ModelShape
 from mlxcel.layers.lora import apply_adapters, load_adapter
 from mlxcel.loading import load_model
 from mlxcel.types import Request, SamplingParams
 
 from .harness import save_tiny_hf
 from .test_families import COMMON, VOCAB
+from .test_families_engine import _engine, transformers_greedy
 
 NUM_TOKENS = 16
 SCALE = 1.0
@@ -59,22 +57,6 @@ LORA_TARGETS = {
     "qwen3_moe": ["q_proj", "k_proj", "v_proj", "o_proj"],
     "deepseek_v3": ["o_proj"],  # peft turns gate/up/down into expert-parameter LoRA, which is not served
 }
-
-
-def _engine(model: torch.nn.Module, **overrides: Any) -> EngineClient:
-    config = EngineConfig(**{"max_num_seqs": 4, "ctx_size": 4 * 64, "max_num_batched_tokens": 32, "block_size": 4,
-                             "cache_type_k": "f32", "cache_type_v": "f32", **overrides})
-    core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset())
-    core.start()
-    return EngineClient(core)
-
-
-@torch.inference_mode()
-def _reference_greedy(reference: torch.nn.Module, prompt: list[int]) -> list[int]:
-    ids = list(prompt)
-    for _ in range(NUM_TOKENS):
-        ids.append(int(reference(torch.tensor([ids])).logits[0, -1].argmax()))
-    return ids[len(prompt):]
 
 
 async def _generate(client: EngineClient, request_id: str, prompt: list[int],
@@ -109,7 +91,7 @@ def family(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFact
 
 def test_issue40_q8_0_kv_cache_keeps_transformers_greedy_tokens(family: tuple[str, Path, Any]) -> None:
     name, folder, reference = family
-    expected = [_reference_greedy(reference, p) for p in PROMPTS]
+    expected = [transformers_greedy(reference, p) for p in PROMPTS]
     client = _engine(load_model(folder).model, cache_type_k="q8_0", cache_type_v="q8_0")
     try:
         cache = client.core.kv_cache
