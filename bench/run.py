@@ -182,8 +182,11 @@ def peak_rss_mib(pid: int) -> float | None:
     return None
 
 
-def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float = 300) -> None:
-    deadline = time.monotonic() + timeout
+READY_TIMEOUT = 300.0  # seconds a server may take to answer /v1/models (bench/moe_side_by_side.py raises it)
+
+
+def wait_ready(base_url: str, proc: subprocess.Popen, timeout: float | None = None) -> None:
+    deadline = time.monotonic() + (READY_TIMEOUT if timeout is None else timeout)
     while time.monotonic() < deadline:
         if proc.poll() is not None:
             raise RuntimeError(f"server exited with {proc.returncode}")
@@ -347,6 +350,10 @@ def main() -> None:
                              else Figures(note=f"skipped: no venv at {LLAMACPP_VENV}"))
         elif peer == "transformers":
             results[peer] = run_transformers(model, args.threads, args.quick)
+    print_report(results)
+
+
+def print_report(results: dict[str, Figures]) -> None:
     print(report(results))
     for name, f in results.items():
         if f.note:

@@ -185,7 +185,8 @@ def serve_settings(values: dict[str, Any], environment: Environment) -> ServeSet
                              threads=values["threads"], quantize=values["quantize"],
                              adapters=lora_adapters(values),
                              weight_materialization=values["weight_materialization"],
-                             diffusion=diffusion_options(values), engine_process=values["engine_process"])
+                             diffusion=diffusion_options(values), engine_process=values["engine_process"],
+                             mmproj=values["mmproj"])
     engine = EngineConfig(
         max_num_seqs=values["parallel"], ctx_size=values["ctx_size"],
         **_step_budget(values["batch_size"], values["ubatch_size"], runtime.device),

@@ -329,6 +329,9 @@ SETTINGS: tuple[Setting, ...] = (
        ("--chat-template",), "LLAMA_ARG_CHAT_TEMPLATE", metavar="TEMPLATE", group="model"),
     _s("chat_template_file", PATH, None, "read the chat template from a file", ("--chat-template-file",),
        "LLAMA_ARG_CHAT_TEMPLATE_FILE", metavar="PATH", group="model"),
+    _s("mmproj", PATH, None, "llama.cpp's multimodal projector GGUF beside a GGUF -m (its vision tower and "
+       "projector; gemma3); the model then takes images", ("--mmproj", "-mm"), "LLAMA_ARG_MMPROJ", metavar="FILE",
+       group="model"),
     _s("device", TEXT, "auto", "torch device: auto, cpu, cuda, cuda:N", ("--device", "-dev"), "LLAMA_ARG_DEVICE",
        metavar="DEVICE", group="model"),
     _s("dtype", choice("auto", "float32", "bfloat16", "float16"), "auto", "weight and KV dtype (auto = float32 on "

@@ -165,6 +165,8 @@ class Request:
     lora_scales: tuple[float, ...] = ()  # F8: one scale per loaded adapter; () = the base model
     report_progress: bool = False  # llama-server return_progress: a PromptProgress event per prefill chunk
     images: tuple[bytes, ...] = ()  # U: encoded images for a model with a vision tower, one per image marker
+    # Issue 43: the prompt's images, processed, with the placeholder positions their embeddings replace
+    image_inputs: tuple[ImageInput, ...] = ()
     # In-process tools (`mlxcel perplexity`): called with (first position, logits [n, vocab] float32) for
     # every prompt position that predicts a prompt token, in order, each position once.
     prompt_logits: Callable[[int, torch.Tensor], None] | None = None
@@ -175,9 +177,68 @@ class Request:
         return self.sampling.prompt_logprobs is not None or self.prompt_logits is not None
 
     @property
-    def cache_extra(self) -> tuple[str, tuple[float, ...]] | None:
-        """What the prefix cache keys blocks by besides tokens: KV under other LoRA scales differs."""
-        return lora_cache_extra(self.lora_scales)
+    def cache_extra(self) -> object:
+        """What the prefix cache keys blocks by besides tokens: KV under other LoRA scales differs; with
+        images, each block's key also holds the digests of the images whose placeholders it overlaps."""
+        base = lora_cache_extra(self.lora_scales)
+        return ImageCacheKeys.of(base, self.image_inputs) if self.image_inputs else base
+
+
+@dataclass(frozen=True, slots=True)
+class ImageInput:
+    """One image of a prompt (issue 43), as a vision-language family's processor made it.
+
+    `runs` are the (first position, length) runs of placeholder tokens in the prompt whose input
+    embeddings the image's encoder output replaces, in order: the encoder gives `num_tokens` rows
+    [num_tokens, hidden] (Gemma 3: one run of mm_tokens_per_image; SmolVLM: one run per tile).
+    `pixels` are the processor's tensors for this image alone (pixel_values and whatever else the
+    family's encoder takes), on the host. `digest` (sha256 of the decoded pixels' source bytes)
+    keys the prefix cache. `is_bidirectional`: the placeholders of each run attend each other both
+    ways in prefill (Gemma 3), not only causally; a run is then never split across prefill chunks.
+    """
+
+    digest: str
+    runs: tuple[tuple[int, int], ...]
+    pixels: dict[str, torch.Tensor]
+    is_bidirectional: bool = False
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(length for _, length in self.runs)
+
+    def positions(self) -> list[int]:
+        return [start + i for start, length in self.runs for i in range(length)]
+
+
+@dataclass(frozen=True, slots=True)
+class ImageCacheKeys:
+    """A prefix-cache `extra` that differs per block (issue 43, vLLM's scheme): block [start, end)
+    is keyed by `base` plus the digests of the images with a placeholder in it; later blocks depend
+    on the image through the chain hash. `for_block` gives the key of one block."""
+
+    base: object
+    spans: tuple[tuple[int, int, str], ...]  # (first position, end position, digest) of each run
+
+    @staticmethod
+    def of(base: object, images: Sequence[ImageInput]) -> ImageCacheKeys:
+        spans = tuple((start, start + length, image.digest) for image in images for start, length in image.runs)
+        return ImageCacheKeys(base, spans)
+
+    def for_block(self, start: int, end: int) -> object:
+        digests = tuple(digest for first, stop, digest in self.spans if first < end and stop > start)
+        return (self.base, ("images", digests)) if digests else self.base
+
+
+class ImagePrompter(Protocol):
+    """A vision-language model's processor as the API layer uses it (issue 43; built by the family
+    module, models/_vision.py). `marker` is the text one image part renders as in the chat prompt;
+    `prepare` expands each marker in the prompt's token ids into the image's placeholder tokens and
+    processes the images (decode, resize, normalise, as the checkpoint's processor settings say).
+    It is slow (pixels): the API layer calls it off the event loop."""
+
+    marker: str
+
+    def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]: ...
 
 
 def lora_cache_extra(lora_scales: tuple[float, ...]) -> tuple[str, tuple[float, ...]] | None:

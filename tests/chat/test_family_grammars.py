@@ -137,3 +137,42 @@ def check_arguments(fmt: str, calls: list[tuple[str, dict[str, Any]]], text: str
             assert set(arguments) <= set(SCHEMAS[name]["properties"]), text
         else:
             jsonschema.validate(arguments, SCHEMAS[name])
+
+
+@pytest.fixture(scope="module")
+def qwen_marker_compiler(smollm2_metadata: dict[str, Any]) -> GrammarCompiler:
+    """SmolLM2's vocabulary plus `<tool_call>` / `</tool_call>` as a Qwen2.5 GGUF has them: user-defined
+    tokens, plain text to our tokenizer, special (matched by id only) to llguidance."""
+    meta = dict(smollm2_metadata)
+    markers = ["<tool_call>", "</tool_call>"]
+    meta["tokenizer.ggml.tokens"] = [*meta["tokenizer.ggml.tokens"], *markers]
+    meta["tokenizer.ggml.token_type"] = [*meta["tokenizer.ggml.token_type"], 4, 4]  # USER_DEFINED
+    if "tokenizer.ggml.scores" in meta:
+        meta["tokenizer.ggml.scores"] = [*meta["tokenizer.ggml.scores"], 0.0, 0.0]
+    return GrammarCompiler(Tokenizer.from_gguf(meta))
+
+
+@pytest.mark.parametrize("choice", ["required", {"type": "function", "function": {"name": "get_weather"}}])
+def test_issue46_forced_hermes_call_takes_the_marker_token(qwen_marker_compiler: GrammarCompiler, choice: Any) -> None:
+    """A forced call in Qwen's format compiles where `<tool_call>` is a user-defined token (before: a 400, "token
+    doesn't satisfy the grammar; forced bytes: got '<'", on every instructor TOOLS request to Qwen2.5-Coder-1.5B),
+    and a model that writes the marker as its one token gets a call the parser reads."""
+    tokenizer = qwen_marker_compiler.tokenizer
+    opener, closer = tokenizer.token_to_id("<tool_call>"), tokenizer.token_to_id("</tool_call>")
+    assert opener is not None and closer is not None and opener not in tokenizer.special_token_ids
+    assert qwen_marker_compiler.llg_tokenizer.is_special_token(opener)
+    grammar = qwen_marker_compiler.tool_calls("hermes", TOOLS, read_tool_choice(choice), parallel=False)
+    assert grammar is not None
+
+    def prefer_markers(logits: torch.Tensor, output: list[int]) -> None:
+        logits[opener] += 50.0
+        logits[closer] += 50.0
+
+    for seed in range(3):
+        text, reason = generate(qwen_marker_compiler, grammar, seed, steer=prefer_markers)
+        assert text.startswith("<tool_call>\n") and text.rstrip().endswith("</tool_call>"), text
+        _, calls = parse("hermes", text)
+        assert len(calls) == 1 and reason == FinishReason.STOP, (text, reason)
+        name, arguments = calls[0]
+        assert name in SCHEMAS
+        jsonschema.validate(arguments, SCHEMAS[name])

@@ -14,7 +14,7 @@ from typing import Any
 import numpy as np
 from torch import nn
 
-from .harness import llama3_freq_factors
+from .harness import _split_expert_stacks, llama3_freq_factors
 
 
 @dataclass(frozen=True)
@@ -37,6 +37,9 @@ LLAMA_NAMES = {
     "self_attn.k_norm": "attn_k_norm", "post_attention_layernorm": "ffn_norm", "mlp.gate_proj": "ffn_gate",
     "mlp.up_proj": "ffn_up", "mlp.down_proj": "ffn_down",
 }
+# Issue 40: the MoE tensors (transformers 5's stacked experts split as the converter writes them).
+MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
+             "mlp.experts.down_proj": "ffn_down_exps"}
 GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
 GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
@@ -88,6 +91,27 @@ def _phi3(cfg: Any, meta: dict[str, Any]) -> None:
         meta["rope.scaling.attn_factor"] = float(np.sqrt(1 + np.log(scale) / np.log(orig))) if scale > 1 else 1.0
 
 
+def _experts(cfg: Any, meta: dict[str, Any]) -> None:
+    meta.update({"expert_count": getattr(cfg, "num_local_experts", None) or cfg.num_experts,
+                 "expert_used_count": cfg.num_experts_per_tok})
+
+
+def _qwen2_moe(cfg: Any, meta: dict[str, Any]) -> None:
+    _experts(cfg, meta)
+    meta.update({"expert_feed_forward_length": cfg.moe_intermediate_size,
+                 "expert_shared_feed_forward_length": cfg.shared_expert_intermediate_size})
+
+
+def _granitemoe(cfg: Any, meta: dict[str, Any]) -> None:
+    _granite(cfg, meta)
+    _experts(cfg, meta)
+
+
+# Transformers' granitemoe keeps its router as `router`, its experts under block_sparse_moe.
+GRANITE_MOE_NAMES = {"block_sparse_moe.router": "ffn_gate_inp",
+                     **{k.replace("mlp.", "block_sparse_moe."): v for k, v in MOE_NAMES.items() if k != "mlp.gate"}}
+
+
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "mistral": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
@@ -109,6 +133,16 @@ LAYOUTS: dict[str, Layout] = {
     "phi3": Layout("phi3", {"self_attn.qkv_proj": "attn_qkv", "mlp.gate_up_proj": "ffn_up"}, rope_dims=True,
                    extra=_phi3),
     "cohere2": Layout("cohere2", vocab_size_key=True, rope_dims=True, extra=_cohere2),
+    # Issue 40: MoE families. Mixtral is written as "llama" with experts; the expert width is its
+    # feed_forward_length (no expert_feed_forward_length).
+    "mixtral": Layout("llama", MOE_NAMES, permute_qk=True, vocab_size_key=True, rope_dims=True, extra=_experts),
+    "olmoe": Layout("olmoe", MOE_NAMES, extra=_experts),
+    "qwen2_moe": Layout("qwen2moe", {**MOE_NAMES, "mlp.shared_expert_gate": "ffn_gate_inp_shexp",
+                                     "mlp.shared_expert.gate_proj": "ffn_gate_shexp",
+                                     "mlp.shared_expert.up_proj": "ffn_up_shexp",
+                                     "mlp.shared_expert.down_proj": "ffn_down_shexp"}, extra=_qwen2_moe),
+    "granitemoe": Layout("granitemoe", GRANITE_MOE_NAMES, permute_qk=True, vocab_size_key=True, rope_dims=True,
+                         extra=_granitemoe),
 }
 
 
@@ -152,7 +186,7 @@ def converter_tensors(model: nn.Module, layout: Layout) -> dict[str, np.ndarray]
     cfg = model.config
     names = {**LLAMA_NAMES, **layout.names}
     out: dict[str, np.ndarray] = {}
-    for name, tensor in model.state_dict().items():
+    for name, tensor in _split_expert_stacks(model.state_dict()).items():
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or layout.drop_head):
             continue
         stem, kind = name.rsplit(".", 1)

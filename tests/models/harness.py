@@ -168,7 +168,7 @@ def write_tiny_gguf(model: nn.Module, arch: str, path: Path, quant_type: str | N
     writer = gguf.GGUFWriter(str(path), arch)
     _write_gguf_metadata(writer, model.config, arch)
     for name, array in _gguf_tensors(model, arch):
-        if quant_type is not None and array.ndim == 2:
+        if quant_type is not None and array.ndim >= 2:  # expert stacks [E, N, K] too
             qtype = gguf.GGMLQuantizationType[quant_type]
             writer.add_tensor(name, gguf.quants.quantize(array, qtype), raw_dtype=qtype)
         else:

@@ -226,8 +226,8 @@ def test_gemma3_sliding_window_limits_what_each_position_sees(tmp_path: Path) ->
     uncached and through the cache; and transformers agrees on every position."""
     config = transformers.Gemma3TextConfig(**COMMON, head_dim=16, sliding_window=4,
                                            layer_types=["sliding_attention"] * 2)
-    reference = save_tiny_hf(config, tmp_path)
-    ours = load_model(tmp_path).model
+    reference = save_tiny_hf(config, tmp_path).to(DEVICE)
+    ours = load_model(tmp_path, device=DEVICE).model
     prompt = PROMPTS[-1]
     changed = [(prompt[0] + 1) % VOCAB, *prompt[1:]]
     base, moved = uncached_logits(ours, prompt), uncached_logits(ours, changed)
@@ -265,11 +265,11 @@ def test_gemma3_sanitize_keeps_only_the_text_model_of_a_multimodal_checkpoint() 
 def test_issue40_gemma2_soft_capping_takes_effect(tmp_path: Path) -> None:
     """Gemma 2's attention soft-cap is applied (a model without it gives other logits), uncached and cached."""
     config = FAMILIES["gemma2"][1]()
-    reference = save_tiny_hf(config, tmp_path / "capped")
-    ours = load_model(tmp_path / "capped").model
+    reference = save_tiny_hf(config, tmp_path / "capped").to(DEVICE)
+    ours = load_model(tmp_path / "capped", device=DEVICE).model
     config.attn_logit_softcapping = None
     save_tiny_hf(config, tmp_path / "uncapped")
-    uncapped = load_model(tmp_path / "uncapped").model
+    uncapped = load_model(tmp_path / "uncapped", device=DEVICE).model
     prompt = PROMPTS[-1]
     capped_logits = uncached_logits(ours, prompt)
     assert (capped_logits - uncached_logits(uncapped, prompt)).abs().max() > 1e-3
@@ -295,7 +295,7 @@ def test_issue40_longrope_takes_the_long_factors_past_the_trained_context(tmp_pa
     config.original_max_position_embeddings = 8
     config.rope_parameters["original_max_position_embeddings"] = 8
     save_tiny_hf(config, tmp_path)
-    ours = load_model(tmp_path).model
+    ours = load_model(tmp_path, device=DEVICE).model
     prompt = PROMPTS[-1]
     torch.testing.assert_close(cached_logits(ours, prompt, (6, 5)), uncached_logits(ours, prompt),
                                atol=TOL_SAME_MATH, rtol=0)

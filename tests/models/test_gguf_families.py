@@ -27,7 +27,7 @@ from mlxcel.loading import load_model
 
 from .gguf_layouts import LAYOUTS, converter_metadata, converter_tensors, write_converter_gguf
 from .harness import save_tiny_hf, uncached_logits
-from .test_families import COMMON, FAMILIES, LLAMA3_ROPE, PROMPTS, TOL_VS_TRANSFORMERS, reference_logits
+from .test_families import COMMON, FAMILIES, LLAMA3_ROPE, MOE_COMMON, PROMPTS, TOL_VS_TRANSFORMERS, reference_logits
 
 # HF model_type -> (model_type the GGUF loads as, a config the converter's file can express in full).
 # Left out where the converter loses a setting llama.cpp then fixes in code: Qwen 2's, Mistral's and
@@ -55,6 +55,13 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     "ernie4_5": ("ernie4_5", FAMILIES["ernie4_5"][1]),
     "phi3": ("phi3", FAMILIES["phi3"][1]),
     "cohere2": ("cohere2", FAMILIES["cohere2"][1]),
+    # Issue 40: MoE families (the converter writes no sliding window for Mixtral).
+    "mixtral": ("mixtral", lambda: transformers.MixtralConfig(**MOE_COMMON, num_local_experts=8, sliding_window=None)),
+    "olmoe": ("olmoe", FAMILIES["olmoe"][1]),
+    # Every layer MoE (llama.cpp's qwen2moe has no dense layers), with the gated shared expert.
+    "qwen2_moe": ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(
+        **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
+    "granitemoe": ("granitemoe", FAMILIES["granitemoe"][1]),
 }
 # Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not.
 NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5"}

@@ -19,7 +19,7 @@ from mlxcel.lora_registry import LoraRegistry
 from mlxcel.media.limits import MediaPolicy
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import Usage
+from mlxcel.types import ImagePrompter, Usage
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,4 +143,6 @@ class ApiContext:
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: adapters and global scales
     sampling: SamplingDefaults = field(default_factory=SamplingDefaults)  # F9: replaced when PATCHed
     image_marker: str | None = None  # U: the text an image_url part renders as; None = images are refused (400)
+    weights: Mapping[str, Any] = field(default_factory=dict)  # issue 42: format, bits, resident bytes (/v1/models)
+    image_prompter: ImagePrompter | None = None  # issue 43: expands markers and processes images (models/_vision.py)
 

@@ -33,7 +33,7 @@ from mlxcel.chat.events import ContentDelta, OutputEvent, ReasoningDelta
 from mlxcel.text.output import TextAssembler
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import (
-    EngineError, FinishReason, Priority, PromptProgress, Request, SamplingParams, TokenEvent, TokenLogprob,
+    EngineError, FinishReason, ImageInput, Priority, PromptProgress, Request, SamplingParams, TokenEvent, TokenLogprob,
     TokenProcessor, Usage,
 )
 
@@ -48,6 +48,7 @@ class Prompt:
     token_ids: tuple[int, ...]
     text: str | None = None
     images: tuple[bytes, ...] = ()  # U: encoded images, one per image marker in the prompt, in order
+    image_inputs: tuple[ImageInput, ...] = ()  # issue 43: the processed images of a vision-language model
 
 
 class OutputParser(Protocol):
@@ -494,4 +495,5 @@ def _engine_request(request_id: str, prompt: Prompt, params: GenerationParams, c
     processors = params.processors(prompt) if params.processors is not None else ()
     return Request(request_id, list(prompt.token_ids), sampling, priority=params.priority,
                    cache_prompt=params.cache_prompt, slot_id=params.slot_id, processors=processors,
-                   lora_scales=lora_scales, report_progress=params.report_progress, images=prompt.images)
+                   lora_scales=lora_scales, report_progress=params.report_progress, images=prompt.images,
+                   image_inputs=prompt.image_inputs)

@@ -11,11 +11,16 @@ it carried.
 
 from __future__ import annotations
 
+import asyncio
+import io
 import re
 from collections.abc import Sequence
+from dataclasses import replace
+from functools import partial
 
 from mlxcel.api.context import ApiContext
 from mlxcel.api.errors import INVALID_REQUEST, ApiError, truncate_message
+from mlxcel.api.generation import Prompt
 from mlxcel.media import MediaError, MediaKind, MediaRef, Reason, resolve_media_parts
 from mlxcel.media.resolve import ResolvedMedia
 
@@ -39,9 +44,52 @@ async def validate_media(ctx: ApiContext, refs: Sequence[MediaRef], *,
         resolved = await resolve_media_parts(refs, ctx.media_policy)
     except MediaError as exc:
         raise media_error(exc) from None
-    if takes_images and ctx.image_marker is not None and all(ref.kind is MediaKind.IMAGE for ref in refs):
+    # a vision-language model (issue 43) takes a video as its sampled frames
+    kinds = (MediaKind.IMAGE, MediaKind.VIDEO) if ctx.image_prompter is not None else (MediaKind.IMAGE,)
+    if takes_images and ctx.image_marker is not None and all(ref.kind in kinds for ref in refs):
         return resolved
     raise media_not_accepted(refs)
+
+
+def video_marker(ctx: ApiContext) -> str | None:
+    """The text a video part renders as, for a model that takes videos as such (Qwen2.5-VL's temporal
+    patches, issue 43: its prompter's `video_marker` and `prepare_media`); None: a video is its frames."""
+    return getattr(ctx.image_prompter, "video_marker", None)
+
+
+async def with_images(ctx: ApiContext, prompt: Prompt, media: Sequence[ResolvedMedia]) -> Prompt:
+    """`prompt` with its checked images (issue 43): for a vision-language model, each marker expanded into
+    the image's placeholder tokens and the images processed (off the event loop: decoding and resizing
+    pixels); a video part gives its frames, each an image. A marker count that differs from the image
+    count is a 400. Before the engine sees the prompt, so the length check and `usage` count image tokens."""
+    if not media:
+        return prompt
+    images = tuple(data for item in media for data in _image_bytes(item))
+    if ctx.image_prompter is None:  # a block-diffusion model's own worker (U) takes the encoded images
+        return replace(prompt, images=images)
+    prepare = partial(ctx.image_prompter.prepare, list(prompt.token_ids), images)
+    if video_marker(ctx) is not None and any(item.kind is MediaKind.VIDEO for item in media):
+        stills = tuple(item.data for item in media if item.kind is not MediaKind.VIDEO)
+        videos = tuple((_image_bytes(item), item.video.fps if item.video else 1.0) for item in media
+                       if item.kind is MediaKind.VIDEO)
+        prepare = partial(ctx.image_prompter.prepare_media, list(prompt.token_ids), stills, videos)
+    try:
+        token_ids, inputs = await asyncio.to_thread(prepare)
+    except ValueError as exc:
+        raise ApiError(400, truncate_message(str(exc)), INVALID_REQUEST, code="invalid_image_prompt") from None
+    return replace(prompt, token_ids=tuple(token_ids), image_inputs=inputs)
+
+
+def _image_bytes(item: ResolvedMedia) -> list[bytes]:
+    """An image part's bytes; a video's sampled frames, each as PNG bytes."""
+    if item.kind is not MediaKind.VIDEO:
+        return [item.data]
+    frames = []
+    for frame in item.frames:
+        buffer = io.BytesIO()
+        frame.save(buffer, format="PNG")
+        frames.append(buffer.getvalue())
+    return frames
 
 
 def media_error(exc: MediaError) -> ApiError:

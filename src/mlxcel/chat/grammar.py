@@ -178,7 +178,8 @@ class GrammarCompiler:
             lark = module.lark_tools(chosen, self._lark_literal, arguments_json, parallel=parallel, after_trigger=False)
         else:
             schema = _calls_schema(chosen, module.ARGUMENTS_KEY)
-            lark = f"start: {module.lark_calls('call', parallel=parallel)}\ncall: %json {json.dumps(schema)}\n"
+            calls = module.lark_calls("call", self._lark_literal, parallel=parallel)
+            lark = f"start: {calls}\ncall: %json {json.dumps(schema)}\n"
         return self._validated(llguidance.LLMatcher.grammar_from_lark(lark), "tools")
 
     def triggered_tool_calls(
@@ -211,10 +212,13 @@ class GrammarCompiler:
 
     def _lark_literal(self, text: str) -> str:
         """Lark for `text`, or its special token where the vocabulary has one: llguidance matches
-        a special token by its id only, never by its text."""
+        a special token by its id only, never by its text. Special is what either side says: a GGUF's
+        user-defined `<tool_call>` (Qwen2.5) is text to our tokenizer but special to llguidance, whose
+        mask then offered the token for the literal and refused it when taken (issue 46)."""
         literal = json.dumps(text)
         token_id = self.tokenizer.token_to_id(text)
-        if token_id is not None and token_id in self.tokenizer.special_token_ids:
+        if token_id is not None and (token_id in self.tokenizer.special_token_ids
+                                     or self.llg_tokenizer.is_special_token(token_id)):
             return f"({literal} | <[{token_id}]>)"
         return literal
 

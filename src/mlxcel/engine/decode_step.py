@@ -52,6 +52,7 @@ class DecodeRow:
     block_table: tuple[int, ...]
     lora_scales: tuple[float, ...] = ()  # F8: this row's adapter scales; () = none (all 0)
     writes_kv: bool = True  # False: the key at `position` is already cached (a prefix-cache hit); write scratch
+    rope_offset: int = 0  # issue 43: M-RoPE's rotary position is position + this (a model's query position too)
 
 
 @dataclass(slots=True)
@@ -100,6 +101,8 @@ def build_inputs(rows: list[DecodeRow], block_size: int, scratch_slot: int, *, n
     slots = torch.full((num_rows,), scratch_slot, dtype=torch.long, device=device)
     ids[:count] = on_device([r.token_id for r in rows], torch.long, device)
     positions[:count] = last
+    if any(r.rope_offset for r in rows):  # M-RoPE (issue 43): the rotary's position; slots stay the cache's
+        positions[:count] += on_device([r.rope_offset for r in rows], torch.long, device)
     slots[:count] = (tables.gather(1, last.div(block_size, rounding_mode="floor").unsqueeze(1)).squeeze(1) * block_size
                      + last.remainder(block_size))
     if not all(r.writes_kv for r in rows):

@@ -33,7 +33,11 @@ from mlxcel.engine.kv import PrefixCache
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.prompt_logprobs import PROMPT_LOGITS_BLOCK
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput, Sequence
+from mlxcel.engine.vision import (
+    bidirectional_spans, embedding_override, encode_pending, has_placeholders, rope_offset, step_positions,
+)
 from mlxcel.layers.attention import AttentionContext, SequenceSlice
+from mlxcel.layers.decoder import EmbeddingOverride
 from mlxcel.layers.lora import model_lora_rows, token_scales
 
 
@@ -145,6 +149,8 @@ class Runner:
             start, stop = seq.num_computed_tokens, seq.num_computed_tokens + item.num_new_tokens
             num_tail = seq.num_tokens % self.kv_cache.block_size
             first = max(start, seq.num_tokens - num_tail) if num_tail <= MAX_TAIL_ROWS else stop
+            if seq.request.image_inputs and has_placeholders(seq, first, stop):
+                first = stop  # the decode step embeds tokens only: image rows stay in the prefill
             if first > start:
                 prefill.append(item if first >= stop else ScheduledSeq(seq, first - start))
             if first < stop:
@@ -184,7 +190,7 @@ class Runner:
         position = seq.num_computed_tokens
         return DecodeRow(seq.token_ids[position], position, seq.kv_start,
                          tuple(self.kv.block_table(seq.request_id)), seq.request.lora_scales,
-                         self._writes_kv(seq, position))
+                         self._writes_kv(seq, position), rope_offset(self.model, seq))
 
     def _verify_rows(self, item: ScheduledSeq) -> list[DecodeRow]:
         """The known token and each draft token as one single-token row at its own position."""
@@ -193,8 +199,9 @@ class Runner:
 
     def _rows(self, seq: Sequence, first: int, tokens: tuple[int, ...] | list[int]) -> list[DecodeRow]:
         table = tuple(self.kv.block_table(seq.request_id))
+        offset = rope_offset(self.model, seq)
         return [DecodeRow(token, first + i, seq.kv_start, table, seq.request.lora_scales,
-                          self._writes_kv(seq, first + i))
+                          self._writes_kv(seq, first + i), offset)
                 for i, token in enumerate(tokens)]
 
     @torch.inference_mode()
@@ -226,11 +233,15 @@ class Runner:
             start += 1 + len(item.draft)
 
     def _prefill(self, scheduled: list[ScheduledSeq]) -> tuple[list[str], torch.Tensor]:
+        encode_pending(self.model, scheduled)  # issue 43: the step's new images, one batch
         input_ids, positions, slices = self._prepare(scheduled)
         ctx = AttentionContext(slices, self.kv_cache, self.device, prefill_only=True)
         self._set_lora_rows(scheduled)
+        embeds = embedding_override(scheduled, slices, self.device)
         if self.features is not None:  # set only when the decode step has taps
-            hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices)
+            hidden = self._tapped_forward(input_ids, positions, ctx, scheduled, slices, embeds)
+        elif embeds is not None:
+            hidden = self.model(input_ids, positions, ctx, embeds)
         else:
             hidden = self.model(input_ids, positions, ctx)
         self._send_prompt_logits(scheduled, slices, hidden)  # the final norm's output, as the head takes it
@@ -258,11 +269,14 @@ class Runner:
                 self.prompt_logits(seq, block, self.model.compute_logits(rows).float())
 
     def _tapped_forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
-                        scheduled: list[ScheduledSeq], slices: list[SequenceSlice]) -> torch.Tensor:
+                        scheduled: list[ScheduledSeq], slices: list[SequenceSlice],
+                        embeds: EmbeddingOverride | None) -> torch.Tensor:
         """The model's forward (embedding, layers, final norm: the same ops), sending the tapped layers' outputs."""
         inner, taps = self.model.model, self.decode_step.taps
         outputs: dict[int, torch.Tensor] = {}
         x = inner.embed(input_ids)
+        if embeds is not None:
+            x = embeds.apply(x)
         for index, layer in enumerate(inner.layers):
             x = layer(x, positions, ctx)
             if index in taps:
@@ -281,17 +295,19 @@ class Runner:
 
     def _prepare(self, scheduled: list[ScheduledSeq]) -> tuple[torch.Tensor, torch.Tensor, list[SequenceSlice]]:
         ids: list[int] = []
-        pos: list[int] = []
+        spans: list[tuple[Sequence, int, int]] = []
         slices: list[SequenceSlice] = []
         for item in scheduled:
             seq, start = item.seq, item.seq.num_computed_tokens
             stop = start + item.num_new_tokens
             slices.append(SequenceSlice(q_start=len(ids), q_len=item.num_new_tokens, kv_len=stop,
                                         kv_start=seq.kv_start,
-                                        block_table=tuple(self.kv.block_table(seq.request_id))))
+                                        block_table=tuple(self.kv.block_table(seq.request_id)),
+                                        bidirectional=bidirectional_spans(seq) if seq.request.image_inputs else ()))
             ids.extend(seq.token_ids[start:stop])
-            pos.extend(range(start, stop))
-        as_tensor = lambda xs: torch.tensor(xs, dtype=torch.long, device=self.device)  # noqa: E731
+            spans.append((seq, start, stop))
+        pos = step_positions(self.model, spans)  # [T], or M-RoPE's [3, T]
+        as_tensor = lambda xs: torch.as_tensor(xs, dtype=torch.long).to(self.device)  # noqa: E731
         return as_tensor(ids), as_tensor(pos), slices
 
 

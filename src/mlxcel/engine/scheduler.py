@@ -25,6 +25,7 @@ from mlxcel.engine.mirostat import with_mirostat
 from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
+from mlxcel.engine.vision import ImageEmbeddings, RopePositions, fit_chunk
 from mlxcel.types import FinishReason, Request, TokenLogprob
 
 log = logging.getLogger(__name__)
@@ -58,6 +59,8 @@ class Sequence:
     num_prompt_scored: int = 0  # prompt positions whose logits went out (a recomputation skips them)
     prompt_logprobs: list[TokenLogprob | None] | None = None  # [None] + one per scored position, if asked
     is_prompt_logprobs_sent: bool = False
+    image_embeds: ImageEmbeddings | None = None  # issue 43: encoded once its first chunk needs them (engine/vision.py)
+    rope_positions: RopePositions | None = None  # issue 43: M-RoPE positions, once its first step needs them
 
     @property
     def request_id(self) -> str:
@@ -250,6 +253,9 @@ class Scheduler:
             num_left = seq.num_tokens - seq.num_computed_tokens
             is_prompt = num_left > 1 or seq.num_computed_tokens < seq.num_prompt_tokens  # not one decode row
             num_new = budget.take(num_left, is_prompt=is_prompt)
+            if seq.request.image_inputs and (fitted := fit_chunk(seq, seq.num_computed_tokens, num_new)) < num_new:
+                budget.give_back(num_new - fitted, is_prompt=is_prompt)
+                num_new = fitted
             if num_new == 0:
                 continue  # a prompt's next chunk, with the step's prompt tokens spent
             if not self._allocate_or_preempt(seq, num_new, out):
@@ -321,6 +327,8 @@ class Scheduler:
             cached, num_cached = self.kv.find_cached_prefix(seq.token_ids, cache_prompt=is_reading,
                                                             extra=seq.request.cache_extra, include_last_block=True)
             num_new = min(seq.num_tokens - num_cached, budget.prompt_tokens)
+            if seq.request.image_inputs:
+                num_new = fit_chunk(seq, num_cached, num_new)
             new_blocks = self.kv.allocate(seq.request_id, seq.token_ids, num_cached, num_new, cached,
                                           cache_prompt=seq.request.cache_prompt, extra=seq.request.cache_extra)
             if new_blocks is None:

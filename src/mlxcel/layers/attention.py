@@ -108,6 +108,23 @@ class SequenceSlice:
     kv_len: int  # positions 0..kv_len-1 exist after this step
     kv_start: int = 0  # first live position (spec N); earlier blocks may be freed
     block_table: tuple[int, ...] = ()
+    # [start, end) position spans whose queries also see every key of the span (Gemma 3's image
+    # placeholders, issue 43); a span lies within one chunk or among cached keys
+    bidirectional: tuple[tuple[int, int], ...] = ()
+
+    def key_end(self, q_lo: int, q_hi: int) -> int:
+        """One past the last key that queries at positions [q_lo, q_hi) may see (causal: q_hi)."""
+        return max([q_hi] + [end for start, end in self.bidirectional if start < q_hi and end > q_lo])
+
+
+def overlay_spans(mask: torch.Tensor, q_pos: torch.Tensor, key_pos: torch.Tensor,
+                  spans: tuple[tuple[int, int], ...]) -> torch.Tensor:
+    """`mask` [.., Lq, Lk] with every (query, key) pair inside one bidirectional span allowed."""
+    for start, end in spans:
+        in_q = (q_pos >= start) & (q_pos < end)
+        in_k = (key_pos >= start) & (key_pos < end)
+        mask = mask | (in_q & in_k)
+    return mask
 
 
 def _groups_prefill(device: torch.device) -> bool:
@@ -239,7 +256,8 @@ class AttentionContext:
         out = torch.empty_like(q)
         for block in range(first - first % PREFILL_BLOCK, s.kv_len, PREFILL_BLOCK):
             lo, hi = max(block, first) - first, min(block + PREFILL_BLOCK, s.kv_len) - first
-            num_keys = block + PREFILL_BLOCK - s.kv_start
+            num_keys = _round_up(s.key_end(lo + first, hi + first), PREFILL_BLOCK) - s.kv_start
+            num_keys = max(num_keys, block + PREFILL_BLOCK - s.kv_start)
             mask = self._cached(("prefill", index, block, window),
                                 lambda: self._prefill_block_mask(s, block, lo + first, hi + first, window))
             rows, mask = _with_whole_tiles(q[lo:hi], mask)
@@ -269,7 +287,11 @@ class AttentionContext:
         # The mask is built where it is used: on a GPU, from [B, Lq] and [B, Lk] positions, not uploaded whole.
         to = self.device
         key_pos, q_pos, is_query_on = key_pos.to(to)[:, None, :], q_pos.to(to)[:, :, None], is_query.to(to)
-        mask = (key_pos >= 0) & (key_pos <= q_pos)
+        mask = key_pos <= q_pos
+        for b, s in enumerate(seqs):
+            if s.bidirectional:
+                mask[b] = overlay_spans(mask[b], q_pos[b], key_pos[b], s.bidirectional)
+        mask &= key_pos >= 0
         if window is not None:
             mask &= key_pos > q_pos - window
         mask[:, :, 0] |= ~is_query_on  # a padding row attends one key (no NaN); its output is dropped
@@ -291,9 +313,12 @@ class AttentionContext:
 
     def _prefill_block_mask(self, s: SequenceSlice, block: int, q_lo: int, q_hi: int,
                             window: int | None) -> torch.Tensor:
-        key_pos = torch.arange(s.kv_start, block + PREFILL_BLOCK, device=self.device).unsqueeze(0)
+        end = max(block + PREFILL_BLOCK, _round_up(s.key_end(q_lo, q_hi), PREFILL_BLOCK))
+        key_pos = torch.arange(s.kv_start, end, device=self.device).unsqueeze(0)
         q_pos = torch.arange(q_lo, q_hi, device=self.device).unsqueeze(1)
         mask = key_pos <= q_pos  # causal; keys not written yet lie past every query, so masked too
+        if s.bidirectional:
+            mask = overlay_spans(mask, q_pos, key_pos, s.bidirectional)
         if window is not None:
             mask &= key_pos > q_pos - window
         return mask
@@ -310,7 +335,8 @@ class AttentionContext:
                     s: SequenceSlice, scale: float, window: int | None, rule: ScoreRule) -> torch.Tensor:
         # [1, H, L, D] layout for SDPA.
         qh, kh, vh = (t.transpose(0, 1).unsqueeze(0) for t in (q, keys, values))
-        is_plain_causal = keys.shape[0] == q.shape[0] and (window is None or window >= s.kv_len)
+        is_plain_causal = (keys.shape[0] == q.shape[0] and (window is None or window >= s.kv_len)
+                           and not s.bidirectional)
         if is_plain_causal:
             out = sdpa(qh, kh, vh, is_causal=q.shape[0] > 1, scale=scale, rule=rule)
         else:
@@ -323,6 +349,8 @@ class AttentionContext:
             key_pos = torch.arange(s.kv_len - num_keys, s.kv_len, device=self.device)
             q_pos = torch.arange(s.kv_len - s.q_len, s.kv_len, device=self.device).unsqueeze(1)
             mask = key_pos.unsqueeze(0) <= q_pos
+            if s.bidirectional:
+                mask = overlay_spans(mask, q_pos, key_pos.unsqueeze(0), s.bidirectional)
             if window is not None:
                 mask &= key_pos.unsqueeze(0) > q_pos - window
             return mask

@@ -28,7 +28,7 @@ from torch import nn
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
 from mlxcel.layers.norm import LayerNorm, RMSNorm
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
-from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
+from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings, rotary_table
 
 SLIDING, FULL = "sliding_attention", "full_attention"
 
@@ -41,6 +41,7 @@ ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu_fast": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
     "relu2": lambda x: F.relu(x).square(),
+    "quick_gelu": lambda x: x * torch.sigmoid(1.702 * x),  # CLIP's vision towers (LLaVA)
 }
 
 
@@ -381,6 +382,19 @@ class DecoderArgs:
 
 # ---- the model --------------------------------------------------------------------------------
 
+@dataclass(frozen=True)
+class EmbeddingOverride:
+    """Input embeddings that replace the token embeddings of some rows of a step (issue 43): the
+    vision encoder's output at image placeholder positions. rows: [n] long, values: [n, hidden]."""
+
+    rows: torch.Tensor
+    values: torch.Tensor
+
+    def apply(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, hidden] (the scaled token embeddings) -> the same with `rows` replaced, unscaled."""
+        return x.index_copy(0, self.rows, self.values.to(dtype=x.dtype, device=x.device))
+
+
 class DecoderModel(nn.Module):
     """The checkpoint's `model.` part: embedding, layers, final norm."""
 
@@ -403,7 +417,7 @@ class DecoderModel(nn.Module):
             return None
         key = RopeRecipe(recipe.rope.theta, recipe.rope.scaling, recipe.rope.dim)
         if key not in tables:
-            tables[key] = RotaryEmbedding(key.dim, key.theta, key.scaling_dict())
+            tables[key] = rotary_table(key.dim, key.theta, key.scaling_dict())
             self.rotary.append(tables[key])
         return Rope(tables[key], recipe.rope, recipe.head_dim)
 
@@ -414,8 +428,11 @@ class DecoderModel(nn.Module):
         # The scale is rounded to the weights' dtype first, as the references do.
         return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                embeds: EmbeddingOverride | None = None) -> torch.Tensor:
         x = self.embed(input_ids)
+        if embeds is not None:
+            x = embeds.apply(x)
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)
@@ -435,9 +452,13 @@ class DecoderLM(nn.Module):
         if not args.tie_word_embeddings:
             self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
 
-    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
-        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]."""
-        return self.model(input_ids, positions, ctx)
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
+                embeds: EmbeddingOverride | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] for the whole step's flat token batch -> [T, hidden]. `embeds`
+        replaces the input embeddings of some rows (image placeholders, issue 43)."""
+        if embeds is None:
+            return self.model(input_ids, positions, ctx)
+        return self.model(input_ids, positions, ctx, embeds)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         # A tied model has no lm_head until a rewrite (e.g. int8 quantization) adds one.

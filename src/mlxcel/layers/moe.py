@@ -62,7 +62,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mlxcel.layers.quant import GATE_UP, Step, linear, project
+from mlxcel.layers import paged_attention
+from mlxcel.layers.quant import GATE_UP, Int4Levels, Int8Levels, QuantLinear, Step, StoredSource, linear, project
 
 RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped"]
 ROUTER_KINDS: tuple[str, ...] = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped")
@@ -277,6 +278,72 @@ class Experts(nn.Module):
             x, ids, weights.float(), self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
             self.down_proj_bias, spec.activation, spec.swiglu_limit, spec.swiglu_alpha, path)
 
+    def packed(self, source: StoredSource) -> QuantExperts:
+        """These experts as weight-only quantized linears (the CPU decode rewrite, layers/quant.py
+        `quantize`): from the levels or codes a GGUF stores its expert stacks in (ffn_*_exps, as
+        `sanitize_moe` names them: `gate_proj.weight`, `up_proj.weight`, `down_proj.weight`), never
+        rounded again; else from the float stacks, as the dense path packs a float linear."""
+        num = self.spec.num_experts
+        gate, up, down = (source.stored(f"{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
+        gate_up_float = down_float = None
+        if gate is None or up is None:
+            gate_up_float = source.param("gate_up_proj")
+        if down is None:
+            down_float = source.param("down_proj")
+        gate_up_bias, down_bias = source.param("gate_up_proj_bias"), source.param("down_proj_bias")
+        gate_ups, downs = [], []
+        for e in range(num):
+            first = (_expert_part(gate, num, e), _expert_part(up, num, e)) if gate_up_float is None else None
+            gate_ups.append(source.pack([*first] if first else [gate_up_float[e]],
+                                        None if gate_up_bias is None else gate_up_bias[e]))
+            downs.append(source.pack([_expert_part(down, num, e) if down_float is None else down_float[e]],
+                                     None if down_bias is None else down_bias[e]))
+        return QuantExperts(self.spec, gate_ups, downs)
+
+
+def _expert_part(stack: Int4Levels | Int8Levels, num_experts: int, expert: int) -> Int4Levels | Int8Levels:
+    """Expert `expert`'s rows of a stored stack (every field [E * rows, ...]: `GGUFFile.int4_levels`)."""
+    return type(stack)(*(None if t is None else t.view(num_experts, -1, *t.shape[1:])[expert] for t in stack))
+
+
+class QuantExperts(nn.Module):
+    """`Experts` packed for the CPU kernels (issue 40): per expert its gate|up and down `QuantLinear`
+    (4-bit levels, a GGUF's int8 / 6-bit codes, or per-channel int8), no bfloat16 copy. A step's
+    (token, slot) pairs are grouped by expert and each chosen expert runs once over all its rows,
+    decode and prefill rows alike, through one C++ call a layer (kernels/decode_layers.cpp
+    `quant_experts`); where the CPU kernels do not build, the same loop in Python."""
+
+    def __init__(self, spec: MoESpec, gate_ups: list[QuantLinear], downs: list[QuantLinear]) -> None:
+        super().__init__()
+        self.spec = spec
+        self.gate_up = nn.ModuleList(gate_ups)
+        self.down = nn.ModuleList(downs)
+        self.register_buffer("no_bias", torch.empty(0), persistent=False)
+        self._flat: list[torch.Tensor] | None = None
+        self._on_kernels = paged_attention.available()
+
+    def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
+        spec = self.spec
+        if x.device.type == "cpu" and self._on_kernels:
+            out = torch.ops.mlxcel.quant_experts(x.float().contiguous(), ids.long().contiguous(),
+                                                 weights.float().contiguous(), self._linears(), spec.activation,
+                                                 spec.swiglu_limit, spec.swiglu_alpha)
+            return out.to(x.dtype)
+        stack = _ExpertStack(None, None, None, None, spec.activation, spec.swiglu_limit, spec.swiglu_alpha)
+        return _per_expert(lambda e, rows: self.down[e].packed_rows(stack.activate(self.gate_up[e].packed_rows(rows))),
+                           len(self.gate_up), x, ids, weights)
+
+    def _linears(self) -> list[torch.Tensor]:
+        """The op's flat list, six tensors an expert: read from the buffers when traced (the compiled
+        decode step, one layer's code for every layer: they are its inputs), else kept once."""
+        if self._flat is not None and not torch.compiler.is_compiling():
+            return self._flat
+        flat = [t for pair in zip(self.gate_up, self.down) for lin in pair
+                for t in (lin.qweight, lin.scale, lin.bias if lin.bias is not None else self.no_bias)]
+        if not torch.compiler.is_compiling():
+            self._flat = flat
+        return flat
+
 
 EXPERT_PATHS = ("grouped", "per_expert", "gathered")
 
@@ -304,8 +371,8 @@ def _moe_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor,
 
 @dataclass(frozen=True)
 class _ExpertStack:
-    gate_up: torch.Tensor  # [E, 2I, H]
-    down: torch.Tensor  # [E, H, I]
+    gate_up: torch.Tensor | None  # [E, 2I, H] (None: QuantExperts, which runs only `activate`)
+    down: torch.Tensor | None  # [E, H, I]
     gate_up_bias: torch.Tensor | None  # [E, 2I]
     down_bias: torch.Tensor | None  # [E, H]
     activation: str
@@ -337,8 +404,10 @@ def _pick_path(x: torch.Tensor) -> str:
 def _run_grouped(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     num_tokens, top_k = ids.shape
     expert_of_pair, order = ids.reshape(-1).sort(stable=True)  # (token, slot) pairs sorted by expert
-    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0])
-    offsets = torch.cumsum(counts, dim=0, dtype=torch.int32)
+    # each expert's end in the sorted pairs; searchsorted, unlike bincount, never reads a size on the host,
+    # so the step stays capturable as a CUDA graph
+    experts = torch.arange(stack.gate_up.shape[0], device=ids.device, dtype=expert_of_pair.dtype)
+    offsets = torch.searchsorted(expert_of_pair, experts, right=True).to(torch.int32)
     hidden = F.grouped_mm(x[order // top_k], stack.gate_up.transpose(1, 2), offs=offsets)
     if stack.gate_up_bias is not None:
         hidden = hidden + stack.gate_up_bias[expert_of_pair]
@@ -351,9 +420,15 @@ def _run_grouped(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weight
 
 
 def _run_per_expert(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    return _per_expert(lambda e, rows: _run_one(stack, e, rows), stack.gate_up.shape[0], x, ids, weights)
+
+
+def _per_expert(run_one: Callable[[int, torch.Tensor], torch.Tensor], num_experts: int, x: torch.Tensor,
+                ids: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Each expert some row chose, once over all those rows (`run_one(expert, rows)`), weighted and summed."""
     top_k = ids.shape[1]
     expert_of_pair, order = ids.reshape(-1).sort(stable=True)
-    counts = torch.bincount(expert_of_pair, minlength=stack.gate_up.shape[0]).tolist()
+    counts = torch.bincount(expert_of_pair, minlength=num_experts).tolist()
     pair_weights = weights.reshape(-1)[order]
     out = torch.zeros_like(x)
     start = 0
@@ -361,7 +436,7 @@ def _run_per_expert(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, wei
         if count:
             span = slice(start, start + count)
             token_rows = order[span] // top_k
-            y = _run_one(stack, expert, x.index_select(0, token_rows))
+            y = run_one(expert, x.index_select(0, token_rows))
             out.index_add_(0, token_rows, (y * pair_weights[span, None]).to(x.dtype))
             start += count
     return out

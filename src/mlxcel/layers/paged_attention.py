@@ -118,6 +118,11 @@ def _register_fakes() -> None:
     def _int4_linear_fake(x: torch.Tensor, packed: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
         return x.new_empty(x.shape[0], packed.shape[0] * 16)  # packed: [blocks of 16 outputs, ...] (int4_blocks)
 
+    @torch.library.register_fake("mlxcel::quant_experts", lib=_LIBRARY)
+    def _quant_experts_fake(x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, linears: list[torch.Tensor],
+                            activation: str, limit: float, alpha: float) -> torch.Tensor:
+        return torch.empty_like(x)  # layers/moe.py QuantExperts: the routed experts' weighted sum
+
 
 def _build(compiler: str) -> Path:
     version = subprocess.run([compiler, "--version"], capture_output=True, text=True, check=True).stdout

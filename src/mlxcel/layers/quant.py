@@ -154,10 +154,11 @@ class QuantLinear(nn.Module):
     serves every row, as bfloat16 for prefill rows."""
 
     def __init__(self, weight: Weight, bias: torch.Tensor | None, *, keep_dense: bool = False,
-                 search: bool = True) -> None:
+                 search: bool = True, packed_only: bool = False) -> None:
         """`weight`: float, or a checkpoint's 4-bit levels or int8 codes. `keep_dense`: keep the bfloat16 copy
         even on our kernels. `search`: look for a 4-bit grid in a float weight (off when the checkpoint says
-        it is stored otherwise: the search costs most of a load)."""
+        it is stored otherwise: the search costs most of a load). `packed_only`: keep no bfloat16 copy in any
+        case, every row takes the packed kernel (issue 40: an MoE's experts, most of its weights)."""
         super().__init__()
         grid = (weight if isinstance(weight, Int4Levels) else None if isinstance(weight, Int8Levels)
                 else int4_grid(weight.detach().float()) if search else None)
@@ -181,10 +182,10 @@ class QuantLinear(nn.Module):
         # bfloat16 matmul from 64 to 512 rows here: bench/RESULTS.md), so the weight is kept once,
         # packed; elsewhere a bfloat16 copy serves prefill rows. Stored int8 codes likewise (issue 27:
         # a bfloat16 copy would round them).
-        is_kept_once = (self.int4_kernel or stored is not None) and not keep_dense
-        w = (None if is_kept_once else weight.dequantize() if isinstance(weight, (Int4Levels, Int8Levels))
-             else weight.detach().float())
-        self.register_buffer("weight", None if w is None else w.to(torch.bfloat16))
+        is_kept_once = packed_only or ((self.int4_kernel or stored is not None) and not keep_dense)
+        w = (None if is_kept_once and (int4 is not None or stored is not None)
+             else weight.dequantize() if isinstance(weight, (Int4Levels, Int8Levels)) else weight.detach().float())
+        self.register_buffer("weight", None if w is None or is_kept_once else w.to(torch.bfloat16))
         if int4 is not None:
             self.register_buffer("qweight", int4[0])
             self.register_buffer("scale", int4[1])  # ATen's: [K / 32, N, 2] scale and zero; ours: see int4_blocks
@@ -482,6 +483,33 @@ class QuantEmbedding(nn.Module):
         return (self.low[input_ids][..., None] + q * self.step[input_ids][..., None]).flatten(-2)
 
 
+class TiedQuantEmbedding(QuantEmbedding):
+    """A tied embedding table read from the output head's own 4-bit blocks (`int4_blocks`' layout, scales in
+    its float16 or float32 form): the table is kept once, not as the head's blocks plus a second packed copy
+    (issue 42: an MLX 4-bit folder with tied embeddings then stays near its file size). A looked-up row is
+    the same float32 row `QuantEmbedding` gives."""
+
+    def __init__(self, head: QuantLinear) -> None:
+        nn.Module.__init__(self)  # no tables of its own (QuantEmbedding's are the head's, read in place)
+        self._head = [head]  # a list: the head's buffers stay registered once, on the head
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @staticmethod
+    def can_read(head: QuantLinear) -> bool:
+        return head.int4_kernel and head.scale.dtype in (torch.float16, torch.float32)
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        head = self._head[0]
+        ids = input_ids.reshape(-1)
+        block, row = ids // INT4_BLOCK, ids % INT4_BLOCK
+        groups = self.embedding_dim // INT4_GROUP
+        packed = head.qweight.view(-1, groups, 4, INT4_BLOCK, 4)[block, :, :, row, :]  # [n, group, v, t]
+        q = torch.stack((packed & 0x0F, packed >> 4), dim=2).view(-1, groups, INT4_GROUP).float()  # [n, group, 32]
+        scales = head.scale[block, :, :, row].float()  # [n, group, 2]: step, low
+        rows = scales[..., 1:2] + q * scales[..., 0:1]
+        return rows.view(*input_ids.shape, self.embedding_dim)
+
+
 # Sibling linears that read the same input in every family here; each group becomes one matmul.
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -648,7 +676,8 @@ def quantize(model: nn.Module) -> QuantSummary:
             weight = weight if weight is not None else table
         model.lm_head = QuantHead(weight, search=checkpoint.search)
     if embed_levels is not None:
-        model.model.embed_tokens = QuantEmbedding(embed_levels)
+        tied = head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
+        model.model.embed_tokens = TiedQuantEmbedding(model.lm_head.linear) if tied else QuantEmbedding(embed_levels)
         checkpoint.replaced("model.embed_tokens")
     del embed_levels
     for prefix, parent in list(model.named_modules()):
@@ -656,10 +685,25 @@ def quantize(model: nn.Module) -> QuantSummary:
         for name, child in list(parent.named_children()):
             if isinstance(child, nn.Linear):
                 setattr(parent, name, checkpoint.linear([_join(prefix, name)], [child]))
+            elif callable(getattr(child, "packed", None)):  # stacked weights that pack themselves (MoE experts)
+                setattr(parent, name, child.packed(StoredSource(checkpoint, _join(prefix, name), child)))
+                checkpoint.replaced(_join(prefix, name))
     linears = [m for m in model.modules() if isinstance(m, QuantLinear)]
     kinds = [m.bits for m in linears]
     return QuantSummary(num_int4=kinds.count(4), num_int8=kinds.count(8),
                         num_kept_once=sum(m.weight is None for m in linears))
+
+
+def resident_bytes(model: nn.Module) -> int:
+    """Bytes of a model's parameters and buffers (each storage once; meta tensors, not yet read, count 0):
+    the weights as kept in memory (issue 42: /props, /v1/models and the startup log)."""
+    seen: dict[tuple[str, int], int] = {}
+    for tensor in (*model.parameters(), *model.buffers()):
+        if tensor.is_meta:
+            continue
+        storage = tensor.untyped_storage()
+        seen[(str(tensor.device), storage.data_ptr())] = storage.nbytes()
+    return sum(seen.values())
 
 
 def fuse_projections(model: nn.Module) -> int:
@@ -719,6 +763,30 @@ class _Checkpoint:
     def replaced(self, prefix: str) -> None:
         if self.lazy is not None:
             self.lazy.forget(prefix)
+
+
+@dataclass(frozen=True)
+class StoredSource:
+    """What a module that packs its own stacked weights (layers/moe.py `Experts.packed`) reads through
+    `quantize`: the checkpoint's stored levels or codes of a tensor under its prefix, its float
+    parameters (read now where the model is lazy), and the packing of one linear."""
+
+    checkpoint: _Checkpoint
+    prefix: str
+    module: nn.Module
+
+    def stored(self, name: str) -> Int4Levels | Int8Levels | None:
+        full = f"{self.prefix}.{name}"
+        levels = self.checkpoint.packed.int4_levels(full) if self.checkpoint.packed is not None else None
+        reader = getattr(self.checkpoint.packed, "int8_levels", None)
+        return levels if levels is not None or reader is None else reader(full)
+
+    def param(self, name: str) -> torch.Tensor | None:
+        return self.checkpoint.param(self.prefix, self.module, name)
+
+    def pack(self, weights: list[Weight], bias: torch.Tensor | None) -> QuantLinear:
+        """One linear of these outputs stacked (stored parts stay stored), every row on the packed kernel."""
+        return QuantLinear(_cat_weights(weights), bias, search=self.checkpoint.search, packed_only=True)
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,17 +1,20 @@
 """Rotary position embeddings (the HF "rotate half" layout) with the scalings checkpoints use:
 linear, llama3, yarn, longrope, proportional (Gemma 4), dynamic (inside the trained context:
-the plain frequencies, as transformers computes them there) and GGUF's freq_factors."""
+the plain frequencies, as transformers computes them there), GGUF's freq_factors, and the
+multimodal rotary (M-RoPE, Qwen-VL: temporal / height / width positions, one per frequency section)."""
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import torch
 
 # "freq_factors": per-frequency divisors as GGUF stores them (`rope_freqs.weight`, llama3 models).
-SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional", "freq_factors")
+# "mrope": Qwen-VL's multimodal rotary (`mrope_section`, `mrope_interleaved`), the plain frequencies.
+SUPPORTED_ROPE_TYPES = ("default", "linear", "dynamic", "llama3", "yarn", "longrope", "proportional", "freq_factors",
+                        "mrope")
 
 
 def rope_settings(config: Mapping[str, Any], layer_type: str | None = None,
@@ -74,7 +77,7 @@ def rope_inv_freq(head_dim: int, theta: float, scaling: dict[str, Any] | None = 
         inv_freq = inv_freq / torch.tensor(params["short_factor"], dtype=torch.float32)
     elif kind == "proportional":
         inv_freq = _proportional(head_dim, theta, params)
-    elif kind not in ("default", "dynamic"):
+    elif kind not in ("default", "dynamic", "mrope"):
         raise ValueError(f"rope scaling type {kind!r} is not supported (supported: {', '.join(SUPPORTED_ROPE_TYPES)})")
     return inv_freq.to(torch.float32)
 
@@ -230,3 +233,62 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin_signed: torch.Tensor) -> 
     the same products, bit for bit, in three ops instead of six (a decode step runs 60 of them).
     """
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * sin_signed
+
+
+class MRotaryEmbedding(RotaryEmbedding):
+    """Qwen-VL's M-RoPE: positions [3, T] (temporal, height, width) turn the frequency sections
+    `mrope_section` (contiguous, or every third frequency with `mrope_interleaved`, Qwen3-VL).
+
+    Text tokens have three equal positions, which is the plain rotary of one position: positions
+    [T] take the inherited table lookup."""
+
+    def __init__(self, head_dim: int, theta: float, scaling: dict[str, Any], max_positions: int = 4096) -> None:
+        super().__init__(head_dim, theta, scaling, max_positions)
+        axis = mrope_axis_of_frequency(head_dim // 2, scaling["mrope_section"], bool(scaling.get("mrope_interleaved")))
+        self.register_buffer("axis", torch.cat((axis, axis)), persistent=False)  # [head_dim]
+
+    def rebuild_buffers(self, device: torch.device | str) -> None:
+        super().rebuild_buffers(device)
+        axis = mrope_axis_of_frequency(self.head_dim // 2, self.scaling["mrope_section"],
+                                       bool(self.scaling.get("mrope_interleaved")))
+        self.axis = torch.cat((axis, axis)).to(device)
+
+    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().cos_sin(positions, dtype)
+        memo_positions, cos, sin = self._memo
+        if positions is memo_positions and dtype == cos.dtype:
+            return cos, sin
+        self.ensure_positions(int(positions.max()) + 1 if positions.numel() else 0)
+        cos, sin = self.lookup(positions, dtype)
+        self._memo = (positions, cos, sin)
+        return cos, sin
+
+    def lookup(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        if positions.dim() == 1:
+            return super().lookup(positions, dtype)
+        # [3, T, head_dim] -> each dimension from its axis' row: [T, 1, head_dim]
+        index = self.axis.view(1, 1, -1).expand(1, positions.shape[1], -1)
+        cos, sin = (table[positions].gather(0, index)[0] for table in self._tables)
+        return cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype)
+
+
+def mrope_axis_of_frequency(num_freqs: int, section: Sequence[int], interleaved: bool) -> torch.Tensor:
+    """Which position row (0 temporal, 1 height, 2 width) turns each of the `num_freqs` frequencies:
+    `section` contiguous runs (Qwen2-VL, Qwen2.5-VL), or with `interleaved` (Qwen3-VL) frequency i
+    takes height where i % 3 == 1 and i < 3 * section[1], width where i % 3 == 2 and i < 3 * section[2]."""
+    if sum(section) != num_freqs:
+        raise ValueError(f"mrope_section {list(section)} does not add up to {num_freqs} frequencies")
+    if not interleaved:
+        return torch.cat([torch.full((n,), axis, dtype=torch.int64) for axis, n in enumerate(section)])
+    axis = torch.zeros(num_freqs, dtype=torch.int64)
+    for row in (1, 2):
+        axis[row:3 * section[row]:3] = row
+    return axis
+
+
+def rotary_table(head_dim: int, theta: float, scaling: dict[str, Any] | None) -> RotaryEmbedding:
+    """The table a rope's settings need: M-RoPE's for "mrope", the plain one otherwise."""
+    if rope_type(scaling) == "mrope":
+        return MRotaryEmbedding(head_dim, theta, scaling)
+    return RotaryEmbedding(head_dim, theta, scaling)

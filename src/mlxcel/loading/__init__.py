@@ -17,6 +17,7 @@ from mlxcel.loading.checkpoint import (
 )
 from mlxcel.loading.errors import ModelLoadError
 from mlxcel.loading.gguf import GGUFFile, is_gguf_file
+from mlxcel.loading.quantized import QuantFormat, QuantizedFolder, quant_format
 from mlxcel.loading.resolve import ResolvedModel, default_model_path, resolve_model
 
 __all__ = ["Checkpoint", "LoadedModel", "load_weights", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
@@ -32,6 +33,7 @@ class Checkpoint:
     config: dict[str, Any]
     gguf: GGUFFile | None  # set for GGUF checkpoints (tokenizer and template live in its metadata)
     model_dir: Path | None  # set for HF-layout folders
+    quant: QuantFormat | None = None  # a quantized safetensors folder's format (issue 42)
 
     @property
     def model_type(self) -> str:
@@ -47,10 +49,21 @@ class LoadedModel:
     path: Path
     gguf: GGUFFile | None
     model_dir: Path | None
+    quant: QuantFormat | None = None  # issue 42: the folder's quantization, kept in its codes on the CPU
 
     @property
     def model_type(self) -> str:
         return str(self.config["model_type"])
+
+    def weights_info(self) -> dict[str, Any]:
+        """What the weights are on disk (format, bits): /props, /v1/models and the startup log (issue 42)."""
+        if self.quant is not None:
+            return {"format": self.quant.method, "mode": self.quant.mode, "bits": self.quant.bits,
+                    "group_size": self.quant.group_size, "description": self.quant.describe()}
+        if self.gguf is not None:
+            return {"format": "gguf", "description": f"GGUF {_gguf_file_type(self.gguf)}"}
+        dtype = self.config.get("torch_dtype") or self.config.get("dtype") or "float"
+        return {"format": "safetensors", "description": f"safetensors {dtype}"}
 
     @property
     def implementation(self) -> str:
@@ -60,6 +73,17 @@ class LoadedModel:
     @property
     def supports_batching(self) -> bool:
         return bool(getattr(family_module(self.model_type), "SUPPORTS_BATCHING", True))
+
+
+def _gguf_file_type(gguf_file: GGUFFile) -> str:
+    """The GGUF's `general.file_type` by llama.cpp's name (Q4_K_M, ...), or its number."""
+    import gguf
+
+    value = gguf_file.metadata.get("general.file_type")
+    try:
+        return gguf.LlamaFileType(int(value)).name.removeprefix("MOSTLY_") if value is not None else "(no file type)"
+    except ValueError:
+        return f"file type {value}"
 
 
 def open_checkpoint(path: Path) -> Checkpoint:
@@ -75,7 +99,7 @@ def open_checkpoint(path: Path) -> Checkpoint:
         if path.is_dir():
             config = hf_config(path)
             family_module(config["model_type"])  # fail early, naming the supported types
-            return Checkpoint(path, config, None, path)
+            return Checkpoint(path, config, None, path, quant_format(config))  # an unservable format: one line
         raise ModelLoadError(f"{path}: not a GGUF file (bad magic) and not a model folder")
 
 
@@ -86,11 +110,14 @@ def load_weights(checkpoint: Checkpoint, *, device: torch.device | str = "cpu",
     started = time.monotonic()
     path, config = checkpoint.path, checkpoint.config
     with _naming(path):
-        state = _lazy_readers(checkpoint) if lazy else _state_dict(checkpoint)
+        folder = QuantizedFolder(path, checkpoint.quant) if checkpoint.quant is not None else None
+        state = _lazy_readers(checkpoint, folder) if lazy else _state_dict(checkpoint, folder)
         model = build_model(config, state, device=device, dtype=dtype, lazy=lazy)
         if checkpoint.gguf is not None:  # what the CPU decode rewrite packs as stored (layers/quant.py)
             model.packed_weights = GGUFPackedWeights(checkpoint.gguf, family_module(checkpoint.model_type), config)
-    loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir)
+        elif folder is not None:  # issue 42: MLX / GPTQ / AWQ / compressed-tensors codes, packed as stored
+            model.packed_weights = folder
+    loaded = LoadedModel(model, config, path, checkpoint.gguf, checkpoint.model_dir, checkpoint.quant)
     # NOTE: mapped is all this step knows; the caller says when the tensors are read (issue 47: one true line)
     log.info("%s %s weights (%s) from %s in %.1f s; model code: %s", "mapped (no tensor read yet)" if lazy else "read",
              loaded.model_type, dtype, path, time.monotonic() - started, _code_phrase(loaded.implementation))
@@ -103,18 +130,18 @@ def _code_phrase(implementation: str) -> str:
     return "native"
 
 
-def _state_dict(checkpoint: Checkpoint) -> dict[str, torch.Tensor]:
+def _state_dict(checkpoint: Checkpoint, folder: QuantizedFolder | None) -> dict[str, torch.Tensor]:
     if checkpoint.gguf is not None:
         return gguf_state_dict(checkpoint.gguf, family_module(checkpoint.model_type), checkpoint.config)
-    return hf_state_dict(checkpoint.path)
+    return folder.state_dict() if folder is not None else hf_state_dict(checkpoint.path)
 
 
-def _lazy_readers(checkpoint: Checkpoint) -> dict[str, Any]:
+def _lazy_readers(checkpoint: Checkpoint, folder: QuantizedFolder | None) -> dict[str, Any]:
     from mlxcel.loading.lazy import safetensors_readers
 
     if checkpoint.gguf is not None:
         return gguf_readers(checkpoint.gguf, family_module(checkpoint.model_type), checkpoint.config)
-    return safetensors_readers(checkpoint.path)
+    return folder.readers() if folder is not None else safetensors_readers(checkpoint.path)
 
 
 def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.dtype = torch.float32,

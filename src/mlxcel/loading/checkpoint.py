@@ -247,10 +247,32 @@ def hf_config(model_dir: Path) -> dict[str, Any]:
     if not isinstance(config, dict):
         raise ModelLoadError(f"{path}: config.json is not a JSON object")
     if "text_config" in config and "model_type" in config["text_config"]:
-        config = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True)}
+        config = _text_config(config)
     if "model_type" not in config:
         raise ModelLoadError(f"{path}: config.json has no model_type")
     return config
+
+
+def _text_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A multimodal config's text fields; a vision-language family of ours (models/_vision.py) keeps its
+    model_type and the whole top-level config under "vision" (issue 43)."""
+    # issue 42: the quantization block sits at the top level of a multimodal config
+    quant = {key: config[key] for key in ("quantization", "quantization_config") if key in config}
+    text = {**config["text_config"], "tie_word_embeddings": config.get("tie_word_embeddings", True), **quant}
+    top_type = config.get("model_type")
+    if config.get("vision_config") is None or not _is_vision_language(top_type):
+        return text
+    return {**text, "model_type": top_type, "text_model_type": text["model_type"], "vision": config}
+
+
+def _is_vision_language(model_type: object) -> bool:
+    if not isinstance(model_type, str) or not model_type.isidentifier() or model_type.startswith("_"):
+        return False
+    try:
+        module = importlib.import_module(f"mlxcel.models.{model_type}")
+    except ImportError:
+        return False
+    return bool(getattr(module, "IS_VISION_LANGUAGE", False))
 
 
 def hf_state_dict(model_dir: Path) -> dict[str, torch.Tensor]:

@@ -97,9 +97,9 @@ class GGUFFile:
         other types."""
         tensor = self.tensors[name]
         decode = _INT4_DECODERS.get(tensor.type_name)
-        if decode is None or len(tensor.shape) != 2:
+        if decode is None or len(tensor.shape) < 2:
             return None
-        rows, cols = tensor.shape
+        rows, cols = _as_rows(tensor.shape)
         try:
             q, step, low, units = decode(np.asarray(tensor.raw).view(np.uint8).reshape(-1, _INT4_BLOCK_BYTES[tensor.type_name]))
         finally:
@@ -114,11 +114,11 @@ class GGUFFile:
         are integer multiples; None for other types (issue 27: such a weight is kept as stored)."""
         tensor = self.tensors[name]
         group_scales = _INT8_SCALES.get(tensor.type_name)
-        if group_scales is None or len(tensor.shape) != 2:
+        if group_scales is None or len(tensor.shape) < 2:
             return None
         import gguf
 
-        rows, cols = tensor.shape
+        rows, cols = _as_rows(tensor.shape)
         qtype, block_bytes = gguf.GGMLQuantizationType[tensor.type_name], _INT8_BLOCK_BYTES[tensor.type_name]
         codes = np.empty((rows, cols), dtype=np.int8)
         scales: list[np.ndarray] = []
@@ -353,3 +353,8 @@ def is_gguf_file(path: Path) -> bool:
         return False
     with path.open("rb") as handle:
         return handle.read(4) == b"GGUF"
+
+
+def _as_rows(shape: tuple[int, ...]) -> tuple[int, int]:
+    """A weight's shape as [rows, inputs]: a stack of experts [E, N, K] (ffn_*_exps) as E * N rows."""
+    return int(np.prod(shape[:-1])), int(shape[-1])

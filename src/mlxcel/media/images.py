@@ -35,6 +35,7 @@ def validate_image(data: bytes, policy: MediaPolicy) -> ImageInfo:
     image = _open_header(data)
     try:
         check_image_dimensions(image.width, image.height, policy)
+        _check_frames(image, policy)
         _decode(image)
     except BaseException:
         image.close()
@@ -68,9 +69,31 @@ def check_image_dimensions(width: int, height: int, policy: MediaPolicy) -> None
         )
 
 
+def _check_frames(image: Image.Image, policy: MediaPolicy) -> None:
+    """Refuse an animated image (GIF, WebP, APNG) with more frames than --max-images (issue 43: frames count
+    as video frames do); only the first frame is ever used. At most max_images + 1 frames are walked."""
+    try:
+        if not getattr(image, "is_animated", False):
+            return
+        image.seek(policy.max_images)  # frame index max_images exists: one too many
+    except EOFError:
+        image.seek(0)
+        return
+    except Exception as exc:  # untrusted bytes: a frame that cannot be reached is a bad image
+        raise MediaError(f"image frames could not be read: {exc}", Reason.INVALID_IMAGE) from None
+    raise MediaError(f"animated image has more than {policy.max_images} frames (--max-images)", Reason.IMAGE_TOO_LARGE)
+
+
+def _registered_formats() -> list[str]:
+    """ACCEPTED_FORMATS that this Pillow has an opener for. NOTE: Pillow 13 has no separate "MPO" opener
+    (its JPEG plugin reads MPO), and naming an unknown format made every GIF, WebP, BMP and TIFF fail."""
+    Image.init()
+    return [name for name in ACCEPTED_FORMATS if name in Image.OPEN]
+
+
 def _open_header(data: bytes) -> Image.Image:
     try:
-        return Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
+        return Image.open(io.BytesIO(data), formats=_registered_formats())
     except Image.DecompressionBombError as exc:
         raise MediaError(f"image refused as a decompression bomb: {exc}", Reason.IMAGE_TOO_LARGE) from None
     except Image.UnidentifiedImageError:

@@ -1,4 +1,9 @@
-"""Gemma 3 text family: the shared decoder's Gemma recipe (Gemma3ForCausalLM's parameter names).
+"""Gemma 3: the shared decoder's Gemma recipe (Gemma3ForCausalLM's parameter names) and, for a
+Gemma3ForConditionalGeneration checkpoint, its vision side (issue 43, models/_vision.py): a SigLIP
+tower (`vision_tower.`), then the projector (4x4 average pooling of the 64x64 patch grid to 256 tokens, a (1 + w)
+RMSNorm, one matmul into the text width). Each image becomes `<start_of_image>`, 256 soft tokens,
+`<end_of_image>` between blank lines (Gemma3Processor's expansion); its soft tokens attend each
+other both ways in prefill.
 
 Differences from Llama: embeddings scaled by sqrt(hidden); (1 + w) RMSNorms, also on q and k
 per head; norms before and after both attention and MLP; tanh-GELU MLP; a fixed query scale
@@ -8,16 +13,25 @@ global layers (which alone take the rope scaling).
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, ClassVar
 
 import torch
+from torch import nn
 
 from mlxcel.layers.decoder import (
     FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, MLPRecipe, NormRecipe, RopeRecipe, activation,
 )
+from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import rope_settings
+from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
+from mlxcel.models._vision import (
+    ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
+    VisionFamily, pixel_batch, placeholder_runs,
+)
 
 if TYPE_CHECKING:
     from collections.abc import Mapping
@@ -100,29 +114,84 @@ def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
     return tuple(SLIDING if (i + 1) % pattern else FULL for i in range(config["num_hidden_layers"]))
 
 
-class Model(DecoderLM):
-    ARGS = ModelArgs
+IS_VISION_LANGUAGE = True
 
-    @classmethod
-    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        """Text weights only: multimodal checkpoints nest them under a language model prefix."""
-        kept = {text: value for name, value in weights.items() if (text := _text_name(name)) is not None}
-        return super().sanitize(kept, args)
+
+class Projector(nn.Module):
+    """Gemma3MultiModalProjector: pool the patch grid to mm_tokens_per_image, norm, project."""
+
+    def __init__(self, vision: dict[str, Any], text_hidden: int) -> None:
+        super().__init__()
+        width = int(vision["vision_config"]["hidden_size"])
+        self.mm_input_projection_weight = nn.Parameter(torch.zeros(width, text_hidden))
+        self.mm_soft_emb_norm = RMSNorm(width, float(vision["vision_config"].get("layer_norm_eps", 1e-6)), offset=1.0)
+        self.patches_per_side = int(vision["vision_config"]["image_size"]) // int(vision["vision_config"]["patch_size"])
+        tokens_per_side = int(int(vision.get("mm_tokens_per_image", 256)) ** 0.5)
+        self.kernel = self.patches_per_side // tokens_per_side
+
+    def forward(self, features: torch.Tensor) -> torch.Tensor:
+        """[B, patches, vision hidden] -> [B, tokens, text hidden]."""
+        pooled = pool_patches(features, self.patches_per_side, self.kernel)
+        return torch.matmul(self.mm_soft_emb_norm(pooled), self.mm_input_projection_weight).to(features.dtype)
+
+
+class ImagePrompter:
+    """Gemma 3's processor side (models/_vision.py): transformers' Gemma3 image processor with the
+    checkpoint's settings; each `<start_of_image>` marker becomes Gemma3Processor's full image sequence."""
+
+    def __init__(self, vision: dict[str, Any], model_dir: Path | None, tokenizer: PromptTokenizer) -> None:
+        from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
+
+        size = int(vision["vision_config"]["image_size"])
+        self.processor = load_image_processor(model_dir, Gemma3ImageProcessorPil, size={"height": size, "width": size},
+                                              image_mean=vision.get("image_mean", [0.5] * 3),
+                                              image_std=vision.get("image_std", [0.5] * 3))
+        self.boi = config_token(vision, "boi_token_index", "boi_token_id")
+        self.eoi = config_token(vision, "eoi_token_index", "eoi_token_id")
+        self.image_token = config_token(vision, "image_token_index", "image_token_id")
+        self.num_tokens = int(vision.get("mm_tokens_per_image", 256))
+        self.marker = tokenizer.decode([self.boi], skip_special_tokens=False)
+        self.newlines = tokenizer.encode("\n\n", add_special_tokens=False)
+
+    def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
+        sequence = [*self.newlines, self.boi, *[self.image_token] * self.num_tokens, self.eoi, *self.newlines]
+        expanded = expand_markers(token_ids, self.boi, [sequence] * len(images))
+        runs = placeholder_runs(expanded, self.image_token)
+        if len(runs) != len(images):
+            raise ValueError("the prompt holds image soft tokens outside its images")
+        pixels = self.processor(images=[decode_image(data) for data in images], return_tensors="pt")["pixel_values"]
+        return expanded, tuple(ImageInput(image_digest(data), (run,), {"pixel_values": pixels[i:i + 1]},
+                                          is_bidirectional=True)
+                               for i, (data, run) in enumerate(zip(images, runs)))
 
 
 # Prefixes of the text model inside Gemma3ForConditionalGeneration (transformers 4 and 5 layouts).
 _TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
                   "language_model.lm_head.": "lm_head."}
-_VISION_MARKERS = ("vision_tower.", "multi_modal_projector.")
+# The tower's own `vision_model.` level (hub checkpoints have it; transformers 5 saves without it) is dropped.
+_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
+                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                    "model.multi_modal_projector.": "multi_modal_projector.",
+                    "multi_modal_projector.": "multi_modal_projector."}
 
 
-def _text_name(name: str) -> str | None:
-    if any(marker in name for marker in _VISION_MARKERS):
-        return None
-    for prefix, replacement in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            return replacement + name[len(prefix):]
-    return name
+class Model(VisionFamily, DecoderLM):
+    ARGS = ModelArgs
+    PROMPTER = ImagePrompter
+    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    DROPPED_VISION = ("head.",)  # SigLIP's pooling head (vision_use_head): an output Gemma 3 never reads
+
+    def __init__(self, args: DecoderArgs) -> None:
+        super().__init__(args)
+        self.vision = args.extra.get("vision")
+        if self.vision is not None:
+            self.vision_tower = VisionTransformer(VisionRecipe.from_config(self.vision["vision_config"]))
+            self.multi_modal_projector = Projector(self.vision, args.hidden_size)
+
+    def encode_images(self, images: Sequence[ImageInput]) -> list[torch.Tensor]:
+        """Every image through the tower and projector in one batch: [mm_tokens_per_image, hidden] each."""
+        pixels = pixel_batch(images, self.multi_modal_projector.mm_input_projection_weight)
+        return list(self.multi_modal_projector(self.vision_tower(pixels)).unbind(0))
 
 
 # GGUF per-layer tensor names that differ from the Llama mapping.
@@ -150,3 +219,59 @@ def gemma_query_scalar(config: dict[str, Any], layers_of_27b: int) -> int:
 
 
 fix_gguf_weights = unshift_norms  # the converter stores (1 + w)
+
+
+# ---- llama.cpp's projector file (--mmproj, loading/mmproj.py) ----
+
+_MMPROJ_NAMES = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
+                 "v.post_ln": "post_layernorm"}
+_MMPROJ_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
+                       "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
+                       "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
+
+
+def attach_mmproj(model: Model, mmproj: Any, tokenizer: PromptTokenizer) -> None:
+    """The SigLIP tower and projector from llama.cpp's gemma3 mmproj GGUF (its `clip.vision.*` settings;
+    tensor names as tools/mtmd/clip-impl.h names them), attached to a text model loaded from GGUF."""
+    meta = mmproj.metadata
+    clip = lambda key, default=None: meta.get(f"clip.vision.{key}", default)  # noqa: E731
+    size, patch = int(clip("image_size")), int(clip("patch_size"))
+    tokens_per_side = size // patch // int(clip("projector.scale_factor", 4))
+    config = {"hidden_size": clip("embedding_length"), "num_hidden_layers": clip("block_count"),
+              "num_attention_heads": clip("attention.head_count"), "intermediate_size": clip("feed_forward_length"),
+              "image_size": size, "patch_size": patch, "layer_norm_eps": clip("attention.layer_norm_epsilon", 1e-6)}
+    vision = {"vision_config": config, "mm_tokens_per_image": tokens_per_side**2,
+              "image_mean": list(clip("image_mean", [0.5] * 3)), "image_std": list(clip("image_std", [0.5] * 3)),
+              **{key: _token_id(tokenizer, text) for key, text in (
+                  ("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
+                  ("image_token_index", "<image_soft_token>"))}}
+    param = next(model.model.norm.parameters())
+    tower, projector = VisionTransformer(VisionRecipe.from_config(config)), Projector(vision, model.args.hidden_size)
+    tower.load_state_dict(_mmproj_state(mmproj, "v.", int(config["num_hidden_layers"])), strict=True)
+    projector.load_state_dict({
+        "mm_input_projection_weight": torch.from_numpy(mmproj.dequantize("mm.input_projection.weight").copy()),
+        "mm_soft_emb_norm.weight": torch.from_numpy(mmproj.dequantize("mm.soft_emb_norm.weight") - 1.0),  # (1 + w) stored
+    }, strict=True)
+    model.vision_tower, model.multi_modal_projector = tower.to(param.device, param.dtype).eval(), \
+        projector.to(param.device, param.dtype).eval()
+    model.vision = vision
+
+
+def _mmproj_state(mmproj: Any, prefix: str, num_layers: int) -> dict[str, torch.Tensor]:
+    names = dict(_MMPROJ_NAMES)
+    for i in range(num_layers):
+        names |= {f"{prefix}blk.{i}.{ours}": f"encoder.layers.{i}.{theirs}" for ours, theirs in _MMPROJ_LAYER_NAMES.items()}
+    state = {}
+    for gguf_name, ours in names.items():
+        for kind in ("weight", "bias"):
+            if f"{gguf_name}.{kind}" in mmproj.tensors:
+                state[f"{ours}.{kind}"] = torch.from_numpy(mmproj.dequantize(f"{gguf_name}.{kind}").copy())
+    return state
+
+
+def _token_id(tokenizer: PromptTokenizer, text: str) -> int:
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"the text model's vocabulary has no {text} token")
+    return ids[0]
+

@@ -7,7 +7,12 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxcel.models import granite
-from mlxcel.models._moe import MoEArgs, MoEDecoderLM
+from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM
+
+# llama.cpp's granitemoe: Granite's metadata and permuted q/k, the MoE stacks under our block's name.
+GGUF_LAYER_NAMES = {part: name.replace("mlp.", "block_sparse_moe.", 1) for part, name in GGUF_MOE_NAMES.items()}
+gguf_config = granite.gguf_config
+fix_gguf_weights = granite.fix_gguf_weights
 
 
 @dataclass(frozen=True)

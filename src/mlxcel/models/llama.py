@@ -25,7 +25,10 @@ class Model(DecoderLM):
 
 
 def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
-    """Llama 3.x GGUFs carry their rope scaling as a `rope_freqs` tensor, not as metadata."""
+    """Llama 3.x GGUFs carry their rope scaling as a `rope_freqs` tensor, not as metadata. llama.cpp
+    writes Mixtral as "llama" with expert stacks (ffn_*_exps): that file loads as mixtral."""
+    if "blk.0.ffn_gate_exps.weight" in gguf.tensors:
+        config = {**config, "model_type": "mixtral"}
     if "rope_freqs.weight" in gguf.tensors:
         factors = gguf.dequantize("rope_freqs.weight").reshape(-1).tolist()
         config = {**config, "rope_scaling": {"rope_type": "freq_factors", "factors": factors}}

@@ -7,7 +7,9 @@ from dataclasses import dataclass, replace
 from typing import Any
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs
-from mlxcel.models._moe import MoEArgs, MoEDecoderLM
+from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM
+
+GGUF_LAYER_NAMES = GGUF_MOE_NAMES  # llama.cpp's olmoe: Llama's names and the MoE stacks, nothing permuted
 
 
 @dataclass(frozen=True)

@@ -218,8 +218,9 @@ async def props(request: Request, state: ServerState) -> Response:
         "model_alias": state.model_name,
         "model_path": str(served.loaded.path),
         "model_implementation": served.loaded.implementation,  # "native" | "transformers" (the fallback)
+        "weights": served.weights,  # issue 42: format, bits, group size, bytes resident and on disk
         "chat_template": template.source if template else "",
-        "modalities": {"vision": False, "audio": False},
+        "modalities": {"vision": served.image_marker is not None, "audio": False},  # issue 43: images in
         "bos_token": served.tokenizer.bos_token, "eos_token": served.tokenizer.eos_token,
         "build_info": f"mlxcel {_version()}",
         "prefix_cache_disk": disk_tier_props(stats.prefix_cache),

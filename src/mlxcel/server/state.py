@@ -98,7 +98,7 @@ class ServerState:
             telemetry=self.metrics, sse_keepalive_s=self.config.sse_keepalive_s, media_policy=self.media,
             features=served.features, aliases=self.config.aliases, tags=self.config.tags,
             lora=served.lora, sampling=sampling_defaults(self.live.current, served.checkpoint_sampling),
-            image_marker=served.image_marker)
+            image_marker=served.image_marker, weights=served.weights, image_prompter=served.image_prompter)
         engine = served.engine_config
         for name, value in (("parallel", engine.max_num_seqs),  # after the model's own clamp (A3)
                             ("default_n_predict", engine.n_predict), ("default_seed", engine.seed)):

@@ -62,11 +62,13 @@ def start_engine_process(resolved: ResolvedModel, checkpoint: Checkpoint, tokeni
         process.join(5)
         raise
     info = core.info
-    loaded = LoadedModel(None, checkpoint.config, checkpoint.path, checkpoint.gguf, checkpoint.model_dir)  # type: ignore[arg-type]
+    loaded = LoadedModel(None, checkpoint.config, checkpoint.path, checkpoint.gguf, checkpoint.model_dir,  # type: ignore[arg-type]
+                         checkpoint.quant)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("engine process: pid %d ready (the API process keeps HTTP, templates and detokenization)", info.pid)
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), info.config,  # type: ignore[arg-type]
-                       features, LoraRegistry(list(info.lora_adapters)), info.mtp)
+                       features, LoraRegistry(list(info.lora_adapters)), info.mtp,
+                       weights=loaded.weights_info())  # the resident bytes are the engine process's
 
 
 def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,

@@ -27,15 +27,16 @@ from mlxcel.chat.plan import ChatFeatures, FeatureSettings
 from mlxcel.engine.spec import DraftPolicy
 from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
-from mlxcel.layers.quant import can_quantize, fuse_projections, quantize
+from mlxcel.layers.quant import can_quantize, fuse_projections, quantize, resident_bytes
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
+from mlxcel.loading.mmproj import attach_mmproj
 from mlxcel.lora_registry import LoraRegistry
 from mlxcel.text.chat_template import ChatTemplate
 from mlxcel.text.tokenizer import Tokenizer
-from mlxcel.types import MtpDecision, Request, SamplingParams
+from mlxcel.types import ImagePrompter, MtpDecision, Request, SamplingParams
 from mlxcel.workers.diffusion import DiffusionOptions
 
 log = logging.getLogger(__name__)
@@ -57,6 +58,7 @@ class RuntimeOptions:
     weight_materialization: str = "eager"  # MLXCEL_WEIGHT_MATERIALIZATION: eager | lazy (A6)
     diffusion: DiffusionOptions = DiffusionOptions()  # a block-diffusion checkpoint's sampler and steps (U)
     engine_process: str = "off"  # --engine-process: auto | on | off (issue 25: the engine core in a child process)
+    mmproj: Path | None = None  # --mmproj: llama.cpp's projector GGUF beside a GGUF model (issue 43)
 
     def is_quantized(self) -> bool:
         if self.quantize not in ("auto", "off"):
@@ -92,6 +94,8 @@ class ServedModel:
     lora: LoraRegistry = field(default_factory=LoraRegistry)  # F8: the adapters and their global scales
     mtp_decision: MtpDecision | None = None  # F10, where it needs no measuring (else the engine's policy holds it)
     image_marker: str | None = None  # U: the image placeholder of a model with a vision tower (None: text only)
+    weights: dict[str, Any] = field(default_factory=dict)  # issue 42: format, bits, resident bytes (/props, /v1/models)
+    image_prompter: ImagePrompter | None = None  # issue 43: a vision-language model's processor side
 
     @property
     def context_size(self) -> int:
@@ -181,9 +185,14 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     dtype = options.torch_dtype()
     is_lazy = options.weight_materialization == "lazy"
     loaded = _load_for_decode(checkpoint, options, lazy=is_lazy)
+    if options.mmproj is not None:  # issue 43: the vision side from llama.cpp's projector file
+        attach_mmproj(loaded.model, options.mmproj, tokenizer)
     log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
              dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
+    weights = weights_report(loaded)
+    log.info("weights: %s; %.1f MiB resident (files %.1f MiB)", weights["description"],
+             weights["resident_bytes"] / 2**20, weights["file_bytes"] / 2**20)
     lora = _apply_adapters(loaded, options)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
     log.info("tool-call format: %s", features.tool_parser_name)
@@ -205,8 +214,28 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
         core.warm_decode_step()
         if drafts is not None and hasattr(drafts.drafter, "warm"):  # a draft model's own decode step (B1)
             log.info("draft model decode step ready in %.1f s", drafts.drafter.warm())
+    prompter = image_prompter(loaded, tokenizer)
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), engine_config, features, lora,
-                       mtp)
+                       mtp, weights=weights, image_marker=prompter.marker if prompter else None,
+                       image_prompter=prompter)
+
+
+def weights_report(loaded: LoadedModel) -> dict[str, Any]:
+    """The checkpoint's weight format and bits (issue 42), the bytes its weights take in memory as served (after
+    the CPU decode rewrite), and the bytes of its weight files."""
+    files = [loaded.path] if loaded.model_dir is None else list(loaded.model_dir.glob("*.safetensors"))
+    return {**loaded.weights_info(), "resident_bytes": resident_bytes(loaded.model),
+            "file_bytes": sum(p.stat().st_size for p in files)}
+
+
+def image_prompter(loaded: LoadedModel, tokenizer: Tokenizer) -> ImagePrompter | None:
+    """The processor side of a vision-language model (issue 43, models/_vision.py); None for text only."""
+    model = loaded.model
+    if getattr(model, "vision", None) is None or not hasattr(model, "image_prompter"):
+        return None
+    prompter = model.image_prompter(loaded.model_dir, tokenizer)
+    log.info("image input: on (marker %r)", prompter.marker)
+    return prompter
 
 
 _FINGERPRINT_BYTES = 1 << 20

@@ -10,7 +10,8 @@
 - assistant text joins into `content`, `thinking` blocks into `reasoning_content`, and
   `tool_use` blocks into `tool_calls` (arguments as an object, as chat templates read them).
 - `tools` become OpenAI-style function definitions, the shape templates are written for.
-- image blocks pass the media checks (C2-C5) and are then refused: the served model reads text only.
+- image blocks pass the media checks (C2-C5); a vision-language model (issue 43) takes them, rendered as its
+  image marker in block order; a text-only model refuses them (400).
 
 `chat_options` turns the request's fields into its options: `thinking` sets the template's
 `enable_thinking` (and `budget_tokens` the reasoning budget, R), `tool_choice` auto/any/tool/none
@@ -37,8 +38,8 @@ from mlxcel.api.anthropic.schemas import (
 from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.generation import Prompt
-from mlxcel.api.media import base64_data_url, validate_media
-from mlxcel.media import MediaKind, MediaRef
+from mlxcel.api.media import base64_data_url, validate_media, with_images
+from mlxcel.media import MediaKind, MediaRef, ResolvedMedia
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
 from mlxcel.chat.template_kwargs import TemplateKwargsError
@@ -60,10 +61,11 @@ async def prepare_prompt(ctx: ApiContext, req: ConversationFields,
                          options: AnthropicOptions) -> tuple[ChatPlan, Prompt]:
     """The request's chat plan and tokenized prompt; raises ApiError(400) for images, invalid
     chat-feature fields and templates that fail."""
-    await reject_images(ctx, req)
-    messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp)
+    media = await checked_images(ctx, req)
+    messages = template_messages(req, pin_billing_stamp=options.pin_billing_stamp,
+                                 image_marker=ctx.image_marker if media else None)
     plan = chat_features.plan_chat(ctx, chat_options(req, ctx.sampling), messages)
-    return plan, chat_features.render_plan(ctx, plan)
+    return plan, await with_images(ctx, chat_features.render_plan(ctx, plan), media)
 
 
 def chat_options(req: ConversationFields, defaults: SamplingDefaults = SamplingDefaults()) -> ChatOptions:
@@ -111,7 +113,10 @@ def _thinking_budget(req: ConversationFields) -> list[tuple[str, Any]] | None:
     return [first, ("thinking_budget_tokens", thinking.budget_tokens), *aliases]
 
 
-def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> list[dict[str, Any]]:
+def template_messages(req: ConversationFields, *, pin_billing_stamp: bool,
+                      image_marker: str | None = None) -> list[dict[str, Any]]:
+    """The conversation as template messages; with `image_marker` (a model that takes images, issue 43)
+    each image block of a user turn renders as that text, in block order."""
     messages: list[dict[str, Any]] = []
     system = system_text(req.system, pin_billing_stamp=pin_billing_stamp)
     if system is not None:
@@ -120,7 +125,8 @@ def template_messages(req: ConversationFields, *, pin_billing_stamp: bool) -> li
         if message.role == "system":
             messages.append({"role": "system", "content": system_text(message.content, pin_billing_stamp=False)})
         else:
-            messages.extend(_user_turn(message) if message.role == "user" else [_assistant_turn(message)])
+            messages.extend(_user_turn(message, image_marker) if message.role == "user"
+                            else [_assistant_turn(message)])
     return messages
 
 
@@ -141,7 +147,7 @@ def template_tools(tools: Sequence[Tool] | None) -> list[dict[str, Any]] | None:
                                               "parameters": t.input_schema}} for t in tools]
 
 
-def _user_turn(message: Message) -> list[dict[str, Any]]:
+def _user_turn(message: Message, image_marker: str | None = None) -> list[dict[str, Any]]:
     if isinstance(message.content, str):
         return [{"role": "user", "content": message.content}]
     turns: list[dict[str, Any]] = []
@@ -149,6 +155,8 @@ def _user_turn(message: Message) -> list[dict[str, Any]]:
     for block in message.content:
         if isinstance(block, ToolResultBlock):
             turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
+        elif isinstance(block, ImageBlock) and image_marker is not None:
+            texts.append(image_marker)
         elif (text := block_text(block)) is not None:
             texts.append(text)
     if texts or not turns:
@@ -191,9 +199,10 @@ def tool_use_input(arguments: str) -> dict[str, Any]:
 
 # ---- images (C2-C5) ----
 
-async def reject_images(ctx: ApiContext, req: ConversationFields) -> None:
-    """Validate every image the way any media part is validated, then refuse it: text-only model."""
-    await validate_media(ctx, [MediaRef(MediaKind.IMAGE, _image_url(block)) for block in _image_blocks(req.messages)])
+async def checked_images(ctx: ApiContext, req: ConversationFields) -> list[ResolvedMedia]:
+    """Validate every image the way any media part is validated; a text-only model then refuses them (400)."""
+    refs = [MediaRef(MediaKind.IMAGE, _image_url(block)) for block in _image_blocks(req.messages)]
+    return await validate_media(ctx, refs, takes_images=True)
 
 
 def _image_blocks(messages: Sequence[Message]) -> Iterator[ImageBlock]:

@@ -9,7 +9,6 @@ completion is registered in `ctx.controls` while it runs, for live control (F5, 
 from __future__ import annotations
 
 from collections.abc import AsyncIterator, Mapping, Sequence
-from dataclasses import replace
 from typing import Any
 
 from mlxcel.api import chat_features, control
@@ -21,7 +20,7 @@ from mlxcel.api.generation import (
 )
 from mlxcel.api.llama_server.results import ReplyOptions, final_json, reply_timings, stream_telemetry
 from mlxcel.api.llama_server.schemas import UINT32_RANDOM_SEED
-from mlxcel.api.media import validate_media
+from mlxcel.api.media import validate_media, video_marker, with_images
 from mlxcel.api.openai import chat_events, common
 from mlxcel.api.openai.media import media_refs
 from mlxcel.api.openai.messages import template_messages
@@ -32,6 +31,7 @@ from mlxcel.api.sse import DONE_FRAME, sse_frame, with_keepalive
 from mlxcel.chat.events import ToolCallEnd
 from mlxcel.chat.options import ChatOptions
 from mlxcel.chat.plan import ChatPlan
+from mlxcel.media import MediaKind
 from mlxcel.types import SamplingParams
 
 
@@ -61,8 +61,9 @@ async def create_chat_completion(ctx: ApiContext, req: ChatCompletionRequest, he
     # C2-C5: resolved and checked first, then refused unless the model takes images (U)
     images = await validate_media(ctx, media_refs(req), takes_images=True)
     params = common.generation_params(req, headers)
-    plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx))
-    prompt = replace(prompt, images=tuple(image.data for image in images))
+    frames = [len(item.frames) for item in images if item.kind is MediaKind.VIDEO]
+    plan, prompt = prepare_chat(ctx, req, chat_options(req, ctx), video_frames=frames)
+    prompt = await with_images(ctx, prompt, images)
     params = chat_features.with_chat_features(params, plan)
     completion_id = common.new_id("chatcmpl")
     generation = _start_registered(ctx, req, prompt, params, completion_id)
@@ -120,12 +121,13 @@ def count_chat_input_tokens(ctx: ApiContext, req: ChatCompletionRequest) -> Json
                       "input_tokens": len(prompt.token_ids)})
 
 
-def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest,
-                 options: ChatOptions | None = None) -> tuple[ChatPlan, Prompt]:
+def prepare_chat(ctx: ApiContext, req: ChatCompletionRequest, options: ChatOptions | None = None, *,
+                 video_frames: Sequence[int] = ()) -> tuple[ChatPlan, Prompt]:
     """The request's chat plan and its rendered prompt (a failure of either is a 400); `options`
-    default to a count's (`chat_options(req)`)."""
+    default to a count's (`chat_options(req)`); `video_frames`: each video part's sampled frame count."""
     options = options or chat_options(req)
-    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages], ctx.image_marker)
+    messages = template_messages([m.model_dump(exclude_none=True) for m in req.messages], ctx.image_marker,
+                                 video_frames, video_marker(ctx))
     plan = chat_features.plan_chat(ctx, options, messages)
     prompt = chat_features.render_plan(ctx, plan, add_generation_prompt=req.add_generation_prompt,
                                        continue_final_message=req.continue_final_message)

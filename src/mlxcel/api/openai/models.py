@@ -1,7 +1,8 @@
 """GET /v1/models and /v1/models/{id} (F1): the served chat model and the side providers (spec I).
 
 Each card carries `capabilities`: "completion" for the chat model (and "block_diffusion" for a
-block-diffusion one, spec U), "embedding" or "rerank"
+block-diffusion one, spec U; and "multimodal", as llama-server says it, for one that takes images: issue
+43), "embedding" or "rerank"
 for a provider. An embedding-only or rerank-only process lists only its provider.
 """
 
@@ -19,7 +20,9 @@ from mlxcel.api.replies import JsonReply
 def model_card(ctx: ApiContext) -> dict[str, Any]:
     return {"id": ctx.model_name, "aliases": list(ctx.aliases), "tags": list(ctx.tags), "object": "model",
             "created": ctx.created, "owned_by": "mlxcel", "max_model_len": ctx.context_size,
-            "capabilities": ["completion", *(["block_diffusion"] if _is_block_diffusion(ctx) else [])]}
+            "capabilities": ["completion", *(["block_diffusion"] if _is_block_diffusion(ctx) else []),
+                             *(["multimodal"] if ctx.image_marker is not None else [])],
+            **({"weights": dict(ctx.weights)} if ctx.weights else {})}  # issue 42: format, bits, bytes resident
 
 
 def _is_block_diffusion(ctx: ApiContext) -> bool:

@@ -112,9 +112,11 @@ def _media_ref(where: str, part: ImagePart | AudioPart) -> MediaRef:
 
 # ---- stored items -> chat template messages ----
 
-def to_chat_messages(instructions: str | None, conversation: Sequence[Item]) -> list[dict[str, Any]]:
-    """The template messages for a conversation; raises ApiError(400) for content a text model cannot read."""
-    builder = _ChatBuilder()
+def to_chat_messages(instructions: str | None, conversation: Sequence[Item],
+                     image_marker: str | None = None) -> list[dict[str, Any]]:
+    """The template messages for a conversation; raises ApiError(400) for content a text model cannot read.
+    With `image_marker` (a model that takes images, issue 43) an input_image part renders as that text."""
+    builder = _ChatBuilder(image_marker)
     for index, item in enumerate(conversation):
         builder.add(index, item)
     preamble = [text for text in (instructions, *builder.summaries) if text]
@@ -125,7 +127,8 @@ def to_chat_messages(instructions: str | None, conversation: Sequence[Item]) -> 
 class _ChatBuilder:
     """Folds items into chat messages: reasoning waits for the assistant message it belongs to."""
 
-    def __init__(self) -> None:
+    def __init__(self, image_marker: str | None = None) -> None:
+        self.image_marker = image_marker
         self.messages: list[dict[str, Any]] = []
         self.summaries: list[str] = []
         self.pending_reasoning: list[str] = []
@@ -164,7 +167,7 @@ class _ChatBuilder:
             note_unknown_item(kind)
 
     def _message(self, index: int, item: Item) -> None:
-        text = parts_text(f"input.{index}", item["content"])
+        text = parts_text(f"input.{index}", item["content"], self.image_marker)
         if item["role"] == "assistant":
             self._assistant(for_calls=False)["content"] = text
             return
@@ -223,8 +226,9 @@ def note_unknown_item(kind: str) -> None:
     log.warning("responses: input items of type %r have no text; the prompt leaves them out", kind[:100])
 
 
-def parts_text(where: str, parts: Sequence[dict[str, Any]]) -> str:
-    """The text of content parts, joined by newlines; anything but text is a 400 for a text model."""
+def parts_text(where: str, parts: Sequence[dict[str, Any]], image_marker: str | None = None) -> str:
+    """The text of content parts, joined by newlines; an image is `image_marker` where the model takes
+    images; anything else but text is a 400 for a text model."""
     texts = []
     for j, part in enumerate(parts):
         kind = part["type"]
@@ -232,6 +236,8 @@ def parts_text(where: str, parts: Sequence[dict[str, Any]]) -> str:
             texts.append(part["text"])
         elif kind == "refusal":
             texts.append(part["refusal"])
+        elif kind == "input_image" and image_marker is not None:
+            texts.append(image_marker)
         elif kind in ("input_image", "input_audio"):
             raise invalid_request(f"the served model does not accept {kind.removeprefix('input_')} input")
         else:

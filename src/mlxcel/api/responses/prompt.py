@@ -15,13 +15,13 @@ with "disabled" an oversized prompt is a 400 (as OpenAI).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 from mlxcel.api import chat_features
 from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.generation import Prompt
-from mlxcel.api.media import validate_media
+from mlxcel.api.media import validate_media, with_images
 from mlxcel.api.responses.items import Item, media_refs, stored_items, to_chat_messages
 from mlxcel.api.responses.schemas import ConversationFields, ResponseCreateRequest, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
@@ -49,15 +49,18 @@ async def plan_prompt(ctx: ApiContext, service: ResponsesService, req: Conversat
     reason), then refused: the served model reads text only (api/media.py).
     """
     items = parse_input_items(req.input)
-    await validate_media(ctx, media_refs(items))
+    media = await validate_media(ctx, media_refs(items), takes_images=True)
     conversation = await service.history(req.previous_response_id) + stored_items(items)
-    return render_conversation(ctx, req, conversation)
+    plan = render_conversation(ctx, req, conversation, has_images=bool(media))
+    return replace(plan, prompt=await with_images(ctx, plan.prompt, media)) if media else plan
 
 
-def render_conversation(ctx: ApiContext, req: ConversationFields, conversation: list[Item]) -> PromptPlan:
-    """The prompt for `conversation`; with truncation "auto" the oldest turns go until it fits."""
-    plan = PromptPlan(conversation, *plan_render(ctx, req, conversation))
-    while req.truncation == "auto" and len(plan.prompt.token_ids) >= ctx.context_size:
+def render_conversation(ctx: ApiContext, req: ConversationFields, conversation: list[Item], *,
+                        has_images: bool = False) -> PromptPlan:
+    """The prompt for `conversation`; with truncation "auto" the oldest turns go until it fits (not
+    with images: their tokens are counted only once they are processed)."""
+    plan = PromptPlan(conversation, *plan_render(ctx, req, conversation, has_images=has_images))
+    while req.truncation == "auto" and not has_images and len(plan.prompt.token_ids) >= ctx.context_size:
         shorter = drop_first_turn(plan.conversation)
         if shorter is None:
             break  # one turn left: the engine's context error says how large it is
@@ -77,10 +80,11 @@ def render_prompt(ctx: ApiContext, req: ConversationFields, conversation: Sequen
     return plan_render(ctx, req, conversation)[0]
 
 
-def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence[Item]) -> tuple[Prompt, ChatPlan]:
+def plan_render(ctx: ApiContext, req: ConversationFields, conversation: Sequence[Item], *,
+                has_images: bool = False) -> tuple[Prompt, ChatPlan]:
     """Plan the chat features and render the chat template (a failure of either is a 400, never a
     fallback); the tokenized prompt and the plan."""
-    messages = to_chat_messages(req.instructions, conversation)
+    messages = to_chat_messages(req.instructions, conversation, ctx.image_marker if has_images else None)
     plan = chat_features.plan_chat(ctx, chat_options(req, ctx.sampling), messages)
     return chat_features.render_plan(ctx, plan), plan
 

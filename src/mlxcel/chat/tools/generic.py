@@ -65,7 +65,7 @@ def _skip_fence(buffer: str) -> int | None:
     return 0
 
 
-def lark_calls(call: str, *, parallel: bool) -> str:
+def lark_calls(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:  # noqa: ARG001 (no markers)
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     items = f'{call} (", " {call})*' if parallel else call
     return f'"{{\\"tool_calls\\": [" {items} "]}}"'

@@ -40,9 +40,10 @@ class HermesToolParser(ToolParser):
 ARGUMENTS_KEY = "arguments"
 
 
-def lark_calls(call: str, *, parallel: bool) -> str:
-    """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
-    block = f'"{START}\\n" {call} "\\n{END}"'
+def lark_calls(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
+    """Lark for the whole reply when a call is required; `call` is the rule of one call object
+    (`literal` spells a marker, as text or as its special token)."""
+    block = f'{literal(START)} "\\n" {call} "\\n" {literal(END)}'
     return f'{block} ("\\n" {block})*' if parallel else block
 
 

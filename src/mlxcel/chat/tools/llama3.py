@@ -51,11 +51,11 @@ class Llama3ToolParser(ToolParser):
         return 0, Mode.CONTENT
 
 
-def lark_calls(call: str, *, parallel: bool) -> str:
+def lark_calls(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:  # noqa: ARG001 (no markers)
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     return f'{call} ("; " {call})*' if parallel else call
 
 
 def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
     """Lark for what follows TRIGGER when calls are optional."""
-    return lark_calls(call, parallel=parallel)
+    return lark_calls(call, literal, parallel=parallel)

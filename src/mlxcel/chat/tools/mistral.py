@@ -62,10 +62,10 @@ class MistralToolParser(ToolParser):
         return NamedArgumentsCall(self._next_index(), self.new_id(), name, out), used
 
 
-def lark_calls(call: str, *, parallel: bool) -> str:
+def lark_calls(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:
     """Lark for the whole reply when a call is required; `call` is the rule of one call object."""
     items = f'{call} (", " {call})*' if parallel else call
-    return f'"{TOOL_CALLS}" "[" {items} "]"'
+    return f'{literal(TOOL_CALLS)} "[" {items} "]"'
 
 
 def lark_after_trigger(call: str, literal: Callable[[str], str], *, parallel: bool) -> str:

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from typing import Protocol
 
 from mlxcel.engine.kv.blocks import BlockPool
-from mlxcel.types import PrefixCacheStats
+from mlxcel.types import ImageCacheKeys, PrefixCacheStats
 
 # Marks a block released by free_prefix (spec N); table indices stay equal to positions.
 RELEASED_BLOCK = -1
@@ -49,8 +49,17 @@ def hash_prompt_blocks(
     hashes: list[int] = []
     for start in range(0, len(token_ids) - block_size + 1, block_size):
         parent = hashes[-1] if hashes else None
-        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size], extra))
+        hashes.append(hash_block_tokens(parent, token_ids[start : start + block_size],
+                                        block_extra(extra, start // block_size, block_size)))
     return hashes
+
+
+def block_extra(extra: object, index: int, block_size: int) -> object:
+    """The `extra` of block `index`: a per-block key (`ImageCacheKeys`, issue 43) gives its own; any
+    other extra is the same for every block."""
+    if isinstance(extra, ImageCacheKeys):
+        return extra.for_block(index * block_size, (index + 1) * block_size)
+    return extra
 
 
 class LowerTier(Protocol):
@@ -108,7 +117,8 @@ class KVCacheManager:
         parent: int | None = None
         num_blocks = len(token_ids) // size if include_last_block else (len(token_ids) - 1) // size
         for index in range(num_blocks):
-            parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size], extra)
+            parent = hash_block_tokens(parent, token_ids[index * size : (index + 1) * size],
+                                       block_extra(extra, index, size))
             block_id = self.pool.lookup(parent)
             if block_id is None:
                 if self.lower_tier is not None:
@@ -123,7 +133,8 @@ class KVCacheManager:
         assert self.lower_tier is not None
         size, hashes = self.block_size, [block_hash]
         for i in range(index + 1, num_blocks):
-            hashes.append(hash_block_tokens(hashes[-1], token_ids[i * size : (i + 1) * size], extra))
+            hashes.append(hash_block_tokens(hashes[-1], token_ids[i * size : (i + 1) * size],
+                                            block_extra(extra, i, size)))
         return self.lower_tier.load(self.pool, hashes, hit_blocks, len(token_ids) - index * size)
 
     def allocate(
@@ -231,7 +242,7 @@ class KVCacheManager:
         for index in range(len(hashes), min(num_tokens, len(token_ids)) // size):
             parent = hashes[-1] if hashes else None
             block_tokens = token_ids[index * size : (index + 1) * size]
-            hashes.append(hash_block_tokens(parent, block_tokens, request.extra))
+            hashes.append(hash_block_tokens(parent, block_tokens, block_extra(request.extra, index, size)))
             self.pool.cache_block(request.block_ids[index], hashes[-1])
 
     def block_table(self, request_id: str) -> list[int]:

@@ -25,6 +25,11 @@
 #include <ATen/ops/add.h>
 #include <ATen/ops/mul.h>
 #include <ATen/ops/silu.h>
+#include <ATen/ops/clamp.h>
+#include <ATen/ops/gelu.h>
+#include <ATen/ops/relu.h>
+#include <ATen/ops/sigmoid.h>
+#include <ATen/ops/zeros.h>
 #include <ATen/ops/empty.h>
 #include <c10/util/Half.h>
 #include <torch/library.h>
@@ -1022,6 +1027,82 @@ at::Tensor decode_layers(const at::Tensor& x, const at::Tensor& cos, const at::T
     return out;
 }
 
+// Issue 40: the routed experts of a mixture-of-experts layer over weight-only quantized linears
+// (layers/moe.py `QuantExperts`). x [T, hidden] float32, ids [T, k] int64, weights [T, k] float32 (the
+// router's picks); linears: 6 an expert (gate|up weight, scale, bias; down weight, scale, bias, as
+// `Linear`), gate rows before up rows. The (token, slot) pairs are counted per expert; each expert
+// that some row chose runs once over all those rows (decode rows and prefill chunks alike), and its
+// weighted output is added to each row's sum in expert order (a row's bits do not depend on the others).
+// activation: "silu" / "gelu" / "gelu_pytorch_tanh" / "relu" of gate times up, or "swiglu_clamped"
+// (gpt-oss: gate.clamp(max=limit), up.clamp(-limit, limit), (up + 1) * gate * sigmoid(alpha * gate)).
+at::Tensor quant_experts(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& weights,
+                         at::TensorList linears, c10::string_view activation, double limit, double alpha) {
+    const int64_t num_experts = static_cast<int64_t>(linears.size()) / 6;
+    TORCH_CHECK_VALUE(x.dim() == 2 && x.scalar_type() == at::kFloat && x.is_cpu() && ids.dim() == 2 &&
+                          ids.size(0) == x.size(0) && is_long_vector(ids) && weights.sizes() == ids.sizes() &&
+                          weights.scalar_type() == at::kFloat && weights.is_contiguous() &&
+                          linears.size() % 6 == 0 && num_experts > 0,
+                      "quant experts: inconsistent inputs x ", x.sizes(), " ", x.scalar_type(), ", ids ", ids.sizes(),
+                      " ", ids.scalar_type(), ", weights ", weights.sizes(), " ", weights.scalar_type(), ", ",
+                      linears.size(), " linear tensors");
+    const bool swiglu = activation == "swiglu_clamped";
+    TORCH_CHECK_VALUE(swiglu || activation == "silu" || activation == "swish" || activation == "gelu" ||
+                          activation == "gelu_pytorch_tanh" || activation == "relu",
+                      "quant experts: unsupported activation ", activation);
+    const int64_t rows = x.size(0), hidden = x.size(1), top_k = ids.size(1), pairs = rows * top_k;
+    const int64_t* id = ids.const_data_ptr<int64_t>();
+    std::vector<int64_t> starts(num_experts + 1, 0), order(pairs);
+    for (int64_t p = 0; p < pairs; ++p) {
+        TORCH_CHECK_VALUE(id[p] >= 0 && id[p] < num_experts, "quant experts: expert ", id[p], " of row ", p / top_k,
+                          " is not one of the ", num_experts, " experts");
+        ++starts[id[p] + 1];
+    }
+    for (int64_t e = 0; e < num_experts; ++e) starts[e + 1] += starts[e];
+    std::vector<int64_t> fill(starts.begin(), starts.end() - 1);
+    for (int64_t p = 0; p < pairs; ++p) order[fill[id[p]]++] = p;  // pairs by expert, in row order
+    const at::Tensor xc = x.contiguous();
+    const float* xp = xc.const_data_ptr<float>();
+    const float* wp = weights.const_data_ptr<float>();
+    at::Tensor out = at::zeros({rows, hidden}, x.options());
+    float* op = out.mutable_data_ptr<float>();
+    for (int64_t e = 0; e < num_experts; ++e) {
+        const int64_t count = starts[e + 1] - starts[e];
+        if (!count) continue;
+        const at::Tensor* w = linears.data() + 6 * e;
+        TORCH_CHECK_VALUE(w[0].is_cpu() && w[3].is_cpu(), "quant experts: expert ", e, "'s weights are not on the CPU");
+        const Linear gate_up{w[0], w[1], w[2]}, down{w[3], w[4], w[5]};
+        at::Tensor picked = at::empty({count, hidden}, x.options());
+        float* pp = picked.mutable_data_ptr<float>();
+        for (int64_t j = 0; j < count; ++j)
+            std::memcpy(pp + j * hidden, xp + order[starts[e] + j] / top_k * hidden, sizeof(float) * hidden);
+        const at::Tensor projected = gate_up(picked);  // [count, gate | up]
+        const int64_t width = projected.size(1) / 2;
+        at::Tensor gate = projected.narrow(1, 0, width), up = projected.narrow(1, width, width), hidden_rows;
+        if (swiglu) {
+            gate = at::clamp(gate, c10::nullopt, limit);
+            up = at::clamp(up, -limit, limit);
+            hidden_rows = at::mul(at::add(up, 1.0), at::mul(gate, at::sigmoid(at::mul(gate, alpha))));
+        } else {
+            const at::Tensor act = activation == "gelu"                ? at::gelu(gate)
+                                   : activation == "gelu_pytorch_tanh" ? at::gelu(gate, "tanh")
+                                   : activation == "relu"              ? at::relu(gate)
+                                                                       : at::silu(gate);
+            hidden_rows = at::mul(act, up);
+        }
+        const at::Tensor y = down(hidden_rows.contiguous());
+        TORCH_CHECK_VALUE(y.size(0) == count && y.size(1) == hidden, "quant experts: expert ", e, "'s down projection gives ",
+                          y.sizes(), ", not ", count, " x ", hidden);
+        const float* yp = y.const_data_ptr<float>();
+        for (int64_t j = 0; j < count; ++j) {
+            const int64_t pair = order[starts[e] + j];
+            float* dst = op + pair / top_k * hidden;
+            const float scale = wp[pair];
+            for (int64_t i = 0; i < hidden; ++i) dst[i] += scale * yp[j * hidden + i];
+        }
+    }
+    return out;
+}
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(mlxcel, m) {
@@ -1031,6 +1112,8 @@ TORCH_LIBRARY_FRAGMENT(mlxcel, m) {
     m.def("int8_linear(Tensor x, Tensor w, Tensor scale) -> Tensor");
     m.def("int4_linear(Tensor x, Tensor packed, Tensor scales) -> Tensor");
     m.def("int6_pack(Tensor codes) -> Tensor");
+    m.def("quant_experts(Tensor x, Tensor ids, Tensor weights, Tensor[] linears, str activation, float limit, "
+          "float alpha) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(mlxcel, CPU, m) {
@@ -1038,4 +1121,5 @@ TORCH_LIBRARY_IMPL(mlxcel, CPU, m) {
     m.impl("int8_linear", &int8_linear);
     m.impl("int4_linear", &int4_linear);
     m.impl("int6_pack", &int6_pack);
+    m.impl("quant_experts", &quant_experts);
 }

@@ -410,13 +410,25 @@ $("#chat-input").addEventListener("keydown", (event) => {
   if (event.key === "Enter" && !event.shiftKey) { event.preventDefault(); $("#chat-form").requestSubmit(); }
 });
 $("#chat-stop").addEventListener("click", () => state.chatAbort && state.chatAbort.abort());
-$("#chat-form").addEventListener("submit", (event) => {
+$("#chat-form").addEventListener("submit", async (event) => {
   event.preventDefault();
   const text = $("#chat-input").value.trim();
   if (!text || state.chatAbort) return;
   $("#chat-input").value = "";
-  sendChat(text);
+  const file = $("#chat-image").files[0];
+  $("#chat-image").value = "";
+  sendChat(text, file ? await dataUrl(file) : null);
 });
+
+// An attached image goes as an image_url data URL before the text (issue 43: a model that takes images).
+function dataUrl(file) {
+  return new Promise((resolve, reject) => {
+    const reader = new FileReader();
+    reader.onload = () => resolve(reader.result);
+    reader.onerror = () => reject(reader.error);
+    reader.readAsDataURL(file);
+  });
+}
 
 function addMessage(role, text) {
   $(".messages .empty")?.remove();
@@ -427,9 +439,10 @@ function addMessage(role, text) {
   return { node, content };
 }
 
-async function sendChat(text) {
-  state.chat.push({ role: "user", content: text });
-  addMessage("user", text);
+async function sendChat(text, image = null) {
+  const userContent = image ? [{ type: "image_url", image_url: { url: image } }, { type: "text", text }] : text;
+  state.chat.push({ role: "user", content: userContent });
+  addMessage("user", image ? `[image] ${text}` : text);
   const { node, content } = addMessage("assistant", "");
   let reasoning = null;
   const controller = new AbortController();

@@ -1,0 +1,94 @@
+"""Issue 40's GPU MoE figures, run on the lent GPU (see bench/RESULTS.md):
+
+    PYTHONPATH=src python3 bench/gpu_moe.py [--out DIR] [--widths 1,16,64] [--small]
+
+A random-weight Qwen3-MoE of a real layer shape (24 layers, hidden 2048, 64 experts, top-8, expert width
+768: about 7.6B parameters in all, 1.1B active a token) in bfloat16 on CUDA: our logits against transformers'
+on the same weights, then the engine's aggregate tok/s with the decode step as CUDA graphs (the experts as one
+`torch.nn.functional.grouped_mm` each for gate/up and down, captured with the rest of the step) at each width,
+beside transformers' eager `generate` at the same widths. `--small` is a 4-layer, 8-expert shape for a smoke run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from gpu_check import compare_logits, engine_runs, engine_speeds, hf_generate_speed, hf_model  # noqa: E402
+
+MOE_SHAPE = dict(hidden_size=2048, num_hidden_layers=24, num_attention_heads=16, num_key_value_heads=4, head_dim=128,
+                 intermediate_size=6144, moe_intermediate_size=768, num_experts=64, num_experts_per_tok=8,
+                 norm_topk_prob=True, decoder_sparse_step=1, mlp_only_layers=[], vocab_size=151936,
+                 max_position_embeddings=32768, rope_theta=1000000.0, rms_norm_eps=1e-6, tie_word_embeddings=False)
+SMALL = dict(MOE_SHAPE, num_hidden_layers=4, num_experts=8, num_experts_per_tok=2)
+
+
+def random_moe(folder: Path, shape: dict) -> Path:
+    """The random checkpoint, made on the GPU in bfloat16 (no float32 copy of 7.6B parameters on the host)."""
+    from transformers import Qwen3MoeConfig, Qwen3MoeForCausalLM
+
+    torch.manual_seed(0)
+    config = Qwen3MoeConfig(**shape)
+    config.initializer_range = 0.02
+    with torch.device("cuda"):
+        model = Qwen3MoeForCausalLM(config).to(torch.bfloat16)
+    model.save_pretrained(folder, safe_serialization=True)
+    del model
+    torch.cuda.empty_cache()
+    return folder
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", type=Path, default=Path("/tmp"))
+    parser.add_argument("--widths", default="1,16,64")
+    parser.add_argument("--small", action="store_true")
+    parser.add_argument("--gen", type=int, default=128)
+    args = parser.parse_args()
+    from mlxcel.layers.quant import fuse_projections
+    from mlxcel.loading import load_model
+
+    widths = tuple(int(w) for w in args.widths.split(","))
+    shape = SMALL if args.small else MOE_SHAPE
+    started = time.perf_counter()
+    path = random_moe(Path("/tmp/qwen3moe-random"), shape)
+    report: dict = {"device": torch.cuda.get_device_name(), "shape": shape,
+                    "make_s": round(time.perf_counter() - started, 1)}
+    started = time.perf_counter()
+    loaded = load_model(path, device="cuda", dtype=torch.bfloat16)
+    fuse_projections(loaded.model)  # as serving.served_model does on CUDA
+    report["load_s"] = round(time.perf_counter() - started, 1)
+    params = sum(p.numel() for p in loaded.model.parameters())
+    report["params_b"] = round(params / 1e9, 2)
+    ref = hf_model(path, torch.bfloat16)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(100, 40000, (n,), generator=g).tolist() for n in (5, 17, 64, 200)]
+    report["logits_bf16"] = compare_logits(loaded.model, ref, prompts)
+    print(json.dumps(report), flush=True)
+    graphs = engine_speeds(loaded, "cuda-graph", widths, gen=args.gen)
+    client = graphs.pop("client")
+    alone = [asyncio.run(engine_runs(client, [p], 16))[0] for p in prompts]
+    batched = asyncio.run(engine_runs(client, prompts, 16))
+    client.core.stop()
+    report["cuda_graph"] = graphs
+    report["greedy_16_alone_vs_batched_equal"] = [a == b for a, b in zip(alone, batched)]
+    print(json.dumps(report), flush=True)
+    report["transformers_generate"] = {f"tok_s_batch_{w}": hf_generate_speed(ref, w, gen=args.gen) for w in widths}
+    report["ratio_vs_transformers"] = {
+        w: round(graphs[f"tok_s_batch_{w}"] / report["transformers_generate"][f"tok_s_batch_{w}"], 2) for w in widths}
+    text = json.dumps(report, indent=1)
+    print(text)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / ("gpu_moe_small.json" if args.small else "gpu_moe.json")).write_text(text)
+
+
+if __name__ == "__main__":
+    main()

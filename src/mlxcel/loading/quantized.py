@@ -1,0 +1,413 @@
+"""Quantized safetensors checkpoints (issue 42): MLX affine, GPTQ, AWQ, compressed-tensors, block FP8.
+
+`quant_format` reads the format from config.json (`quantization`: MLX; `quantization_config` with
+`quant_method` gptq / awq / compressed-tensors / fp8) and refuses, in one line naming it, a form that
+cannot be served, before any weight is read. `QuantizedFolder` then gives the loader two views of the
+same tensors:
+- readers: each linear's `weight` dequantized to float32 (the GPU path, which serves bfloat16, and any
+  weight the CPU rewrite does not take as stored), under the names the model has (the packed tensors,
+  scales, zeros and activation scales are not parameters);
+- `layers.quant.PackedWeights`: the stored codes as `Int4Levels` (4-bit and narrower integer codes:
+  w = low + q * step per group) or `Int8Levels` (wider codes, MLX mxfp4/nvfp4 doubled to integers),
+  which the CPU decode rewrite packs for its int4 / int8 kernels without rounding them again.
+
+NOTE: the int4 kernel scales groups of 32 inputs; a group of 64 or 128 is kept as its steps and lows
+repeated for each 32 (exact; 0.125 byte a weight of float16 scales, not 0.0625 or 0.03). FP8 weights
+have no integer grid: on the CPU they are dequantized and rounded per output channel to int8 (one byte a
+weight, as in the file), activations stay float (no FP8 activation rounding); on CUDA every format is
+dequantized to bfloat16 for now.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Callable
+
+import torch
+
+from mlxcel.layers.quant import INT4_GROUP, Int4Levels, Int8Levels
+from mlxcel.loading.errors import ModelLoadError
+
+log = logging.getLogger(__name__)
+
+Reader = Callable[[str], torch.Tensor]
+
+MLX_BITS = (2, 3, 4, 5, 6, 8)
+MLX_GROUPS = (32, 64, 128)
+# MLX's 4-bit floating-point modes: E2M1 codes with a power-of-two (mx) or E4M3 (nv) scale per group.
+# (mxfp8, E4M3 codes, is refused: no integer form, and no widened path yet.)
+MLX_FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16)}
+# Tensors of a quantized linear that are not model parameters (activation and KV scales included).
+AUX_SUFFIXES = ("scales", "biases", "qweight", "qzeros", "g_idx", "weight_scale", "weight_scale_inv",
+                "weight_zero_point", "weight_shape", "weight_g_idx", "weight_packed", "weight_global_scale",
+                "input_scale", "input_zero_point", "input_global_scale", "output_scale", "k_scale", "v_scale")
+_ROWS = 1024  # rows unpacked at a time: the int64 temporaries stay a slice's size
+AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ's GEMM kernel's nibble order within a word
+
+
+@dataclass(frozen=True)
+class QuantFormat:
+    """What config.json says of a quantized checkpoint: `method` (mlx, gptq, awq, compressed-tensors,
+    fp8), the weights' bits and group size (0: per output channel, -1: blocks), and the raw block."""
+
+    method: str
+    bits: int
+    group_size: int
+    mode: str = "affine"  # MLX: affine | mxfp4 | nvfp4 | mxfp8; compressed-tensors: its `format`
+    settings: dict[str, Any] = field(default_factory=dict, compare=False)
+
+    def describe(self) -> str:
+        group = ("per channel" if self.group_size == 0 else "blocks " + "x".join(map(str, self.settings.get(
+            "weight_block_size", ()))) if self.group_size < 0 else f"groups of {self.group_size}")
+        name = {"mlx": f"MLX {self.mode}", "gptq": "GPTQ", "awq": "AWQ (GEMM)", "fp8": "FP8 (e4m3)",
+                "compressed-tensors": f"compressed-tensors {self.mode}"}[self.method]
+        return f"{name} {self.bits}-bit, {group}"
+
+
+def quant_format(config: dict[str, Any]) -> QuantFormat | None:
+    """The checkpoint's quantization from its config.json (None: float weights); a ModelLoadError of one
+    line naming the format when it cannot be served."""
+    mlx = config.get("quantization")
+    block = config.get("quantization_config")
+    if isinstance(mlx, dict) or (isinstance(block, dict) and "quant_method" not in block and "bits" in block):
+        return _mlx_format(mlx if isinstance(mlx, dict) else block)
+    if not isinstance(block, dict):
+        return None
+    method = str(block.get("quant_method", "")).lower()
+    readers = {"gptq": _gptq_format, "awq": _awq_format, "compressed-tensors": _compressed_format,
+               "fp8": _fp8_format}
+    if method not in readers:
+        raise ModelLoadError(f"quantization {method or 'without a quant_method'!r} is not supported "
+                             f"(served: MLX affine, gptq, awq, compressed-tensors, fp8)")
+    return readers[method](block)
+
+
+def _mlx_format(block: dict[str, Any]) -> QuantFormat:
+    mode = str(block.get("mode", "affine"))
+    bits, group = block.get("bits"), block.get("group_size", 64)
+    if mode in MLX_FLOAT_MODES and (bits, group) == MLX_FLOAT_MODES[mode]:
+        return QuantFormat("mlx", bits, group, mode, block)
+    if mode != "affine":
+        raise ModelLoadError(f"MLX quantization mode {mode!r} with {bits} bits in groups of {group} is not "
+                             f"supported (affine, mxfp4 and nvfp4 are)")
+    if bits not in MLX_BITS or group not in MLX_GROUPS:
+        raise ModelLoadError(f"MLX affine quantization with {bits} bits in groups of {group} is not supported "
+                             f"(bits {MLX_BITS}, groups {MLX_GROUPS})")
+    return QuantFormat("mlx", int(bits), int(group), mode, block)
+
+
+def _gptq_format(block: dict[str, Any]) -> QuantFormat:
+    bits, group = block.get("bits"), int(block.get("group_size", 128))
+    checkpoint_format = str(block.get("checkpoint_format", "gptq")).lower()
+    if bits not in (4, 8) or checkpoint_format not in ("gptq", "gptq_v2"):
+        raise ModelLoadError(f"GPTQ with {bits} bits (checkpoint format {checkpoint_format!r}) is not supported "
+                             f"(4 and 8 bits, formats gptq and gptq_v2)")
+    return QuantFormat("gptq", bits, max(group, 0), checkpoint_format, block)
+
+
+def _awq_format(block: dict[str, Any]) -> QuantFormat:
+    bits, version = block.get("bits", block.get("w_bit")), str(block.get("version", "gemm")).lower()
+    group = int(block.get("group_size", block.get("q_group_size", 128)))
+    if bits != 4 or version != "gemm":
+        raise ModelLoadError(f"AWQ {version} with {bits} bits is not supported (4-bit GEMM packing is)")
+    return QuantFormat("awq", 4, max(group, 0), version, block)
+
+
+def _compressed_format(block: dict[str, Any]) -> QuantFormat:
+    fmt = str(block.get("format", ""))
+    groups = [g.get("weights") or {} for g in (block.get("config_groups") or {}).values()]
+    if fmt not in ("pack-quantized", "float-quantized", "naive-quantized", "int-quantized") or not groups:
+        raise ModelLoadError(f"compressed-tensors format {fmt!r} is not supported "
+                             f"(pack-quantized, float-quantized, naive-quantized, int-quantized)")
+    weights = groups[0]
+    kind, bits = weights.get("type", "int"), int(weights.get("num_bits", 0))
+    if kind == "float" and bits != 8 or kind == "int" and not 2 <= bits <= 8:
+        raise ModelLoadError(f"compressed-tensors {fmt} {kind} {bits}-bit weights are not supported "
+                             f"(int 2-8 bit, float 8-bit)")
+    strategy = weights.get("strategy", "tensor")
+    group = int(weights.get("group_size") or 0) if strategy == "group" else -1 if strategy == "block" else 0
+    settings = {**block, "weight_block_size": weights.get("block_structure") or ()}
+    return QuantFormat("compressed-tensors", bits, group, fmt, settings)
+
+
+def _fp8_format(block: dict[str, Any]) -> QuantFormat:
+    fmt = str(block.get("fmt", "e4m3"))
+    if fmt != "e4m3":
+        raise ModelLoadError(f"FP8 format {fmt!r} is not supported (e4m3 is)")
+    return QuantFormat("fp8", 8, -1 if block.get("weight_block_size") else 0, fmt, block)
+
+
+# ---- unpacking ----------------------------------------------------------------------------------
+
+def unpack_rows(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
+    """Each row of 32-bit words [R, W] read as a little-endian stream of `bits`-bit fields, first field in the
+    lowest bits (MLX, GPTQ after a transpose, compressed-tensors): uint8 [R, count] (count a multiple of 8)."""
+    rows = packed.shape[0]
+    data = packed.contiguous().view(torch.int32).view(torch.uint8).view(rows, -1)[:, :count * bits // 8]
+    byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
+    field_shifts = torch.arange(8, dtype=torch.int64) * bits
+    out = torch.empty(rows, count, dtype=torch.uint8)
+    for start in range(0, rows, _ROWS):
+        part = data[start:start + _ROWS].to(torch.int64).view(-1, count // 8, bits)
+        words = (part << byte_shifts).sum(-1, keepdim=True)  # 8 fields in `bits` bytes: at most 64 bits
+        out[start:start + _ROWS] = ((words >> field_shifts) & ((1 << bits) - 1)).view(-1, count).to(torch.uint8)
+    return out
+
+
+def _repeat_groups(values: torch.Tensor, k: int) -> torch.Tensor:
+    """Per-group values [N, G] -> one per input [N, K]."""
+    return values.repeat_interleave(k // values.shape[1], dim=1)
+
+
+def affine_levels(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor, bits: int) -> Int4Levels | Int8Levels:
+    """Integer codes q [N, K] (0 .. 2^bits - 1) with w = low + q * step per group (step, low [N, G]) as the
+    kernels keep them: 4 bits and fewer as `Int4Levels` (groups of 32: a wider group's step and low repeated);
+    more as signed `Int8Levels` codes q - 2^(bits-1) with the low moved to match (exact in float32)."""
+    n, k = q.shape
+    group = k // step.shape[1]
+    step, low = step.float(), low.float()
+    if bits <= 4 and group % INT4_GROUP == 0:
+        times = group // INT4_GROUP
+        return Int4Levels(q.to(torch.uint8), step.repeat_interleave(times, 1), low.repeat_interleave(times, 1))
+    offset = 1 << (bits - 1) if bits > 4 else 0
+    codes = (q.to(torch.int16) - offset).to(torch.int8)
+    low = low + offset * step
+    return Int8Levels(codes, step, None if not bool(low.any()) else low)
+
+
+# FP4 E2M1 values times two (integers), by code: MLX's mxfp4 / nvfp4 elements.
+_E2M1_TWICE = torch.tensor([0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12], dtype=torch.int8)
+
+
+class QuantizedFolder:
+    """A quantized safetensors folder: float readers for every parameter and the stored codes of each
+    quantized linear (`layers.quant.PackedWeights`, set on the model as `model.packed_weights`)."""
+
+    def __init__(self, model_dir: Path, fmt: QuantFormat) -> None:
+        from safetensors import safe_open
+
+        self.fmt = fmt
+        self.tensors: dict[str, Any] = {}  # name -> its file's handle
+        self.file_bytes = 0
+        for file in sorted(model_dir.glob("*.safetensors")):
+            try:
+                handle = safe_open(str(file), framework="pt")
+            except Exception as exc:  # noqa: BLE001 - safetensors raises several kinds
+                raise ModelLoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
+            self.file_bytes += file.stat().st_size
+            self.tensors.update(dict.fromkeys(handle.keys(), handle))
+        if not self.tensors:
+            raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
+        self.linears = {stem for name in self.tensors if (stem := self._quantized_stem(name)) is not None}
+        if not self.linears:
+            raise ModelLoadError(f"{model_dir}: config.json says {fmt.describe()}, but no tensor is stored so")
+
+    def _quantized_stem(self, name: str) -> str | None:
+        """The linear `name` is the stored weight of, where it is stored quantized."""
+        stem, _, kind = name.rpartition(".")
+        marker = {"mlx": "scales", "gptq": "qweight", "awq": "qweight"}.get(self.fmt.method)
+        if marker is not None:
+            return stem if kind == marker else None
+        if kind == "weight_packed" or kind in ("weight_scale", "weight_scale_inv") and f"{stem}.weight" in self.tensors:
+            return stem
+        return None
+
+    def get(self, name: str) -> torch.Tensor:
+        return self.tensors[name].get_tensor(name)
+
+    def has(self, name: str) -> bool:
+        return name in self.tensors
+
+    # ---- the loader's views ----
+
+    def readers(self) -> dict[str, Reader]:
+        """Parameter name -> its float tensor (quantized linears dequantized to float32)."""
+        readers: dict[str, Reader] = {}
+        for name in self.tensors:
+            stem, _, kind = name.rpartition(".")
+            if stem in self.linears:
+                if kind in AUX_SUFFIXES or kind == "weight":
+                    readers[f"{stem}.weight"] = self._dequantized
+                    continue
+            if kind in AUX_SUFFIXES and kind not in ("scales", "biases"):
+                continue  # activation / KV scales of a float linear: not parameters here
+            readers[name] = self._plain
+        return readers
+
+    def state_dict(self) -> dict[str, torch.Tensor]:
+        return {name: read(name) for name, read in self.readers().items()}
+
+    def _plain(self, name: str) -> torch.Tensor:
+        return self.get(name)
+
+    def _dequantized(self, name: str) -> torch.Tensor:
+        stem = name.removesuffix(".weight")
+        levels = self.levels(stem)
+        return levels.dequantize() if levels is not None else self._float_weight(stem)
+
+    def int4_levels(self, name: str) -> Int4Levels | None:
+        levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        return levels if isinstance(levels, Int4Levels) else None
+
+    def int8_levels(self, name: str) -> Int8Levels | None:
+        levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
+        return levels if isinstance(levels, Int8Levels) else None
+
+    def levels(self, stem: str) -> Int4Levels | Int8Levels | None:
+        """Linear `stem`'s stored integer codes (None: not quantized, or FP8, which has no integer grid)."""
+        if stem not in self.linears:
+            return None
+        method = self.fmt.method
+        if method == "mlx":
+            return self._mlx(stem)
+        if method in ("gptq", "awq"):
+            return self._gptq(stem) if method == "gptq" else self._awq(stem)
+        if self.has(f"{stem}.weight_packed") or self._dtype(f"{stem}.weight") == "I8":
+            return self._compressed(stem)
+        return None  # FP8
+
+    def _dtype(self, name: str) -> str | None:
+        """A stored tensor's safetensors dtype ("I8", "F8_E4M3", ...) without reading it."""
+        return self.tensors[name].get_slice(name).get_dtype() if name in self.tensors else None
+
+    # ---- MLX ----
+
+    def _mlx_layer(self, stem: str) -> tuple[int, int, str]:
+        """Bits, group size and mode of one MLX linear: the file's defaults or its per-layer override."""
+        block = self.fmt.settings
+        override = block.get(stem)
+        if isinstance(override, dict):
+            return int(override.get("bits", self.fmt.bits)), int(override.get("group_size", self.fmt.group_size)), \
+                str(override.get("mode", self.fmt.mode))
+        return self.fmt.bits, self.fmt.group_size, self.fmt.mode
+
+    def _mlx(self, stem: str) -> Int4Levels | Int8Levels:
+        bits, group, mode = self._mlx_layer(stem)
+        packed, scales = self.get(f"{stem}.weight"), self.get(f"{stem}.scales")
+        k = packed.shape[1] * 32 // bits
+        if scales.shape[1] * group != k or packed.dim() != 2:
+            raise ModelLoadError(f"{stem}: MLX tensors {tuple(packed.shape)} / scales {tuple(scales.shape)} do not "
+                                 f"fit {bits}-bit codes in groups of {group}")
+        q = unpack_rows(packed, bits, k)
+        if mode == "affine":
+            return affine_levels(q, scales, self.get(f"{stem}.biases"), bits)
+        return _mlx_float_levels(q, scales, mode)
+
+    # ---- GPTQ / AWQ ----
+
+    def _gptq(self, stem: str) -> Int4Levels | Int8Levels | None:
+        bits = self.fmt.bits
+        qweight, scales = self.get(f"{stem}.qweight"), self.get(f"{stem}.scales").float()  # [K*b/32, N], [G, N]
+        n = qweight.shape[1]
+        k = qweight.shape[0] * 32 // bits
+        q = unpack_rows(qweight.t(), bits, k)  # [N, K]
+        zeros = unpack_rows(self.get(f"{stem}.qzeros"), bits, n).t().float()  # [N, G]
+        if self.fmt.mode == "gptq":  # v1 (AutoGPTQ) stores each zero less one
+            zeros = (zeros + 1).remainder(1 << bits)
+        scales = scales.t().contiguous()
+        g_idx = self.get(f"{stem}.g_idx").long() if self.has(f"{stem}.g_idx") else None
+        group = k // scales.shape[1]
+        if g_idx is not None and not torch.equal(g_idx, torch.arange(k) // group):
+            # desc_act: groups are not runs of inputs; no per-run scale exists, so the weight goes as floats
+            # (the CPU rewrite rounds it per channel to int8).
+            return None
+        return affine_levels(q, scales, -scales * zeros, bits)
+
+    def _awq(self, stem: str) -> Int4Levels:
+        qweight, qzeros = self.get(f"{stem}.qweight"), self.get(f"{stem}.qzeros")  # [K, N/8], [G, N/8]
+        scales = self.get(f"{stem}.scales").float()  # [G, N]
+        n = qweight.shape[1] * 8
+        order = torch.arange(n).view(-1, 8)[:, list(AWQ_REVERSE_ORDER)].reshape(-1)
+        q = unpack_rows(qweight, 4, n)[:, order].t().contiguous()  # [N, K]
+        zeros = unpack_rows(qzeros, 4, n)[:, order].t().float()  # [N, G]
+        scales = scales.t().contiguous()
+        return affine_levels(q, scales, -scales * zeros, 4)  # type: ignore[return-value]
+
+    # ---- compressed-tensors ----
+
+    def _compressed(self, stem: str) -> Int4Levels | Int8Levels | None:
+        scale = self.get(f"{stem}.weight_scale").float()
+        if self.has(f"{stem}.weight_packed"):
+            packed = self.get(f"{stem}.weight_packed")
+            n, k = (int(v) for v in self.get(f"{stem}.weight_shape"))
+            bits = packed.shape[1] * 32 // k
+            offset = 1 << (bits - 1)
+            q = unpack_rows(packed, bits, k)
+        else:  # naive / int-quantized: int8 codes as they are
+            codes = self.get(f"{stem}.weight")
+            (n, k), bits, offset = codes.shape, 8, 128
+            q = (codes.to(torch.int16) + 128).to(torch.uint8)
+        if self.has(f"{stem}.weight_g_idx"):
+            g_idx = self.get(f"{stem}.weight_g_idx").long()
+            if not torch.equal(g_idx, torch.arange(k) // (k // scale.shape[1])):
+                return None  # activation order: as GPTQ's desc_act
+        scale = scale.expand(n, -1) if scale.shape[0] == 1 else scale
+        scale = scale.view(n, -1)
+        zero = torch.full_like(scale, float(offset))
+        if self.has(f"{stem}.weight_zero_point"):
+            zp = self.get(f"{stem}.weight_zero_point")
+            if zp.dtype == torch.int32:  # packed along the outputs
+                zp = unpack_rows(zp.t().contiguous(), bits, -(-n // 8) * 8)[:, :n].t().to(torch.int16) - offset
+            zero = zero + zp.float().view(n, -1)
+        return affine_levels(q, scale, -scale * zero, bits)
+
+    def _float_weight(self, stem: str) -> torch.Tensor:
+        """An FP8 (or g_idx-ordered integer) linear's weight dequantized to float32."""
+        method = self.fmt.method
+        if method in ("gptq", "awq") or self.has(f"{stem}.weight_packed") or self.has(f"{stem}.weight_g_idx"):
+            return self._reordered_float(stem)
+        weight = self.get(f"{stem}.weight")
+        scale_name = f"{stem}.weight_scale_inv" if self.has(f"{stem}.weight_scale_inv") else f"{stem}.weight_scale"
+        return fp8_dequantize(weight, self.get(scale_name).float())
+
+    def _reordered_float(self, stem: str) -> torch.Tensor:
+        """A GPTQ / compressed-tensors weight whose groups follow `g_idx` (activation order): float32 [N, K]."""
+        if self.fmt.method == "gptq":
+            bits = self.fmt.bits
+            qweight = self.get(f"{stem}.qweight")
+            k = qweight.shape[0] * 32 // bits
+            q = unpack_rows(qweight.t(), bits, k).float()
+            zeros = unpack_rows(self.get(f"{stem}.qzeros"), bits, qweight.shape[1]).float()
+            if self.fmt.mode == "gptq":
+                zeros = (zeros + 1).remainder(1 << bits)
+            scales, g_idx = self.get(f"{stem}.scales").float(), self.get(f"{stem}.g_idx").long()
+            return (q - zeros[g_idx].t()) * scales[g_idx].t()
+        packed, scale = self.get(f"{stem}.weight_packed"), self.get(f"{stem}.weight_scale").float()
+        n, k = (int(v) for v in self.get(f"{stem}.weight_shape"))
+        bits = packed.shape[1] * 32 // k
+        q = unpack_rows(packed, bits, k).float() - (1 << (bits - 1))
+        g_idx = self.get(f"{stem}.weight_g_idx").long()
+        zero = torch.zeros_like(scale)
+        if self.has(f"{stem}.weight_zero_point"):
+            zp = self.get(f"{stem}.weight_zero_point")
+            zero = (unpack_rows(zp.t().contiguous(), bits, -(-n // 8) * 8)[:, :n].t().float() - (1 << (bits - 1)))
+        return (q - zero[:, g_idx]) * scale[:, g_idx]
+
+    def resident_summary(self) -> dict[str, Any]:
+        return {"format": self.fmt.method, "description": self.fmt.describe(), "bits": self.fmt.bits,
+                "group_size": self.fmt.group_size, "file_bytes": self.file_bytes}
+
+
+def _mlx_float_levels(q: torch.Tensor, scales: torch.Tensor, mode: str) -> Int8Levels:
+    """MLX mxfp4 / nvfp4 codes as exact int8: each E2M1 element doubled is an integer (-12..12) and the
+    group's scale (a power of two, E8M0; or E4M3 for nvfp4) halved."""
+    codes = _E2M1_TWICE[q.long()]
+    if mode == "mxfp4":  # E8M0: 2^(e - 127)
+        scale = torch.exp2(scales.to(torch.int32).float() - 127)
+    else:
+        scale = scales.view(torch.float8_e4m3fn).float() if scales.dtype == torch.uint8 else scales.float()
+    return Int8Levels(codes, scale / 2, None)
+
+
+def fp8_dequantize(weight: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+    """FP8 weights [N, K] times their scale: one number, one per output [N, 1], or one per block
+    [ceil(N / bn), ceil(K / bk)] (DeepSeek-V3 / Qwen3-FP8 `weight_scale_inv`, compressed-tensors block)."""
+    w = weight.float()
+    n, k = w.shape
+    if scale.dim() < 2 or scale.shape[1] == 1:  # per tensor or per output channel
+        return w * (scale.reshape(()) if scale.numel() == 1 else scale.reshape(n, 1))
+    bn, bk = -(-n // scale.shape[0]), -(-k // scale.shape[1])
+    full = scale.repeat_interleave(bn, 0)[:n].repeat_interleave(bk, 1)[:, :k]
+    return w * full

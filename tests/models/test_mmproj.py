@@ -1,0 +1,101 @@
+"""Issue 43: `--mmproj`: a Gemma 3 text GGUF and llama.cpp's projector GGUF beside it (tensor names from the
+gguf package's own MMPROJ name map, metadata under its `clip.vision.*` keys, the soft-embedding norm stored
+as 1 + w and the input projection in F16, as llama.cpp's converter writes them) load into one model whose
+logits with an image equal transformers' Gemma3ForConditionalGeneration on the same weights."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import gguf
+import numpy as np
+import pytest
+import torch
+import transformers
+
+from mlxcel.loading import ModelLoadError, load_model
+from mlxcel.loading.mmproj import attach_mmproj
+from mlxcel.text.tokenizer import Tokenizer
+
+from .harness import write_tiny_gguf
+from .test_vision_families import FAMILIES, _our_logits, _prompt, _reference_logits
+from .vision_checkpoints import png, write_gemma3_vlm
+
+TOL = 2e-5
+
+
+def write_mmproj(reference: torch.nn.Module, path: Path) -> Path:
+    config = reference.config.vision_config
+    writer = gguf.GGUFWriter(str(path), "clip")
+    writer.add_clip_has_vision_encoder(True)
+    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_vision_image_size(config.image_size)
+    writer.add_vision_patch_size(config.patch_size)
+    writer.add_vision_embedding_length(config.hidden_size)
+    writer.add_vision_feed_forward_length(config.intermediate_size)
+    writer.add_vision_block_count(config.num_hidden_layers)
+    writer.add_vision_head_count(config.num_attention_heads)
+    writer.add_vision_attention_layernorm_eps(config.layer_norm_eps)
+    writer.add_vision_image_mean([0.5] * 3)
+    writer.add_vision_image_std([0.5] * 3)
+    writer.add_vision_use_gelu(True)
+    writer.add_vision_projector_scale_factor((config.image_size // config.patch_size) // 2)  # 4 tokens: 2 a side
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config.num_hidden_layers)
+    for name, tensor in reference.model.state_dict().items():
+        if not name.startswith(("vision_tower.", "multi_modal_projector.")) or ".head." in name:
+            continue
+        hf = "vision_tower.vision_model." + name.removeprefix("vision_tower.") if name.startswith("vision_tower.") \
+            else name.replace("_weight", ".weight")
+        stem, kind = hf.rsplit(".", 1)
+        array = tensor.float().numpy()
+        if "soft_emb_norm" in stem:
+            array = array + 1.0
+        if "input_projection" in stem:
+            array = array.astype(np.float16)
+        writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+@pytest.fixture(scope="module")
+def pair(tmp_path_factory: pytest.TempPathFactory):
+    folder = tmp_path_factory.mktemp("gemma3_mmproj")
+    reference, ids = write_gemma3_vlm(folder / "hf", pattern=6)  # llama.cpp fixes gemma3's pattern at 6
+    text = transformers.Gemma3ForCausalLM(reference.config.text_config)
+    text.model.load_state_dict(reference.model.language_model.state_dict())
+    text.lm_head.weight = text.model.embed_tokens.weight
+    write_tiny_gguf(text.eval(), "gemma3", folder / "text.gguf")
+    return reference, ids, folder
+
+
+def test_issue43_gemma3_text_gguf_with_mmproj_matches_transformers(pair) -> None:
+    reference, ids, folder = pair
+    model = load_model(folder / "text.gguf").model
+    tokenizer = Tokenizer.from_pretrained_dir(folder / "hf")
+    attach_mmproj(model, write_mmproj(reference, folder / "mmproj.gguf"), tokenizer)
+    with torch.no_grad():  # the reference with the projection the file holds (F16, as the converter writes it)
+        weight = reference.model.multi_modal_projector.mm_input_projection_weight
+        weight.copy_(weight.half().float())
+    prompter = model.image_prompter(None, tokenizer)  # no preprocessor_config.json: the file's settings
+    family = FAMILIES["gemma3"]
+    for num_images in (1, 2):
+        token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
+        ours = _our_logits(model, token_ids, images)
+        expected = _reference_logits(family, reference, token_ids, images, ids[family.image_token])
+        assert (ours - expected).abs().max() <= TOL
+
+
+def test_issue43_an_mmproj_of_another_projector_type_is_refused(pair, tmp_path: Path) -> None:
+    _, _, folder = pair
+    model = load_model(folder / "text.gguf").model
+    writer = gguf.GGUFWriter(str(tmp_path / "other.gguf"), "clip")
+    writer.add_clip_projector_type("pixtral")
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    with pytest.raises(ModelLoadError, match="projector type 'pixtral' is not supported"):
+        attach_mmproj(model, tmp_path / "other.gguf", Tokenizer.from_pretrained_dir(folder / "hf"))
