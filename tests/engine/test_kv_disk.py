@@ -23,8 +23,9 @@ class Engine:
     """A pool, a manager and a cache with a disk tier under them: one 'process' of the tests."""
 
     def __init__(self, folder: Path, *, k_type: str = "bf16", identity: str = IDENTITY,
-                 capacity: int = 1 << 30) -> None:
-        self.cache = KVCache(2, NUM_BLOCKS, BLOCK, 2, 32, torch.bfloat16, "cpu", k_type=k_type, v_type=k_type)
+                 capacity: int = 1 << 30, values_are_keys: bool = False) -> None:
+        self.cache = KVCache(2, NUM_BLOCKS, BLOCK, 2, 32, torch.bfloat16, "cpu", k_type=k_type, v_type=k_type,
+                             values_are_keys=values_are_keys)
         self.pool = BlockPool(NUM_BLOCKS, BLOCK)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=True)
         self.store: DiskBlockStore = open_disk_tier(DiskTierConfig(folder, capacity, identity), self.cache, self.pool)
@@ -58,6 +59,26 @@ def test_restart_restores_the_exact_blocks(tmp_path: Path, k_type: str) -> None:
     assert all(torch.equal(a, b) for a, b in zip(saved, second.rows(blocks)))
     stats = second.store.stats()
     assert (stats.num_hits, stats.num_blocks_read, stats.num_bad_files) == (1, 3, 0)
+
+
+@pytest.mark.parametrize("k_type", ["bf16", "q8_0"])
+def test_issue40_a_keys_only_cache_saves_and_restores_its_keys(tmp_path: Path, k_type: str) -> None:
+    """MLA's cache (values are keys) round-trips through the disk tier, and its files hold keys only."""
+    first = Engine(tmp_path, k_type=k_type, values_are_keys=True)
+    assert first.cache.v is first.cache.k and "v" not in first.cache.named_tensors()
+    tokens = prompt(2)
+    saved = first.rows(first.compute("a", tokens)[:3])
+    second = restart(first, tmp_path, k_type=k_type, values_are_keys=True)
+    blocks, num_cached = second.kv.find_cached_prefix(tokens, cache_prompt=True)
+    assert num_cached == 3 * BLOCK
+    assert all(torch.equal(a, b) for a, b in zip(saved, second.rows(blocks)))
+    full = Engine(tmp_path / "kv", k_type=k_type)
+    full.compute("a", tokens)
+    full.store.close(full.pool)
+    keys_only = sum(f.stat().st_size for f in tmp_path.glob(f"{IDENTITY[:32]}/*.kvb"))
+    both = sum(f.stat().st_size for f in (tmp_path / "kv").glob(f"{IDENTITY[:32]}/*.kvb"))
+    assert keys_only and both
+    assert keys_only < 0.6 * both
     assert second.kv.find_cached_prefix(tokens, cache_prompt=True)[1] == 3 * BLOCK  # now from RAM
     assert second.store.stats().num_hits == 1
 

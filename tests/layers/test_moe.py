@@ -75,10 +75,21 @@ FAMILIES: dict[str, Family] = {
     "deepseek_v3": Family(
         lambda: transformers.DeepseekV3Config(**COMMON, **GROUPED, **MLA),
         lambda c: moe_spec_from_config(c, "sigmoid_grouped"), "per_expert"),
+    # DeepSeek-V2's softmax router, limited to the best 2 of 4 groups; the family module's own spec.
+    "deepseek_v2": Family(
+        lambda: transformers.DeepseekV2Config(**COMMON, **{**GROUPED, "n_shared_experts": 2},
+                                              topk_method="group_limited_greedy", **MLA),
+        lambda c: _deepseek_v2_spec(c), "per_expert"),
     "glm4_moe": Family(
         lambda: transformers.Glm4MoeConfig(**COMMON, **GROUPED, head_dim=16),
         lambda c: moe_spec_from_config(c, "sigmoid_grouped"), "per_expert"),
 }
+
+
+def _deepseek_v2_spec(config: dict[str, Any]) -> MoESpec:
+    from mlxcel.models import deepseek_v2
+
+    return deepseek_v2.ModelArgs.from_dict(config).moe_spec()
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -198,6 +209,18 @@ def test_grouped_routing_keeps_the_best_groups_only() -> None:
     torch.testing.assert_close(weights.sort(-1).values, torch.sigmoid(torch.tensor([[1.9, 2.0]])))
     ungrouped = RouterSpec("sigmoid_grouped", num_experts=4, top_k=2)
     assert route(logits, ungrouped)[1].sort(-1).values.tolist() == [[0, 2]]
+
+
+def test_softmax_grouped_routing_scores_a_group_by_its_best_expert() -> None:
+    """DeepSeek-V2: group 0 (experts 0, 1) holds the best expert and wins, though group 1's two
+    together outscore it (V3's sum of the best two would keep group 1); not renormalised, scaled."""
+    spec = RouterSpec("softmax_grouped", num_experts=4, top_k=2, num_groups=2, topk_groups=1, scaling=2.0)
+    logits = torch.tensor([[3.0, -3.0, 2.0, 1.9]])
+    weights, ids = route(logits, spec)
+    assert ids.sort(-1).values.tolist() == [[0, 1]]
+    probs = torch.softmax(logits, -1)[0]
+    torch.testing.assert_close(weights.sort(-1, descending=True).values[0], 2.0 * probs[[0, 1]])
+    assert route(logits, RouterSpec("softmax_grouped", num_experts=4, top_k=2))[1].sort(-1).values.tolist() == [[0, 2]]
 
 
 def test_correction_bias_selects_but_does_not_weigh() -> None:

@@ -103,3 +103,31 @@ def test_issue47_the_load_log_tells_one_story(tmp_path: Path, caplog: pytest.Log
     assert len(loaded) == 1 and then_says in loaded[0], lines
     if load_says.startswith("mapped"):
         assert "eager" not in loaded[0] and "read in full at load" not in loaded[0]
+
+
+@pytest.mark.parametrize("family", ["phi3", "glm4"])
+def test_issue40_lazy_fused_projections_read_only_their_rows_on_first_use(tmp_path: Path, family: str,
+                                                                            monkeypatch: pytest.MonkeyPatch) -> None:
+    """Phi-3's qkv_proj / gate_up_proj and GLM-4's gate_up_proj are split at load without reading them:
+    each part reads its own rows of the mapped tensor when its module first runs, never the whole
+    fused tensor, and the logits are eager loading's bits."""
+    from mlxcel.loading.lazy import SafetensorsReader
+    from tests.models.harness import save_tiny_hf
+    from tests.models.test_families import FAMILIES
+
+    save_tiny_hf(FAMILIES[family][1](), tmp_path)
+    whole, rows = [], []
+    read_whole, read_rows = SafetensorsReader.__call__, SafetensorsReader.rows
+    monkeypatch.setattr(SafetensorsReader, "__call__", lambda self, n: whole.append(self.key) or read_whole(self, n))
+    monkeypatch.setattr(SafetensorsReader, "rows",
+                        lambda self, a, b: rows.append((self.key, a, b)) or read_rows(self, a, b))
+    lazy = load_model(tmp_path, lazy=True).model
+    assert all(p.is_meta for p in lazy.parameters()) and not whole and not rows  # nothing read at load
+    got = logits(lazy, PROMPT)
+    fused = {k for k in whole + [key for key, _, _ in rows] if k.endswith(("qkv_proj.weight", "gate_up_proj.weight"))}
+    assert fused and not any(k in fused for k in whole)  # fused tensors only ever read by rows
+    layer0 = sorted((a, b) for key, a, b in rows if key == "model.layers.0.mlp.gate_up_proj.weight")
+    width = lazy.args.intermediate_size
+    assert layer0 == [(0, width), (width, 2 * width)]
+    monkeypatch.undo()
+    assert torch.equal(got, logits(load_model(tmp_path).model, PROMPT))

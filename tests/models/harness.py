@@ -54,7 +54,8 @@ class PagedSequences:
         args = model.args
         self.model, self.device = model, param.device
         self.kv = KVCache(args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
-                          args.dim_per_head, param.dtype, param.device)
+                          args.dim_per_head, param.dtype, param.device,
+                          values_are_keys=getattr(args, "kv_values_are_keys", False))
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)  # non-contiguous tables exercise the slot mapping
         self.tables: dict[int, list[int]] = {}
@@ -125,8 +126,11 @@ def greedy(model: nn.Module, prompt: list[int], num_tokens: int,
 
 # ---- tiny checkpoints -------------------------------------------------------------------------
 
-def save_tiny_hf(config: Any, folder: Path, seed: int = 0) -> nn.Module:
-    """A transformers model with random weights (biases and norms too), saved in HF layout."""
+def save_tiny_hf(config: Any, folder: Path, seed: int = 0, model_type: str | None = None) -> nn.Module:
+    """A transformers model with random weights (biases and norms too), saved in HF layout;
+    `model_type` renames the saved config's type (Kimi K2 ships DeepSeek-V3's architecture as "kimi_k2")."""
+    import json
+
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(seed)
@@ -138,6 +142,9 @@ def save_tiny_hf(config: Any, folder: Path, seed: int = 0) -> nn.Module:
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
     model.eval().save_pretrained(folder)
+    if model_type is not None and model_type != config.model_type:
+        saved = json.loads((folder / "config.json").read_text())
+        (folder / "config.json").write_text(json.dumps({**saved, "model_type": model_type}))
     return model
 
 

@@ -117,6 +117,22 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
         **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
         qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
         n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32, pad_token_id=0)),
+    # Kimi K2: DeepSeek-V3's shape under its own model_type (the config is rewritten after saving).
+    "kimi_k2": ("kimi_k2", lambda: transformers.DeepseekV3Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=2, topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32, pad_token_id=0)),
+    # DeepSeek-V2: MLA, layer 1 MoE with its softmax router limited to the best of 4 groups (each scored
+    # by its best expert), times routed_scaling_factor, two shared experts.
+    "deepseek_v2": ("deepseek_v2", lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        n_group=4, topk_group=2, topk_method="group_limited_greedy", routed_scaling_factor=2.5,
+        moe_intermediate_size=32, n_shared_experts=2, pad_token_id=0)),
+    "deepseek_v2-lite-greedy": ("deepseek_v2", lambda: transformers.DeepseekV2Config(
+        **{**COMMON, "num_key_value_heads": 4}, q_lora_rank=None, kv_lora_rank=16, qk_nope_head_dim=8,
+        qk_rope_head_dim=8, v_head_dim=12, first_k_dense_replace=1, n_routed_experts=8, num_experts_per_tok=2,
+        topk_method="greedy", moe_intermediate_size=32, n_shared_experts=1, pad_token_id=0)),
     # Layer 0 dense, layer 1 MoE: 2 groups of 4 experts, the best group kept, a correction bias.
     "glm4_moe": ("glm4_moe", lambda: transformers.Glm4MoeConfig(
         **COMMON, head_dim=16, n_routed_experts=8, num_experts_per_tok=2, n_group=2, topk_group=1,
@@ -139,7 +155,8 @@ class Tiny:
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def tiny(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Tiny:
     folder = tmp_path_factory.mktemp(request.param)
-    reference = save_tiny_hf(FAMILIES[request.param][1](), folder).to(DEVICE)
+    model_type, config = FAMILIES[request.param]
+    reference = save_tiny_hf(config(), folder, model_type=model_type).to(DEVICE)
     loaded = load_model(folder, device=DEVICE)
     return Tiny(request.param, reference, loaded.model, loaded.model_type, folder)
 
@@ -292,3 +309,8 @@ def test_issue40_mla_caches_the_latent_not_the_heads() -> None:
     args = deepseek_v3.ModelArgs.from_dict(FAMILIES["deepseek_v3"][1]().to_dict())
     shape = ModelShape.of(args)
     assert (shape.num_kv_heads, shape.head_dim) == (1, 16 + 8)
+    # The latent is stored once (values are keys): half the bytes of a K + V cache of that width.
+    assert shape.values_are_keys and shape.kv_bytes_per_token("f16", "f16") == 2 * (16 + 8) * 2
+    cache = ModelShape(2, 1, 32, 64, values_are_keys=True).kv_cache(4, 4, torch.float32, "cpu", "q8_0", "f16")
+    assert list(cache.stacked_tensors()) == ["k", "k_scales"] and cache.v_type == "q8_0"
+    assert cache.bytes_per_token == 2 * 32 * (1 + 2 / 32) and cache.v[1] is cache.k[1]

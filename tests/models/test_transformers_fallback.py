@@ -131,6 +131,19 @@ def test_soft_capped_attention_is_refused() -> None:
         _fallback_model(config)
 
 
+@pytest.mark.parametrize(("shape", "match"), [
+    (dict(global_head_dim=32), r"differ in head size / KV heads \[\(16, 2\), \(32, 2\)\]"),
+    (dict(global_head_dim=16, num_kv_shared_layers=2), "reuse earlier layers' keys and values"),
+])
+def test_issue40_gemma4_text_layers_the_cache_cannot_hold_are_refused(shape: dict[str, Any], match: str) -> None:
+    """Gemma 4 (no module of ours yet): global layers of another head size, or KV-shared layers, are one
+    clear refusal, not transformers' AmbiguousGlobalPerLayerAttributeError from deep inside the load."""
+    config = transformers.Gemma4TextConfig(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16,
+                                           layer_types=["sliding_attention", "full_attention"] * 2, **shape)
+    with pytest.raises(ValueError, match=match):
+        _fallback_model(config)
+
+
 def test_layers_without_attention_are_refused() -> None:
     config = transformers.Lfm2Config(**{**COMMON, "num_hidden_layers": 3}, num_key_value_heads=2,
                                      layer_types=["conv", "full_attention", "conv"])

@@ -66,13 +66,24 @@ class ModelShape:
     num_kv_heads: int
     head_dim: int
     context_length: int
+    values_are_keys: bool = False  # MLA: the cache stores keys only (KVCache.values_are_keys)
 
     @classmethod
     def of(cls, args: Any) -> ModelShape:
-        """From a family's ModelArgs (every decoder family exposes these four)."""
+        """From a family's ModelArgs (every decoder family exposes the first four)."""
         # A hybrid keeps KV for its attention layers only; at least one layer (a model of recurrent layers alone).
         num_layers = max(getattr(args, "num_kv_layers", args.num_hidden_layers), 1)
-        return cls(num_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings)
+        return cls(num_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings,
+                   bool(getattr(args, "kv_values_are_keys", False)))
+
+    def kv_bytes_per_token(self, k_type: str, v_type: str) -> int:
+        return kv_quant.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, k_type,
+                                        None if self.values_are_keys else v_type)
+
+    def kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
+                 k_type: str | None, v_type: str | None) -> KVCache:
+        return KVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype, device,
+                       k_type=k_type, v_type=v_type, values_are_keys=self.values_are_keys)
 
 
 class EngineCore:
@@ -87,10 +98,9 @@ class EngineCore:
         self.config = config
         self.slot_context = config.slot_context(shape.context_length)
         k_type, v_type = config.kv_element_types()
-        bytes_per_token = kv_quant.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, k_type, v_type)
+        bytes_per_token = shape.kv_bytes_per_token(k_type, v_type)
         num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
-        self.kv_cache = KVCache(shape.num_layers, num_blocks, config.block_size, shape.num_kv_heads,
-                                shape.head_dim, dtype, device, k_type=k_type, v_type=v_type)
+        self.kv_cache = shape.kv_cache(num_blocks, config.block_size, dtype, device, k_type, v_type)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)

@@ -438,7 +438,8 @@ class DecodeAttention:
                scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors."""
         self._write(self.k_type, self.k_cache, self.k_scales, k)
-        self._write(self.v_type, self.v_cache, self.v_scales, v)
+        if self.v_cache is not self.k_cache:  # else values are keys (KVCache.values_are_keys): stored once
+            self._write(self.v_type, self.v_cache, self.v_scales, v)
         if self.use_kernel and rule.is_plain:
             return paged_attention.paged_decode_attention(q, self.k_cache, self.v_cache, self.key_slots, self.key_pos,
                                                           self.q_pos, scale, window or 0)

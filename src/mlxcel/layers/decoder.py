@@ -369,6 +369,11 @@ class DecoderArgs:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def kv_values_are_keys(self) -> bool:
+        """The layers attend with their keys as values (MLA), so the KV cache stores keys only."""
+        return False
+
+    @property
     def embed_scale(self) -> float | None:
         return None
 
@@ -510,14 +515,27 @@ class DecoderLM(nn.Module):
         return kept
 
 
-def split_fused(weights: dict[str, torch.Tensor], fused: str, parts: Mapping[str, int | None]) -> None:
+def split_fused(weights: dict[str, Any], fused: str, parts: Mapping[str, int | None]) -> None:
     """Split every `*.{fused}.weight|bias` into `parts` (name -> rows; None: the rest), in place:
-    Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj."""
+    Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj.
+
+    A value may be a lazy reader (loading/lazy.py): each part then reads only its own rows when its
+    module first runs (through the reader's `rows`, or else from the whole tensor, copied out so the
+    part does not keep the fused tensor alive)."""
     for name in [n for n in weights if n.rsplit(".", 2)[-2:-1] == [fused]]:
         stem, kind = name.rsplit(".", 1)
         prefix = stem[:-len(fused)]
-        tensor, start = weights.pop(name), 0
+        value, start = weights.pop(name), 0
         for part, rows in parts.items():
-            rows = rows if rows is not None else tensor.shape[0] - start
-            weights[f"{prefix}{part}.{kind}"] = tensor[start:start + rows]
-            start += rows
+            stop = start + rows if rows is not None else None
+            weights[f"{prefix}{part}.{kind}"] = _rows_of(value, name, start, stop)
+            start = stop if stop is not None else start
+
+
+def _rows_of(value: Any, name: str, start: int, stop: int | None) -> Any:
+    """Rows [start, stop) of a tensor, or a reader of them."""
+    if isinstance(value, torch.Tensor):
+        return value[start:stop]
+    if hasattr(value, "rows"):
+        return lambda _name: value.rows(start, stop if stop is not None else value.shape[0])
+    return lambda _name: value(name)[start:stop].clone()

@@ -46,9 +46,10 @@ def bytes_per_value(element: str) -> float:
     return code_bytes + 2 / QBLOCK  # a float16 scale a block
 
 
-def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, k_type: str, v_type: str) -> int:
-    """KV bytes one token costs over every layer, scales included."""
-    return int(num_layers * num_kv_heads * head_dim * (bytes_per_value(k_type) + bytes_per_value(v_type)))
+def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int, k_type: str, v_type: str | None) -> int:
+    """KV bytes one token costs over every layer, scales included (`v_type` None: no values stored)."""
+    per_value = bytes_per_value(k_type) + (bytes_per_value(v_type) if v_type is not None else 0.0)
+    return int(num_layers * num_kv_heads * head_dim * per_value)
 
 
 def storage_dim(element: str, head_dim: int) -> int:

@@ -9,10 +9,10 @@ kv_lora_rank + rope_dim a token, and the projections are absorbed into the query
     out_h   = (sum_j p_hj c_j) W_UV_h                          (= sum_j p_hj v_hj)
 
 so attention runs as multi-query attention with queries [H, kv_lora_rank + rope_dim] over one
-key head. NOTE: the engine's KV cache has a key and a value tensor of one width, so the latent is
-stored as the key and again as the value (2 x (kv_lora_rank + rope_dim) a token: 2 x 576 values
-for DeepSeek-V3, against 128 heads x (192 + 128) expanded); the output keeps its first
-kv_lora_rank dimensions.
+key head. The latent is the key and also the value (the output keeps its first kv_lora_rank
+dimensions); a family says so (`kv_values_are_keys`) and the engine's KV cache then stores it once
+(`KVCache.values_are_keys`: kv_lora_rank + rope_dim a token, 576 values for DeepSeek-V3, against
+128 heads x (192 + 128) expanded).
 """
 
 from __future__ import annotations

@@ -18,6 +18,10 @@ Router kinds (`RouterSpec.kind`), after transformers 5.25's modeling files:
                      the choice only; experts chosen within the best `topk_groups` of `num_groups`
                      groups (a group scored by its best two); renormalised when `normalize`, then
                      times `scaling` (routed_scaling_factor)
+  "softmax_grouped"  deepseek_v2: softmax scores over all experts (float32 logits); experts chosen
+                     within the best `topk_groups` of `num_groups` groups, a group scored by its best
+                     expert (DeepSeek-V2's "group_limited_greedy"; one group: "greedy"); not
+                     renormalised (transformers ignores norm_topk_prob there), times `scaling`
 
 Expert activation (`MoESpec.activation`): "silu" / "gelu" / "gelu_pytorch_tanh" / "relu" gate,
 times up; "swiglu_clamped" is gpt-oss's: gate.clamp(max=limit), up.clamp(-limit, limit),
@@ -61,8 +65,9 @@ from torch import nn
 from mlxcel.layers import paged_attention
 from mlxcel.layers.quant import GATE_UP, Int4Levels, Int8Levels, QuantLinear, Step, StoredSource, linear, project
 
-RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped"]
-ROUTER_KINDS: tuple[str, ...] = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped")
+RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped"]
+ROUTER_KINDS: tuple[str, ...] = ("softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped")
+_FLOAT32_ROUTERS = ("sigmoid_grouped", "softmax_grouped")  # DeepSeek's: logits in float32 whatever the dtype
 Layout = Literal["per_expert", "mixtral", "granite", "gpt_oss", "stacked"]
 
 _GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
@@ -83,9 +88,9 @@ class RouterSpec:
     top_k: int
     normalize: bool = False  # renormalise the selected weights to sum to 1
     has_bias: bool = False  # gpt-oss's router bias on the logits
-    num_groups: int = 1  # sigmoid_grouped: n_group
-    topk_groups: int = 1  # sigmoid_grouped: topk_group
-    scaling: float = 1.0  # sigmoid_grouped: routed_scaling_factor
+    num_groups: int = 1  # sigmoid_grouped / softmax_grouped: n_group
+    topk_groups: int = 1  # sigmoid_grouped / softmax_grouped: topk_group
+    scaling: float = 1.0  # sigmoid_grouped / softmax_grouped: routed_scaling_factor
     jitter_eps: float = 0.01  # sparsemixer: router_jitter_noise
 
     def __post_init__(self) -> None:
@@ -171,6 +176,8 @@ def route(logits: torch.Tensor, spec: RouterSpec,
         weights = torch.softmax(top, dim=-1)
     elif spec.kind == "sparsemixer":
         return _sparsemixer(scores, spec.jitter_eps)
+    elif spec.kind == "softmax_grouped":
+        return _softmax_grouped(scores, spec)
     else:
         return _sigmoid_grouped(scores, spec, correction_bias)
     if spec.normalize:
@@ -207,10 +214,18 @@ def _sigmoid_grouped(scores: torch.Tensor, spec: RouterSpec,
     return weights * spec.scaling, ids
 
 
-def _mask_groups(choice: torch.Tensor, spec: RouterSpec) -> torch.Tensor:
-    """-inf outside each row's best `topk_groups` groups, a group scored by its two best experts."""
+def _softmax_grouped(scores: torch.Tensor, spec: RouterSpec) -> tuple[torch.Tensor, torch.Tensor]:
+    scores = torch.softmax(scores, dim=-1)
+    choice = _mask_groups(scores, spec, best_of=1) if spec.topk_groups < spec.num_groups else scores
+    ids = torch.topk(choice, spec.top_k, dim=-1).indices
+    return scores.gather(-1, ids) * spec.scaling, ids
+
+
+def _mask_groups(choice: torch.Tensor, spec: RouterSpec, best_of: int = 2) -> torch.Tensor:
+    """-inf outside each row's best `topk_groups` groups, a group scored by the sum of its `best_of`
+    best experts (DeepSeek-V3: two; DeepSeek-V2: one)."""
     grouped = choice.view(choice.shape[0], spec.num_groups, -1)  # [T, groups, experts per group]
-    group_scores = grouped.topk(min(2, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
+    group_scores = grouped.topk(min(best_of, grouped.shape[-1]), dim=-1).values.sum(dim=-1)
     kept = torch.topk(group_scores, spec.topk_groups, dim=-1).indices
     mask = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, kept, True)
     return grouped.masked_fill(~mask.unsqueeze(-1), float("-inf")).view_as(choice)
@@ -229,7 +244,7 @@ class Router(nn.Module):
 
     def logits(self, x: torch.Tensor) -> torch.Tensor:
         # DeepSeek-style routers score in float32 whatever the model's dtype, as transformers does.
-        if self.spec.kind == "sigmoid_grouped":
+        if self.spec.kind in _FLOAT32_ROUTERS:
             return F.linear(x.float(), self.weight.float())
         return F.linear(x, self.weight, self.bias)
 

@@ -106,8 +106,26 @@ def safetensors_readers(model_dir: Path) -> dict[str, Reader]:
     return readers
 
 
+class SafetensorsReader:
+    """One mapped safetensors entry: called, the whole tensor; `rows(start, stop)`, only those rows
+    of dimension 0 (a fused projection's part, layers/decoder.split_fused), and `shape` without reading."""
+
+    def __init__(self, handle: object, key: str) -> None:
+        self.handle, self.key = handle, key
+
+    def __call__(self, _name: str) -> torch.Tensor:
+        return self.handle.get_tensor(self.key)  # type: ignore[attr-defined]
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return tuple(self.handle.get_slice(self.key).get_shape())  # type: ignore[attr-defined]
+
+    def rows(self, start: int, stop: int) -> torch.Tensor:
+        return self.handle.get_slice(self.key)[start:stop]  # type: ignore[attr-defined]
+
+
 def _safetensors_reader(handle: object, key: str) -> Reader:
-    return lambda _name: handle.get_tensor(key)  # type: ignore[attr-defined]
+    return SafetensorsReader(handle, key)
 
 
 def renamed(readers: dict[str, Reader], names: Iterable[tuple[str, str]]) -> dict[str, Reader]:

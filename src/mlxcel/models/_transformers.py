@@ -119,6 +119,7 @@ def _transformers_version() -> str:
 
 
 def _refuse_unsupported_config(text: Any) -> None:
+    _refuse_heterogeneous_layers(text)
     if getattr(text, "attn_logit_softcapping", None) is not None:
         raise ValueError("its attention scores are soft-capped (attn_logit_softcapping), which the paged "
                          "attention of the transformers fallback cannot compute")
@@ -126,6 +127,22 @@ def _refuse_unsupported_config(text: Any) -> None:
         if getattr(text, key, None) is not None:
             raise ValueError(f"its logits are transformed after the output head ({key}), which the transformers "
                              f"fallback does not repeat")
+
+
+def _refuse_heterogeneous_layers(text: Any) -> None:
+    """Gemma 4's layers differ in head size and KV heads, and later layers reuse earlier layers' KV:
+    the engine's KV cache holds one width for every layer and a cache of its own for each."""
+    per_layer = getattr(text, "per_layer_config", None)
+    if per_layer is None:
+        return
+    shapes = {(getattr(per_layer[i], "head_dim", None), getattr(per_layer[i], "num_key_value_heads", None))
+              for i in range(text.num_hidden_layers)}
+    if len(shapes) > 1:
+        raise ValueError(f"its layers differ in head size / KV heads {sorted(shapes)}, which the engine's KV cache "
+                         "(one width for every layer) cannot hold")
+    if "reuse" in (getattr(text, "kv_sharing_modes", None) or ()):
+        raise ValueError("its later layers reuse earlier layers' keys and values (num_kv_shared_layers), which the "
+                         "transformers fallback cannot do over the paged cache")
 
 
 def _sliding_window(text: Any) -> int | None:

@@ -35,6 +35,10 @@ class ModelArgs(MoEArgs, DecoderArgs):
     def dim_per_head(self) -> int:
         return self.kv_lora_rank + self.qk_rope_head_dim
 
+    @property
+    def kv_values_are_keys(self) -> bool:
+        return True  # the latent is attended as key and as value: the cache stores it once
+
     def softmax_scale(self) -> float:
         """qk_head_dim ** -0.5, times yarn's mscale(factor, mscale_all_dim) squared (as DeepSeek scales it)."""
         scale = (self.qk_nope_head_dim + self.qk_rope_head_dim) ** -0.5

@@ -273,15 +273,13 @@ def _draft_policy(checkpoint: Checkpoint, options: RuntimeOptions, config: Engin
     """B1: the draft model on the target's device and dtype, with its own paged KV (as many blocks as
     the target's slots need) and the target's decode-step mode."""
     from mlxcel.engine.spec.draft_model import ModelDrafter
-    from mlxcel.layers import kv_quant
 
     loaded = _load_for_decode(checkpoint, options)
     log.info("draft model loaded: %s (%s); decode path: %s", checkpoint.path, loaded.model_type,
              _decode_path(loaded, options))
     shape = model_shape(loaded)
     k_type, v_type = config.kv_element_types()
-    bytes_per_token = kv_quant.bytes_per_token(shape.num_layers, shape.num_kv_heads, shape.head_dim, k_type, v_type)
-    num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
+    num_blocks = config.num_blocks(shape.context_length, shape.kv_bytes_per_token(k_type, v_type))
     drafter = ModelDrafter(loaded.model, shape, num_blocks=num_blocks, block_size=config.block_size,
                            device=options.device, dtype=options.torch_dtype(), kv_types=(k_type, v_type),
                            mode=config.decode_step_mode(options.device),

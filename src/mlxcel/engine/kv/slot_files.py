@@ -136,12 +136,7 @@ def _write_blocks(cache: KVCache, block_ids: list[int], payload: dict) -> None:
 
 def _cache_tensors(cache: KVCache) -> dict[str, list[torch.Tensor]]:
     """Every per-layer tensor a slot file holds: values (or codes), and scales where quantized."""
-    tensors = {"k": cache.k, "v": cache.v}
-    if cache.k_scales is not None:
-        tensors["k_scales"] = cache.k_scales
-    if cache.v_scales is not None:
-        tensors["v_scales"] = cache.v_scales
-    return tensors
+    return cache.named_tensors()
 
 
 def _rows(tensors: list[torch.Tensor], slots: torch.Tensor) -> list[torch.Tensor]:

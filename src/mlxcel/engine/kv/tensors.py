@@ -25,26 +25,37 @@ class KVCache:
     Keys and values each have an element type (layers/kv_quant.py): a dense dtype, or codes plus
     one float16 scale per block of 32 (`k_scales` / `v_scales`, None when dense); turbo4 stores
     head vectors turned by `rotation`, which attention applies to the query and undoes on the output.
+
+    `values_are_keys`: the model attends with its keys as its values (MLA's latent, layers/mla.py),
+    so only keys are stored: `v` is `k` (and the V element type K's), half the memory a token.
     """
 
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
-                 v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None) -> None:
+                 v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None,
+                 values_are_keys: bool = False) -> None:
         self.k_type = k_type or _dense_name(dtype)
-        self.v_type = v_type or _dense_name(v_dtype or dtype)
+        self.v_type = self.k_type if values_are_keys else v_type or _dense_name(v_dtype or dtype)
+        self.values_are_keys = values_are_keys
         num_slots = (num_blocks + 1) * block_size
         # every layer's tensor is a view of one [num_layers, num_slots, ...] tensor: evicted blocks of all
         # layers are then gathered with one index_select (engine/kv/evict.py)
+        # (in the order k, v, k_scales, v_scales: the disk tier's rows follow it)
         self._stacked: dict[str, torch.Tensor] = {}
         self._stacked["k"], k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        self._stacked["v"], v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        if k_scales is not None:
-            self._stacked["k_scales"] = k_scales
-        if v_scales is not None:
-            self._stacked["v_scales"] = v_scales
-        self.k, self.v = list(self._stacked["k"].unbind(0)), list(self._stacked["v"].unbind(0))
+        v_scales = None
+        if not values_are_keys:
+            self._stacked["v"], v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is not None:
+                self._stacked[name] = scales
+        self.k = list(self._stacked["k"].unbind(0))
         self.k_scales = list(k_scales.unbind(0)) if k_scales is not None else None
-        self.v_scales = list(v_scales.unbind(0)) if v_scales is not None else None
+        # values are keys: `v` is the very same list of tensors (DecodeAttention then writes them once)
+        self.v, self.v_scales = self.k, self.k_scales
+        if not values_are_keys:
+            self.v = list(self._stacked["v"].unbind(0))
+            self.v_scales = list(v_scales.unbind(0)) if v_scales is not None else None
         turbo = "turbo4" in (self.k_type, self.v_type)
         self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
         self.block_size = block_size
@@ -54,14 +65,18 @@ class KVCache:
 
     @property
     def bytes_per_token(self) -> int:
-        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type, self.v_type)
+        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type,
+                                        None if self.values_are_keys else self.v_type)
 
     def named_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every per-layer tensor of the cache: values (or codes), and scales where quantized."""
-        tensors = {"k": self.k, "v": self.v}
+        """Every per-layer tensor the cache stores: values (or codes), and scales where quantized
+        (no "v" entries where values are keys)."""
+        tensors = {"k": self.k}
+        if not self.values_are_keys:
+            tensors["v"] = self.v
         if self.k_scales is not None:
             tensors["k_scales"] = self.k_scales
-        if self.v_scales is not None:
+        if self.v_scales is not None and not self.values_are_keys:
             tensors["v_scales"] = self.v_scales
         return tensors
 
@@ -72,12 +87,15 @@ class KVCache:
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
         """Store new keys and values [T, Hkv, D] at cache `slots` [T]."""
         _store(self.k_type, self.k[layer], _side(self.k_scales, layer), slots, self._turned(self.k_type, k))
-        _store(self.v_type, self.v[layer], _side(self.v_scales, layer), slots, self._turned(self.v_type, v))
+        if not self.values_are_keys:
+            _store(self.v_type, self.v[layer], _side(self.v_scales, layer), slots, self._turned(self.v_type, v))
 
     def read(self, layer: int, index: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
         """Keys and values at cache slots `index` (any shape) -> [*index.shape, Hkv, D] in `dtype`
         (turbo4 sides still turned: see `turn_query` / `turn_back_output`)."""
         keys = kv_quant.decode(self.k_type, _rows(self.k[layer], index), _gather(self.k_scales, layer, index), dtype)
+        if self.values_are_keys:
+            return keys, keys
         values = kv_quant.decode(self.v_type, _rows(self.v[layer], index), _gather(self.v_scales, layer, index), dtype)
         return keys, values
 

@@ -19,7 +19,6 @@ import torch
 from mlxcel.engine.decode_step import DecodeStep
 from mlxcel.engine.kv.blocks import BlockPool
 from mlxcel.engine.kv.prefix import KVCacheManager
-from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.runner import Runner
 from mlxcel.engine.scheduler import ScheduledSeq, SchedulerOutput
 from mlxcel.engine.scheduler import Sequence as EngineSequence
@@ -46,8 +45,7 @@ class ModelDrafter:
                  device: torch.device | str, dtype: torch.dtype, mode: str, max_rows: int,
                  kv_types: tuple[str, str] | None = None, enable_prefix_caching: bool = True) -> None:
         k_type, v_type = kv_types or (None, None)
-        self.kv_cache = KVCache(shape.num_layers, num_blocks, block_size, shape.num_kv_heads, shape.head_dim,
-                                dtype, device, k_type=k_type, v_type=v_type)
+        self.kv_cache = shape.kv_cache(num_blocks, block_size, dtype, device, k_type, v_type)
         self.kv = KVCacheManager(BlockPool(num_blocks, block_size, enable_caching=enable_prefix_caching),
                                  enable_prefix_caching=enable_prefix_caching)
         step = DecodeStep(model, self.kv_cache, device, mode=mode, max_rows=max_rows,
