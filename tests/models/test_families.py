@@ -247,7 +247,7 @@ def test_a2_unsupported_rope_type_is_one_clear_load_error(tmp_path: Path) -> Non
     (tmp_path / "config.json").write_text(text)
     with pytest.raises(ModelLoadError, match=r"llama config cannot be used: rope scaling type 'ntk_by_parts' is not "
                                              r"supported \(supported: default, linear, dynamic, llama3, yarn, "
-                                             r"longrope, proportional, freq_factors\)"):
+                                             r"longrope, proportional, freq_factors, mrope\)"):
         load_model(tmp_path)
 
 
