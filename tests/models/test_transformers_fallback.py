@@ -167,14 +167,16 @@ def test_probe_notes_attention_arguments_attend_cannot_honour() -> None:
 
 
 def test_refusal_through_the_loader_is_one_line(tmp_path: Path) -> None:
-    """A hybrid (recurrent) checkpoint that transformers knows and we do not: one ModelLoadError line naming why."""
-    config = transformers.Lfm2Config(**{**COMMON, "num_hidden_layers": 2}, num_key_value_heads=2,
-                                     layer_types=["conv", "full_attention"])
+    """A hybrid (recurrent) checkpoint that transformers knows and we do not (Bamba: Mamba-2 and attention; LFM2,
+    the example before, is a family of ours since issue 41): one ModelLoadError line naming why."""
+    config = transformers.BambaConfig(**{**COMMON, "num_hidden_layers": 2}, num_key_value_heads=2,
+                                      attn_layer_indices=[1], mamba_n_heads=4, mamba_d_head=32, mamba_n_groups=1,
+                                      mamba_d_state=16, mamba_chunk_size=16, time_step_limit=[0.0, 100.0])
     save_tiny_hf(config, tmp_path)
     with pytest.raises(ModelLoadError) as refused:
         load_model(tmp_path)
     message = str(refused.value)
-    assert "\n" not in message and "lfm2" in message and "layers without attention" in message
+    assert "\n" not in message and "bamba" in message and "layers without attention" in message
 
 
 def test_unknown_model_type_names_both_paths(tmp_path: Path) -> None:
