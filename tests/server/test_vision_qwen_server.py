@@ -23,6 +23,7 @@ from mlxcel.loading import resolve_model
 from mlxcel.serving.chat_model import start_served_model
 from mlxcel.serving.served_model import RuntimeOptions
 from tests.models.vision_qwen_checkpoints import EOS, png, write_qwen_vl
+from tests.server.test_vision_server import data_url
 
 pytestmark = pytest.mark.slow
 
@@ -40,10 +41,6 @@ def vlm(tmp_path_factory: pytest.TempPathFactory, start_server) -> Iterator[tupl
     server = start_server(model)
     yield server.address, reference, folder
     model.close(30)
-
-
-def data_url(data: bytes) -> str:
-    return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
 @torch.inference_mode()
