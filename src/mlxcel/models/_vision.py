@@ -103,6 +103,27 @@ def config_token(config: dict[str, Any], *names: str) -> int:
     raise ValueError(f"the config gives none of {', '.join(names)}")
 
 
+def single_token(tokenizer: PromptTokenizer, text: str, family: str) -> int:
+    """The one token id `text` encodes to (an image marker such as `[IMG_BREAK]`); ValueError naming `family`
+    where the vocabulary spells it in several tokens or none."""
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    if len(ids) != 1:
+        raise ValueError(f"{family}: the tokenizer has no {text} token")
+    return ids[0]
+
+
+# Where a LLaVA-style *ForConditionalGeneration checkpoint keeps its parts, in transformers 4's and 5's layouts: the
+# text model, and the vision tower (its own `vision_model.` level dropped: hub checkpoints have it, transformers 5
+# saves without it) and projector (gemma3, llava; qwen3_next keeps the text part alone).
+LLAVA_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                       "language_model.lm_head.": "lm_head."}
+LLAVA_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.",
+                         "vision_tower.vision_model.": "vision_tower.",
+                         "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
+                         "model.multi_modal_projector.": "multi_modal_projector.",
+                         "multi_modal_projector.": "multi_modal_projector."}
+
+
 def image_digest(data: bytes) -> str:
     """The prefix-cache key of an image: sha256 of its encoded bytes."""
     return hashlib.sha256(data).hexdigest()

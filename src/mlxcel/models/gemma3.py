@@ -30,7 +30,7 @@ from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
 from mlxcel.models._gguf import unshift_norms
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    VisionFamily, pixel_batch, placeholder_runs,
+    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, VisionFamily, pixel_batch, placeholder_runs, single_token,
 )
 
 if TYPE_CHECKING:
@@ -165,20 +165,12 @@ class ImagePrompter:
                                for i, (data, run) in enumerate(zip(images, runs)))
 
 
-# Prefixes of the text model inside Gemma3ForConditionalGeneration (transformers 4 and 5 layouts).
-_TEXT_PREFIXES = {"language_model.model.": "model.", "model.language_model.": "model.",
-                  "language_model.lm_head.": "lm_head."}
-# The tower's own `vision_model.` level (hub checkpoints have it; transformers 5 saves without it) is dropped.
-_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
-                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-                    "model.multi_modal_projector.": "multi_modal_projector.",
-                    "multi_modal_projector.": "multi_modal_projector."}
 
 
 class Model(VisionFamily, DecoderLM):
     ARGS = ModelArgs
     PROMPTER = ImagePrompter
-    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    TEXT_PREFIXES, VISION_PREFIXES = LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES
     DROPPED_VISION = ("head.",)  # SigLIP's pooling head (vision_use_head): an output Gemma 3 never reads
 
     def __init__(self, args: DecoderArgs) -> None:
@@ -242,7 +234,7 @@ def attach_mmproj(model: Model, mmproj: Any, tokenizer: PromptTokenizer) -> None
               "image_size": size, "patch_size": patch, "layer_norm_eps": clip("attention.layer_norm_epsilon", 1e-6)}
     vision = {"vision_config": config, "mm_tokens_per_image": tokens_per_side**2,
               "image_mean": list(clip("image_mean", [0.5] * 3)), "image_std": list(clip("image_std", [0.5] * 3)),
-              **{key: _token_id(tokenizer, text) for key, text in (
+              **{key: single_token(tokenizer, text, "gemma3") for key, text in (
                   ("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
                   ("image_token_index", "<image_soft_token>"))}}
     param = next(model.model.norm.parameters())
@@ -268,10 +260,4 @@ def _mmproj_state(mmproj: Any, prefix: str, num_layers: int) -> dict[str, torch.
                 state[f"{ours}.{kind}"] = torch.from_numpy(mmproj.dequantize(f"{gguf_name}.{kind}").copy())
     return state
 
-
-def _token_id(tokenizer: PromptTokenizer, text: str) -> int:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"the text model's vocabulary has no {text} token")
-    return ids[0]
 

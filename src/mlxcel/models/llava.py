@@ -25,7 +25,7 @@ from mlxcel.layers.decoder import DecoderArgs, activation
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, VisionFamily, config_token, decode_image, expand_markers, image_digest, pixel_batch,
-    placeholder_runs,
+    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, placeholder_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -83,19 +83,11 @@ class ImagePrompter:
                                for i, (data, run) in enumerate(zip(images, runs)))
 
 
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
-                  "language_model.lm_head.": "lm_head."}
-_VISION_PREFIXES = {"model.vision_tower.vision_model.": "vision_tower.", "vision_tower.vision_model.": "vision_tower.",
-                    "model.vision_tower.": "vision_tower.", "vision_tower.": "vision_tower.",
-                    "model.multi_modal_projector.": "multi_modal_projector.",
-                    "multi_modal_projector.": "multi_modal_projector."}
-
-
 class LlavaVision(VisionFamily, nn.Module):
     """What LLaVA adds to a text model; mixed in before the text family's Model (`_model_class`)."""
 
     PROMPTER = ImagePrompter
-    TEXT_PREFIXES, VISION_PREFIXES = _TEXT_PREFIXES, _VISION_PREFIXES
+    TEXT_PREFIXES, VISION_PREFIXES = LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES
     DROPPED_VISION = ("head.",)  # a SigLIP tower's pooling head: unused
 
     def __init__(self, args: DecoderArgs) -> None:

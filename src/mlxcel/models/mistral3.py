@@ -21,7 +21,7 @@ from mlxcel.layers.vision_pixtral import Mistral3Projector, PixtralSpec, Pixtral
 from mlxcel.models import mistral
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, VisionFamily, decode_image, expand_markers, image_digest, load_image_processor,
-    placeholder_runs,
+    placeholder_runs, single_token,
 )
 
 IS_VISION_LANGUAGE = True
@@ -104,7 +104,7 @@ class PixtralImagePrompter:
         self.processor = load_image_processor(model_dir, PixtralImageProcessorPil, size={"longest_edge": image_size},
                                               patch_size=spec.patch_size)
         self.image = args.image_token_index
-        self.image_break, self.image_end = (_token_id(tokenizer, name) for name in ("[IMG_BREAK]", "[IMG_END]"))
+        self.image_break, self.image_end = (single_token(tokenizer, name, "mistral3") for name in ("[IMG_BREAK]", "[IMG_END]"))
         self.marker = tokenizer.decode([self.image], skip_special_tokens=False)
 
     def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
@@ -128,9 +128,3 @@ class PixtralImagePrompter:
         tokens[-1] = self.image_end
         return tokens
 
-
-def _token_id(tokenizer: PromptTokenizer, text: str) -> int:
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    if len(ids) != 1:
-        raise ValueError(f"mistral3: the tokenizer has no {text} token")
-    return ids[0]

@@ -17,15 +17,14 @@ import torch
 from mlxcel.layers.decoder import FULL, AttentionRecipe, DecoderArgs, LayerRecipe, NormRecipe
 from mlxcel.layers.gated_deltanet import GatedDeltaNetRecipe, split_qwen3_next_projections
 from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM, is_sparse_layer
+from mlxcel.models._vision import LLAVA_TEXT_PREFIXES
 
 if TYPE_CHECKING:
     from mlxcel.models._gguf import GGUFTensors
 
 LINEAR = "linear_attention"
 
-# Prefixes of the text model inside the Qwen3.5 vision-language checkpoints; their vision tower and MTP head dropped.
-_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
-                  "language_model.lm_head.": "lm_head."}
+# The Qwen3.5 vision-language checkpoints: their text model under LLAVA_TEXT_PREFIXES; vision tower and MTP head dropped.
 _DROPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
 
 
@@ -100,7 +99,7 @@ class Model(HybridLM):
 def _text_name(name: str) -> str | None:
     if name.startswith(_DROPPED_PREFIXES):
         return None
-    for prefix, replacement in _TEXT_PREFIXES.items():
+    for prefix, replacement in LLAVA_TEXT_PREFIXES.items():
         if name.startswith(prefix):
             return replacement + name[len(prefix):]
     return name
