@@ -116,20 +116,22 @@ def _reference_greedy(family: Family, reference: torch.nn.Module, ids: list[int]
     return ids[-NUM_TOKENS:]
 
 
-def _engine(model: torch.nn.Module) -> EngineClient:
+def _engine(model: torch.nn.Module, **overrides: Any) -> EngineClient:
     # 8-token prefill chunks of 4-token blocks: prompts come in several chunks; a soft-token run is never split
-    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 256, max_num_batched_tokens=8, block_size=4,
-                          cache_type_k="f32", cache_type_v="f32")
-    core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset())
+    config = EngineConfig(**{"max_num_seqs": 4, "ctx_size": 4 * 256, "max_num_batched_tokens": 8, "block_size": 4,
+                             "cache_type_k": "f32", "cache_type_v": "f32", **overrides})
+    core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset(),
+                      cache_identity="vision-test" if config.prefix_cache_dir else "")
     core.start()
     return EngineClient(core)
 
 
 async def _generate(client: EngineClient, request_id: str, ids: list[int],
-                    images: tuple[ImageInput, ...]) -> tuple[list[int], int]:
+                    images: tuple[ImageInput, ...], slot_id: int | None = None) -> tuple[list[int], int]:
     tokens, cached = [], 0
     sampling = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    async for event in client.generate(Request(request_id, list(ids), sampling, image_inputs=images)):
+    request = Request(request_id, list(ids), sampling, slot_id=slot_id, image_inputs=images)
+    async for event in client.generate(request):
         tokens.extend(event.token_ids)
         cached = event.num_cached_tokens or cached
     return tokens, cached
@@ -156,6 +158,45 @@ def test_issue43_vlm_engine_greedy_and_image_aware_prefix_cache(vlm) -> None:
         tokens, cached = asyncio.run(_generate(client, "c", *other))  # another image, the same text
         assert tokens == expected[2]
         assert cached == one[1][0].runs[0][0] // 4 * 4  # hits stop at the block of the first soft token
+    finally:
+        client.core.stop(10)
+
+
+def test_issue43_slot_restore_keys_blocks_by_their_images_also_after_a_restart(vlm, tmp_path: Path) -> None:
+    """A saved slot's image blocks come back keyed by the image: after a restore the same image and text hit
+    every block, another image (or no image) with the same tokens hits only the blocks before the image; the
+    same holds for the restored blocks read back from the disk tier by a restarted engine."""
+    family, reference, model, prompter, ids = vlm
+    if family is not FAMILIES["gemma3"]:
+        pytest.skip("one family is enough: the slot file's keys do not depend on the family")
+    image_token = ids[family.image_token]
+    one = prompter.prepare(_prompt(family, ids, 1), [png(0)])
+    other = prompter.prepare(_prompt(family, ids, 1), [png(3)])
+    third = prompter.prepare(_prompt(family, ids, 1), [png(4)])
+    full, before_image = (len(one[0]) - 1) // 4 * 4, one[1][0].runs[0][0] // 4 * 4
+    slots, disk = {"slot_save_path": str(tmp_path / "slots")}, {"prefix_cache_dir": str(tmp_path / "disk"),
+                                                                  "prefix_cache_disk_bytes": 2**26}
+    client = _engine(model, **slots)
+    try:
+        asyncio.run(_generate(client, "a", *one, slot_id=1))
+        saved = asyncio.run(client.save_slot(1, "image.bin"))
+        assert saved.num_tokens >= full  # every full block, the image's included (and generated tokens)
+    finally:
+        client.core.stop(10)
+    client = _engine(model, **slots, **disk)
+    try:
+        assert asyncio.run(client.restore_slot(0, "image.bin")).num_tokens == saved.num_tokens
+        assert asyncio.run(_generate(client, "b", *other)) == (_reference_greedy(family, reference, *other,
+                                                                                 image_token), before_image)
+        assert asyncio.run(_generate(client, "c", one[0], ()))[1] == before_image  # the tokens without the image
+        assert asyncio.run(_generate(client, "d", *one)) == (_reference_greedy(family, reference, *one,
+                                                                               image_token), full)
+    finally:
+        client.core.stop(10)  # the disk tier keeps every cached block, the restored ones included
+    client = _engine(model, **disk)
+    try:
+        assert asyncio.run(_generate(client, "e", *third))[1] == before_image
+        assert asyncio.run(_generate(client, "f", *one))[1] == full
     finally:
         client.core.stop(10)
 

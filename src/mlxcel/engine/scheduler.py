@@ -26,7 +26,7 @@ from mlxcel.engine.prompt_logprobs import prompt_token_logprobs
 from mlxcel.engine.sampler import make_generator
 from mlxcel.engine.spec import DraftPolicy, NoDrafter
 from mlxcel.engine.vision import ImageEmbeddings, RopePositions, fit_chunk
-from mlxcel.types import FinishReason, Request, TokenLogprob
+from mlxcel.types import FinishReason, ImageCacheKeys, Request, TokenLogprob, lora_cache_extra
 
 log = logging.getLogger(__name__)
 
@@ -152,11 +152,18 @@ class StepResult:
 
 @dataclass(frozen=True, slots=True)
 class SlotContent:
-    """What a slot's last sequence left in the prefix cache (F12): its computed tokens and the LoRA
-    scales their KV was computed under (the cache keys blocks by both)."""
+    """What a slot's last sequence left in the prefix cache (F12): its computed tokens, the LoRA
+    scales their KV was computed under and its images' placeholder spans (the cache keys blocks by all)."""
 
     token_ids: list[int]
     lora_scales: tuple[float, ...] = ()
+    image_spans: tuple[tuple[int, int, str], ...] = ()  # ImageCacheKeys.spans: (first, end, digest) per run
+
+    @property
+    def cache_extra(self) -> object:
+        """The prefix-cache `extra` this content's blocks were keyed by (Request.cache_extra's rule)."""
+        base = lora_cache_extra(self.lora_scales)
+        return ImageCacheKeys(base, self.image_spans) if self.image_spans else base
 
 
 # Samples verify position i of a row (0 = the position after its known tokens), reading the
@@ -219,8 +226,10 @@ class Scheduler:
             heapq.heapify(self.waiting)
         was_started = seq.status is SeqStatus.RUNNING or seq.num_preemptions > 0
         if seq.slot_id is not None:
+            extra = seq.request.cache_extra
+            spans = extra.spans if isinstance(extra, ImageCacheKeys) else ()
             self.slot_contents[seq.slot_id] = SlotContent(seq.token_ids[:seq.num_computed_tokens],
-                                                          seq.request.lora_scales)
+                                                          seq.request.lora_scales, spans)
         self.kv.free(seq.request_id)
         self.drafts.free(seq.request_id)
         seq.status, seq.finish_reason, seq.slot_id = SeqStatus.FINISHED, reason, None

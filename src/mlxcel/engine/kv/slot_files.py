@@ -10,7 +10,9 @@ KV computed under LoRA adapters (F8) is keyed as the prefix cache keys it: the f
 scales (and the adapters' folders) it was computed under, and a restore registers the blocks
 under those scales, so only a request running under the same scales hits them; a file whose
 LoRA KV came from other adapters than the server's is refused. Base-model KV (no adapters, or
-every scale 0) restores anywhere and serves requests at scale 0.
+every scale 0) restores anywhere and serves requests at scale 0. Likewise a prompt's images
+(issue 43): the file records each image run's span and content digest, and a restore keys the
+blocks by them (`ImageCacheKeys`), so only the same image with the same text hits them.
 """
 
 from __future__ import annotations
@@ -21,12 +23,11 @@ from pathlib import Path
 
 import torch
 
-from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens, hash_prompt_blocks
+from mlxcel.engine.kv.prefix import KVCacheManager, hash_prompt_blocks
 from mlxcel.engine.kv.states import StatePool
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.engine.scheduler import SlotContent
 from mlxcel.layers import kv_quant
-from mlxcel.types import lora_cache_extra
 
 _SAFE_NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,200}$")
 FORMAT_VERSION = 1
@@ -57,8 +58,9 @@ def save_slot(kv: KVCacheManager, cache: KVCache, content: SlotContent, adapters
               path: Path, states: StatePool | None = None) -> SlotFileResult:
     """Write the slot's cached full blocks (tokens, per-layer K/V, the LoRA scales they were computed under)."""
     scales = content.lora_scales if any(content.lora_scales) else ()
+    content = SlotContent(content.token_ids, scales, content.image_spans)
     block_ids, num_tokens = kv.find_cached_prefix(content.token_ids + [0], cache_prompt=True,
-                                                  extra=lora_cache_extra(scales))
+                                                  extra=content.cache_extra)
     if not block_ids:
         raise SlotError(f"slot {slot_id} has no cached prompt to save")
     slots = torch.tensor([b * cache.block_size + i for b in block_ids for i in range(cache.block_size)])
@@ -66,11 +68,13 @@ def save_slot(kv: KVCacheManager, cache: KVCache, content: SlotContent, adapters
         "version": FORMAT_VERSION, "block_size": cache.block_size, "tokens": content.token_ids[:num_tokens],
         "element_types": [cache.k_type, cache.v_type],
         "lora_scales": list(scales), "lora_adapters": list(adapters) if scales else [],
+        # issue 43: the image runs the saved blocks hold, so a restore keys them by the same images
+        "image_spans": [list(span) for span in content.image_spans if span[0] < num_tokens],
         **{name: _rows(tensors, slots) for name, tensors in _cache_tensors(cache).items()},
     }
     if states is not None:  # issue 41: a hybrid model's state snapshots along the saved prefix
         payload["recurrent_states"] = _snapshots_along(states, content.token_ids[:num_tokens], cache.block_size,
-                                                       lora_cache_extra(scales))
+                                                       content.cache_extra)
     path.parent.mkdir(parents=True, exist_ok=True)
     torch.save(payload, path)
     return SlotFileResult(slot_id, path.name, num_tokens, path.stat().st_size, scales)
@@ -86,19 +90,20 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
     scales = tuple(float(s) for s in payload.get("lora_scales", ()))  # a file from before F8: base-model KV
     _check_adapters(path.name, scales, tuple(payload.get("lora_adapters", ())), adapters)
     tokens: list[int] = payload["tokens"]
+    content = SlotContent(tokens, scales, _image_spans(path.name, payload.get("image_spans", []), len(tokens)))
     num_blocks = len(tokens) // cache.block_size
     if not kv.can_allocate(num_blocks):
         raise SlotError("not enough free KV blocks to restore the slot now; try again when idle")
     block_ids = kv.pool.allocate(num_blocks)
     kv.pool.flush_evictions()  # the lower tiers gather what that evicted before it is overwritten
     _write_blocks(cache, block_ids, payload)
-    _register(kv, block_ids, tokens, cache.block_size, lora_cache_extra(scales))
+    _register(kv, block_ids, tokens, cache.block_size, content.cache_extra)
     if states is not None:
         _restore_snapshots(states, payload.get("recurrent_states", {}), tokens, cache.block_size,
-                           lora_cache_extra(scales))
+                           content.cache_extra)
     kv.pool.free(list(reversed(block_ids)))  # unused now, but cached until evicted
     result = SlotFileResult(slot_id, path.name, len(tokens), path.stat().st_size, scales)
-    return result, SlotContent(tokens, scales)
+    return result, content
 
 
 def _check_layout(payload: dict, cache: KVCache, path: Path) -> None:
@@ -111,6 +116,19 @@ def _check_layout(payload: dict, cache: KVCache, path: Path) -> None:
     if set(saved_types + running) & set(kv_quant.QUANTIZED_TYPES) and saved_types != running:
         raise SlotError(f"{path.name}: saved with KV cache types {'/'.join(saved_types)}, "
                         f"the server runs {'/'.join(running)}")
+
+
+def _image_spans(name: str, saved: list, num_tokens: int) -> tuple[tuple[int, int, str], ...]:
+    """The file's image runs as ImageCacheKeys spans; a malformed entry refuses the file (a block keyed
+    without its image would serve another image's KV)."""
+    spans = []
+    for span in saved:
+        if not (isinstance(span, (list, tuple)) and len(span) == 3 and isinstance(span[0], int)
+                and isinstance(span[1], int) and isinstance(span[2], str) and 0 <= span[0] < span[1]
+                and span[0] < num_tokens):
+            raise SlotError(f"{name}: malformed image_spans entry {span!r}")
+        spans.append((span[0], span[1], span[2]))
+    return tuple(spans)
 
 
 def _check_adapters(name: str, scales: tuple[float, ...], saved: tuple[str, ...], running: tuple[str, ...]) -> None:
@@ -160,16 +178,14 @@ def _restore_snapshots(states: StatePool, saved: dict[int, dict[str, torch.Tenso
 
 
 def _register(kv: KVCacheManager, block_ids: list[int], tokens: list[int], block_size: int, extra: object) -> None:
-    parent: int | None = None
-    for index, block_id in enumerate(block_ids):
-        parent = hash_block_tokens(parent, tokens[index * block_size:(index + 1) * block_size], extra)
-        kv.pool.cache_block(block_id, parent)
+    for block_id, block_hash in zip(block_ids, hash_prompt_blocks(tokens, block_size, extra)):
+        kv.pool.cache_block(block_id, block_hash)
 
 
 def erase_slot(kv: KVCacheManager, content: SlotContent) -> int:
     """Drop the slot's cached blocks from the prefix cache; returns how many tokens were erased."""
     block_ids, num_tokens = kv.find_cached_prefix(content.token_ids + [0], cache_prompt=True,
-                                                  extra=lora_cache_extra(content.lora_scales))
+                                                  extra=content.cache_extra)
     for block_id in block_ids:
         if kv.pool.blocks[block_id].ref_count == 0:
             kv.pool.uncache_block(block_id)
