@@ -97,6 +97,31 @@ def test_issue43_openai_sdk_image_url_matches_transformers_and_counts_image_toke
     assert (other.usage.prompt_tokens_details.cached_tokens or 0) <= 8
 
 
+def test_issue43_an_image_request_through_the_engine_process_equals_the_one_process_server(vlm, start_server) -> None:
+    """--engine-process on: the prompter comes from the engine process, the processed pixels go to it with the
+    request, and the greedy text and usage equal the one-process server's (and transformers')."""
+    address, reference, folder = vlm
+    image = png(6)
+    text, num_prompt = expected_text(reference, folder, [image], QUESTION)
+    messages = [{"role": "user", "content": [{"type": "image_url", "image_url": {"url": data_url(image)}},
+                                             {"type": "text", "text": QUESTION}]}]
+    split = start_served_model(resolve_model(str(folder)), RuntimeOptions(warmup=False, quantize="off",
+                                                                          engine_process="on"),
+                               EngineConfig(max_num_seqs=2, ctx_size=512, decode_step="eager"))
+    try:
+        assert split.image_marker == "<start_of_image>"
+        server = start_server(split)
+        replies = []
+        for base in (address, server.address):
+            client = openai.OpenAI(base_url=f"{base}/v1", api_key="none", max_retries=0)
+            replies.append(client.chat.completions.create(model="m", messages=messages, max_tokens=NUM_TOKENS,
+                                                          temperature=0))
+        assert [r.choices[0].message.content for r in replies] == [text, text]
+        assert [r.usage.prompt_tokens for r in replies] == [num_prompt, num_prompt]
+    finally:
+        split.close(30)
+
+
 def test_issue43_two_images_in_one_message(vlm) -> None:
     address, reference, folder = vlm
     images = [png(1), png(2, 20, 50)]

@@ -58,6 +58,9 @@ class EngineInfo:
     lora_adapters: tuple[tuple[str, float], ...]  # the loaded adapters' paths and scales (F8)
     mtp: MtpDecision | None
     pid: int
+    # issue 43: a vision-language model's ImagePrompter, pickled by the engine process with its tokenizer
+    # left out (serving.engine_process rebuilds it over the API process's); None for a text-only model
+    image_prompter: bytes | None = None
 
 
 # ---- the API process's side ----

@@ -8,8 +8,10 @@ server does (`served_model.build_served`) and runs it.
 
 from __future__ import annotations
 
+import io
 import logging
 import os
+import pickle
 from multiprocessing.connection import Connection
 from multiprocessing.process import BaseProcess
 
@@ -25,6 +27,7 @@ from mlxcel.serving.served_model import (
 )
 from mlxcel.text.chat_template import ChatTemplate, load_chat_template
 from mlxcel.text.tokenizer import Tokenizer
+from mlxcel.types import ImagePrompter
 
 log = logging.getLogger(__name__)
 
@@ -65,10 +68,46 @@ def start_engine_process(resolved: ResolvedModel, checkpoint: Checkpoint, tokeni
     loaded = LoadedModel(None, checkpoint.config, checkpoint.path, checkpoint.gguf, checkpoint.model_dir,  # type: ignore[arg-type]
                          checkpoint.quant)
     features = build_chat_features(resolved.name, loaded, tokenizer, template, options.chat)
+    prompter = unpickle_prompter(info.image_prompter, tokenizer) if info.image_prompter else None
     log.info("engine process: pid %d ready (the API process keeps HTTP, templates and detokenization)", info.pid)
     return ServedModel(resolved.name, loaded, tokenizer, template, EngineClient(core), info.config,  # type: ignore[arg-type]
                        features, LoraRegistry(list(info.lora_adapters)), info.mtp,
-                       weights=loaded.weights_info())  # the resident bytes are the engine process's
+                       weights=loaded.weights_info(),  # the resident bytes are the engine process's
+                       image_marker=prompter.marker if prompter else None, image_prompter=prompter)
+
+
+class _PrompterPickler(pickle.Pickler):
+    """Pickles an ImagePrompter with its tokenizer as a reference: the API process has its own."""
+
+    def __init__(self, file: io.BytesIO, tokenizer: Tokenizer) -> None:
+        super().__init__(file, protocol=pickle.HIGHEST_PROTOCOL)
+        self._tokenizer = tokenizer
+
+    def persistent_id(self, obj: object) -> str | None:
+        return "tokenizer" if obj is self._tokenizer else None
+
+
+class _PrompterUnpickler(pickle.Unpickler):
+    def __init__(self, file: io.BytesIO, tokenizer: Tokenizer) -> None:
+        super().__init__(file)
+        self._tokenizer = tokenizer
+
+    def persistent_load(self, pid: object) -> Tokenizer:
+        if pid != "tokenizer":
+            raise pickle.UnpicklingError(f"unknown reference {pid!r}")
+        return self._tokenizer
+
+
+def pickle_prompter(prompter: ImagePrompter, tokenizer: Tokenizer) -> bytes:
+    """Issue 43: the engine process's image prompter (the processor settings the model was loaded with, an
+    mmproj file's included) for the API process, which runs it before the engine's length check."""
+    buffer = io.BytesIO()
+    _PrompterPickler(buffer, tokenizer).dump(prompter)
+    return buffer.getvalue()
+
+
+def unpickle_prompter(data: bytes, tokenizer: Tokenizer) -> ImagePrompter:
+    return _PrompterUnpickler(io.BytesIO(data), tokenizer).load()
 
 
 def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeOptions, engine_config: EngineConfig,
@@ -100,8 +139,10 @@ def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeO
         compile_copies_with(served.features.grammar)  # grammar processors handed over are rebuilt over it
         box.append(served)
         core = served.engine.core
+        prompter = served.image_prompter and pickle_prompter(served.image_prompter, tokenizer)
         info = EngineInfo(served.engine_config, core.slot_context, core.memory_budget, core.eos_token_ids,
-                          tuple((e["path"], e["scale"]) for e in served.lora.list()), served.mtp, os.getpid())
+                          tuple((e["path"], e["scale"]) for e in served.lora.list()), served.mtp, os.getpid(),
+                          prompter or None)
         return core, info
 
     def warm() -> None:
