@@ -27,12 +27,14 @@ from mlxcel.config import EngineConfig
 from mlxcel.loading import resolve_model
 from mlxcel.serving.chat_model import start_served_model
 from mlxcel.serving.served_model import RuntimeOptions
-from tests.models.vision_checkpoints import EOS, png, write_gemma3_vlm
+from mlxcel.text.chat_template import ChatTemplate
+from tests.models.vision_checkpoints import EOS, TEMPLATE, png, write_gemma3_vlm
 
 pytestmark = pytest.mark.slow
 
 NUM_TOKENS = 6
 QUESTION = "What is this?"
+MARKER = "<start_of_image>"
 
 
 @pytest.fixture(scope="module")
@@ -50,17 +52,29 @@ def data_url(data: bytes) -> str:
     return "data:image/png;base64," + base64.b64encode(data).decode()
 
 
-@torch.inference_mode()
 def expected_text(reference: torch.nn.Module, folder: Path, images: list[bytes], text_after: str) -> tuple[str, int]:
     """transformers' greedy text for `<user>` + one marker per image + `text_after` + `<assistant>`, and the
     prompt's token count."""
+    return expected_for(reference, folder, "<user>" + "\n".join([MARKER] * len(images) + [text_after]) + "\n<assistant>",
+                        images)
+
+
+def render(messages: list[dict]) -> str:
+    """The test checkpoint's template over chat messages (tool calls as the template polyfill writes them)."""
+    return ChatTemplate(TEMPLATE).render(messages)
+
+
+@torch.inference_mode()
+def expected_for(reference: torch.nn.Module, folder: Path, rendered: str, images: list[bytes]) -> tuple[str, int]:
+    """transformers' greedy text for the template's text `rendered` with each image marker expanded as
+    Gemma3Processor expands it, and the prompt's token count."""
     from PIL import Image
     from transformers.models.gemma3.image_processing_pil_gemma3 import Gemma3ImageProcessorPil
 
     tokenizer = Tokenizer.from_file(str(folder / "tokenizer.json"))
     sequence = "\n\n<start_of_image>" + "<image_soft_token>" * 4 + "<end_of_image>\n\n"  # Gemma3Processor's
-    prompt = "<user>" + "\n".join([sequence] * len(images) + [text_after]) + "\n<assistant>"
-    ids = tokenizer.encode(prompt).ids
+    assert rendered.count(MARKER) == len(images)
+    ids = tokenizer.encode(rendered.replace(MARKER, sequence)).ids
     pixels = Gemma3ImageProcessorPil.from_pretrained(str(folder))(
         images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")["pixel_values"]
     soft, eos = tokenizer.token_to_id("<image_soft_token>"), tokenizer.token_to_id(EOS)
@@ -157,6 +171,58 @@ def test_issue43_responses_input_image(vlm) -> None:
         "role": "user", "content": [{"type": "input_image", "image_url": data_url(image)},
                                     {"type": "input_text", "text": QUESTION}]}])
     assert reply.output_text == text and reply.usage.input_tokens == num_prompt
+
+
+def test_issue43_anthropic_images_inside_a_tool_result_reach_the_model(vlm) -> None:
+    """An image block inside a tool_result renders as the marker in the tool turn, after the earlier turn's
+    image: both images reach the model in prompt order."""
+    address, reference, folder = vlm
+    first, second = png(7), png(8)
+    call = {"id": "t1", "type": "function", "function": {"name": "camera", "arguments": {}}}
+    rendered = render([{"role": "user", "content": f"{MARKER}\nLook."},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "t1", "content": f"{MARKER}\nsnapshot"},
+                       {"role": "user", "content": "Compare."}])
+    text, num_prompt = expected_for(reference, folder, rendered, [first, second])
+
+    def image(data: bytes) -> dict:
+        return {"type": "image", "source": {"type": "base64", "media_type": "image/png",
+                                            "data": base64.b64encode(data).decode()}}
+
+    with anthropic.Anthropic(base_url=address, api_key="unused", max_retries=0, timeout=120) as sdk:
+        reply = sdk.messages.create(model="m", max_tokens=NUM_TOKENS, extra_body={"temperature": 0}, messages=[
+            {"role": "user", "content": [image(first), {"type": "text", "text": "Look."}]},
+            {"role": "assistant", "content": [{"type": "tool_use", "id": "t1", "name": "camera", "input": {}}]},
+            {"role": "user", "content": [
+                {"type": "tool_result", "tool_use_id": "t1",
+                 "content": [image(second), {"type": "text", "text": "snapshot"}]},
+                {"type": "text", "text": "Compare."}]}])
+    assert "".join(block.text for block in reply.content if block.type == "text") == text
+    assert reply.usage.input_tokens + (reply.usage.cache_read_input_tokens or 0) == num_prompt
+
+
+def test_issue43_responses_history_images_and_function_call_output_images(vlm) -> None:
+    """Responses: an earlier turn's input_image (through previous_response_id) and an input_image inside a
+    function_call_output both reach the model, in prompt order."""
+    address, reference, folder = vlm
+    first, second = png(9), png(10)
+    client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+    turn1 = client.responses.create(model="m", max_output_tokens=NUM_TOKENS, temperature=0, store=True, input=[{
+        "role": "user", "content": [{"type": "input_image", "image_url": data_url(first)},
+                                    {"type": "input_text", "text": "Look."}]}])
+    turn2 = client.responses.create(
+        model="m", max_output_tokens=NUM_TOKENS, temperature=0, previous_response_id=turn1.id, input=[
+            {"role": "user", "content": "Check."},
+            {"type": "function_call", "call_id": "c1", "name": "camera", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": [
+                {"type": "input_image", "image_url": data_url(second)}, {"type": "input_text", "text": "snap"}]}])
+    call = {"id": "c1", "type": "function", "function": {"name": "camera", "arguments": "{}"}}
+    rendered = render([{"role": "user", "content": f"{MARKER}\nLook."},
+                       {"role": "assistant", "content": turn1.output_text}, {"role": "user", "content": "Check."},
+                       {"role": "assistant", "content": "", "tool_calls": [call]},
+                       {"role": "tool", "tool_call_id": "c1", "content": f"{MARKER}\nsnap"}])
+    text, num_prompt = expected_for(reference, folder, rendered, [first, second])
+    assert turn2.output_text == text and turn2.usage.input_tokens == num_prompt
 
 
 def test_issue43_a_video_reaches_the_model_as_its_sampled_frames(vlm) -> None:

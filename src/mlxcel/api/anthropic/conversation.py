@@ -154,7 +154,8 @@ def _user_turn(message: Message, image_marker: str | None = None) -> list[dict[s
     texts: list[str] = []
     for block in message.content:
         if isinstance(block, ToolResultBlock):
-            turns.append({"role": "tool", "tool_call_id": block.tool_use_id, "content": _tool_result_text(block)})
+            turns.append({"role": "tool", "tool_call_id": block.tool_use_id,
+                          "content": _tool_result_text(block, image_marker)})
         elif isinstance(block, ImageBlock) and image_marker is not None:
             texts.append(image_marker)
         elif (text := block_text(block)) is not None:
@@ -164,10 +165,14 @@ def _user_turn(message: Message, image_marker: str | None = None) -> list[dict[s
     return turns
 
 
-def _tool_result_text(block: ToolResultBlock) -> str:
+def _tool_result_text(block: ToolResultBlock, image_marker: str | None = None) -> str:
+    """The tool result's text; with `image_marker` its image blocks render as that text (issue 43)."""
     if block.content is None or isinstance(block.content, str):
         return block.content or ""
-    return blocks_text(block.content)
+    if image_marker is None:
+        return blocks_text(block.content)
+    texts = [image_marker if isinstance(part, ImageBlock) else block_text(part) for part in block.content]
+    return "\n".join(text for text in texts if text)
 
 
 def _assistant_turn(message: Message) -> dict[str, Any]:
@@ -206,12 +211,14 @@ async def checked_images(ctx: ApiContext, req: ConversationFields) -> list[Resol
 
 
 def _image_blocks(messages: Sequence[Message]) -> Iterator[ImageBlock]:
+    """Every image block in the order the prompt renders them: a user message's tool results (its tool turns,
+    `_user_turn`) before its own blocks."""
     for message in messages:
-        for block in message.content if isinstance(message.content, list) else ():
-            if isinstance(block, ImageBlock):
-                yield block
-            elif isinstance(block, ToolResultBlock) and isinstance(block.content, list):
+        blocks = message.content if isinstance(message.content, list) else []
+        for block in blocks:
+            if isinstance(block, ToolResultBlock) and isinstance(block.content, list):
                 yield from (part for part in block.content if isinstance(part, ImageBlock))
+        yield from (block for block in blocks if isinstance(block, ImageBlock))
 
 
 def _image_url(block: ImageBlock) -> str:

@@ -36,7 +36,7 @@ from typing import Any
 from mlxcel.api.errors import invalid_request
 from mlxcel.api.media import audio_data_url
 from mlxcel.api.responses.schemas import (
-    ITEM_MODELS, AudioPart, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, ImagePart, InputItem,
+    ITEM_MODELS, CustomToolCallItem, FunctionCallItem, FunctionCallOutputItem, InputItem,
     MessageItem, ReasoningItem,
 )  # fmt: skip
 from mlxcel.api.responses.tools import call_arguments
@@ -89,25 +89,37 @@ def _message_parts(item: MessageItem) -> list[dict[str, Any]]:
 
 
 def media_refs(items: Sequence[InputItem]) -> list[MediaRef]:
-    """The media parts (input_image, input_audio) of the input, for the media layer to check."""
+    """The media parts (input_image, input_audio) of the input, for the media layer to check, in the order the
+    prompt renders them: message parts and a tool output's parts (issue 43: images in function_call_output)."""
+    return stored_media_refs([item.model_dump(exclude_none=True) for item in items])
+
+
+def stored_media_refs(conversation: Sequence[Item], where: str = "input") -> list[MediaRef]:
+    """`media_refs` of items in their stored shape (a previous response's history: earlier turns' images
+    reach the model again, as chat's image_url parts of earlier messages do)."""
     refs = []
-    for i, item in enumerate(items):
-        if isinstance(item, MessageItem) and not isinstance(item.content, str):
-            refs += [_media_ref(f"input.{i}.content.{j}", part) for j, part in enumerate(item.content)
-                     if part.type in ("input_image", "input_audio")]
+    for i, item in enumerate(conversation):
+        key = "content" if item["type"] == "message" else "output" if item["type"] in _TOOL_OUTPUTS else None
+        parts = item.get(key) if key else None
+        if isinstance(parts, list):
+            refs += [_media_ref(f"{where}.{i}.{key}.{j}", part) for j, part in enumerate(parts)
+                     if isinstance(part, dict) and part.get("type") in ("input_image", "input_audio")]
     return refs
 
 
-def _media_ref(where: str, part: ImagePart | AudioPart) -> MediaRef:
-    if isinstance(part, AudioPart):
-        audio = part.input_audio or {}
+_TOOL_OUTPUTS = ("function_call_output", "custom_tool_call_output")
+
+
+def _media_ref(where: str, part: dict[str, Any]) -> MediaRef:
+    if part["type"] == "input_audio":
+        audio = part.get("input_audio") or {}
         if not isinstance(audio.get("data"), str) or not isinstance(audio.get("format"), str):
             raise invalid_request(f"{where}: input_audio needs input_audio.data and input_audio.format strings")
         return MediaRef(MediaKind.AUDIO, audio_data_url(audio["data"], audio["format"]))
-    if not part.image_url:
+    if not isinstance(part.get("image_url"), str) or not part["image_url"]:
         raise invalid_request(f"{where}: input_image needs an image_url (the Files API, file_id, is not "
                               "available on this server)")
-    return MediaRef(MediaKind.IMAGE, part.image_url)
+    return MediaRef(MediaKind.IMAGE, part["image_url"])
 
 
 # ---- stored items -> chat template messages ----
@@ -195,7 +207,7 @@ class _ChatBuilder:
 
     def _function_output(self, index: int, item: Item) -> None:
         output = item["output"]
-        text = output if isinstance(output, str) else parts_text(f"input.{index}.output", output)
+        text = output if isinstance(output, str) else parts_text(f"input.{index}.output", output, self.image_marker)
         message = {"role": "tool", "tool_call_id": item["call_id"], "content": text}
         if item["call_id"] in self.call_names:
             message["name"] = self.call_names[item["call_id"]]

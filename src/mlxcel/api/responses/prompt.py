@@ -22,7 +22,7 @@ from mlxcel.api.chat_options import build_chat_options
 from mlxcel.api.context import ApiContext, SamplingDefaults
 from mlxcel.api.generation import Prompt
 from mlxcel.api.media import validate_media, with_images
-from mlxcel.api.responses.items import Item, media_refs, stored_items, to_chat_messages
+from mlxcel.api.responses.items import Item, media_refs, stored_items, stored_media_refs, to_chat_messages
 from mlxcel.api.responses.schemas import ConversationFields, ResponseCreateRequest, parse_input_items
 from mlxcel.api.responses.service import ResponsesService
 from mlxcel.api.responses.tools import parse_tools, template_tool_choice
@@ -45,12 +45,15 @@ class PromptPlan:
 async def plan_prompt(ctx: ApiContext, service: ResponsesService, req: ConversationFields) -> PromptPlan:
     """Validate items and media, follow `previous_response_id`, render and tokenize; raises ApiError.
 
-    Media parts are resolved under the server's policy first (a bad reference gets its own
-    reason), then refused: the served model reads text only (api/media.py).
+    Media parts (the history's too) are resolved under the server's policy first (a bad reference gets
+    its own reason), then refused where the served model reads text only, else processed (api/media.py).
     """
     items = parse_input_items(req.input)
-    media = await validate_media(ctx, media_refs(items), takes_images=True)
-    conversation = await service.history(req.previous_response_id) + stored_items(items)
+    refs = media_refs(items)  # a malformed part of the input: a 400 naming it, before the history is read
+    history = await service.history(req.previous_response_id)
+    # issue 43: earlier turns' images (previous_response_id) reach the model again, before this input's
+    media = await validate_media(ctx, stored_media_refs(history, "previous_response_id") + refs, takes_images=True)
+    conversation = history + stored_items(items)
     plan = render_conversation(ctx, req, conversation, has_images=bool(media))
     return replace(plan, prompt=await with_images(ctx, plan.prompt, media)) if media else plan
 
