@@ -10,6 +10,7 @@ misses from the first block its placeholders touch.
 from __future__ import annotations
 
 import asyncio
+import io
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -27,7 +28,7 @@ from mlxcel.loading import load_model
 from mlxcel.text.tokenizer import Tokenizer
 from mlxcel.types import ImageCacheKeys, ImageInput, Request, SamplingParams
 
-from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_vlm
+from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_next_vlm, write_llava_vlm
 
 TOL_VS_TRANSFORMERS = 2e-5
 NUM_TOKENS = 4
@@ -47,6 +48,9 @@ class Family:
             return {"pixel_values": pixels, "token_type_ids": torch.tensor([[int(t == image_token) for t in ids]])}
         if self is FAMILIES["idefics3"]:
             return {"pixel_values": pixels[None]}  # [batch, tiles, 3, H, W]
+        if self is FAMILIES["llava_next"]:  # [images, tiles, 3, H, W] (the same tile count: same-sized images)
+            return {"pixel_values": torch.stack([image.pixels["pixel_values"] for image in images]),
+                    "image_sizes": torch.stack([image.pixels["image_sizes"] for image in images])}
         return {"pixel_values": pixels}
 
 
@@ -54,13 +58,19 @@ FAMILIES = {
     "gemma3": Family(write_gemma3_vlm, "<start_of_image>", "<image_soft_token>", 4),
     "idefics3": Family(write_idefics3_vlm, "<image>", "<image>", 5 * 16),  # 2 x 2 tiles and the global image
     "llava": Family(write_llava_vlm, "<image>", "<image>", 16),
+    # a 2 x 2 grid of 4 x 4 features, unpadded to 6 x 8 with a newline a row, after the 16 of the base tile
+    "llava_next": Family(write_llava_next_vlm, "<image>", "<image>", 16 + 6 * (8 + 1)),
 }
+
+
+FOLDERS: dict[str, Path] = {}  # each family's checkpoint folder, once its fixture wrote it
 
 
 @pytest.fixture(scope="module", params=list(FAMILIES))
 def vlm(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory):
     family = FAMILIES[request.param]
     folder = tmp_path_factory.mktemp(request.param)
+    FOLDERS[request.param] = folder
     reference, ids = family.write(folder)
     model = load_model(folder).model
     prompter = model.image_prompter(folder, Tokenizer.from_pretrained_dir(folder))
@@ -199,6 +209,32 @@ def test_issue43_slot_restore_keys_blocks_by_their_images_also_after_a_restart(v
         assert asyncio.run(_generate(client, "f", *one))[1] == full
     finally:
         client.core.stop(10)
+
+
+@torch.inference_mode()
+def test_issue43_llava_next_anyres_equals_transformers_processor_and_model(vlm) -> None:
+    """LLaVA-NeXT with a wide and a tall image (unpadding cuts rows from one, columns from the other): our
+    expansion equals LlavaNextProcessor's input_ids and our logits transformers' forward on its pixels."""
+    family, reference, model, prompter, ids = vlm
+    if family is not FAMILIES["llava_next"]:
+        pytest.skip("llava_next only")
+    from PIL import Image
+    from tokenizers import Tokenizer
+    from transformers import LlavaNextProcessor, PreTrainedTokenizerFast
+
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_file(str(FOLDERS["llava_next"] /
+                                                                                  "tokenizer.json")))
+    processor = LlavaNextProcessor(image_processor=prompter.processor, tokenizer=tokenizer, patch_size=4,
+                                   vision_feature_select_strategy="default", image_token="<image>",
+                                   num_additional_image_tokens=1)  # the CLIP class token, as hub checkpoints say
+    images = [png(20, 40, 22), png(21, 18, 44)]
+    text = "Look <image> and <image> now"
+    inputs = processor(text=text, images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")
+    token_ids, ours = prompter.prepare(tokenizer.encode(text), images)
+    assert token_ids == inputs["input_ids"][0].tolist()
+    assert len({image.num_tokens for image in ours}) == 2  # the two shapes give two counts
+    expected = reference(**inputs).logits[0]
+    assert (_our_logits(model, token_ids, ours) - expected).abs().max() <= TOL_VS_TRANSFORMERS
 
 
 def test_issue43_image_cache_keys_differ_only_where_an_image_lies() -> None:

@@ -108,6 +108,27 @@ def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[
     return model, ids
 
 
+LLAVA_NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+
+
+def write_llava_next_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
+    """LLaVA-NeXT over a Llama text model: LLaVA's 16x16 CLIP tower, anyres tiles of 16x16 pixels on a grid of
+    up to 2 x 2 (`LLAVA_NEXT_PINPOINTS`), unpadding and a row newline."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder, ["<image>"])
+    text = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                    intermediate_size=128, vocab_size=256 + 2, max_position_embeddings=512)
+    vision = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
+                                           intermediate_size=64, image_size=16, patch_size=4)
+    config = transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=ids["<image>"],
+                                          image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
+    torch.manual_seed(seed)
+    model = save_random(transformers.LlavaNextForConditionalGeneration(config), folder)
+    transformers.LlavaNextImageProcessor(size={"shortest_edge": 16}, crop_size={"height": 16, "width": 16},
+                                         image_grid_pinpoints=LLAVA_NEXT_PINPOINTS).save_pretrained(folder)
+    return model, ids
+
+
 def png(seed: int, width: int = 40, height: int = 30, fmt: str = "PNG") -> bytes:
     """A random RGB image, encoded."""
     from PIL import Image

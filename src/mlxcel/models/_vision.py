@@ -48,7 +48,7 @@ from mlxcel.types import ImageInput, ImagePrompter
 
 __all__ = ["ImageInput", "ImagePrompter", "PromptTokenizer", "VisionLanguageModel", "config_token", "decode_image",
            "expand_markers", "image_digest", "load_image_processor", "own_name", "pixel_batch", "placeholder_runs",
-           "VisionFamily"]
+           "split_runs", "VisionFamily"]
 
 class PromptTokenizer(Protocol):
     """What a processor side needs of the tokenizer (text.tokenizer.Tokenizer is one)."""
@@ -155,6 +155,19 @@ def placeholder_runs(token_ids: Sequence[int], placeholder: int) -> list[tuple[i
         else:
             runs.append((index, 1))
     return runs
+
+
+def split_runs(runs: Sequence[tuple[int, int]], lengths: Sequence[int]) -> list[tuple[int, int]]:
+    """Adjacent images' placeholders merge into one run: the runs cut into one run per image, of `lengths`
+    (each image's placeholder count, in order)."""
+    positions = iter([start + i for start, total in runs for i in range(total)])
+    out = []
+    for length in lengths:
+        first = next(positions)
+        for _ in range(length - 1):
+            next(positions)
+        out.append((first, length))
+    return out
 
 
 def own_name(name: str, text_prefixes: dict[str, str], vision_prefixes: dict[str, str], *, has_vision: bool,

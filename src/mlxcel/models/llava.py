@@ -25,7 +25,7 @@ from mlxcel.layers.decoder import DecoderArgs, activation
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, VisionFamily, config_token, decode_image, expand_markers, image_digest, pixel_batch,
-    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, placeholder_runs,
+    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, placeholder_runs, split_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -33,7 +33,7 @@ IS_VISION_LANGUAGE = True
 
 def _text_module(config: dict[str, Any]) -> ModuleType:
     text_type = config.get("text_model_type") or "llama"
-    if not str(text_type).isidentifier() or text_type == "llava":
+    if not str(text_type).isidentifier() or text_type in ("llava", "llava_next"):
         raise ValueError(f"llava: text model_type {text_type!r} is not supported")
     return importlib.import_module(f"mlxcel.models.{text_type}")
 
@@ -78,7 +78,7 @@ class ImagePrompter:
     def prepare(self, token_ids: list[int], images: Sequence[bytes]) -> tuple[list[int], tuple[ImageInput, ...]]:
         expanded = expand_markers(token_ids, self.image_token, [[self.image_token] * self.num_tokens] * len(images))
         pixels = self.processor(images=[decode_image(data) for data in images], return_tensors="pt")["pixel_values"]
-        runs = _split_runs(placeholder_runs(expanded, self.image_token), self.num_tokens)
+        runs = split_runs(placeholder_runs(expanded, self.image_token), [self.num_tokens] * len(images))
         return expanded, tuple(ImageInput(image_digest(data), (run,), {"pixel_values": pixels[i:i + 1]})
                                for i, (data, run) in enumerate(zip(images, runs)))
 
@@ -123,8 +123,3 @@ class Model(nn.Module):
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         return _model_class(_text_module(args.extra)).sanitize(weights, args)
-
-
-def _split_runs(runs: list[tuple[int, int]], length: int) -> list[tuple[int, int]]:
-    """Adjacent images' placeholders merge into one run: cut every run into `length`-long ones."""
-    return [(start + offset, length) for start, total in runs for offset in range(0, total, length)]
