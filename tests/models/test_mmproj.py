@@ -19,16 +19,16 @@ from mlxcel.text.tokenizer import Tokenizer
 
 from .harness import write_tiny_gguf
 from .test_vision_families import FAMILIES, _our_logits, _prompt, _reference_logits
-from .vision_checkpoints import png, write_gemma3_vlm
+from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm
 
 TOL = 2e-5
 
 
-def write_mmproj(reference: torch.nn.Module, path: Path) -> Path:
-    config = reference.config.vision_config
+def clip_writer(path: Path, config: transformers.PretrainedConfig, projector: str) -> gguf.GGUFWriter:
+    """A projector GGUF's writer with the `clip.vision.*` keys llama.cpp's MmprojModel writes for every tower."""
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_clip_has_vision_encoder(True)
-    writer.add_clip_projector_type(gguf.VisionProjectorType.GEMMA3)
+    writer.add_clip_projector_type(projector)
     writer.add_vision_image_size(config.image_size)
     writer.add_vision_patch_size(config.patch_size)
     writer.add_vision_embedding_length(config.hidden_size)
@@ -39,6 +39,20 @@ def write_mmproj(reference: torch.nn.Module, path: Path) -> Path:
     writer.add_vision_image_mean([0.5] * 3)
     writer.add_vision_image_std([0.5] * 3)
     writer.add_vision_use_gelu(True)
+    return writer
+
+
+def finish(writer: gguf.GGUFWriter, path: Path) -> Path:
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return path
+
+
+def write_mmproj(reference: torch.nn.Module, path: Path) -> Path:
+    config = reference.config.vision_config
+    writer = clip_writer(path, config, gguf.VisionProjectorType.GEMMA3)
     writer.add_vision_projector_scale_factor((config.image_size // config.patch_size) // 2)  # 4 tokens: 2 a side
     names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config.num_hidden_layers)
     for name, tensor in reference.model.state_dict().items():
@@ -53,11 +67,21 @@ def write_mmproj(reference: torch.nn.Module, path: Path) -> Path:
         if "input_projection" in stem:
             array = array.astype(np.float16)
         writer.add_tensor(f"{names.get_name(stem)}.{kind}", array)
-    writer.write_header_to_file()
-    writer.write_kv_data_to_file()
-    writer.write_tensors_to_file()
-    writer.close()
-    return path
+    return finish(writer, path)
+
+
+def write_idefics3_mmproj(reference: torch.nn.Module, path: Path) -> Path:
+    """SmolVLM's projector file as llama.cpp's SmolVLMModel converter writes it (conversion/smolvlm.py)."""
+    config = reference.config.vision_config
+    writer = clip_writer(path, config, gguf.VisionProjectorType.IDEFICS3)
+    writer.add_vision_projector_scale_factor(reference.config.scale_factor)
+    writer.add_vision_preproc_image_size(64)  # the checkpoint's processor: size.longest_edge
+    names = gguf.get_tensor_name_map(gguf.MODEL_ARCH.MMPROJ, config.num_hidden_layers)
+    for name, tensor in reference.state_dict().items():
+        if name.startswith(("model.vision_model.", "model.connector.")):
+            stem, kind = name.rsplit(".", 1)
+            writer.add_tensor(f"{names.get_name(stem)}.{kind}", tensor.float().numpy())
+    return finish(writer, path)
 
 
 @pytest.fixture(scope="module")
@@ -83,6 +107,26 @@ def test_issue43_gemma3_text_gguf_with_mmproj_matches_transformers(pair) -> None
     family = FAMILIES["gemma3"]
     for num_images in (1, 2):
         token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
+        ours = _our_logits(model, token_ids, images)
+        expected = _reference_logits(family, reference, token_ids, images, ids[family.image_token])
+        assert (ours - expected).abs().max() <= TOL
+
+
+def test_issue43_smolvlm_llama_text_gguf_with_idefics3_mmproj_matches_transformers(tmp_path: Path) -> None:
+    """SmolVLM as llama.cpp ships it: a llama text GGUF and an idefics3 mmproj; the pair's logits with one and
+    two images (tiles and the global image) equal transformers' Idefics3ForConditionalGeneration."""
+    reference, ids = write_idefics3_vlm(tmp_path / "hf")
+    text = transformers.LlamaForCausalLM(reference.config.text_config)
+    text.model.load_state_dict(reference.model.text_model.state_dict())
+    text.lm_head.weight.data.copy_(reference.lm_head.weight)
+    model = load_model(write_tiny_gguf(text.eval(), "llama", tmp_path / "text.gguf")).model
+    tokenizer = Tokenizer.from_pretrained_dir(tmp_path / "hf")
+    attach_mmproj(model, write_idefics3_mmproj(reference, tmp_path / "mmproj.gguf"), tokenizer)
+    prompter = model.image_prompter(None, tokenizer)  # the file's processor settings
+    family = FAMILIES["idefics3"]
+    for num_images in (1, 2):
+        token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
+        assert [image.num_tokens for image in images] == [family.tokens_per_image] * num_images
         ours = _our_logits(model, token_ids, images)
         expected = _reference_logits(family, reference, token_ids, images, ids[family.image_token])
         assert (ours - expected).abs().max() <= TOL

@@ -2,7 +2,7 @@
 vision tower and projector its converter writes apart from the text GGUF (general.architecture "clip").
 
 The file's `clip.projector_type` names the family; that family module's `attach_mmproj(model, mmproj,
-tokenizer)` reads the tower's settings from the `clip.vision.*` keys, maps llama.cpp's tensor names
+tokenizer)` (for the text models its `MMPROJ_TEXT_MODELS` names, by default its own Model) reads the tower's settings from the `clip.vision.*` keys, maps llama.cpp's tensor names
 (`v.blk.N.attn_q`, `mm.input_projection`, ...; tools/mtmd/clip-impl.h) to its own and attaches the
 vision side to the loaded text model, which then serves images as a Hugging Face checkpoint's would.
 """
@@ -17,7 +17,7 @@ from mlxcel.loading.gguf import GGUFFile
 from mlxcel.models._vision import PromptTokenizer
 
 # clip.projector_type -> the family module that reads it
-PROJECTOR_FAMILIES = {"gemma3": "gemma3"}
+PROJECTOR_FAMILIES = {"gemma3": "gemma3", "idefics3": "idefics3"}
 
 
 def attach_mmproj(model: torch.nn.Module, path: Path, tokenizer: PromptTokenizer) -> None:
@@ -34,7 +34,7 @@ def attach_mmproj(model: torch.nn.Module, path: Path, tokenizer: PromptTokenizer
         raise ModelLoadError(f"--mmproj {path}: projector type {projector!r} is not supported "
                              f"(supported: {', '.join(PROJECTOR_FAMILIES)})")
     module = importlib.import_module(f"mlxcel.models.{family}")
-    if not isinstance(model, module.Model):
+    if not isinstance(model, getattr(module, "MMPROJ_TEXT_MODELS", (module.Model,))):
         raise ModelLoadError(f"--mmproj {path}: a {projector} projector needs a {family} text model, "
                              f"not {type(model).__module__}")
     try:

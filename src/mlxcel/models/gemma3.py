@@ -27,6 +27,7 @@ from mlxcel.layers.decoder import (
 from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import rope_settings
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pool_patches
+from mlxcel.models import _mmproj
 from mlxcel.models._gguf import unshift_norms
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
@@ -215,49 +216,26 @@ fix_gguf_weights = unshift_norms  # the converter stores (1 + w)
 
 # ---- llama.cpp's projector file (--mmproj, loading/mmproj.py) ----
 
-_MMPROJ_NAMES = {"v.patch_embd": "embeddings.patch_embedding", "v.position_embd": "embeddings.position_embedding",
-                 "v.post_ln": "post_layernorm"}
-_MMPROJ_LAYER_NAMES = {"ln1": "layer_norm1", "ln2": "layer_norm2", "attn_q": "self_attn.q_proj",
-                       "attn_k": "self_attn.k_proj", "attn_v": "self_attn.v_proj", "attn_out": "self_attn.out_proj",
-                       "ffn_up": "mlp.fc1", "ffn_down": "mlp.fc2"}
-
-
 def attach_mmproj(model: Model, mmproj: Any, tokenizer: PromptTokenizer) -> None:
     """The SigLIP tower and projector from llama.cpp's gemma3 mmproj GGUF (its `clip.vision.*` settings;
     tensor names as tools/mtmd/clip-impl.h names them), attached to a text model loaded from GGUF."""
-    meta = mmproj.metadata
-    clip = lambda key, default=None: meta.get(f"clip.vision.{key}", default)  # noqa: E731
-    size, patch = int(clip("image_size")), int(clip("patch_size"))
-    tokens_per_side = size // patch // int(clip("projector.scale_factor", 4))
-    config = {"hidden_size": clip("embedding_length"), "num_hidden_layers": clip("block_count"),
-              "num_attention_heads": clip("attention.head_count"), "intermediate_size": clip("feed_forward_length"),
-              "image_size": size, "patch_size": patch, "layer_norm_eps": clip("attention.layer_norm_epsilon", 1e-6)}
+    config = _mmproj.vision_config(mmproj)
+    tokens_per_side = config["image_size"] // config["patch_size"] // int(
+        _mmproj.clip_value(mmproj, "projector.scale_factor", 4))
     vision = {"vision_config": config, "mm_tokens_per_image": tokens_per_side**2,
-              "image_mean": list(clip("image_mean", [0.5] * 3)), "image_std": list(clip("image_std", [0.5] * 3)),
+              "image_mean": list(_mmproj.clip_value(mmproj, "image_mean", [0.5] * 3)),
+              "image_std": list(_mmproj.clip_value(mmproj, "image_std", [0.5] * 3)),
               **{key: single_token(tokenizer, text, "gemma3") for key, text in (
                   ("boi_token_index", "<start_of_image>"), ("eoi_token_index", "<end_of_image>"),
                   ("image_token_index", "<image_soft_token>"))}}
     param = next(model.model.norm.parameters())
-    tower, projector = VisionTransformer(VisionRecipe.from_config(config)), Projector(vision, model.args.hidden_size)
-    tower.load_state_dict(_mmproj_state(mmproj, "v.", int(config["num_hidden_layers"])), strict=True)
+    projector = Projector(vision, model.args.hidden_size)
     projector.load_state_dict({
-        "mm_input_projection_weight": torch.from_numpy(mmproj.dequantize("mm.input_projection.weight").copy()),
-        "mm_soft_emb_norm.weight": torch.from_numpy(mmproj.dequantize("mm.soft_emb_norm.weight") - 1.0),  # (1 + w) stored
+        "mm_input_projection_weight": _mmproj.tensor(mmproj, "mm.input_projection.weight"),
+        "mm_soft_emb_norm.weight": _mmproj.tensor(mmproj, "mm.soft_emb_norm.weight") - 1.0,  # (1 + w) stored
     }, strict=True)
-    model.vision_tower, model.multi_modal_projector = tower.to(param.device, param.dtype).eval(), \
-        projector.to(param.device, param.dtype).eval()
+    model.vision_tower = _mmproj.load_tower(mmproj, config, param)
+    model.multi_modal_projector = projector.to(param.device, param.dtype).eval()
     model.vision = vision
-
-
-def _mmproj_state(mmproj: Any, prefix: str, num_layers: int) -> dict[str, torch.Tensor]:
-    names = dict(_MMPROJ_NAMES)
-    for i in range(num_layers):
-        names |= {f"{prefix}blk.{i}.{ours}": f"encoder.layers.{i}.{theirs}" for ours, theirs in _MMPROJ_LAYER_NAMES.items()}
-    state = {}
-    for gguf_name, ours in names.items():
-        for kind in ("weight", "bias"):
-            if f"{gguf_name}.{kind}" in mmproj.tensors:
-                state[f"{ours}.{kind}"] = torch.from_numpy(mmproj.dequantize(f"{gguf_name}.{kind}").copy())
-    return state
 
 

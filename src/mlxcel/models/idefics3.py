@@ -22,10 +22,10 @@ from torch import nn
 
 from mlxcel.layers.decoder import DecoderArgs
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer, pixel_shuffle
-from mlxcel.models import llama
+from mlxcel.models import _mmproj, llama
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, config_token, decode_image, expand_markers, image_digest, load_image_processor,
-    VisionFamily, pixel_batch, placeholder_runs,
+    VisionFamily, pixel_batch, placeholder_runs, single_token,
 )
 
 IS_VISION_LANGUAGE = True
@@ -62,8 +62,9 @@ class ImagePrompter:
 
         config = vision["vision_config"]
         size, patch = int(config["image_size"]), int(config["patch_size"])
-        self.processor = load_image_processor(model_dir, Idefics3ImageProcessorPil, size={"longest_edge": 4 * size},
-                                              max_image_size={"longest_edge": size})
+        defaults = {"size": {"longest_edge": 4 * size}, "max_image_size": {"longest_edge": size},
+                    **vision.get("image_processor", {})}  # an mmproj file's settings (attach_mmproj)
+        self.processor = load_image_processor(model_dir, Idefics3ImageProcessorPil, **defaults)
         self.image_token = config_token(vision, "image_token_id", "image_token_index")
         self.image_seq_len = (size // patch) ** 2 // int(vision.get("scale_factor", 2)) ** 2
         self.tokenizer = tokenizer
@@ -113,3 +114,31 @@ def image_prompt_string(rows: int, cols: int, seq_len: int, image_token: str) ->
     tiles = "".join("".join(f"{fake}<row_{r + 1}_col_{c + 1}>{tokens}" for c in range(cols)) + "\n"
                     for r in range(rows))
     return f"{tiles}{chr(10) if rows or cols else ''}{fake}<global-img>{tokens}{fake}"
+
+
+# ---- llama.cpp's projector file (--mmproj, loading/mmproj.py) ----
+
+MMPROJ_TEXT_MODELS = (llama.Model,)  # SmolVLM's text GGUF is a plain llama one
+
+
+def attach_mmproj(model: llama.Model, mmproj: Any, tokenizer: PromptTokenizer) -> None:
+    """The SigLIP tower and connector from llama.cpp's idefics3 mmproj GGUF (SmolVLM; `mm.model.fc` the
+    connector's linear, `clip.vision.projector.scale_factor` its pixel shuffle, `clip.vision.image_size` the
+    tile, `clip.vision.preproc_image_size` the resized image's longest edge), attached to a llama text model
+    loaded from GGUF, which becomes this family's Model (the same text weights)."""
+    config = _mmproj.vision_config(mmproj, default_eps=1e-5)
+    tile = config["image_size"]
+    vision = {"vision_config": config, "scale_factor": int(_mmproj.clip_value(mmproj, "projector.scale_factor", 2)),
+              "image_token_id": single_token(tokenizer, "<image>", "idefics3"),
+              "image_processor": {
+                  "size": {"longest_edge": int(_mmproj.clip_value(mmproj, "preproc_image_size", 4 * tile))},
+                  "max_image_size": {"longest_edge": tile},
+                  "image_mean": list(_mmproj.clip_value(mmproj, "image_mean", [0.5] * 3)),
+                  "image_std": list(_mmproj.clip_value(mmproj, "image_std", [0.5] * 3))}}
+    param = next(model.model.norm.parameters())
+    connector = Connector(vision, model.args.hidden_size)
+    connector.modality_projection.proj.weight.data.copy_(_mmproj.tensor(mmproj, "mm.model.fc.weight"))
+    model.__class__ = Model  # NOTE: only adds the vision side: Model's text part is llama.Model's
+    model.vision_model = _mmproj.load_tower(mmproj, config, param)
+    model.connector = connector.to(param.device, param.dtype).eval()
+    model.vision = vision
