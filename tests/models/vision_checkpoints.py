@@ -92,14 +92,20 @@ def write_idefics3_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, di
     return model, ids
 
 
-def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
-    """LLaVA over a Llama text model: a CLIP tower of 16x16 pixels in 4x4 patches (16 tokens, class token dropped)."""
-    folder.mkdir(parents=True, exist_ok=True)
-    ids = write_tokenizer(folder, ["<image>"])
+def _llava_parts() -> tuple[transformers.LlamaConfig, transformers.CLIPVisionConfig]:
+    """The text and vision configs of the LLaVA-style test checkpoints: Llama text, a 16x16 CLIP tower."""
     text = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
                                     intermediate_size=128, vocab_size=256 + 2, max_position_embeddings=512)
     vision = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
                                            intermediate_size=64, image_size=16, patch_size=4)
+    return text, vision
+
+
+def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
+    """LLaVA over a Llama text model: a CLIP tower of 16x16 pixels in 4x4 patches (16 tokens, class token dropped)."""
+    folder.mkdir(parents=True, exist_ok=True)
+    ids = write_tokenizer(folder, ["<image>"])
+    text, vision = _llava_parts()
     config = transformers.LlavaConfig(text_config=text, vision_config=vision, image_token_index=ids["<image>"])
     torch.manual_seed(seed)
     model = save_random(transformers.LlavaForConditionalGeneration(config), folder)
@@ -116,10 +122,7 @@ def write_llava_next_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, 
     up to 2 x 2 (`LLAVA_NEXT_PINPOINTS`), unpadding and a row newline."""
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder, ["<image>"])
-    text = transformers.LlamaConfig(hidden_size=64, num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
-                                    intermediate_size=128, vocab_size=256 + 2, max_position_embeddings=512)
-    vision = transformers.CLIPVisionConfig(hidden_size=32, num_hidden_layers=3, num_attention_heads=4,
-                                           intermediate_size=64, image_size=16, patch_size=4)
+    text, vision = _llava_parts()
     config = transformers.LlavaNextConfig(text_config=text, vision_config=vision, image_token_index=ids["<image>"],
                                           image_grid_pinpoints=LLAVA_NEXT_PINPOINTS)
     torch.manual_seed(seed)
