@@ -330,7 +330,7 @@ SETTINGS: tuple[Setting, ...] = (
     _s("chat_template_file", PATH, None, "read the chat template from a file", ("--chat-template-file",),
        "LLAMA_ARG_CHAT_TEMPLATE_FILE", metavar="PATH", group="model"),
     _s("mmproj", PATH, None, "llama.cpp's multimodal projector GGUF beside a GGUF -m (its vision tower and "
-       "projector; gemma3, idefics3); the model then takes images", ("--mmproj", "-mm"), "LLAMA_ARG_MMPROJ", metavar="FILE",
+       "projector; gemma3, idefics3, LLaVA 1.5's mlp); the model then takes images", ("--mmproj", "-mm"), "LLAMA_ARG_MMPROJ", metavar="FILE",
        group="model"),
     _s("device", TEXT, "auto", "torch device: auto, cpu, cuda, cuda:N", ("--device", "-dev"), "LLAMA_ARG_DEVICE",
        metavar="DEVICE", group="model"),

@@ -19,12 +19,13 @@ from mlxcel.text.tokenizer import Tokenizer
 
 from .harness import write_tiny_gguf
 from .test_vision_families import FAMILIES, _our_logits, _prompt, _reference_logits
-from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm
+from .vision_checkpoints import png, write_gemma3_vlm, write_idefics3_vlm, write_llava_vlm
 
 TOL = 2e-5
 
 
-def clip_writer(path: Path, config: transformers.PretrainedConfig, projector: str) -> gguf.GGUFWriter:
+def clip_writer(path: Path, config: transformers.PretrainedConfig, projector: str, *, num_layers: int | None = None,
+                use_gelu: bool = True) -> gguf.GGUFWriter:
     """A projector GGUF's writer with the `clip.vision.*` keys llama.cpp's MmprojModel writes for every tower."""
     writer = gguf.GGUFWriter(str(path), "clip")
     writer.add_clip_has_vision_encoder(True)
@@ -33,12 +34,12 @@ def clip_writer(path: Path, config: transformers.PretrainedConfig, projector: st
     writer.add_vision_patch_size(config.patch_size)
     writer.add_vision_embedding_length(config.hidden_size)
     writer.add_vision_feed_forward_length(config.intermediate_size)
-    writer.add_vision_block_count(config.num_hidden_layers)
+    writer.add_vision_block_count(config.num_hidden_layers if num_layers is None else num_layers)
     writer.add_vision_head_count(config.num_attention_heads)
     writer.add_vision_attention_layernorm_eps(config.layer_norm_eps)
     writer.add_vision_image_mean([0.5] * 3)
     writer.add_vision_image_std([0.5] * 3)
-    writer.add_vision_use_gelu(True)
+    writer.add_vision_use_gelu(use_gelu)
     return writer
 
 
@@ -127,6 +128,58 @@ def test_issue43_smolvlm_llama_text_gguf_with_idefics3_mmproj_matches_transforme
     for num_images in (1, 2):
         token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
         assert [image.num_tokens for image in images] == [family.tokens_per_image] * num_images
+        ours = _our_logits(model, token_ids, images)
+        expected = _reference_logits(family, reference, token_ids, images, ids[family.image_token])
+        assert (ours - expected).abs().max() <= TOL
+
+
+def legacy_clip_name(name: str) -> str:
+    """llama.cpp's tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py `get_tensor_name`, as it is."""
+    if name.startswith("multi_modal_projector"):
+        return name.replace("multi_modal_projector", "mm").replace("linear_1", "0").replace("linear_2", "2")
+    return name.replace("text_model", "t").replace("vision_model", "v").replace("encoder.layers", "blk").replace(
+        "embeddings.", "").replace("_proj", "").replace("self_attn.", "attn_").replace("layer_norm", "ln").replace(
+        "layernorm", "ln").replace("mlp.fc1", "ffn_down").replace("mlp.fc2", "ffn_up").replace(
+        "embedding", "embd").replace("final", "post").replace("layrnorm", "ln")
+
+
+def write_llava_mmproj(reference: torch.nn.Module, path: Path) -> Path:
+    """LLaVA 1.5's projector file as the legacy CLIP converter writes it: the layers up to the feature layer
+    (-2: all but the last), no final norm, ffn names swapped, the projector's matrices in F16."""
+    config = reference.config.vision_config
+    num_kept = config.num_hidden_layers - 1  # NOTE: the file's block count is the kept layers
+    writer = clip_writer(path, config, "mlp", num_layers=num_kept, use_gelu=config.hidden_act == "gelu")
+    writer.add_array("clip.vision.feature_layer", [num_kept])
+    for name, tensor in reference.model.vision_tower.state_dict().items():
+        name = name if name.startswith("vision_model.") else "vision_model." + name  # a hub CLIPVisionModel's
+        if "post_layernorm" in name or "position_ids" in name or f"layers.{num_kept}." in name:
+            continue
+        writer.add_tensor(legacy_clip_name(name), tensor.float().squeeze().numpy())
+    for name, tensor in reference.model.multi_modal_projector.state_dict().items():
+        array = tensor.float().numpy()
+        writer.add_tensor(legacy_clip_name("multi_modal_projector." + name),
+                          array.astype(np.float16) if array.ndim == 2 else array)
+    return finish(writer, path)
+
+
+def test_issue43_llama_text_gguf_with_llava_mlp_mmproj_matches_transformers(tmp_path: Path) -> None:
+    """LLaVA 1.5 as llama.cpp ships it: a llama text GGUF and the legacy converter's "mlp" projector file; the
+    pair's logits with one and two images equal transformers' LlavaForConditionalGeneration."""
+    reference, ids = write_llava_vlm(tmp_path / "hf")
+    with torch.no_grad():  # the reference with the projector matrices the file holds (F16)
+        for linear in (reference.model.multi_modal_projector.linear_1, reference.model.multi_modal_projector.linear_2):
+            linear.weight.copy_(linear.weight.half().float())
+    text = transformers.LlamaForCausalLM(reference.config.text_config)
+    text.model.load_state_dict(reference.model.language_model.state_dict())
+    text.lm_head.weight.data.copy_(reference.lm_head.weight)
+    model = load_model(write_tiny_gguf(text.eval(), "llama", tmp_path / "text.gguf")).model
+    tokenizer = Tokenizer.from_pretrained_dir(tmp_path / "hf")
+    attach_mmproj(model, write_llava_mmproj(reference, tmp_path / "mmproj.gguf"), tokenizer)
+    prompter = model.image_prompter(None, tokenizer)  # the tower's size, the file's normalisation
+    assert list(prompter.processor.image_mean) == list(prompter.processor.image_std) == [0.5] * 3  # the file's
+    family = FAMILIES["llava"]
+    for num_images in (1, 2):
+        token_ids, images = prompter.prepare(_prompt(family, ids, num_images), [png(i) for i in range(num_images)])
         ours = _our_logits(model, token_ids, images)
         expected = _reference_logits(family, reference, token_ids, images, ids[family.image_token])
         assert (ours - expected).abs().max() <= TOL

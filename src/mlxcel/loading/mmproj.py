@@ -17,7 +17,7 @@ from mlxcel.loading.gguf import GGUFFile
 from mlxcel.models._vision import PromptTokenizer
 
 # clip.projector_type -> the family module that reads it
-PROJECTOR_FAMILIES = {"gemma3": "gemma3", "idefics3": "idefics3"}
+PROJECTOR_FAMILIES = {"gemma3": "gemma3", "idefics3": "idefics3", "mlp": "llava"}  # mlp: LLaVA 1.5's
 
 
 def attach_mmproj(model: torch.nn.Module, path: Path, tokenizer: PromptTokenizer) -> None:

@@ -48,5 +48,20 @@ def load_tower(mmproj: Any, config: dict[str, Any], like: torch.Tensor, **choice
         names |= {f"v.blk.{i}.{ours}": f"encoder.layers.{i}.{theirs}" for ours, theirs in _LAYER_NAMES.items()}
     state = {f"{ours}.{kind}": tensor(mmproj, f"{theirs}.{kind}") for theirs, ours in names.items()
              for kind in ("weight", "bias") if f"{theirs}.{kind}" in mmproj.tensors}
-    tower.load_state_dict(state, strict=True)
+    if "v.class_embd" in mmproj.tensors:  # CLIP's class token (a bare parameter: no .weight)
+        state["embeddings.class_embedding"] = tensor(mmproj, "v.class_embd")
+    tower.load_state_dict(_unswapped_ffn(state, int(config["intermediate_size"])), strict=True)
     return tower.to(like.device, like.dtype).eval()
+
+
+def _unswapped_ffn(state: dict[str, torch.Tensor], intermediate: int) -> dict[str, torch.Tensor]:
+    """NOTE: llama.cpp's legacy CLIP converter (LLaVA 1.5) names fc1 `ffn_down` and fc2 `ffn_up`; clip.cpp
+    tells them apart by shape, and so do we: fc1's weight is [intermediate, hidden]."""
+    out = dict(state)
+    for name, value in state.items():
+        if name.endswith("mlp.fc1.weight") and value.shape[0] != intermediate:
+            stem = name.removesuffix("fc1.weight")
+            for kind in ("weight", "bias"):
+                if f"{stem}fc1.{kind}" in state:
+                    out[f"{stem}fc1.{kind}"], out[f"{stem}fc2.{kind}"] = state[f"{stem}fc2.{kind}"], state[f"{stem}fc1.{kind}"]
+    return out

@@ -21,11 +21,11 @@ from typing import Any
 import torch
 from torch import nn
 
-from mlxcel.layers.decoder import DecoderArgs, activation
+from mlxcel.layers.decoder import DecoderArgs, DecoderLM, activation
 from mlxcel.layers.vision import VisionRecipe, VisionTransformer
 from mlxcel.models._vision import (
     ImageInput, PromptTokenizer, VisionFamily, config_token, decode_image, expand_markers, image_digest, pixel_batch,
-    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, placeholder_runs, split_runs,
+    LLAVA_TEXT_PREFIXES, LLAVA_VISION_PREFIXES, placeholder_runs, single_token, split_runs,
 )
 
 IS_VISION_LANGUAGE = True
@@ -68,8 +68,9 @@ class ImagePrompter:
         size, patch = int(config["image_size"]), int(config["patch_size"])
         if model_dir is not None and (model_dir / "preprocessor_config.json").is_file():
             self.processor = AutoImageProcessor.from_pretrained(str(model_dir))
-        else:
-            self.processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size})
+        else:  # the tower's size, and an mmproj file's normalisation (attach_mmproj)
+            self.processor = CLIPImageProcessor(size={"shortest_edge": size}, crop_size={"height": size, "width": size},
+                                                **vision.get("image_processor", {}))
         self.image_token = config_token(vision, "image_token_index", "image_token_id")
         is_full = vision.get("vision_feature_select_strategy", "default") == "full"
         self.num_tokens = (size // patch) ** 2 + int(is_full)
@@ -96,7 +97,8 @@ class LlavaVision(VisionFamily, nn.Module):
         if self.vision is not None:
             config = self.vision["vision_config"]
             is_clip = config.get("model_type", "clip_vision_model") == "clip_vision_model"
-            recipe = VisionRecipe.from_config(config, class_token=is_clip, pre_norm=is_clip, patch_bias=not is_clip)
+            recipe = VisionRecipe.from_config(config, class_token=is_clip, pre_norm=is_clip, patch_bias=not is_clip,
+                                              post_norm=not self.vision.get("drops_post_norm", False))
             self.vision_tower = VisionTransformer(recipe)
             self.multi_modal_projector = Projector(self.vision, args.hidden_size)
 
@@ -123,3 +125,34 @@ class Model(nn.Module):
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         return _model_class(_text_module(args.extra)).sanitize(weights, args)
+
+
+# ---- llama.cpp's projector file (--mmproj, loading/mmproj.py) ----
+
+MMPROJ_TEXT_MODELS = (DecoderLM,)  # LLaVA 1.5's text GGUF is its text family's own (llama)
+
+
+def attach_mmproj(model: DecoderLM, mmproj: Any, tokenizer: PromptTokenizer) -> None:
+    """The CLIP tower and two-layer projector (`mm.0`, `mm.2`) of the "mlp" mmproj that llama.cpp's CLIP converter
+    (tools/mtmd/legacy-models/convert_image_encoder_to_gguf.py) writes for LLaVA 1.5, attached to a text model
+    loaded from GGUF, which becomes LLaVA's Model over its family. The converter keeps only the layers up to
+    the feature layer and drops the final norm, so the features are the last kept layer's output."""
+    from mlxcel.models import _mmproj
+
+    config = {**_mmproj.vision_config(mmproj, default_eps=1e-5), "model_type": "clip_vision_model",
+              "hidden_act": "gelu" if mmproj.metadata.get("clip.use_gelu", True) else "quick_gelu"}
+    vision = {"vision_config": config, "vision_feature_layer": -1, "vision_feature_select_strategy": "default",
+              "projector_hidden_act": "gelu", "multimodal_projector_bias": "mm.0.bias" in mmproj.tensors,
+              "image_token_index": single_token(tokenizer, "<image>", "llava"), "drops_post_norm": True,
+              "image_processor": {"image_mean": list(_mmproj.clip_value(mmproj, "image_mean")),
+                                  "image_std": list(_mmproj.clip_value(mmproj, "image_std"))}}
+    param = next(model.parameters())
+    projector = Projector(vision, model.args.hidden_size)
+    projector.load_state_dict({f"linear_{i}.{kind}": _mmproj.tensor(mmproj, f"mm.{index}.{kind}")
+                               for i, index in ((1, 0), (2, 2)) for kind in ("weight", "bias")
+                               if f"mm.{index}.{kind}" in mmproj.tensors}, strict=True)
+    model.__class__ = _model_class(importlib.import_module(type(model).__module__))  # NOTE: adds the vision side only
+    model.vision_tower = _mmproj.load_tower(mmproj, config, param, class_token=True, pre_norm=True, patch_bias=False,
+                                            post_norm=False)
+    model.multi_modal_projector = projector.to(param.device, param.dtype).eval()
+    model.vision = vision
