@@ -58,8 +58,8 @@ FAMILIES = {
     "gemma3": Family(write_gemma3_vlm, "<start_of_image>", "<image_soft_token>", 4),
     "idefics3": Family(write_idefics3_vlm, "<image>", "<image>", 5 * 16),  # 2 x 2 tiles and the global image
     "llava": Family(write_llava_vlm, "<image>", "<image>", 16),
-    # a 2 x 2 grid of 4 x 4 features, unpadded to 6 x 8 with a newline a row, after the 16 of the base tile
-    "llava_next": Family(write_llava_next_vlm, "<image>", "<image>", 16 + 6 * (8 + 1)),
+    # a 1 x 2 grid of 4 x 4 features, unpadded to 4 x 6 with a newline a row, after the 16 of the base tile
+    "llava_next": Family(write_llava_next_vlm, "<image>", "<image>", 16 + 4 * (6 + 1)),
 }
 
 
@@ -227,12 +227,12 @@ def test_issue43_llava_next_anyres_equals_transformers_processor_and_model(vlm) 
     processor = LlavaNextProcessor(image_processor=prompter.processor, tokenizer=tokenizer, patch_size=4,
                                    vision_feature_select_strategy="default", image_token="<image>",
                                    num_additional_image_tokens=1)  # the CLIP class token, as hub checkpoints say
-    images = [png(20, 40, 22), png(21, 18, 44)]
+    images = [png(20, 80, 20), png(21, 16, 64)]  # 1 x 2 tiles, 4 x 8 features cut to 2 rows; 2 x 1, to 2 columns
     text = "Look <image> and <image> now"
     inputs = processor(text=text, images=[Image.open(io.BytesIO(d)).convert("RGB") for d in images], return_tensors="pt")
     token_ids, ours = prompter.prepare(tokenizer.encode(text), images)
     assert token_ids == inputs["input_ids"][0].tolist()
-    assert len({image.num_tokens for image in ours}) == 2  # the two shapes give two counts
+    assert [image.num_tokens for image in ours] == [16 + 2 * (8 + 1), 16 + 8 * (2 + 1)]  # both cuts happen
     expected = reference(**inputs).logits[0]
     assert (_our_logits(model, token_ids, ours) - expected).abs().max() <= TOL_VS_TRANSFORMERS
 

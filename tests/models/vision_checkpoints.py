@@ -114,12 +114,12 @@ def write_llava_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[
     return model, ids
 
 
-LLAVA_NEXT_PINPOINTS = [[16, 32], [32, 16], [32, 32]]
+LLAVA_NEXT_PINPOINTS = [[16, 32], [32, 16]]
 
 
 def write_llava_next_vlm(folder: Path, seed: int = 0) -> tuple[torch.nn.Module, dict[str, int]]:
     """LLaVA-NeXT over a Llama text model: LLaVA's 16x16 CLIP tower, anyres tiles of 16x16 pixels on a grid of
-    up to 2 x 2 (`LLAVA_NEXT_PINPOINTS`), unpadding and a row newline."""
+    1 x 2 or 2 x 1 (`LLAVA_NEXT_PINPOINTS`), unpadding and a row newline."""
     folder.mkdir(parents=True, exist_ok=True)
     ids = write_tokenizer(folder, ["<image>"])
     text, vision = _llava_parts()
