@@ -106,6 +106,18 @@ def pickle_prompter(prompter: ImagePrompter, tokenizer: Tokenizer) -> bytes:
     return buffer.getvalue()
 
 
+def _handed_prompter(served: ServedModel, tokenizer: Tokenizer) -> bytes | None:
+    """The engine process's prompter for the API process; None (images refused, logged) where it cannot cross."""
+    if served.image_prompter is None:
+        return None
+    try:
+        return pickle_prompter(served.image_prompter, tokenizer)
+    except Exception as exc:  # noqa: BLE001 - the model still serves text
+        log.warning("engine process: the image processor cannot be handed to the API process (%r); image input "
+                    "is off with --engine-process on", exc)
+        return None
+
+
 def unpickle_prompter(data: bytes, tokenizer: Tokenizer) -> ImagePrompter:
     return _PrompterUnpickler(io.BytesIO(data), tokenizer).load()
 
@@ -139,10 +151,10 @@ def engine_process_main(conn: object, resolved: ResolvedModel, options: RuntimeO
         compile_copies_with(served.features.grammar)  # grammar processors handed over are rebuilt over it
         box.append(served)
         core = served.engine.core
-        prompter = served.image_prompter and pickle_prompter(served.image_prompter, tokenizer)
+        prompter = _handed_prompter(served, tokenizer)
         info = EngineInfo(served.engine_config, core.slot_context, core.memory_budget, core.eos_token_ids,
                           tuple((e["path"], e["scale"]) for e in served.lora.list()), served.mtp, os.getpid(),
-                          prompter or None)
+                          prompter)
         return core, info
 
     def warm() -> None:
