@@ -216,7 +216,9 @@ def test_kv_identity_names_everything_that_makes_kv_differ(tmp_path: Path, smoll
     adapter = tmp_path / "adapter"
     adapter.mkdir()
     (adapter / "adapter_model.safetensors").write_bytes(b"lora")
+    projector = tmp_path / "mmproj.gguf"  # issue 43: image blocks' KV comes from the projector's tower
+    projector.write_bytes(b"GGUF" + bytes(100))
     rope = {**checkpoint.config, "rope_theta": float(checkpoint.config.get("rope_theta", 10000.0)) * 2}
     others = [identity(other_file), identity(config=rope), identity(quantize="off"),
-              identity(adapters=((adapter, 1.0),))]
-    assert len({base, *others}) == 5
+              identity(adapters=((adapter, 1.0),)), identity(mmproj=projector)]
+    assert len({base, *others}) == 6

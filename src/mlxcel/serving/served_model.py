@@ -243,10 +243,12 @@ _FINGERPRINT_BYTES = 1 << 20
 
 def kv_identity(loaded: LoadedModel, tokenizer: Tokenizer, options: RuntimeOptions) -> str:
     """What makes this model's KV differ beyond its tokens (issue 29's disk key): the weight files, the
-    config (RoPE included), the vocabulary, the weight rewrite and the LoRA adapters; a hex digest. The
-    engine adds the KV element types, activation dtype and device."""
+    `--mmproj` projector (image blocks' KV comes from its tower, issue 43), the config (RoPE included), the
+    vocabulary, the weight rewrite and the LoRA adapters; a hex digest. The engine adds the KV element types,
+    activation dtype and device."""
     digest = hashlib.sha256()
     files = [loaded.path] if loaded.model_dir is None else sorted(p for p in loaded.model_dir.iterdir() if p.is_file())
+    files += [Path(options.mmproj)] if options.mmproj is not None else []
     for path in files + [f for adapter, _ in options.adapters for f in _adapter_files(Path(adapter))]:
         digest.update(_file_fingerprint(path))
     digest.update(json.dumps(loaded.config, sort_keys=True, default=str).encode())
