@@ -526,8 +526,11 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     other entries pass through. Values may be tensors or lazy readers (`loading/lazy.py`).
 
     Every layout also takes llama.cpp's GGUF form, as loading/ names its tensors: `experts.gate_proj.weight`,
-    `experts.up_proj.weight` [E, I, H] and `experts.down_proj.weight` [E, H, I] (ffn_*_exps)."""
-    weights = _merge_gguf_stacks(weights)
+    `experts.up_proj.weight` [E, I, H] and `experts.down_proj.weight` [E, H, I] (ffn_*_exps), with their
+    biases `experts.{gate,up}_proj.bias` [E, I] and `experts.down_proj.bias` [E, H] (gpt-oss); such a
+    file's names are already ours, so the layout's own renames and transposes do not apply."""
+    if any(_is_gguf_stack(k) for k in weights):
+        return _merge_gguf_stacks(weights)
     if layout in _PER_EXPERT_NAMES:
         return _stack_per_expert(weights, _PER_EXPERT_NAMES[layout])
     if layout == "granite":
@@ -541,14 +544,21 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     raise ValueError(f"unknown MoE checkpoint layout {layout!r}")
 
 
+def _is_gguf_stack(name: str) -> bool:
+    return name == "experts.gate_proj.weight" or name.endswith(".experts.gate_proj.weight")
+
+
 def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
     kept = dict(weights)
-    for gate in [k for k in weights if k == "experts.gate_proj.weight" or k.endswith(".experts.gate_proj.weight")]:
+    for gate in [k for k in weights if _is_gguf_stack(k)]:
         prefix = gate[:-len("gate_proj.weight")]
-        up, down = f"{prefix}up_proj.weight", f"{prefix}down_proj.weight"
-        kept[f"{prefix}gate_up_proj"] = _combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
-        kept[f"{prefix}down_proj"] = kept.pop(down)
-        del kept[gate], kept[up]
+        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+            gate, up, down = (f"{prefix}{part}_proj.{kind}" for part in ("gate", "up", "down"))
+            if gate not in weights:
+                continue
+            kept[f"{prefix}gate_up_proj{suffix}"] = _combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
+            kept[f"{prefix}down_proj{suffix}"] = kept.pop(down)
+            del kept[gate], kept[up]
     return kept
 
 
