@@ -121,14 +121,17 @@ def convert_with_llama_cpp(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
     return out
 
 
-def save_with_smollm2_tokenizer(config: Any, folder: Path) -> torch.nn.Module:
-    """The tiny checkpoint with SmolLM2's tokenizer (from its packaged GGUF) and its vocabulary size."""
+def save_with_smollm2_tokenizer(config: Any, folder: Path, special_tokens: tuple[str, ...] = ()) -> torch.nn.Module:
+    """The tiny checkpoint with SmolLM2's tokenizer (from its packaged GGUF) and its vocabulary size;
+    `special_tokens` are added to it (a converter that looks its family's own up: GLM's `[gMASK]`, ...)."""
     from tests.conftest import smollm2_gguf
+    from tokenizers import AddedToken
 
     from mlxcel.loading.gguf import GGUFFile
     from mlxcel.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(GGUFFile(smollm2_gguf()).metadata)
+    tokenizer.backend.add_special_tokens([AddedToken(t, special=True) for t in special_tokens])
     config.vocab_size = tokenizer.backend.get_vocab_size()
     reference = save_tiny_hf(config, folder)
     tokenizer.backend.save(str(folder / "tokenizer.json"))

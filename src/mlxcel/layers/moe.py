@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.layers import paged_attention
+from mlxcel.layers.decoder import combined
 from mlxcel.layers.quant import GATE_UP, Int4Levels, Int8Levels, QuantLinear, Step, StoredSource, linear, project
 
 RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped"]
@@ -556,7 +557,7 @@ def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
             gate, up, down = (f"{prefix}{part}_proj.{kind}" for part in ("gate", "up", "down"))
             if gate not in weights:
                 continue
-            kept[f"{prefix}gate_up_proj{suffix}"] = _combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
+            kept[f"{prefix}gate_up_proj{suffix}"] = combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
             kept[f"{prefix}down_proj{suffix}"] = kept.pop(down)
             del kept[gate], kept[up]
     return kept
@@ -574,9 +575,9 @@ def _stack_per_expert(weights: dict[str, Value], names: dict[str, str]) -> dict[
             kept[key] = value
     for prefix, roles in found.items():
         gate, up, down = (_expert_keys(roles, role, prefix) for role in ("gate", "up", "down"))
-        kept[f"{prefix}experts.gate_up_proj"] = _combined(
+        kept[f"{prefix}experts.gate_up_proj"] = combined(
             weights, gate + up, lambda ts, n=len(gate): torch.cat((torch.stack(ts[:n]), torch.stack(ts[n:])), 1))
-        kept[f"{prefix}experts.down_proj"] = _combined(weights, down, torch.stack)
+        kept[f"{prefix}experts.down_proj"] = combined(weights, down, torch.stack)
     return kept
 
 
@@ -600,7 +601,7 @@ def _gpt_oss(weights: dict[str, Value]) -> dict[str, Value]:
     out: dict[str, Value] = {}
     for key, value in _renamed(weights, {r"(^|\.)router\.(weight|bias)$": r"\1gate.\2"}).items():
         fix = next((f for suffix, f in fixes.items() if key == suffix or key.endswith("." + suffix)), None)
-        out[key] = value if fix is None else _combined({key: value}, [key], lambda ts, f=fix: f(ts[0]))
+        out[key] = value if fix is None else combined({key: value}, [key], lambda ts, f=fix: f(ts[0]))
     return out
 
 
@@ -611,12 +612,3 @@ def _renamed(weights: dict[str, Value], rules: dict[str, str]) -> dict[str, Valu
             key = re.sub(pattern, replacement, key)
         out[key] = value
     return out
-
-
-def _combined(weights: dict[str, Value], keys: list[str],
-              build: Callable[[list[torch.Tensor]], torch.Tensor]) -> Value:
-    """`build` over the tensors at `keys`: now for tensors, on first read for lazy readers."""
-    parts = [weights[k] for k in keys]
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return build(parts)
-    return lambda _name: build([reader(key) for key, reader in zip(keys, parts)])
