@@ -282,8 +282,9 @@ class Experts(nn.Module):
     def packed(self, source: StoredSource) -> QuantExperts:
         """These experts as weight-only quantized linears (the CPU decode rewrite, layers/quant.py
         `quantize`): from the levels or codes a GGUF stores its expert stacks in (ffn_*_exps, as
-        `sanitize_moe` names them: `gate_proj.weight`, `up_proj.weight`, `down_proj.weight`), never
-        rounded again; else from the float stacks, as the dense path packs a float linear."""
+        `sanitize_moe` names them: `gate_proj.weight`, `up_proj.weight`, `down_proj.weight`; a gpt-oss
+        MXFP4 folder offers its codes under the same names), never rounded again; else from the float
+        stacks, as the dense path packs a float linear."""
         num = self.spec.num_experts
         gate, up, down = (source.stored(f"{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
         gate_up_float = down_float = None

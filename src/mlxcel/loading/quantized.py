@@ -412,10 +412,11 @@ class QuantizedFolder:
     # ---- MXFP4 (gpt-oss) ----
 
     def _mxfp4_float(self, stem: str) -> torch.Tensor:
-        """An expert stack as the unquantized checkpoint stores it: float32 [E, K, rows] (x @ W)."""
+        """An expert stack as the unquantized checkpoint stores it: [E, K, rows] (x @ W), in bfloat16, which
+        holds every E2M1 value times a power of two exactly (half the bytes of float32 while a load holds it)."""
         blocks, scales = self.get(f"{stem}_blocks"), self.get(f"{stem}_scales")
         num, rows, k = blocks.shape[0], blocks.shape[1], blocks.shape[2] * 32
-        out = torch.empty(num, k, rows)
+        out = torch.empty(num, k, rows, dtype=torch.bfloat16)
         for e in range(num):  # one expert's float32 temporaries at a time
             out[e] = mxfp4_levels(blocks[e], scales[e]).dequantize().t()
         return out
