@@ -174,6 +174,16 @@ def _deepseek2(cfg: Any, meta: dict[str, Any]) -> None:
         meta["attention.q_lora_rank"] = cfg.q_lora_rank
 
 
+def _deepseek2_whole_kv_b(cfg: Any, meta: dict[str, Any]) -> None:
+    """Files from converters before the k_b / v_b split: kv_b whole, the real head sizes as key_length /
+    value_length, no *_mla keys (llama.cpp loads both forms)."""
+    _deepseek2(cfg, meta)
+    for key in ("attention.key_length_mla", "attention.value_length_mla"):
+        del meta[key]
+    meta.update({"attention.key_length": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                 "attention.value_length": cfg.v_head_dim, "attention.head_count_kv": cfg.num_key_value_heads})
+
+
 def mla_state(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
     """DeepseekV2Model.modify_tensors: kv_b [H * (nope + v), kv_lora] split per head into k_b (transposed:
     [H, kv_lora, nope]) and v_b [H, v, kv_lora]; the selection bias as `e_score_correction.bias`."""
@@ -235,6 +245,8 @@ LAYOUTS: dict[str, Layout] = {
                        rope_dims=True, extra=_glm4_moe, state=selection_bias_state),
     "deepseek_v3": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES}, extra=_deepseek2, state=mla_state),
     "deepseek_v2": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES}, extra=_deepseek2, state=mla_state),
+    "deepseek_v3-kv_b-whole": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES, "self_attn.kv_b_proj": "attn_kv_b"},
+                                     extra=_deepseek2_whole_kv_b, state=selection_bias_state),
 }
 
 
