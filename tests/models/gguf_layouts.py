@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+import torch
 from torch import nn
 
 from .harness import _split_expert_stacks, llama3_freq_factors
@@ -29,6 +30,9 @@ class Layout:
     rope_dims: bool = False  # writes rope.dimension_count
     extra: Callable[[Any, dict[str, Any]], None] | None = None  # family metadata
     drop_head: bool = False  # gemma2: lm_head.weight skipped
+    # the converter's own tensor changes (issue 40: gpt-oss's expert split, MLA's kv_b split), on the HF state
+    # dict before naming: HF names in, names `names` maps out
+    state: Callable[[dict[str, torch.Tensor], Any], dict[str, torch.Tensor]] | None = None
 
 
 LLAMA_NAMES = {
@@ -112,6 +116,98 @@ GRANITE_MOE_NAMES = {"block_sparse_moe.router": "ffn_gate_inp",
                      **{k.replace("mlp.", "block_sparse_moe."): v for k, v in MOE_NAMES.items() if k != "mlp.gate"}}
 
 
+def _gpt_oss(cfg: Any, meta: dict[str, Any]) -> None:
+    _experts(cfg, meta)
+    rope = cfg.rope_parameters
+    meta.update({"attention.sliding_window": cfg.sliding_window, "expert_feed_forward_length": cfg.intermediate_size,
+                 "rope.scaling.yarn_beta_fast": rope["beta_fast"], "rope.scaling.yarn_beta_slow": rope["beta_slow"]})
+
+
+def gpt_oss_state(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    """GptOssModel.modify_tensors on float experts: gate_up [E, H, 2I] transposed and split by its
+    interleaved rows (gate 0::2, up 1::2), biases likewise, down transposed; the sinks named `.weight`."""
+    out: dict[str, torch.Tensor] = {}
+    for name, t in state.items():
+        stem = name.rsplit(".", 1)[0]
+        if name.endswith("self_attn.sinks"):
+            out[f"{name}.weight"] = t
+        elif name.endswith("experts.gate_up_proj"):
+            rows = t.transpose(1, 2)
+            out[f"{stem}.gate_proj.weight"], out[f"{stem}.up_proj.weight"] = rows[:, 0::2], rows[:, 1::2]
+        elif name.endswith("experts.gate_up_proj_bias"):
+            out[f"{stem}.gate_proj.bias"], out[f"{stem}.up_proj.bias"] = t[..., 0::2], t[..., 1::2]
+        elif name.endswith("experts.down_proj"):
+            out[f"{name}.weight"] = t.transpose(1, 2)
+        elif name.endswith("experts.down_proj_bias"):
+            out[f"{stem}.down_proj.bias"] = t
+        else:
+            out[name] = t
+    return out
+
+
+def _deepseek_moe(cfg: Any, meta: dict[str, Any]) -> None:
+    """The MoE keys Glm4MoeModel / DeepseekV2Model write (groups and experts through the base class)."""
+    meta.update({"expert_count": cfg.n_routed_experts, "expert_used_count": cfg.num_experts_per_tok,
+                 "expert_group_count": cfg.n_group, "expert_group_used_count": cfg.topk_group,
+                 "expert_feed_forward_length": cfg.moe_intermediate_size, "expert_shared_count": cfg.n_shared_experts,
+                 "leading_dense_block_count": cfg.first_k_dense_replace,
+                 "expert_weights_scale": cfg.routed_scaling_factor})
+    if cfg.norm_topk_prob:
+        meta["expert_weights_norm"] = True
+
+
+def _glm4_moe(cfg: Any, meta: dict[str, Any]) -> None:
+    _deepseek_moe(cfg, meta)
+    meta.update({"block_count": cfg.num_hidden_layers + cfg.num_nextn_predict_layers,
+                 "nextn_predict_layers": cfg.num_nextn_predict_layers, "expert_gating_func": 2,
+                 "expert_weights_norm": bool(cfg.norm_topk_prob)})
+
+
+def _deepseek2(cfg: Any, meta: dict[str, Any]) -> None:
+    _deepseek_moe(cfg, meta)
+    rope = cfg.qk_rope_head_dim
+    meta.update({"attention.head_count_kv": 1, "attention.key_length": cfg.kv_lora_rank + rope,
+                 "attention.value_length": cfg.kv_lora_rank, "attention.kv_lora_rank": cfg.kv_lora_rank,
+                 "attention.key_length_mla": cfg.qk_nope_head_dim + rope, "attention.value_length_mla": cfg.v_head_dim,
+                 "rope.dimension_count": rope, "vocab_size": cfg.vocab_size})
+    if cfg.q_lora_rank is not None:
+        meta["attention.q_lora_rank"] = cfg.q_lora_rank
+
+
+def _deepseek2_whole_kv_b(cfg: Any, meta: dict[str, Any]) -> None:
+    """Files from converters before the k_b / v_b split: kv_b whole, the real head sizes as key_length /
+    value_length, no *_mla keys (llama.cpp loads both forms)."""
+    _deepseek2(cfg, meta)
+    for key in ("attention.key_length_mla", "attention.value_length_mla"):
+        del meta[key]
+    meta.update({"attention.key_length": cfg.qk_nope_head_dim + cfg.qk_rope_head_dim,
+                 "attention.value_length": cfg.v_head_dim, "attention.head_count_kv": cfg.num_key_value_heads})
+
+
+def mla_state(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    """DeepseekV2Model.modify_tensors: kv_b [H * (nope + v), kv_lora] split per head into k_b (transposed:
+    [H, kv_lora, nope]) and v_b [H, v, kv_lora]; the selection bias as `e_score_correction.bias`."""
+    out = dict(selection_bias_state(state, cfg))
+    for name in [n for n in out if n.endswith("kv_b_proj.weight")]:
+        kv_b = out.pop(name).view(cfg.num_attention_heads, cfg.qk_nope_head_dim + cfg.v_head_dim, -1)
+        k_b, v_b = kv_b.split([cfg.qk_nope_head_dim, cfg.v_head_dim], dim=1)
+        out[name.replace("kv_b_proj", "k_b_proj")] = k_b.transpose(1, 2)
+        out[name.replace("kv_b_proj", "v_b_proj")] = v_b
+    return out
+
+
+def selection_bias_state(state: dict[str, torch.Tensor], cfg: Any) -> dict[str, torch.Tensor]:
+    return {name.replace("e_score_correction_bias", "e_score_correction.bias"): t for name, t in state.items()}
+
+
+DEEPSEEK_MOE_NAMES = {**MOE_NAMES, "mlp.gate.e_score_correction": "exp_probs_b",
+                      "mlp.shared_experts.gate_proj": "ffn_gate_shexp", "mlp.shared_experts.up_proj": "ffn_up_shexp",
+                      "mlp.shared_experts.down_proj": "ffn_down_shexp"}
+MLA_NAMES = {"self_attn.q_a_proj": "attn_q_a", "self_attn.q_a_layernorm": "attn_q_a_norm",
+             "self_attn.q_b_proj": "attn_q_b", "self_attn.kv_a_proj_with_mqa": "attn_kv_a_mqa",
+             "self_attn.kv_a_layernorm": "attn_kv_a_norm", "self_attn.k_b_proj": "attn_k_b",
+             "self_attn.v_b_proj": "attn_v_b"}
+
 LAYOUTS: dict[str, Layout] = {
     "llama": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "mistral": Layout("llama", permute_qk=True, vocab_size_key=True, rope_dims=True),
@@ -143,6 +239,14 @@ LAYOUTS: dict[str, Layout] = {
                                      "mlp.shared_expert.down_proj": "ffn_down_shexp"}, extra=_qwen2_moe),
     "granitemoe": Layout("granitemoe", GRANITE_MOE_NAMES, permute_qk=True, vocab_size_key=True, rope_dims=True,
                          extra=_granitemoe),
+    "gpt_oss": Layout("gpt-oss", {**MOE_NAMES, "mlp.router": "ffn_gate_inp", "self_attn.sinks": "attn_sinks",
+                                  "post_attention_layernorm": "post_attention_norm"}, extra=_gpt_oss, state=gpt_oss_state),
+    "glm4_moe": Layout("glm4moe", {**DEEPSEEK_MOE_NAMES, "post_attention_layernorm": "post_attention_norm"},
+                       rope_dims=True, extra=_glm4_moe, state=selection_bias_state),
+    "deepseek_v3": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES}, extra=_deepseek2, state=mla_state),
+    "deepseek_v2": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES}, extra=_deepseek2, state=mla_state),
+    "deepseek_v3-kv_b-whole": Layout("deepseek2", {**DEEPSEEK_MOE_NAMES, **MLA_NAMES, "self_attn.kv_b_proj": "attn_kv_b"},
+                                     extra=_deepseek2_whole_kv_b, state=selection_bias_state),
 }
 
 
@@ -186,7 +290,8 @@ def converter_tensors(model: nn.Module, layout: Layout) -> dict[str, np.ndarray]
     cfg = model.config
     names = {**LLAMA_NAMES, **layout.names}
     out: dict[str, np.ndarray] = {}
-    for name, tensor in _split_expert_stacks(model.state_dict()).items():
+    state = model.state_dict() if layout.state is None else layout.state(model.state_dict(), cfg)
+    for name, tensor in _split_expert_stacks(state).items():
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or layout.drop_head):
             continue
         stem, kind = name.rsplit(".", 1)

@@ -29,6 +29,9 @@ from .gguf_layouts import LAYOUTS, converter_metadata, converter_tensors, write_
 from .harness import save_tiny_hf, uncached_logits
 from .test_families import COMMON, FAMILIES, LLAMA3_ROPE, MOE_COMMON, PROMPTS, TOL_VS_TRANSFORMERS, reference_logits
 
+DEEPSEEK_MOE = dict(**{**COMMON, "num_key_value_heads": 4}, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
+                    v_head_dim=12, first_k_dense_replace=1, n_routed_experts=4, num_experts_per_tok=2, n_group=2,
+                    topk_group=1, routed_scaling_factor=2.5, moe_intermediate_size=32, pad_token_id=0)
 # HF model_type -> (model_type the GGUF loads as, a config the converter's file can express in full).
 # Left out where the converter loses a setting llama.cpp then fixes in code: Qwen 2's, Mistral's and
 # StarCoder 2's sliding window (not written), SmolLM3's no-rope interval (4 in llama.cpp),
@@ -62,9 +65,26 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen2_moe": ("qwen2_moe", lambda: transformers.Qwen2MoeConfig(
         **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     "granitemoe": ("granitemoe", FAMILIES["granitemoe"][1]),
+    # gpt-oss with float experts (the MXFP4 files: test_gpt_oss_mxfp4.py); llama.cpp fixes the SwiGLU limit at 7.
+    "gpt_oss": ("gpt_oss", lambda: transformers.GptOssConfig(**MOE_COMMON, head_dim=16, num_local_experts=4,
+                                                            sliding_window=4)),
+    # GLM-4.5's own grouping (one group: llama.cpp's glm4moe has the groups of every architecture, no more).
+    "glm4_moe": ("glm4_moe", lambda: transformers.Glm4MoeConfig(
+        **COMMON, head_dim=16, n_routed_experts=4, num_experts_per_tok=2, first_k_dense_replace=1,
+        moe_intermediate_size=32, use_qk_norm=True, attention_bias=True, routed_scaling_factor=2.5)),
+    # llama.cpp's deepseek2: V3 (sigmoid, selection bias, q_lora) and V2 (softmax, groups by their best
+    # expert, no q_lora), MLA's kv_b split into k_b / v_b.
+    "deepseek_v3": ("deepseek_v3", lambda: transformers.DeepseekV3Config(**DEEPSEEK_MOE, q_lora_rank=32)),
+    "deepseek_v2": ("deepseek_v2", lambda: transformers.DeepseekV2Config(
+        **DEEPSEEK_MOE, q_lora_rank=None, topk_method="group_limited_greedy", n_shared_experts=2)),
+    # An older converter's file: kv_b whole (attn_kv_b), no key_length_mla / value_length_mla.
+    "deepseek_v3-kv_b-whole": ("deepseek_v3", lambda: transformers.DeepseekV3Config(**DEEPSEEK_MOE, q_lora_rank=32)),
 }
 # Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not.
 NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5"}
+OLDER_CONVERTER = {"deepseek_v3-kv_b-whole"}  # a layout today's converter no longer writes
+# Special tokens a family's converter looks up in the tokenizer (GLM's `_set_vocab_glm`).
+CONVERTER_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")}
 
 
 def _assert_logits_match(model: torch.nn.Module, reference: torch.nn.Module) -> None:
@@ -121,14 +141,17 @@ def convert_with_llama_cpp(llama_cpp: Path, model_dir: Path, out: Path) -> Path:
     return out
 
 
-def save_with_smollm2_tokenizer(config: Any, folder: Path) -> torch.nn.Module:
-    """The tiny checkpoint with SmolLM2's tokenizer (from its packaged GGUF) and its vocabulary size."""
+def save_with_smollm2_tokenizer(config: Any, folder: Path, special_tokens: tuple[str, ...] = ()) -> torch.nn.Module:
+    """The tiny checkpoint with SmolLM2's tokenizer (from its packaged GGUF) and its vocabulary size;
+    `special_tokens` are added to it (a converter that looks its family's own up: GLM's `[gMASK]`, ...)."""
     from tests.conftest import smollm2_gguf
+    from tokenizers import AddedToken
 
     from mlxcel.loading.gguf import GGUFFile
     from mlxcel.text.tokenizer import Tokenizer
 
     tokenizer = Tokenizer.from_gguf(GGUFFile(smollm2_gguf()).metadata)
+    tokenizer.backend.add_special_tokens([AddedToken(t, special=True) for t in special_tokens])
     config.vocab_size = tokenizer.backend.get_vocab_size()
     reference = save_tiny_hf(config, folder)
     tokenizer.backend.save(str(folder / "tokenizer.json"))
@@ -139,12 +162,12 @@ def save_with_smollm2_tokenizer(config: Any, folder: Path) -> torch.nn.Module:
 
 @pytest.mark.slow
 @pytest.mark.skipif(not LLAMA_CPP, reason="MLXCEL_LLAMA_CPP (a llama.cpp source folder) is not set")
-@pytest.mark.parametrize("family", [f for f in GGUF_CASES if f not in NEEDS_SENTENCEPIECE])
+@pytest.mark.parametrize("family", [f for f in GGUF_CASES if f not in NEEDS_SENTENCEPIECE | OLDER_CONVERTER])
 def test_issue40_llama_cpp_converter_output_equals_our_layout_and_loads(family: str, tmp_path: Path) -> None:
     from mlxcel.loading.gguf import GGUFFile
 
     loads_as, make_config = GGUF_CASES[family]
-    reference = save_with_smollm2_tokenizer(make_config(), tmp_path / "hf")
+    reference = save_with_smollm2_tokenizer(make_config(), tmp_path / "hf", CONVERTER_SPECIAL_TOKENS.get(family, ()))
     path = convert_with_llama_cpp(Path(LLAMA_CPP), tmp_path / "hf", tmp_path / f"{family}.gguf")
     converted = GGUFFile(path)
     layout = LAYOUTS[family]

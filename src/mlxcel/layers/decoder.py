@@ -515,6 +515,15 @@ class DecoderLM(nn.Module):
         return kept
 
 
+def combined(weights: dict[str, Any], keys: list[str], build: Callable[[list[torch.Tensor]], torch.Tensor]) -> Any:
+    """`build` over the checkpoint values at `keys` (`split_fused`'s inverse: MoE expert stacks, MLA's kv_b from
+    GGUF's k_b and v_b): now for tensors, on first read for lazy readers (loading/lazy.py)."""
+    parts = [weights[k] for k in keys]
+    if all(isinstance(p, torch.Tensor) for p in parts):
+        return build(parts)
+    return lambda _name: build([reader(key) for key, reader in zip(keys, parts)])
+
+
 def split_fused(weights: dict[str, Any], fused: str, parts: Mapping[str, int | None]) -> None:
     """Split every `*.{fused}.weight|bias` into `parts` (name -> rows; None: the rest), in place:
     Phi-3's qkv_proj and gate_up_proj, GLM-4's gate_up_proj.

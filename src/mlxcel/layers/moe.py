@@ -63,6 +63,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.layers import paged_attention
+from mlxcel.layers.decoder import combined
 from mlxcel.layers.quant import GATE_UP, Int4Levels, Int8Levels, QuantLinear, Step, StoredSource, linear, project
 
 RouterKind = Literal["softmax", "topk_softmax", "sparsemixer", "sigmoid_grouped", "softmax_grouped"]
@@ -281,8 +282,9 @@ class Experts(nn.Module):
     def packed(self, source: StoredSource) -> QuantExperts:
         """These experts as weight-only quantized linears (the CPU decode rewrite, layers/quant.py
         `quantize`): from the levels or codes a GGUF stores its expert stacks in (ffn_*_exps, as
-        `sanitize_moe` names them: `gate_proj.weight`, `up_proj.weight`, `down_proj.weight`), never
-        rounded again; else from the float stacks, as the dense path packs a float linear."""
+        `sanitize_moe` names them: `gate_proj.weight`, `up_proj.weight`, `down_proj.weight`; a gpt-oss
+        MXFP4 folder offers its codes under the same names), never rounded again; else from the float
+        stacks, as the dense path packs a float linear."""
         num = self.spec.num_experts
         gate, up, down = (source.stored(f"{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
         gate_up_float = down_float = None
@@ -526,8 +528,11 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     other entries pass through. Values may be tensors or lazy readers (`loading/lazy.py`).
 
     Every layout also takes llama.cpp's GGUF form, as loading/ names its tensors: `experts.gate_proj.weight`,
-    `experts.up_proj.weight` [E, I, H] and `experts.down_proj.weight` [E, H, I] (ffn_*_exps)."""
-    weights = _merge_gguf_stacks(weights)
+    `experts.up_proj.weight` [E, I, H] and `experts.down_proj.weight` [E, H, I] (ffn_*_exps), with their
+    biases `experts.{gate,up}_proj.bias` [E, I] and `experts.down_proj.bias` [E, H] (gpt-oss); such a
+    file's names are already ours, so the layout's own renames and transposes do not apply."""
+    if any(_is_gguf_stack(k) for k in weights):
+        return _merge_gguf_stacks(weights)
     if layout in _PER_EXPERT_NAMES:
         return _stack_per_expert(weights, _PER_EXPERT_NAMES[layout])
     if layout == "granite":
@@ -541,14 +546,21 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
     raise ValueError(f"unknown MoE checkpoint layout {layout!r}")
 
 
+def _is_gguf_stack(name: str) -> bool:
+    return name == "experts.gate_proj.weight" or name.endswith(".experts.gate_proj.weight")
+
+
 def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
     kept = dict(weights)
-    for gate in [k for k in weights if k == "experts.gate_proj.weight" or k.endswith(".experts.gate_proj.weight")]:
+    for gate in [k for k in weights if _is_gguf_stack(k)]:
         prefix = gate[:-len("gate_proj.weight")]
-        up, down = f"{prefix}up_proj.weight", f"{prefix}down_proj.weight"
-        kept[f"{prefix}gate_up_proj"] = _combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
-        kept[f"{prefix}down_proj"] = kept.pop(down)
-        del kept[gate], kept[up]
+        for kind, suffix in (("weight", ""), ("bias", "_bias")):
+            gate, up, down = (f"{prefix}{part}_proj.{kind}" for part in ("gate", "up", "down"))
+            if gate not in weights:
+                continue
+            kept[f"{prefix}gate_up_proj{suffix}"] = combined(weights, [gate, up], lambda ts: torch.cat(ts, dim=1))
+            kept[f"{prefix}down_proj{suffix}"] = kept.pop(down)
+            del kept[gate], kept[up]
     return kept
 
 
@@ -564,9 +576,9 @@ def _stack_per_expert(weights: dict[str, Value], names: dict[str, str]) -> dict[
             kept[key] = value
     for prefix, roles in found.items():
         gate, up, down = (_expert_keys(roles, role, prefix) for role in ("gate", "up", "down"))
-        kept[f"{prefix}experts.gate_up_proj"] = _combined(
+        kept[f"{prefix}experts.gate_up_proj"] = combined(
             weights, gate + up, lambda ts, n=len(gate): torch.cat((torch.stack(ts[:n]), torch.stack(ts[n:])), 1))
-        kept[f"{prefix}experts.down_proj"] = _combined(weights, down, torch.stack)
+        kept[f"{prefix}experts.down_proj"] = combined(weights, down, torch.stack)
     return kept
 
 
@@ -590,7 +602,7 @@ def _gpt_oss(weights: dict[str, Value]) -> dict[str, Value]:
     out: dict[str, Value] = {}
     for key, value in _renamed(weights, {r"(^|\.)router\.(weight|bias)$": r"\1gate.\2"}).items():
         fix = next((f for suffix, f in fixes.items() if key == suffix or key.endswith("." + suffix)), None)
-        out[key] = value if fix is None else _combined({key: value}, [key], lambda ts, f=fix: f(ts[0]))
+        out[key] = value if fix is None else combined({key: value}, [key], lambda ts, f=fix: f(ts[0]))
     return out
 
 
@@ -601,12 +613,3 @@ def _renamed(weights: dict[str, Value], rules: dict[str, str]) -> dict[str, Valu
             key = re.sub(pattern, replacement, key)
         out[key] = value
     return out
-
-
-def _combined(weights: dict[str, Value], keys: list[str],
-              build: Callable[[list[torch.Tensor]], torch.Tensor]) -> Value:
-    """`build` over the tensors at `keys`: now for tensors, on first read for lazy readers."""
-    parts = [weights[k] for k in keys]
-    if all(isinstance(p, torch.Tensor) for p in parts):
-        return build(parts)
-    return lambda _name: build([reader(key) for key, reader in zip(keys, parts)])

@@ -69,6 +69,7 @@ GGUF_ARCHITECTURES = {
     "qwen3moe": "qwen3_moe",
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4_moe",
+    "deepseek2": "deepseek_v3",  # V2 files too: deepseek_v3.gguf_config reads the router (V2: softmax)
     "ernie4_5-moe": "ernie4_5_moe",
 }
 GGUF_GLOBAL_NAMES = {

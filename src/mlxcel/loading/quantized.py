@@ -1,7 +1,8 @@
-"""Quantized safetensors checkpoints (issue 42): MLX affine, GPTQ, AWQ, compressed-tensors, block FP8.
+"""Quantized safetensors checkpoints (issue 42): MLX affine, GPTQ, AWQ, compressed-tensors, block FP8, and
+gpt-oss's MXFP4 experts (issue 40).
 
 `quant_format` reads the format from config.json (`quantization`: MLX; `quantization_config` with
-`quant_method` gptq / awq / compressed-tensors / fp8) and refuses, in one line naming it, a form that
+`quant_method` gptq / awq / compressed-tensors / fp8 / mxfp4) and refuses, in one line naming it, a form that
 cannot be served, before any weight is read. `QuantizedFolder` then gives the loader two views of the
 same tensors:
 - readers: each linear's `weight` dequantized to float32 (the GPU path, which serves bfloat16, and any
@@ -16,6 +17,14 @@ repeated for each 32 (exact; 0.125 byte a weight of float16 scales, not 0.0625 o
 have no integer grid: on the CPU they are dequantized and rounded per output channel to int8 (one byte a
 weight, as in the file), activations stay float (no FP8 activation rounding); on CUDA every format is
 dequantized to bfloat16 for now.
+
+MXFP4 (`quant_method: mxfp4`, the released openai/gpt-oss-20b / 120b): only the expert stacks are quantized,
+each `{stem}_blocks` (uint8 [E, rows, K / 32, 16], two E2M1 codes a byte, the low nibble first) with
+`{stem}_scales` (uint8 E8M0 exponents [E, rows, K / 32]: 2^(s - 127)); the float view is transformers'
+`convert_moe_packed_tensors` (the checkpoint's own [E, K, rows] x @ W layout). The codes are offered as
+llama.cpp's converter splits them (`gate_proj` / `up_proj` / `down_proj`, gate the even rows of gate_up,
+up the odd ones), which `layers.moe.Experts.packed` reads: E2M1 doubled (-12..12) with the scale halved,
+exact, as GGUF MXFP4 is read.
 """
 
 from __future__ import annotations
@@ -43,6 +52,8 @@ MLX_FLOAT_MODES = {"mxfp4": (4, 32), "nvfp4": (4, 16)}
 AUX_SUFFIXES = ("scales", "biases", "qweight", "qzeros", "g_idx", "weight_scale", "weight_scale_inv",
                 "weight_zero_point", "weight_shape", "weight_g_idx", "weight_packed", "weight_global_scale",
                 "input_scale", "input_zero_point", "input_global_scale", "output_scale", "k_scale", "v_scale")
+MXFP4_GROUP = 32  # weights an E8M0 scale
+MXFP4_SPLIT = {"gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1), "down_proj": ("down_proj", None)}
 _ROWS = 1024  # rows unpacked at a time: the int64 temporaries stay a slice's size
 AWQ_REVERSE_ORDER = (0, 4, 1, 5, 2, 6, 3, 7)  # AutoAWQ's GEMM kernel's nibble order within a word
 
@@ -62,7 +73,8 @@ class QuantFormat:
         group = ("per channel" if self.group_size == 0 else "blocks " + "x".join(map(str, self.settings.get(
             "weight_block_size", ()))) if self.group_size < 0 else f"groups of {self.group_size}")
         name = {"mlx": f"MLX {self.mode}", "gptq": "GPTQ", "awq": "AWQ (GEMM)", "fp8": "FP8 (e4m3)",
-                "compressed-tensors": f"compressed-tensors {self.mode}"}[self.method]
+                "compressed-tensors": f"compressed-tensors {self.mode}",
+                "mxfp4": "MXFP4 (E2M1, E8M0 scales) experts"}[self.method]
         return f"{name} {self.bits}-bit, {group}"
 
 
@@ -77,10 +89,10 @@ def quant_format(config: dict[str, Any]) -> QuantFormat | None:
         return None
     method = str(block.get("quant_method", "")).lower()
     readers = {"gptq": _gptq_format, "awq": _awq_format, "compressed-tensors": _compressed_format,
-               "fp8": _fp8_format}
+               "fp8": _fp8_format, "mxfp4": _mxfp4_format}
     if method not in readers:
         raise ModelLoadError(f"quantization {method or 'without a quant_method'!r} is not supported "
-                             f"(served: MLX affine, gptq, awq, compressed-tensors, fp8)")
+                             f"(served: MLX affine, gptq, awq, compressed-tensors, fp8, mxfp4)")
     return readers[method](block)
 
 
@@ -137,6 +149,10 @@ def _fp8_format(block: dict[str, Any]) -> QuantFormat:
     if fmt != "e4m3":
         raise ModelLoadError(f"FP8 format {fmt!r} is not supported (e4m3 is)")
     return QuantFormat("fp8", 8, -1 if block.get("weight_block_size") else 0, fmt, block)
+
+
+def _mxfp4_format(block: dict[str, Any]) -> QuantFormat:
+    return QuantFormat("mxfp4", 4, MXFP4_GROUP, "e2m1", block)
 
 
 # ---- unpacking ----------------------------------------------------------------------------------
@@ -206,6 +222,8 @@ class QuantizedFolder:
 
     def _quantized_stem(self, name: str) -> str | None:
         """The linear `name` is the stored weight of, where it is stored quantized."""
+        if self.fmt.method == "mxfp4":
+            return name.removesuffix("_blocks") if name.endswith("_blocks") else None
         stem, _, kind = name.rpartition(".")
         marker = {"mlx": "scales", "gptq": "qweight", "awq": "qweight"}.get(self.fmt.method)
         if marker is not None:
@@ -226,6 +244,9 @@ class QuantizedFolder:
         """Parameter name -> its float tensor (quantized linears dequantized to float32)."""
         readers: dict[str, Reader] = {}
         for name in self.tensors:
+            if self.fmt.method == "mxfp4" and (stacked := _mxfp4_stem(name)) in self.linears:
+                readers[stacked] = self._mxfp4_float  # blocks and scales: one float expert stack
+                continue
             stem, _, kind = name.rpartition(".")
             if stem in self.linears:
                 if kind in AUX_SUFFIXES or kind == "weight":
@@ -234,7 +255,8 @@ class QuantizedFolder:
             if kind in AUX_SUFFIXES and kind not in ("scales", "biases"):
                 continue  # activation / KV scales of a float linear: not parameters here
             readers[name] = self._plain
-        return readers
+        # Each bound to its own name: a family's sanitize may rename the entry (gpt-oss's router -> gate).
+        return {name: _bound(read, name) for name, read in readers.items()}
 
     def state_dict(self) -> dict[str, torch.Tensor]:
         return {name: read(name) for name, read in self.readers().items()}
@@ -252,6 +274,8 @@ class QuantizedFolder:
         return levels if isinstance(levels, Int4Levels) else None
 
     def int8_levels(self, name: str) -> Int8Levels | None:
+        if self.fmt.method == "mxfp4":
+            return self._mxfp4_levels(name)
         levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
         return levels if isinstance(levels, Int8Levels) else None
 
@@ -385,9 +409,59 @@ class QuantizedFolder:
             zero = (unpack_rows(zp.t().contiguous(), bits, -(-n // 8) * 8)[:, :n].t().float() - (1 << (bits - 1)))
         return (q - zero[:, g_idx]) * scale[:, g_idx]
 
+    # ---- MXFP4 (gpt-oss) ----
+
+    def _mxfp4_float(self, stem: str) -> torch.Tensor:
+        """An expert stack as the unquantized checkpoint stores it: [E, K, rows] (x @ W), in bfloat16, which
+        holds every E2M1 value times a power of two exactly (half the bytes of float32 while a load holds it)."""
+        blocks, scales = self.get(f"{stem}_blocks"), self.get(f"{stem}_scales")
+        num, rows, k = blocks.shape[0], blocks.shape[1], blocks.shape[2] * 32
+        out = torch.empty(num, k, rows, dtype=torch.bfloat16)
+        for e in range(num):  # one expert's float32 temporaries at a time
+            out[e] = mxfp4_levels(blocks[e], scales[e]).dequantize().t()
+        return out
+
+    def _mxfp4_levels(self, name: str) -> Int8Levels | None:
+        """`{prefix}.gate_proj.weight` / `up_proj` / `down_proj` (llama.cpp's split of the stacks): their
+        codes and scales over every expert's rows [E * rows, K]."""
+        prefix, _, part = name.removesuffix(".weight").rpartition(".")
+        if not name.endswith(".weight") or part not in MXFP4_SPLIT:
+            return None
+        stem, parity = MXFP4_SPLIT[part]
+        stem = f"{prefix}.{stem}"
+        if stem not in self.linears:
+            return None
+        blocks, scales = self.get(f"{stem}_blocks"), self.get(f"{stem}_scales")
+        if parity is not None:  # gpt-oss interleaves gate and up rows
+            blocks, scales = blocks[:, parity::2], scales[:, parity::2]
+        return mxfp4_levels(blocks, scales)
+
     def resident_summary(self) -> dict[str, Any]:
         return {"format": self.fmt.method, "description": self.fmt.describe(), "bits": self.fmt.bits,
                 "group_size": self.fmt.group_size, "file_bytes": self.file_bytes}
+
+
+def _bound(read: Reader, name: str) -> Reader:
+    return lambda _name: read(name)
+
+
+def _mxfp4_stem(name: str) -> str:
+    return name.removesuffix("_blocks").removesuffix("_scales")
+
+
+# Each byte's two E2M1 codes (low nibble first), doubled to int8: a byte -> its pair, without int64 temporaries.
+_E2M1_PAIRS = torch.stack((_E2M1_TWICE[torch.arange(256) & 15], _E2M1_TWICE[torch.arange(256) >> 4]), dim=1)
+
+
+def mxfp4_levels(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Levels:
+    """MXFP4 blocks (uint8 [..., G, 16]) and E8M0 scales (uint8 [..., G]) as exact int8 codes [rows, 32 G]
+    (E2M1 doubled) with float32 scales [rows, G] halved: 2^(s - 128)."""
+    rows, groups = scales.numel() // scales.shape[-1], scales.shape[-1]
+    packed = blocks.reshape(rows, groups * 16)
+    codes = torch.empty(rows, groups * 32, dtype=torch.int8)
+    for start in range(0, rows, _ROWS):
+        codes[start:start + _ROWS] = _E2M1_PAIRS[packed[start:start + _ROWS].int()].view(-1, groups * 32)
+    return Int8Levels(codes, torch.exp2(scales.reshape(rows, groups).float() - 128), None)
 
 
 def _mlx_float_levels(q: torch.Tensor, scales: torch.Tensor, mode: str) -> Int8Levels:

@@ -16,6 +16,7 @@ import torch
 
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe
 from mlxcel.layers.moe import Layout, MoE, MoESpec, RouterKind, moe_spec_from_config, sanitize_moe
+from mlxcel.models._gguf import GGUFTensors
 
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
@@ -26,6 +27,15 @@ GGUF_MOE_NAMES = {
     "ffn_up_exps": "mlp.experts.up_proj",
     "ffn_down_exps": "mlp.experts.down_proj",
 }
+# DeepSeek-style blocks (deepseek2, glm4moe): ungated shared experts and the router's selection bias
+# (`exp_probs_b.bias`, which `MoEDecoderLM.sanitize` renames to transformers' `e_score_correction_bias`).
+GGUF_SHARED_EXPERT_NAMES = {
+    "ffn_gate_shexp": "mlp.shared_experts.gate_proj",
+    "ffn_up_shexp": "mlp.shared_experts.up_proj",
+    "ffn_down_shexp": "mlp.shared_experts.down_proj",
+    "exp_probs_b": "mlp.gate.e_score_correction",
+}
+_SELECTION_BIAS = ".gate.e_score_correction.bias"
 
 
 class MoEArgs:
@@ -56,9 +66,27 @@ class MoEDecoderLM(DecoderLM):
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
         # Layers past the last decoder layer are the MTP layers DeepSeek-V3 / GLM-4.5 carry: not served here.
-        kept = {k: v for k, v in weights.items()
+        kept = {_unsuffixed(k): v for k, v in weights.items()
                 if not (m := _LAYER.match(k)) or int(m.group(1)) < args.num_hidden_layers}
         return super().sanitize(sanitize_moe(kept, cls.MOE_LAYOUT), args)
+
+
+def deepseek_moe_gguf_config(gguf: GGUFTensors) -> dict[str, Any]:
+    """The HF settings of a DeepSeek-style MoE that llama.cpp keeps under its own `<arch>.` keys (deepseek2,
+    glm4moe): leading dense layers, shared experts, the routed weights' scale and renormalisation, and the
+    expert groups (llama.cpp reads the groups for every architecture)."""
+    return {
+        "first_k_dense_replace": gguf.arch_value("leading_dense_block_count", 0),
+        "n_shared_experts": gguf.arch_value("expert_shared_count", 0),
+        "routed_scaling_factor": gguf.arch_value("expert_weights_scale", 1.0),
+        "norm_topk_prob": bool(gguf.arch_value("expert_weights_norm", False)),
+        "n_group": gguf.arch_value("expert_group_count", 1),
+        "topk_group": gguf.arch_value("expert_group_used_count", 1),
+    }
+
+
+def _unsuffixed(name: str) -> str:
+    return name[:-len(_SELECTION_BIAS)] + ".gate.e_score_correction_bias" if name.endswith(_SELECTION_BIAS) else name
 
 
 def config_of(args: Any) -> dict[str, Any]:

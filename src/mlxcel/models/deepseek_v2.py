@@ -11,7 +11,9 @@ from typing import Any
 
 from mlxcel.layers.moe import MoESpec, moe_spec_from_config
 from mlxcel.models import deepseek_v3
-from mlxcel.models._moe import MoEDecoderLM, config_of
+from mlxcel.models._moe import config_of
+
+GGUF_LAYER_NAMES = deepseek_v3.GGUF_LAYER_NAMES  # llama.cpp's deepseek2 (deepseek_v3.gguf_config picks the family)
 
 
 @dataclass(frozen=True)
@@ -34,5 +36,5 @@ class ModelArgs(deepseek_v3.ModelArgs):
         return moe_spec_from_config(config, self.MOE_ROUTER, normalize=False)
 
 
-class Model(MoEDecoderLM):
+class Model(deepseek_v3.Model):
     ARGS = ModelArgs
