@@ -230,8 +230,10 @@ class DecodeStep:
         if self.states is None:
             return None
         padding = [SCRATCH_SLOT] * (num_rows - len(rows))
-        return RecurrentStates.decode(self.states, [r.state_read for r in rows] + padding,
-                                      [r.state_write for r in rows] + padding)
+        # Copied without waiting for the device's queue (a replay may still run), as build_inputs' tensors.
+        reads = on_device([r.state_read for r in rows] + padding, torch.long, self.device)
+        return RecurrentStates.decode(self.states, reads,
+                                      on_device([r.state_write for r in rows] + padding, torch.long, self.device))
 
     @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
     def warm(self, num_positions: int = 100) -> float:
