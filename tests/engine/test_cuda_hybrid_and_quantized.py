@@ -1,8 +1,8 @@
 """Issues 41 and 42 on CUDA (the lent GPU: `MLXCEL_TEST_DEVICE=cuda PYTHONPATH=src python3 -m pytest
 tests/engine/test_cuda_hybrid_and_quantized.py`); skipped without CUDA.
 
-- A hybrid's decode step (Gated DeltaNet beside gated attention) captured as CUDA graphs gives the eager step's
-  greedy tokens, alone, in a batch and after a prefix-cache hit that resumes from a state snapshot.
+- A hybrid's decode step captured as CUDA graphs (Gated DeltaNet, Mamba-2, LFM2's short conv, the RG-LRU, each
+  beside attention) gives the eager step's greedy tokens, alone and in a batch.
 - A quantized folder keeps its 4-bit levels (MLX affine, GPTQ) in torch's int4 GEMM and its per-channel FP8
   weights in `torch._scaled_mm`: logits near the dequantized model's, fewer resident bytes, and the
   captured decode step's greedy tokens equal the eager step's over the same kept weights.
@@ -36,7 +36,7 @@ NUM_TOKENS = 16
 
 
 def _engine(model: torch.nn.Module, decode_step: str, dtype: torch.dtype) -> EngineClient:
-    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 128, max_num_batched_tokens=32, block_size=4,
+    config = EngineConfig(max_num_seqs=4, ctx_size=4 * 64, max_num_batched_tokens=32, block_size=4,
                           decode_step=decode_step)
     core = EngineCore(model, ModelShape.of(model.args), config, eos_token_ids=frozenset(), device="cuda", dtype=dtype)
     core.warm_decode_step()
@@ -72,15 +72,22 @@ def _tokens_by_mode(model: torch.nn.Module, dtype: torch.dtype) -> dict[str, lis
 
 # ---- issue 41: the hybrid decode step under CUDA graphs ----
 
-def test_hybrid_decode_step_as_cuda_graphs_gives_the_eager_steps_tokens(tmp_path: Path) -> None:
+def _qwen3_5_config():  # noqa: ANN202
     import transformers
 
-    config = transformers.Qwen3_5TextConfig(
+    return transformers.Qwen3_5TextConfig(
         hidden_size=64, num_hidden_layers=4, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
         intermediate_size=128, vocab_size=128, max_position_embeddings=512, linear_num_key_heads=2,
         linear_num_value_heads=4, linear_key_head_dim=16, linear_value_head_dim=16,
         layer_types=["linear_attention", "full_attention"] * 2)
-    save_tiny_hf(config, tmp_path)
+
+
+# Gated DeltaNet (Qwen3.5), Mamba-2 (Nemotron-H), LFM2's short conv and the RG-LRU: each mixer's decode form captured.
+@pytest.mark.parametrize("family", ["qwen3_5", "nemotron_h", "lfm2", "recurrent_gemma"])
+def test_hybrid_decode_step_as_cuda_graphs_gives_the_eager_steps_tokens(family: str, tmp_path: Path) -> None:
+    from tests.models.test_hybrid_families import FAMILIES
+
+    save_tiny_hf(_qwen3_5_config() if family == "qwen3_5" else FAMILIES[family][1](), tmp_path)
     model = load_model(tmp_path, device="cuda", dtype=torch.float32).model
     tokens = _tokens_by_mode(model, torch.float32)
     assert all(len(t) == NUM_TOKENS for t in tokens["eager"])
