@@ -344,7 +344,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("threads", NON_NEGATIVE, 0, "CPU threads for the model (0 = torch's default: every core)",
        ("-t", "--threads"), "LLAMA_ARG_THREADS", metavar="N", group="model"),
     _s("quantize", choice("auto", "off"), "auto", "CPU decode matmuls: auto = weight-only 4-bit (where the "
-       "checkpoint is 4-bit) or int8; off = plain --dtype", ("--quantize",), "MLXCEL_QUANTIZE", group="model"),
+       "checkpoint is 4-bit) or int8; on CUDA, auto keeps a quantized folder's 4-bit and FP8 weights as stored; "
+       "off = plain --dtype", ("--quantize",), "MLXCEL_QUANTIZE", group="model"),
     # chat behaviour (S, R, Q, P)
     _s("reasoning_format", choice("none", "deepseek", "deepseek-legacy", "auto"), "auto", "where reasoning goes: "
        "none (in the content), deepseek / auto (reasoning_content), deepseek-legacy (both)",

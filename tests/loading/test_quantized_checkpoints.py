@@ -19,6 +19,7 @@ from mlxcel.layers.quant import QuantHead, QuantLinear, quantize
 from mlxcel.loading import ModelLoadError, load_model, open_checkpoint
 from mlxcel.loading.lazy import materialize_all
 from mlxcel.loading.quantized import _mlx_float_levels, affine_levels, unpack_rows
+from tests.loading.quant_writers import awq_linear as _awq_linear, gptq_linear as _gptq_linear
 from tests.loading.tiny_checkpoint import EOS, tiny_tokenizer_json
 from tests.models.harness import greedy, uncached_logits
 
@@ -288,50 +289,6 @@ def test_block_fp8_checkpoint_equals_transformers(hf_folder: Path, tmp_path: Pat
 # these writers follow the packings as AutoGPTQ and AutoAWQ write them. The float weights they encode are
 # computed here from the integer codes and put in a transformers model: its forward is the reference, and a
 # wrong bit order, zero convention, g_idx reading or nibble order of ours fails the comparison.
-
-AWQ_ORDER = [0, 2, 4, 6, 1, 3, 5, 7]  # AutoAWQ's GEMM packing: nibble i of a word holds column AWQ_ORDER[i]
-
-
-def _pack_lsb(values: torch.Tensor, bits: int) -> torch.Tensor:
-    """Codes [R, C] -> int32 words [R, C * bits / 32] along C, each word's first field in its lowest bits."""
-    per = 32 // bits
-    words = ((values.to(torch.int64) & ((1 << bits) - 1)).view(values.shape[0], -1, per)
-             << (torch.arange(per) * bits)).sum(-1)
-    return torch.where(words >= 2**31, words - 2**32, words).to(torch.int32)
-
-
-def _affine_codes(w: torch.Tensor, bits: int, group: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """Codes [N, K] in 0..2^bits-1, float16 scales and integer zeros [N, K / group]: w ~ (q - zero) * scale."""
-    n, k = w.shape
-    groups = w.view(n, k // group, group)
-    low, high = groups.amin(-1), groups.amax(-1)
-    scale = ((high - low) / ((1 << bits) - 1)).clamp(min=1e-6).half().float()
-    zero = torch.round(-low / scale).clamp(0, (1 << bits) - 1)
-    q = torch.round(groups / scale[..., None] + zero[..., None]).clamp(0, (1 << bits) - 1)
-    return q.view(n, k).to(torch.int64), scale, zero.to(torch.int64)
-
-
-def _gptq_linear(w: torch.Tensor, bits: int, group: int, desc_act: bool) -> tuple[dict, torch.Tensor]:
-    """AutoGPTQ's tensors of one linear (zeros stored less one) and the float weight they encode. With
-    `desc_act`, groups are formed over a permutation of the inputs and each input's group is its g_idx."""
-    n, k = w.shape
-    order = torch.randperm(k, generator=torch.Generator().manual_seed(k + n)) if desc_act else torch.arange(k)
-    q, scale, zero = _affine_codes(w[:, order], bits, group)
-    inverse = torch.argsort(order)
-    q, g_idx = q[:, inverse], (torch.arange(k) // group)[inverse]
-    tensors = {"qweight": _pack_lsb(q, bits).t().contiguous(), "qzeros": _pack_lsb(zero.t().contiguous() - 1, bits),
-               "scales": scale.t().contiguous().half(), "g_idx": g_idx.to(torch.int32)}
-    return tensors, (q - zero[:, g_idx]) * scale[:, g_idx]
-
-
-def _awq_linear(w: torch.Tensor, group: int) -> tuple[dict, torch.Tensor]:
-    n, k = w.shape
-    q, scale, zero = _affine_codes(w, 4, group)
-    columns = lambda t: t.view(t.shape[0], -1, 8)[:, :, AWQ_ORDER].reshape(t.shape[0], -1)  # noqa: E731
-    tensors = {"qweight": _pack_lsb(columns(q.t().contiguous()), 4), "qzeros": _pack_lsb(columns(zero.t().contiguous()), 4),
-               "scales": scale.t().contiguous().half()}
-    return tensors, (q - zero.repeat_interleave(group, 1)) * scale.repeat_interleave(group, 1)
-
 
 GPTQ_AWQ = {  # name: (quantization_config, linear writer)
     "gptq-4bit": ({"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False, "sym": False},

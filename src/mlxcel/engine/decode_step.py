@@ -146,9 +146,10 @@ class DecodeStep:
         # Hybrid models: the recurrent layers' states (set by the engine), handed to each layer per step.
         self.states: StateTensors | None = None
         self._step_states: RecurrentStates | None = None
-        if state_specs(model) and mode != "eager":
-            log.info("decode step: eager, not %s: the model has recurrent layers (issue 41: their compiled and "
-                     "captured steps are not written yet)", mode)
+        self.is_hybrid = bool(state_specs(model))
+        if self.is_hybrid and mode in ("native", "compile"):
+            log.info("decode step: eager, not %s: the model has recurrent layers (issue 41: their compiled CPU "
+                     "step is not written yet)", mode)
             self.mode = mode = "eager"
         if self.is_whole_model:
             if self.taps:
@@ -168,7 +169,9 @@ class DecodeStep:
             log.info("decode step: eager, not CUDA graphs: the drafter reads hidden states of layers %s",
                      list(self.taps))
             self.mode = mode = "eager"
-        if mode in ("compile", "cuda-graph"):
+        if mode == "compile" or (mode == "cuda-graph" and not self.is_hybrid):
+            # A hybrid's layers are captured as they run eagerly (issue 41): one graph of the whole step
+            # removes the launches that bound it; the recurrent layers are not compiled.
             self._layer = compile_layer(cache_dir)
         if mode == "compile":
             self._head = compile_head(model.compute_logits)
@@ -216,14 +219,21 @@ class DecodeStep:
         # NOTE: compiled, a batch of one would take a graph specialised for size 1, whose sums
         # are ordered differently; a padding row keeps every batch on the one symbolic graph.
         num_rows = max(len(rows), 2) if self.mode == "compile" else len(rows)
-        if self.states is not None:
-            padding = [SCRATCH_SLOT] * (num_rows - len(rows))
-            self._step_states = RecurrentStates.decode(self.states, [r.state_read for r in rows] + padding,
-                                                       [r.state_write for r in rows] + padding)
+        self._step_states = self.step_states(rows, num_rows)
         inputs = build_inputs(rows, self.kv_cache.block_size, self.kv_cache.scratch_slot, num_rows=num_rows,
                               num_adapters=self.num_adapters, device=self.device)
         logits = self.forward(*inputs.tensors())
         return logits[:len(rows)].float()
+
+    def step_states(self, rows: list[DecodeRow], num_rows: int) -> RecurrentStates | None:
+        """Hybrid models: the step's recurrent-state view, `rows`' state slots then padding rows' scratch slot."""
+        if self.states is None:
+            return None
+        padding = [SCRATCH_SLOT] * (num_rows - len(rows))
+        # Copied without waiting for the device's queue (a replay may still run), as build_inputs' tensors.
+        reads = on_device([r.state_read for r in rows] + padding, torch.long, self.device)
+        return RecurrentStates.decode(self.states, reads,
+                                      on_device([r.state_write for r in rows] + padding, torch.long, self.device))
 
     @torch.inference_mode()  # as run(): a capture must not trace autograd (the attention op has none)
     def warm(self, num_positions: int = 100) -> float:
@@ -318,13 +328,19 @@ def compile_head(head: Callable[[torch.Tensor], torch.Tensor]) -> Callable[[torc
 # ---- GPU: CUDA graphs ----
 
 class CudaGraphs:
-    """One captured decode step per (rows, keys) bucket, replayed over static buffers."""
+    """One captured decode step per (rows, keys) bucket, replayed over static buffers.
+
+    A hybrid model's step (issue 41) is captured with a static `RecurrentStates` per bucket: the recurrent
+    layers gather their states by the device tensor of slots each row reads and scatter them by the one it
+    writes (index_select / index_copy_ on the state pool), and a replay first copies the batch's slots into
+    those two tensors, as it copies the token ids and key slots."""
 
     def __init__(self, step: DecodeStep, max_rows: int, max_positions: int) -> None:
         self.step = step
         self.row_buckets = _powers_of_two(max_rows)
         self.key_buckets = _powers_of_two(-(-max_positions // KEY_ALIGN) * KEY_ALIGN, start=256)
-        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor]] = {}
+        self._graphs: dict[tuple[int, int], tuple[torch.cuda.CUDAGraph, DecodeInputs, torch.Tensor,
+                                                  RecurrentStates | None]] = {}
         self._pool = None
 
     def capture_all(self) -> None:
@@ -342,11 +358,16 @@ class CudaGraphs:
         key = (_bucket(len(rows), self.row_buckets), _bucket(longest, self.key_buckets))
         if key not in self._graphs:
             self._capture(*key)
-        graph, static, logits = self._graphs[key]
+        graph, static, logits, static_states = self._graphs[key]
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_rows=key[0], num_keys=key[1],
                               num_adapters=self.step.num_adapters, device=self.step.device)
         for dst, src in zip(static.tensors(), inputs.tensors()):
             dst.copy_(src, non_blocking=True)
+        if static_states is not None:
+            states = self.step.step_states(rows, key[0])
+            assert states is not None
+            static_states.read_slots.copy_(states.read_slots, non_blocking=True)
+            static_states.write_slots.copy_(states.write_slots, non_blocking=True)
         graph.replay()  # launched, not awaited: the sampler's read of the logits waits for it
         return logits[:len(rows)].float()
 
@@ -354,6 +375,7 @@ class CudaGraphs:
         kv = self.step.kv_cache
         inputs = build_inputs(rows, kv.block_size, kv.scratch_slot, num_adapters=self.step.num_adapters,
                               device=self.step.device)
+        self.step._step_states = self.step.step_states(rows, len(rows))
         logits = self.step.forward(*inputs.tensors())
         return logits.float()
 
@@ -363,6 +385,8 @@ class CudaGraphs:
         scratch = self.step._scratch_row(min(num_keys, self.step.max_positions))
         static = build_inputs([scratch] * num_rows, kv.block_size, kv.scratch_slot, num_rows=num_rows,
                               num_keys=num_keys, num_adapters=self.step.num_adapters, device=device)
+        # Hybrids: every row of the capture reads and writes the scratch slot; replays copy real slots in.
+        static_states = self.step._step_states = self.step.step_states([scratch] * num_rows, num_rows)
         stream = torch.cuda.Stream(device)
         stream.wait_stream(torch.cuda.current_stream(device))
         with torch.cuda.stream(stream):
@@ -373,7 +397,7 @@ class CudaGraphs:
         with torch.cuda.graph(graph, pool=self._pool):
             logits = self.step.forward(*static.tensors())
         self._pool = graph.pool()
-        self._graphs[(num_rows, num_keys)] = (graph, static, logits)
+        self._graphs[(num_rows, num_keys)] = (graph, static, logits, static_states)
 
 
 def _powers_of_two(limit: int, start: int = 1) -> list[int]:

@@ -636,14 +636,18 @@ class FusedOutput(nn.Module):
         return self._fused[0].output(x, self.index, step)
 
 
-def _fuse_groups(parent: nn.Module, build: Callable[[list[nn.Linear], tuple[str, ...]], nn.Module]) -> int:
-    """Each group of sibling linears becomes one `build(linears, names)`, which the names then slice."""
+def _fuse_groups(parent: nn.Module, build: Callable[[list[nn.Linear], tuple[str, ...]], nn.Module | None]) -> int:
+    """Each group of sibling linears becomes one `build(linears, names)`, which the names then slice (a group
+    whose `build` gives None stays as it is)."""
     count = 0
     for names in FUSABLE_GROUPS:
         linears = [getattr(parent, n, None) for n in names]
         if not all(isinstance(lin, nn.Linear) for lin in linears):
             continue
-        fused = FusedQuantLinear(build(linears, names), [lin.out_features for lin in linears])  # type: ignore[misc, union-attr]
+        stacked = build(linears, names)  # type: ignore[arg-type]
+        if stacked is None:
+            continue
+        fused = FusedQuantLinear(stacked, [lin.out_features for lin in linears])  # type: ignore[union-attr]
         parent.add_module("fused_" + "_".join(n.split("_")[0] for n in names), fused)
         for index, name in enumerate(names):
             setattr(parent, name, FusedOutput(fused, index))

@@ -155,7 +155,8 @@ class RecurrentStates:
         self._batch_index: tuple[torch.Tensor, torch.Tensor] | None = None
 
     @classmethod
-    def decode(cls, store: StateTensors, read_slots: list[int], write_slots: list[int]) -> RecurrentStates:
+    def decode(cls, store: StateTensors, read_slots: list[int] | torch.Tensor,
+               write_slots: list[int] | torch.Tensor) -> RecurrentStates:
         """A decode step over B rows, row b reading slot `read_slots[b]` and writing `write_slots[b]`
         (padding rows: the scratch slot)."""
         n = len(read_slots)

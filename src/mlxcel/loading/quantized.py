@@ -15,8 +15,9 @@ same tensors:
 NOTE: the int4 kernel scales groups of 32 inputs; a group of 64 or 128 is kept as its steps and lows
 repeated for each 32 (exact; 0.125 byte a weight of float16 scales, not 0.0625 or 0.03). FP8 weights
 have no integer grid: on the CPU they are dequantized and rounded per output channel to int8 (one byte a
-weight, as in the file), activations stay float (no FP8 activation rounding); on CUDA every format is
-dequantized to bfloat16 for now.
+weight, as in the file), activations stay float (no FP8 activation rounding). On CUDA, 4-bit levels and FP8 weights
+scaled per tensor or channel (`fp8_weight`) stay as stored (layers/quant_cuda.py); the rest is dequantized to
+bfloat16.
 
 MXFP4 (`quant_method: mxfp4`, the released openai/gpt-oss-20b / 120b): only the expert stacks are quantized,
 each `{stem}_blocks` (uint8 [E, rows, K / 32, 16], two E2M1 codes a byte, the low nibble first) with
@@ -37,6 +38,7 @@ from typing import Any, Callable
 import torch
 
 from mlxcel.layers.quant import INT4_GROUP, Int4Levels, Int8Levels
+from mlxcel.layers.quant_cuda import Fp8Weight
 from mlxcel.loading.errors import ModelLoadError
 
 log = logging.getLogger(__name__)
@@ -278,6 +280,23 @@ class QuantizedFolder:
             return self._mxfp4_levels(name)
         levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
         return levels if isinstance(levels, Int8Levels) else None
+
+    def fp8_weight(self, name: str) -> Fp8Weight | None:
+        """Parameter `name`'s stored e4m3 weight and its scale per output channel, where the file scales it per
+        tensor or per channel (the CUDA `_scaled_mm` path, layers/quant_cuda.py); None otherwise (block scales too)."""
+        stem = name.removesuffix(".weight")
+        if not name.endswith(".weight") or stem not in self.linears or self._dtype(name) != "F8_E4M3":
+            return None
+        scale_name = f"{stem}.weight_scale_inv" if self.has(f"{stem}.weight_scale_inv") else f"{stem}.weight_scale"
+        if not self.has(scale_name):
+            return None
+        weight, scale = self.get(name), self.get(scale_name).float()
+        n = weight.shape[0]
+        if scale.numel() == 1:
+            return Fp8Weight(weight, scale.reshape(1).expand(n).contiguous())
+        if scale.numel() == n and (scale.dim() < 2 or scale.shape[-1] == 1):
+            return Fp8Weight(weight, scale.reshape(n).contiguous())
+        return None
 
     def levels(self, stem: str) -> Int4Levels | Int8Levels | None:
         """Linear `stem`'s stored integer codes (None: not quantized, or FP8, which has no integer grid)."""

@@ -28,6 +28,7 @@ from mlxcel.engine.spec import DraftPolicy
 from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize, resident_bytes
+from mlxcel.layers.quant_cuda import keep_quantized
 from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
@@ -64,6 +65,10 @@ class RuntimeOptions:
         if self.quantize not in ("auto", "off"):
             raise ValueError(f"--quantize must be auto or off; not {self.quantize!r}")
         return self.quantize == "auto" and self.device == "cpu" and can_quantize()
+
+    def keeps_quantized_on_cuda(self, checkpoint: Checkpoint) -> bool:
+        """Issue 42: a quantized folder on CUDA keeps its 4-bit and FP8 linears as stored (layers/quant_cuda.py)."""
+        return self.quantize == "auto" and self.device.startswith("cuda") and checkpoint.quant is not None
 
     def runs_engine_process(self) -> bool:
         """Issue 25: auto is on with a GPU, where the server with the split reached 1.3-1.6x the one-process
@@ -188,7 +193,7 @@ def build_served(resolved: ResolvedModel, checkpoint: Checkpoint, tokenizer: Tok
     if options.mmproj is not None:  # issue 43: the vision side from llama.cpp's projector file
         attach_mmproj(loaded.model, options.mmproj, tokenizer)
     log.info("Model loaded: %s (%s, %s on %s; weights: %s; model code: %s)", resolved.name, loaded.model_type,
-             dtype, options.device, _materialization(options, is_lazy), loaded.implementation)
+             dtype, options.device, _materialization(options, is_lazy, checkpoint), loaded.implementation)
     log.info("decode path: %s", _decode_path(loaded, options))
     weights = weights_report(loaded)
     log.info("weights: %s; %.1f MiB resident (files %.1f MiB)", weights["description"],
@@ -336,13 +341,15 @@ def _mtp_policy(loaded: LoadedModel, options: RuntimeOptions,
     return policy, None
 
 
-def _materialization(options: RuntimeOptions, is_lazy: bool) -> str:
+def _materialization(options: RuntimeOptions, is_lazy: bool, checkpoint: Checkpoint) -> str:
     """When the weights are read, as it happens on this path (issue 47: the load line said "mapped" and this one
     "eager" for the same load; both now tell the same story)."""
     if options.is_quantized():
         unused = ("; MLXCEL_WEIGHT_MATERIALIZATION=lazy does not apply, --quantize off keeps them lazy"
                   if is_lazy else "")
         return f"mapped, each linear read from the file as the CPU decode rewrite packs it, before serving{unused}"
+    if options.keeps_quantized_on_cuda(checkpoint):
+        return "mapped, each 4-bit or FP8 linear read from the file as it is packed for CUDA, the rest before serving"
     if not is_lazy:
         return "read in full at load (MLXCEL_WEIGHT_MATERIALIZATION=eager)"
     if options.device.startswith("cuda"):
@@ -354,7 +361,7 @@ def _load_for_decode(checkpoint: Checkpoint, options: RuntimeOptions, *, lazy: b
     """The checkpoint mapped, not read, where the CPU decode rewrite follows (`_decode_path`): it
     reads each linear as it packs it, so no float copy of the whole model is ever held."""
     return load_weights(checkpoint, device=options.device, dtype=options.torch_dtype(),
-                        lazy=lazy or options.is_quantized())
+                        lazy=lazy or options.is_quantized() or options.keeps_quantized_on_cuda(checkpoint))
 
 
 def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
@@ -363,9 +370,12 @@ def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
         materialize_all(loaded.model)  # the rest (norms, embeddings): the decode step reads them outside a forward
         return f"{summary}; {options.torch_dtype()} activations and KV cache"
     if options.device.startswith("cuda"):  # fewer, wider GEMMs in each captured decode step
+        # Issue 42: a quantized folder's 4-bit and FP8 linears stay as stored, read as they are packed.
+        kept = (f"{keep_quantized(loaded.model, options.device)}; " if loaded.quant is not None
+                and options.quantize == "auto" else "")
         materialize_all(loaded.model)  # fusing needs every tensor (the "Model loaded" line says so)
         fused = fuse_projections(loaded.model)
-        return f"{options.torch_dtype()} linears and KV cache ({fused} projections fused into wider matmuls)"
+        return f"{kept}{options.torch_dtype()} linears and KV cache ({fused} projections fused into wider matmuls)"
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 
