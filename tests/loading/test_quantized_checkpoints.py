@@ -53,15 +53,15 @@ def test_mlx_fp4_modes_are_exact_int8_codes(mode: str) -> None:
 
 # ---- folders written by mlx-lm's converter ----
 
-def _tiny_hf(folder: Path, vocab_size: int = 128) -> None:
+def _tiny_hf(folder: Path, vocab_size: int = 128, head_dim: int = 16) -> None:
     """A tiny random qwen3 with peaked logits (norms near 1), saved with the tiny tokenizer (96 tokens; by
-    default 128 rows, whole blocks of 64 for the int8 kernel)."""
+    default 128 rows, whole blocks of 64 for the int8 kernel; `head_dim` 32 for a q8_0 KV cache)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer_json, vocab = tiny_tokenizer_json()
     config = AutoConfig.for_model("qwen3", vocab_size=vocab_size,
                                   hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                   max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=vocab - 1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

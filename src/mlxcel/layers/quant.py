@@ -379,10 +379,16 @@ def int4_blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
     16 + 4 v + t (high nibble); steps and lows as `group_scales` stores them for blocks of 16."""
     n, k = q.shape
     blocks, groups = n // INT4_BLOCK, k // INT4_GROUP
-    levels = q.view(blocks, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
-    levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
-    packed = (levels[..., 0] | (levels[..., 1] << 4)).contiguous().view(blocks, groups, 4, 64)
+    packed = torch.empty(blocks, groups, 4, 64, dtype=torch.uint8)
+    for start in range(0, blocks, PACK_BLOCKS):  # a slice of blocks at a time: the temporaries stay its size
+        part = q[start * INT4_BLOCK:(start + PACK_BLOCKS) * INT4_BLOCK]
+        levels = part.view(-1, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
+        levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
+        packed[start:start + PACK_BLOCKS] = (levels[..., 0] | (levels[..., 1] << 4)).reshape(-1, groups, 4, 64)
     return packed, group_scales([step, low], INT4_BLOCK, units, torch.uint8)
+
+
+PACK_BLOCKS = 256  # blocks of 16 outputs `int4_blocks` packs at a time
 
 
 def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> torch.Tensor | None:

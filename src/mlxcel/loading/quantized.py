@@ -146,9 +146,17 @@ def unpack_rows(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     lowest bits (MLX, GPTQ after a transpose, compressed-tensors): uint8 [R, count] (count a multiple of 8)."""
     rows = packed.shape[0]
     data = packed.contiguous().view(torch.int32).view(torch.uint8).view(rows, -1)[:, :count * bits // 8]
+    if bits == 8:
+        return data.clone()
+    out = torch.empty(rows, count, dtype=torch.uint8)
+    if 8 % bits == 0:  # 2 and 4 bits: whole fields in each byte, shifted in uint8 (no int64 words)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        for start in range(0, rows, _ROWS):
+            part = data[start:start + _ROWS].unsqueeze(-1) >> shifts  # [rows, bytes, fields a byte]
+            out[start:start + _ROWS] = part.bitwise_and_((1 << bits) - 1).view(-1, count)
+        return out
     byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
     field_shifts = torch.arange(8, dtype=torch.int64) * bits
-    out = torch.empty(rows, count, dtype=torch.uint8)
     for start in range(0, rows, _ROWS):
         part = data[start:start + _ROWS].to(torch.int64).view(-1, count // 8, bits)
         words = (part << byte_shifts).sum(-1, keepdim=True)  # 8 fields in `bits` bytes: at most 64 bits
