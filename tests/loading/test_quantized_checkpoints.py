@@ -389,3 +389,24 @@ def test_a_tied_4bit_table_is_read_from_the_heads_blocks_and_kept_once() -> None
         assert TiedQuantEmbedding.can_read(head)
         assert torch.equal(TiedQuantEmbedding(head)(ids), QuantEmbedding(levels)(ids))
         assert not list(TiedQuantEmbedding(head).buffers())  # nothing of its own
+
+
+def test_a_tied_bfloat16_table_is_read_from_the_heads_copy_and_kept_once(hf_folder: Path, tmp_path: Path) -> None:
+    """A GPTQ folder keeps its tied table in bfloat16 (as the tools save it): the packed model reads embeddings
+    from the output head's bfloat16 copy, the same rows as the float32 table the dense load makes of it."""
+    from safetensors.torch import load_file
+
+    from mlxcel.layers.quant import TiedDenseEmbedding
+
+    block, write = GPTQ_AWQ["gptq-4bit"]
+    stored = {}
+    for name, value in load_file(str(hf_folder / "model.safetensors")).items():
+        parts = write(value)[0] if name.endswith("proj.weight") else {"weight": value.bfloat16()}
+        stored |= {name.removesuffix(".weight") + f".{part}": t for part, t in parts.items()}
+    folder = _with_weights(hf_folder, tmp_path / "gptq", stored, block)
+    model, dense = _packed(folder), load_model(folder).model
+    assert isinstance(model.model.embed_tokens, TiedDenseEmbedding) and not list(model.model.embed_tokens.buffers())
+    ids = torch.tensor([[0, 5, 17, 95], [33, 16, 15, 64]])
+    assert torch.equal(model.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+    expected = uncached_logits(dense, PROMPT)
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.05 * float(expected.abs().max()))

@@ -535,6 +535,26 @@ class TiedQuantEmbedding(QuantEmbedding):
         return rows.view(*input_ids.shape, self.embedding_dim)
 
 
+class TiedDenseEmbedding(nn.Module):
+    """A tied float embedding table read from the output head's bfloat16 copy (`QuantHead` keeps one to recompute
+    its top candidates) where that copy is the table exactly (a bfloat16 checkpoint: GPTQ, AWQ, compressed-tensors,
+    FP8 folders keep the table unquantized): issue 42, the table is kept once, not also as a float32 table."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # a list: the head's buffers stay registered once, on the head
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @staticmethod
+    def can_read(head: QuantLinear, table: torch.Tensor) -> bool:
+        copy = head.weight
+        return copy is not None and copy.dtype == torch.bfloat16 and bool(torch.equal(copy.to(table.dtype), table))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._head[0].weight[input_ids].to(self.dtype)
+
+
 # Sibling linears that read the same input in every family here; each group becomes one matmul.
 FUSABLE_GROUPS = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
 
@@ -700,6 +720,9 @@ def quantize(model: nn.Module) -> QuantSummary:
         if weight is None:
             weight = checkpoint.kept("model.embed_tokens", embed).weight
         model.lm_head = QuantHead(weight, search=checkpoint.search)
+        if isinstance(weight, torch.Tensor) and TiedDenseEmbedding.can_read(model.lm_head.linear, weight.detach()):
+            model.model.embed_tokens = TiedDenseEmbedding(model.lm_head.linear, weight.dtype)
+        del weight
     if embed_levels is not None or embed_codes is not None:
         tied = embed_levels is not None and head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
         model.model.embed_tokens = (TiedQuantEmbedding(model.lm_head.linear) if tied
