@@ -20,7 +20,12 @@ dequantized to bfloat16 for now.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
+import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -198,6 +203,7 @@ class QuantizedFolder:
 
         self.fmt = fmt
         self.tensors: dict[str, Any] = {}  # name -> its file's handle
+        self.pages = MappedPages()
         self.file_bytes = 0
         for file in sorted(model_dir.glob("*.safetensors")):
             try:
@@ -206,6 +212,7 @@ class QuantizedFolder:
                 raise ModelLoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
             self.file_bytes += file.stat().st_size
             self.tensors.update(dict.fromkeys(handle.keys(), handle))
+            self.pages.files[id(handle)] = str(file.resolve())
         if not self.tensors:
             raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
         self.linears = {stem for name in self.tensors if (stem := self._quantized_stem(name)) is not None}
@@ -223,7 +230,8 @@ class QuantizedFolder:
         return None
 
     def get(self, name: str) -> torch.Tensor:
-        return self.tensors[name].get_tensor(name)
+        handle = self.tensors[name]
+        return self.pages.touched(handle.get_tensor(name), id(handle))
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -253,7 +261,10 @@ class QuantizedFolder:
     def _dequantized(self, name: str) -> torch.Tensor:
         stem = name.removesuffix(".weight")
         levels = self.levels(stem)
-        return levels.dequantize() if levels is not None else self._float_weight(stem)
+        if levels is not None:
+            return levels.dequantize()
+        with self.pages.released():
+            return self._float_weight(stem)
 
     def int4_levels(self, name: str) -> Int4Levels | None:
         levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
@@ -267,6 +278,10 @@ class QuantizedFolder:
         """Linear `stem`'s stored integer codes (None: not quantized, or FP8, which has no integer grid)."""
         if stem not in self.linears:
             return None
+        with self.pages.released():
+            return self._levels(stem)
+
+    def _levels(self, stem: str) -> Int4Levels | Int8Levels | None:
         method = self.fmt.method
         if method == "mlx":
             return self._mlx(stem)
@@ -396,6 +411,65 @@ class QuantizedFolder:
     def resident_summary(self) -> dict[str, Any]:
         return {"format": self.fmt.method, "description": self.fmt.describe(), "bits": self.fmt.bits,
                 "group_size": self.fmt.group_size, "file_bytes": self.file_bytes}
+
+
+class MappedPages:
+    """The pages of the mapped safetensors files that reading a linear's tensors touched, let go once its codes
+    are unpacked (issue 42): the tensors `safe_open` gives are views of the file's mapping, and each page read
+    would otherwise stay in the process's resident memory until the files are closed after the load (a whole
+    checkpoint's worth). The pages stay in the page cache; a later read maps them again. Only ranges inside a
+    mapping of that file are advised (never anonymous memory, which MADV_DONTNEED would zero)."""
+
+    MADV_DONTNEED = 4
+
+    def __init__(self) -> None:
+        self.files: dict[int, str] = {}  # id(handle) -> the file's real path
+        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        self._touched: list[tuple[torch.Tensor, str]] = []
+
+    def touched(self, tensor: torch.Tensor, handle_id: int) -> torch.Tensor:
+        self._touched.append((tensor, self.files[handle_id]))
+        return tensor
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            touched, self._touched = self._touched, []
+            for tensor, path in touched:
+                self._release(tensor, path)
+
+    def _release(self, tensor: torch.Tensor, path: str) -> None:
+        page = mmap.PAGESIZE
+        start = tensor.data_ptr()
+        end = start + tensor.nbytes  # as stored: contiguous
+        first, last = -(-start // page) * page, end // page * page
+        if last <= first or not any(low <= start and end <= high for low, high in self._mapped(path)):
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), self.MADV_DONTNEED)
+
+    def _mapped(self, path: str) -> list[tuple[int, int]]:
+        """The address ranges this process maps `path` at (Linux /proc/self/maps; none elsewhere)."""
+        if path not in self._ranges:
+            ranges = []
+            with contextlib.suppress(OSError):
+                with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                    for line in maps:
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6 and fields[5].rstrip("\n") == path:
+                            low, high = fields[0].split("-")
+                            ranges.append((int(low, 16), int(high, 16)))
+            if not ranges:
+                return []  # not mapped yet (or not Linux): ask again next time
+            self._ranges[path] = ranges
+        return self._ranges[path]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _mlx_float_levels(q: torch.Tensor, scales: torch.Tensor, mode: str) -> Int8Levels:
