@@ -209,8 +209,15 @@ def _write_compressed(hf_folder: Path, out: Path, fmt: str, weights: dict) -> Pa
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             (n, k), (rows, cols) = module.weight.shape, module.weight_scale.shape
-            blocks = module.weight.detach().view(rows, n // rows, cols, k // cols).abs().amax((1, 3))
-            module.weight_scale.data.copy_((blocks / top).clamp(min=1e-8))
+            blocks = module.weight.detach().view(rows, n // rows, cols, k // cols)
+            if hasattr(module, "weight_zero_point"):  # asymmetric: the range [low, high] over 2^bits levels
+                low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+                scale = ((high - low) / (2 * top + 1)).clamp(min=1e-8)
+                module.weight_scale.data.copy_(scale)
+                zero = (torch.round(-low / scale) - top - 1).clamp(-top - 1, top)
+                module.weight_zero_point.data.copy_(zero.to(module.weight_zero_point.dtype))
+            else:
+                module.weight_scale.data.copy_((blocks.abs().amax((1, 3)) / top).clamp(min=1e-8))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -242,6 +249,41 @@ def test_compressed_tensors_checkpoint_equals_transformers(scheme: str, hf_folde
     spread = float(expected.abs().max())
     tolerance = {"w4a16": 0.04, "w8a16": 0.02}.get(scheme, 0.05) * spread
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=tolerance)
+
+
+def test_asymmetric_compressed_tensors_equal_compressed_tensors_own_decompression(hf_folder: Path, tmp_path: Path) -> None:
+    """W4A16 with zero points (`symmetric: false`; packed along the outputs in the file). transformers 5.25 cannot
+    load such a folder (it expects the zero points unpacked and reinitializes them), so the reference is
+    compressed-tensors' own `PackedQuantizationCompressor.decompress` of each linear, in a transformers model."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    weights = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    folder = _write_compressed(hf_folder, tmp_path / "asym", "pack-quantized", weights)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert any(name.endswith("weight_zero_point") and bool(t.ne(0).any()) for name, t in stored.items())
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    decompressed = {}
+    for name in [n for n in stored if n.endswith(".weight_packed")]:
+        stem = name.removesuffix(".weight_packed")
+        parts = {part: stored[f"{stem}.{part}"] for part in ("weight_packed", "weight_scale", "weight_zero_point",
+                                                             "weight_shape")}
+        decompressed[f"{stem}.weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    reference.load_state_dict(decompressed, strict=False)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    dense = load_model(folder).model
+    for name, weight in decompressed.items():
+        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
+    model = _packed(folder)
+    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+    assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in layers)  # codes and zeros as stored
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.04 * float(expected.abs().max()))
 
 
 # ---- block FP8 (DeepSeek-V3 / Qwen3-FP8 layout) ----
