@@ -251,6 +251,26 @@ def test_compressed_tensors_checkpoint_equals_transformers(scheme: str, hf_folde
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=tolerance)
 
 
+def _encoded_reference(hf_folder: Path, folder: Path, encoded: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """transformers' logits of PROMPT with the float weights `folder` encodes (`encoded`, by parameter name), after
+    checking that our dense load reads those weights and logits; and the folder as the CPU server packs it."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    reference.load_state_dict(encoded, strict=False)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    dense = load_model(folder).model
+    for name, weight in encoded.items():
+        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
+    return expected, _packed(folder)
+
+
+def _layer_linears(model: torch.nn.Module) -> list[QuantLinear]:
+    return [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+
+
 def test_asymmetric_compressed_tensors_equal_compressed_tensors_own_decompression(hf_folder: Path, tmp_path: Path) -> None:
     """W4A16 with zero points (`symmetric: false`; packed along the outputs in the file). transformers 5.25 cannot
     load such a folder (it expects the zero points unpacked and reinitializes them), so the reference is
@@ -259,7 +279,6 @@ def test_asymmetric_compressed_tensors_equal_compressed_tensors_own_decompressio
     from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
     from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     weights = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
     folder = _write_compressed(hf_folder, tmp_path / "asym", "pack-quantized", weights)
@@ -272,17 +291,8 @@ def test_asymmetric_compressed_tensors_equal_compressed_tensors_own_decompressio
         parts = {part: stored[f"{stem}.{part}"] for part in ("weight_packed", "weight_scale", "weight_zero_point",
                                                              "weight_shape")}
         decompressed[f"{stem}.weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
-    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    reference.load_state_dict(decompressed, strict=False)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits[0]
-    dense = load_model(folder).model
-    for name, weight in decompressed.items():
-        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
-    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
-    model = _packed(folder)
-    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
-    assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in layers)  # codes and zeros as stored
+    expected, model = _encoded_reference(hf_folder, folder, decompressed)
+    assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in _layer_linears(model))  # codes and zeros as stored
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.04 * float(expected.abs().max()))
 
 
@@ -390,7 +400,6 @@ GPTQ_AWQ = {  # name: (quantization_config, linear writer)
 @pytest.mark.parametrize("kind", list(GPTQ_AWQ))
 def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_folder: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     block, write = GPTQ_AWQ[kind]
     stored, encoded = {}, {}
@@ -401,16 +410,8 @@ def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_fol
         else:
             stored[name] = value
     folder = _with_weights(hf_folder, tmp_path / kind, stored, block)
-    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    reference.load_state_dict(encoded, strict=False)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits[0]
-    dense = load_model(folder).model
-    for name, weight in encoded.items():
-        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
-    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
-    model = _packed(folder)
-    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+    expected, model = _encoded_reference(hf_folder, folder, encoded)
+    layers = _layer_linears(model)
     if kind == "gptq-4bit-desc-act":  # groups are not runs of inputs: floats, rounded per channel to int8
         assert all(m.bits == 8 and m.weight is not None for m in layers)
     elif kind == "gptq-8bit":
@@ -433,19 +434,24 @@ def test_a_tied_4bit_table_is_read_from_the_heads_blocks_and_kept_once() -> None
         assert not list(TiedQuantEmbedding(head).buffers())  # nothing of its own
 
 
-def test_a_tied_bfloat16_table_is_read_from_the_heads_copy_and_kept_once(hf_folder: Path, tmp_path: Path) -> None:
-    """A GPTQ folder keeps its tied table in bfloat16 (as the tools save it): the packed model reads embeddings
-    from the output head's bfloat16 copy, the same rows as the float32 table the dense load makes of it."""
+def gptq_folder(hf_folder: Path, out: Path, float_dtype: torch.dtype = torch.float32) -> Path:
+    """`hf_folder` as AutoGPTQ packs it (4 bits, groups of 32), its other tensors in `float_dtype`."""
     from safetensors.torch import load_file
-
-    from mlxcel.layers.quant import TiedDenseEmbedding
 
     block, write = GPTQ_AWQ["gptq-4bit"]
     stored = {}
     for name, value in load_file(str(hf_folder / "model.safetensors")).items():
-        parts = write(value)[0] if name.endswith("proj.weight") else {"weight": value.bfloat16()}
+        parts = write(value)[0] if name.endswith("proj.weight") else {"weight": value.to(float_dtype)}
         stored |= {name.removesuffix(".weight") + f".{part}": t for part, t in parts.items()}
-    folder = _with_weights(hf_folder, tmp_path / "gptq", stored, block)
+    return _with_weights(hf_folder, out, stored, block)
+
+
+def test_a_tied_bfloat16_table_is_read_from_the_heads_copy_and_kept_once(hf_folder: Path, tmp_path: Path) -> None:
+    """A GPTQ folder keeps its tied table in bfloat16 (as the tools save it): the packed model reads embeddings
+    from the output head's bfloat16 copy, the same rows as the float32 table the dense load makes of it."""
+    from mlxcel.layers.quant import TiedDenseEmbedding
+
+    folder = gptq_folder(hf_folder, tmp_path / "gptq", torch.bfloat16)
     model, dense = _packed(folder), load_model(folder).model
     assert isinstance(model.model.embed_tokens, TiedDenseEmbedding) and not list(model.model.embed_tokens.buffers())
     ids = torch.tensor([[0, 5, 17, 95], [33, 16, 15, 64]])

@@ -32,7 +32,7 @@ from mlxcel.types import Request, SamplingParams
 from tests.layers.peft_adapters import make_adapter, set_peft_scale
 from tests.layers.test_lora import our_logits
 from tests.loading.test_quantized_checkpoints import (
-    CT_SCHEMES, GPTQ_AWQ, _convert, _packed, _tiny_hf, _with_weights, _write_compressed,
+    CT_SCHEMES, _convert, _packed, _tiny_hf, _write_compressed, gptq_folder,
 )
 
 peft = pytest.importorskip("peft")
@@ -67,20 +67,9 @@ def adapter(peft_adapter: tuple[Path, Any]) -> Path:
     return peft_adapter[0]
 
 
-def _gptq_folder(hf_folder: Path, out: Path) -> Path:
-    from safetensors.torch import load_file
-
-    block, write = GPTQ_AWQ["gptq-4bit"]
-    stored = {}
-    for name, value in load_file(str(hf_folder / "model.safetensors")).items():
-        parts = write(value)[0] if name.endswith("proj.weight") else {"weight": value}
-        stored |= {name.removesuffix(".weight") + f".{part}": t for part, t in parts.items()}
-    return _with_weights(hf_folder, out, stored, block)
-
-
 FORMATS = {  # name -> writer of the folder
     "mlx-4bit": lambda hf, out: _convert(hf, out, 4, 32),
-    "gptq-4bit": _gptq_folder,
+    "gptq-4bit": gptq_folder,
     "ct-w4a16": lambda hf, out: _write_compressed(hf, out, *CT_SCHEMES["w4a16"]),
     "ct-fp8-block": lambda hf, out: _write_compressed(hf, out, *CT_SCHEMES["fp8-block"]),
 }
