@@ -173,8 +173,8 @@ def main() -> None:
         if args.gguf is not None:
             path, file_bytes = args.gguf, args.gguf.stat().st_size
         else:
-            path = args.folder if args.folder is not None else (write_mlx_converted(args, Path(tmp)) if args.format == "mlx"
-                    else write_codes(args, Path(tmp), "mlx" if args.format == "mlx-codes" else "gptq"))
+            path = args.folder or (write_mlx_converted(args, Path(tmp)) if args.format == "mlx" else
+                                   write_codes(args, Path(tmp), "mlx" if args.format == "mlx-codes" else "gptq"))
             file_bytes = sum(p.stat().st_size for p in path.glob("*.safetensors"))
         result = measure(path, release=not args.no_release)
     result["file_bytes"] = file_bytes
@@ -182,8 +182,8 @@ def main() -> None:
     result["ratios_to_resident"] = {f"{when}_{key}": round(result[when][key] / resident, 3)
                                     for when in ("peak", "steady") for key in ("RssAnon", "RssFile", "VmRSS")}
     result["resident_over_file"] = round(resident / file_bytes, 3)
-    print(json.dumps({**{k: v for k, v in vars(args).items() if k not in ("gguf", "folder")}, "gguf": str(args.gguf or ""), "folder": str(args.folder or ""),
-                      **result}, indent=1))
+    settings = {k: str(v or "") if k in ("gguf", "folder") else v for k, v in vars(args).items()}
+    print(json.dumps({**settings, **result}, indent=1))
 
 
 if __name__ == "__main__":
