@@ -210,7 +210,7 @@ def _write_compressed(hf_folder: Path, out: Path, fmt: str, weights: dict) -> Pa
         if hasattr(module, "weight_scale"):
             (n, k), (rows, cols) = module.weight.shape, module.weight_scale.shape
             blocks = module.weight.detach().view(rows, n // rows, cols, k // cols)
-            if hasattr(module, "weight_zero_point"):  # asymmetric: the range [low, high] over 2^bits levels
+            if not weights.get("symmetric", True):  # asymmetric: the range [low, high] over 2^bits levels
                 low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
                 scale = ((high - low) / (2 * top + 1)).clamp(min=1e-8)
                 module.weight_scale.data.copy_(scale)
