@@ -54,15 +54,15 @@ def test_mlx_fp4_modes_are_exact_int8_codes(mode: str) -> None:
 
 # ---- folders written by mlx-lm's converter ----
 
-def _tiny_hf(folder: Path, vocab_size: int = 128) -> None:
+def _tiny_hf(folder: Path, vocab_size: int = 128, head_dim: int = 16) -> None:
     """A tiny random qwen3 with peaked logits (norms near 1), saved with the tiny tokenizer (96 tokens; by
-    default 128 rows, whole blocks of 64 for the int8 kernel)."""
+    default 128 rows, whole blocks of 64 for the int8 kernel; `head_dim` 32 for a q8_0 KV cache)."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     tokenizer_json, vocab = tiny_tokenizer_json()
     config = AutoConfig.for_model("qwen3", vocab_size=vocab_size,
                                   hidden_size=64, intermediate_size=128,
-                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                                  num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, head_dim=head_dim,
                                   max_position_embeddings=256, tie_word_embeddings=True, eos_token_id=vocab - 1)
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
@@ -210,8 +210,15 @@ def _write_compressed(hf_folder: Path, out: Path, fmt: str, weights: dict) -> Pa
     for module in model.modules():
         if hasattr(module, "weight_scale"):
             (n, k), (rows, cols) = module.weight.shape, module.weight_scale.shape
-            blocks = module.weight.detach().view(rows, n // rows, cols, k // cols).abs().amax((1, 3))
-            module.weight_scale.data.copy_((blocks / top).clamp(min=1e-8))
+            blocks = module.weight.detach().view(rows, n // rows, cols, k // cols)
+            if not weights.get("symmetric", True):  # asymmetric: the range [low, high] over 2^bits levels
+                low, high = blocks.amin((1, 3)), blocks.amax((1, 3))
+                scale = ((high - low) / (2 * top + 1)).clamp(min=1e-8)
+                module.weight_scale.data.copy_(scale)
+                zero = (torch.round(-low / scale) - top - 1).clamp(-top - 1, top)
+                module.weight_zero_point.data.copy_(zero.to(module.weight_zero_point.dtype))
+            else:
+                module.weight_scale.data.copy_((blocks.abs().amax((1, 3)) / top).clamp(min=1e-8))
     compressor = ModelCompressor.from_pretrained_model(model, quantization_format=fmt)
     compressor.compress_model(model)
     model.save_pretrained(out)
@@ -243,6 +250,51 @@ def test_compressed_tensors_checkpoint_equals_transformers(scheme: str, hf_folde
     spread = float(expected.abs().max())
     tolerance = {"w4a16": 0.04, "w8a16": 0.02}.get(scheme, 0.05) * spread
     torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=tolerance)
+
+
+def _encoded_reference(hf_folder: Path, folder: Path, encoded: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.nn.Module]:
+    """transformers' logits of PROMPT with the float weights `folder` encodes (`encoded`, by parameter name), after
+    checking that our dense load reads those weights and logits; and the folder as the CPU server packs it."""
+    from transformers import AutoModelForCausalLM
+
+    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
+    reference.load_state_dict(encoded, strict=False)
+    with torch.no_grad():
+        expected = reference(torch.tensor([PROMPT])).logits[0]
+    dense = load_model(folder).model
+    for name, weight in encoded.items():
+        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
+    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
+    return expected, _packed(folder)
+
+
+def _layer_linears(model: torch.nn.Module) -> list[QuantLinear]:
+    return [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+
+
+def test_asymmetric_compressed_tensors_equal_compressed_tensors_own_decompression(hf_folder: Path, tmp_path: Path) -> None:
+    """W4A16 with zero points (`symmetric: false`; packed along the outputs in the file). transformers 5.25 cannot
+    load such a folder (it expects the zero points unpacked and reinitializes them), so the reference is
+    compressed-tensors' own `PackedQuantizationCompressor.decompress` of each linear, in a transformers model."""
+    pytest.importorskip("compressed_tensors")
+    from compressed_tensors.compressors.pack_quantized.base import PackedQuantizationCompressor
+    from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+    from safetensors.torch import load_file
+
+    weights = dict(num_bits=4, type="int", symmetric=False, strategy="group", group_size=32)
+    folder = _write_compressed(hf_folder, tmp_path / "asym", "pack-quantized", weights)
+    stored = load_file(str(folder / "model.safetensors"))
+    assert any(name.endswith("weight_zero_point") and bool(t.ne(0).any()) for name, t in stored.items())
+    scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(**weights))
+    decompressed = {}
+    for name in [n for n in stored if n.endswith(".weight_packed")]:
+        stem = name.removesuffix(".weight_packed")
+        parts = {part: stored[f"{stem}.{part}"] for part in ("weight_packed", "weight_scale", "weight_zero_point",
+                                                             "weight_shape")}
+        decompressed[f"{stem}.weight"] = PackedQuantizationCompressor.decompress(parts, scheme)["weight"].float()
+    expected, model = _encoded_reference(hf_folder, folder, decompressed)
+    assert all(m.bits == 4 and m.int4_kernel and m.weight is None for m in _layer_linears(model))  # codes and zeros as stored
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.04 * float(expected.abs().max()))
 
 
 # ---- block FP8 (DeepSeek-V3 / Qwen3-FP8 layout) ----
@@ -305,7 +357,6 @@ GPTQ_AWQ = {  # name: (quantization_config, linear writer)
 @pytest.mark.parametrize("kind", list(GPTQ_AWQ))
 def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_folder: Path, tmp_path: Path) -> None:
     from safetensors.torch import load_file
-    from transformers import AutoModelForCausalLM
 
     block, write = GPTQ_AWQ[kind]
     stored, encoded = {}, {}
@@ -316,16 +367,8 @@ def test_gptq_and_awq_packings_load_as_the_weights_they_encode(kind: str, hf_fol
         else:
             stored[name] = value
     folder = _with_weights(hf_folder, tmp_path / kind, stored, block)
-    reference = AutoModelForCausalLM.from_pretrained(hf_folder, dtype=torch.float32)
-    reference.load_state_dict(encoded, strict=False)
-    with torch.no_grad():
-        expected = reference(torch.tensor([PROMPT])).logits[0]
-    dense = load_model(folder).model
-    for name, weight in encoded.items():
-        torch.testing.assert_close(dense.get_parameter(name), weight, rtol=0, atol=1e-6)
-    torch.testing.assert_close(uncached_logits(dense, PROMPT), expected, rtol=0, atol=1e-4)
-    model = _packed(folder)
-    layers = [m for name, m in model.named_modules() if isinstance(m, QuantLinear) and ".layers." in name]
+    expected, model = _encoded_reference(hf_folder, folder, encoded)
+    layers = _layer_linears(model)
     if kind == "gptq-4bit-desc-act":  # groups are not runs of inputs: floats, rounded per channel to int8
         assert all(m.bits == 8 and m.weight is not None for m in layers)
     elif kind == "gptq-8bit":
@@ -346,3 +389,29 @@ def test_a_tied_4bit_table_is_read_from_the_heads_blocks_and_kept_once() -> None
         assert TiedQuantEmbedding.can_read(head)
         assert torch.equal(TiedQuantEmbedding(head)(ids), QuantEmbedding(levels)(ids))
         assert not list(TiedQuantEmbedding(head).buffers())  # nothing of its own
+
+
+def gptq_folder(hf_folder: Path, out: Path, float_dtype: torch.dtype = torch.float32) -> Path:
+    """`hf_folder` as AutoGPTQ packs it (4 bits, groups of 32), its other tensors in `float_dtype`."""
+    from safetensors.torch import load_file
+
+    block, write = GPTQ_AWQ["gptq-4bit"]
+    stored = {}
+    for name, value in load_file(str(hf_folder / "model.safetensors")).items():
+        parts = write(value)[0] if name.endswith("proj.weight") else {"weight": value.to(float_dtype)}
+        stored |= {name.removesuffix(".weight") + f".{part}": t for part, t in parts.items()}
+    return _with_weights(hf_folder, out, stored, block)
+
+
+def test_a_tied_bfloat16_table_is_read_from_the_heads_copy_and_kept_once(hf_folder: Path, tmp_path: Path) -> None:
+    """A GPTQ folder keeps its tied table in bfloat16 (as the tools save it): the packed model reads embeddings
+    from the output head's bfloat16 copy, the same rows as the float32 table the dense load makes of it."""
+    from mlxcel.layers.quant import TiedDenseEmbedding
+
+    folder = gptq_folder(hf_folder, tmp_path / "gptq", torch.bfloat16)
+    model, dense = _packed(folder), load_model(folder).model
+    assert isinstance(model.model.embed_tokens, TiedDenseEmbedding) and not list(model.model.embed_tokens.buffers())
+    ids = torch.tensor([[0, 5, 17, 95], [33, 16, 15, 64]])
+    assert torch.equal(model.model.embed_tokens(ids), dense.model.embed_tokens(ids))
+    expected = uncached_logits(dense, PROMPT)
+    torch.testing.assert_close(uncached_logits(model, PROMPT), expected, rtol=0, atol=0.05 * float(expected.abs().max()))

@@ -379,10 +379,16 @@ def int4_blocks(q: torch.Tensor, step: torch.Tensor, low: torch.Tensor,
     16 + 4 v + t (high nibble); steps and lows as `group_scales` stores them for blocks of 16."""
     n, k = q.shape
     blocks, groups = n // INT4_BLOCK, k // INT4_GROUP
-    levels = q.view(blocks, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
-    levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
-    packed = (levels[..., 0] | (levels[..., 1] << 4)).contiguous().view(blocks, groups, 4, 64)
+    packed = torch.empty(blocks, groups, 4, 64, dtype=torch.uint8)
+    for start in range(0, blocks, PACK_BLOCKS):  # a slice of blocks at a time: the temporaries stay its size
+        part = q[start * INT4_BLOCK:(start + PACK_BLOCKS) * INT4_BLOCK]
+        levels = part.view(-1, INT4_BLOCK, groups, 2, 4, 4)  # [block, i, group, half, v, t]
+        levels = levels.permute(0, 2, 4, 1, 5, 3)  # [block, group, v, i, t, half]
+        packed[start:start + PACK_BLOCKS] = (levels[..., 0] | (levels[..., 1] << 4)).reshape(-1, groups, 4, 64)
     return packed, group_scales([step, low], INT4_BLOCK, units, torch.uint8)
+
+
+PACK_BLOCKS = 256  # blocks of 16 outputs `int4_blocks` packs at a time
 
 
 def _grid_steps(groups: torch.Tensor, low: torch.Tensor, tolerance: float) -> torch.Tensor | None:
@@ -527,6 +533,26 @@ class TiedQuantEmbedding(QuantEmbedding):
         scales = head.scale[block, :, :, row].float()  # [n, group, 2]: step, low
         rows = scales[..., 1:2] + q * scales[..., 0:1]
         return rows.view(*input_ids.shape, self.embedding_dim)
+
+
+class TiedDenseEmbedding(nn.Module):
+    """A tied float embedding table read from the output head's bfloat16 copy (`QuantHead` keeps one to recompute
+    its top candidates) where that copy is the table exactly (a bfloat16 checkpoint: GPTQ, AWQ, compressed-tensors,
+    FP8 folders keep the table unquantized): issue 42, the table is kept once, not also as a float32 table."""
+
+    def __init__(self, head: QuantLinear, dtype: torch.dtype) -> None:
+        super().__init__()
+        self._head = [head]  # a list: the head's buffers stay registered once, on the head
+        self.dtype = dtype
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    @staticmethod
+    def can_read(head: QuantLinear, table: torch.Tensor) -> bool:
+        copy = head.weight
+        return copy is not None and copy.dtype == torch.bfloat16 and bool(torch.equal(copy.to(table.dtype), table))
+
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self._head[0].weight[input_ids].to(self.dtype)
 
 
 # Sibling linears that read the same input in every family here; each group becomes one matmul.
@@ -698,6 +724,9 @@ def quantize(model: nn.Module) -> QuantSummary:
         if weight is None:
             weight = checkpoint.kept("model.embed_tokens", embed).weight
         model.lm_head = QuantHead(weight, search=checkpoint.search)
+        if isinstance(weight, torch.Tensor) and TiedDenseEmbedding.can_read(model.lm_head.linear, weight.detach()):
+            model.model.embed_tokens = TiedDenseEmbedding(model.lm_head.linear, weight.dtype)
+        del weight
     if embed_levels is not None or embed_codes is not None:
         tied = embed_levels is not None and head is None and TiedQuantEmbedding.can_read(model.lm_head.linear)
         model.model.embed_tokens = (TiedQuantEmbedding(model.lm_head.linear) if tied

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import contextlib
+import ctypes
+import gc
 import logging
 import time
 from collections.abc import Iterator
@@ -20,7 +22,7 @@ from mlxcel.loading.gguf import GGUFFile, is_gguf_file
 from mlxcel.loading.quantized import QuantFormat, QuantizedFolder, quant_format
 from mlxcel.loading.resolve import ResolvedModel, default_model_path, resolve_model
 
-__all__ = ["Checkpoint", "LoadedModel", "load_weights", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
+__all__ = ["Checkpoint", "LoadedModel", "load_weights", "release_load_memory", "open_checkpoint", "ModelLoadError", "ResolvedModel", "default_model_path", "load_model", "resolve_model"]
 
 log = logging.getLogger(__name__)
 
@@ -157,6 +159,25 @@ def load_model(path: Path, *, device: torch.device | str = "cpu", dtype: torch.d
                lazy: bool = False) -> LoadedModel:
     """Read a GGUF file or an HF-layout folder into memory on `device` (open + load_weights)."""
     return load_weights(open_checkpoint(path), device=device, dtype=dtype, lazy=lazy)
+
+
+def release_load_memory(model: torch.nn.Module) -> None:
+    """After the load (every tensor read or packed): let go of what only loading needed (issue 42). The
+    checkpoint's mapped files (a quantized folder's or a GGUF's readers, `model.packed_weights`, and the lazy
+    readers once nothing is pending) are closed, so their pages stop counting in the process's memory, and
+    glibc hands the freed unpacking temporaries back to the system (it keeps them otherwise)."""
+    if hasattr(model, "packed_weights"):
+        del model.packed_weights
+    lazy = getattr(model, "lazy_weights", None)
+    if lazy is not None and not lazy.num_pending:
+        del model.lazy_weights
+    gc.collect()
+    _trim_heap()
+
+
+def _trim_heap() -> None:
+    with contextlib.suppress(OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 @contextlib.contextmanager

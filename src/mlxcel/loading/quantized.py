@@ -30,7 +30,12 @@ exact, as GGUF MXFP4 is read.
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
+import functools
 import logging
+import mmap
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Callable
@@ -164,9 +169,17 @@ def unpack_rows(packed: torch.Tensor, bits: int, count: int) -> torch.Tensor:
     lowest bits (MLX, GPTQ after a transpose, compressed-tensors): uint8 [R, count] (count a multiple of 8)."""
     rows = packed.shape[0]
     data = packed.contiguous().view(torch.int32).view(torch.uint8).view(rows, -1)[:, :count * bits // 8]
+    if bits == 8:
+        return data.clone()
+    out = torch.empty(rows, count, dtype=torch.uint8)
+    if 8 % bits == 0:  # 2 and 4 bits: whole fields in each byte, shifted in uint8 (no int64 words)
+        shifts = torch.arange(0, 8, bits, dtype=torch.uint8)
+        for start in range(0, rows, _ROWS):
+            part = data[start:start + _ROWS].unsqueeze(-1) >> shifts  # [rows, bytes, fields a byte]
+            out[start:start + _ROWS] = part.bitwise_and_((1 << bits) - 1).view(-1, count)
+        return out
     byte_shifts = torch.arange(bits, dtype=torch.int64) * 8
     field_shifts = torch.arange(8, dtype=torch.int64) * bits
-    out = torch.empty(rows, count, dtype=torch.uint8)
     for start in range(0, rows, _ROWS):
         part = data[start:start + _ROWS].to(torch.int64).view(-1, count // 8, bits)
         words = (part << byte_shifts).sum(-1, keepdim=True)  # 8 fields in `bits` bytes: at most 64 bits
@@ -208,6 +221,7 @@ class QuantizedFolder:
 
         self.fmt = fmt
         self.tensors: dict[str, Any] = {}  # name -> its file's handle
+        self.pages = MappedPages()
         self.file_bytes = 0
         for file in sorted(model_dir.glob("*.safetensors")):
             try:
@@ -216,6 +230,7 @@ class QuantizedFolder:
                 raise ModelLoadError(f"{file}: cannot read safetensors weights ({exc})") from exc
             self.file_bytes += file.stat().st_size
             self.tensors.update(dict.fromkeys(handle.keys(), handle))
+            self.pages.files[id(handle)] = str(file.resolve())
         if not self.tensors:
             raise ModelLoadError(f"{model_dir}: no *.safetensors weights found")
         self.linears = {stem for name in self.tensors if (stem := self._quantized_stem(name)) is not None}
@@ -235,7 +250,8 @@ class QuantizedFolder:
         return None
 
     def get(self, name: str) -> torch.Tensor:
-        return self.tensors[name].get_tensor(name)
+        handle = self.tensors[name]
+        return self.pages.touched(handle.get_tensor(name), id(handle))
 
     def has(self, name: str) -> bool:
         return name in self.tensors
@@ -269,7 +285,10 @@ class QuantizedFolder:
     def _dequantized(self, name: str) -> torch.Tensor:
         stem = name.removesuffix(".weight")
         levels = self.levels(stem)
-        return levels.dequantize() if levels is not None else self._float_weight(stem)
+        if levels is not None:
+            return levels.dequantize()
+        with self.pages.released():
+            return self._float_weight(stem)
 
     def int4_levels(self, name: str) -> Int4Levels | None:
         levels = self.levels(name.removesuffix(".weight")) if name.endswith(".weight") else None
@@ -302,6 +321,10 @@ class QuantizedFolder:
         """Linear `stem`'s stored integer codes (None: not quantized, or FP8, which has no integer grid)."""
         if stem not in self.linears:
             return None
+        with self.pages.released():
+            return self._levels(stem)
+
+    def _levels(self, stem: str) -> Int4Levels | Int8Levels | None:
         method = self.fmt.method
         if method == "mlx":
             return self._mlx(stem)
@@ -481,6 +504,65 @@ def mxfp4_levels(blocks: torch.Tensor, scales: torch.Tensor) -> Int8Levels:
     for start in range(0, rows, _ROWS):
         codes[start:start + _ROWS] = _E2M1_PAIRS[packed[start:start + _ROWS].int()].view(-1, groups * 32)
     return Int8Levels(codes, torch.exp2(scales.reshape(rows, groups).float() - 128), None)
+
+
+class MappedPages:
+    """The pages of the mapped safetensors files that reading a linear's tensors touched, let go once its codes
+    are unpacked (issue 42): the tensors `safe_open` gives are views of the file's mapping, and each page read
+    would otherwise stay in the process's resident memory until the files are closed after the load (a whole
+    checkpoint's worth). The pages stay in the page cache; a later read maps them again. Only ranges inside a
+    mapping of that file are advised (never anonymous memory, which MADV_DONTNEED would zero)."""
+
+    MADV_DONTNEED = 4
+
+    def __init__(self) -> None:
+        self.files: dict[int, str] = {}  # id(handle) -> the file's real path
+        self._ranges: dict[str, list[tuple[int, int]]] = {}
+        self._touched: list[tuple[torch.Tensor, str]] = []
+
+    def touched(self, tensor: torch.Tensor, handle_id: int) -> torch.Tensor:
+        self._touched.append((tensor, self.files[handle_id]))
+        return tensor
+
+    @contextlib.contextmanager
+    def released(self) -> Iterator[None]:
+        try:
+            yield
+        finally:
+            touched, self._touched = self._touched, []
+            for tensor, path in touched:
+                self._release(tensor, path)
+
+    def _release(self, tensor: torch.Tensor, path: str) -> None:
+        page = mmap.PAGESIZE
+        start = tensor.data_ptr()
+        end = start + tensor.nbytes  # as stored: contiguous
+        first, last = -(-start // page) * page, end // page * page
+        if last <= first or not any(low <= start and end <= high for low, high in self._mapped(path)):
+            return
+        with contextlib.suppress(OSError, AttributeError):
+            _libc().madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), self.MADV_DONTNEED)
+
+    def _mapped(self, path: str) -> list[tuple[int, int]]:
+        """The address ranges this process maps `path` at (Linux /proc/self/maps; none elsewhere)."""
+        if path not in self._ranges:
+            ranges = []
+            with contextlib.suppress(OSError):
+                with open("/proc/self/maps", encoding="utf-8", errors="replace") as maps:
+                    for line in maps:
+                        fields = line.split(maxsplit=5)
+                        if len(fields) == 6 and fields[5].rstrip("\n") == path:
+                            low, high = fields[0].split("-")
+                            ranges.append((int(low, 16), int(high, 16)))
+            if not ranges:
+                return []  # not mapped yet (or not Linux): ask again next time
+            self._ranges[path] = ranges
+        return self._ranges[path]
+
+
+@functools.cache
+def _libc() -> ctypes.CDLL:
+    return ctypes.CDLL(None, use_errno=True)
 
 
 def _mlx_float_levels(q: torch.Tensor, scales: torch.Tensor, mode: str) -> Int8Levels:

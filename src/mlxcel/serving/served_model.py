@@ -29,7 +29,7 @@ from mlxcel.engine.spec.mtp import MtpDraftPolicy, decide_mtp
 from mlxcel.layers.lora import AdapterError, apply_adapters, load_adapter  # AdapterError: build_served raises it
 from mlxcel.layers.quant import can_quantize, fuse_projections, quantize, resident_bytes
 from mlxcel.layers.quant_cuda import keep_quantized
-from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights
+from mlxcel.loading import Checkpoint, LoadedModel, ModelLoadError, ResolvedModel, load_weights, release_load_memory
 from mlxcel.loading.sampling import checkpoint_sampling
 from mlxcel.loading.checkpoint import family_module
 from mlxcel.loading.lazy import materialize_all
@@ -368,6 +368,7 @@ def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
     if options.is_quantized():
         summary = quantize(loaded.model)  # reads each linear as it packs it
         materialize_all(loaded.model)  # the rest (norms, embeddings): the decode step reads them outside a forward
+        release_load_memory(loaded.model)  # issue 42: the mapped files and the freed temporaries let go
         return f"{summary}; {options.torch_dtype()} activations and KV cache"
     if options.device.startswith("cuda"):  # fewer, wider GEMMs in each captured decode step
         # Issue 42: a quantized folder's 4-bit and FP8 linears stay as stored, read as they are packed.
@@ -375,7 +376,9 @@ def _decode_path(loaded: LoadedModel, options: RuntimeOptions) -> str:
                 and options.quantize == "auto" else "")
         materialize_all(loaded.model)  # fusing needs every tensor (the "Model loaded" line says so)
         fused = fuse_projections(loaded.model)
+        release_load_memory(loaded.model)
         return f"{kept}{options.torch_dtype()} linears and KV cache ({fused} projections fused into wider matmuls)"
+    release_load_memory(loaded.model)  # lazy weights still pending keep their readers
     return f"{options.torch_dtype()} linears and KV cache (no quantization)"
 
 
