@@ -70,13 +70,20 @@ GGUF_ARCHITECTURES = {
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4_moe",
     "ernie4_5-moe": "ernie4_5_moe",
+    # issue 41: the hybrids
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+    "qwen3next": "qwen3_next",
+    "nemotron_h_moe": "nemotron_h",
+    "granitehybrid": "granitemoehybrid",
+    "falcon-h1": "falcon_h1",
 }
 GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
 
 
@@ -230,8 +237,12 @@ def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:
 
 def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
     if m := _LAYER_RE.match(name):
-        part = layer_names.get(m.group(2))
-        return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+        layer, rest = m.groups()
+        if rest in layer_names:  # a whole name: a bare tensor (the SSMs' `ssm_a`) or one whose kind changes (`ssm_dt.bias`)
+            return f"model.layers.{layer}.{layer_names[rest]}"
+        part, _, kind = rest.rpartition(".")
+        hf_part = layer_names.get(part) if kind in ("weight", "bias") else None
+        return f"model.layers.{layer}.{hf_part}.{kind}" if hf_part else None
     if m := _GLOBAL_RE.match(name):
         part = GGUF_GLOBAL_NAMES.get(m.group(1))
         return f"{part}.{m.group(2)}" if part else None
