@@ -232,10 +232,12 @@ class GGUFPackedWeights:
 def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:
     """HF parameter name -> the GGUF tensor that holds it (tensors with no HF counterpart left out)."""
     layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
-    return {hf_name: name for name in gguf.tensors if (hf_name := _hf_name(name, layer_names)) is not None}
+    global_names = {**GGUF_GLOBAL_NAMES, **getattr(module, "GGUF_GLOBAL_NAMES", {})}
+    return {hf_name: name for name in gguf.tensors
+            if (hf_name := _hf_name(name, layer_names, global_names)) is not None}
 
 
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+def _hf_name(name: str, layer_names: dict[str, str], global_names: dict[str, str]) -> str | None:
     if m := _LAYER_RE.match(name):
         layer, rest = m.groups()
         if rest in layer_names:  # a whole name: a bare tensor (the SSMs' `ssm_a`) or one whose kind changes (`ssm_dt.bias`)
@@ -244,7 +246,7 @@ def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
         hf_part = layer_names.get(part) if kind in ("weight", "bias") else None
         return f"model.layers.{layer}.{hf_part}.{kind}" if hf_part else None
     if m := _GLOBAL_RE.match(name):
-        part = GGUF_GLOBAL_NAMES.get(m.group(1))
+        part = global_names.get(m.group(1))
         return f"{part}.{m.group(2)}" if part else None
     return None
 
