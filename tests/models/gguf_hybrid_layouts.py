@@ -30,7 +30,7 @@ _ATTN = {"q_proj": "attn_q", "k_proj": "attn_k", "v_proj": "attn_v", "o_proj": "
          "k_norm": "attn_k_norm", "out_proj": "attn_output", "q_layernorm": "attn_q_norm", "k_layernorm": "attn_k_norm"}
 _MAMBA = {"in_proj": "ssm_in", "conv1d": "ssm_conv1d", "dt_bias": "ssm_dt", "A_log": "ssm_a", "D": "ssm_d",
           "norm": "ssm_norm", "out_proj": "ssm_out"}
-_QWEN_LINEAR = {"in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta", "in_proj_a": "ssm_alpha",
+_QWEN_LINEAR = {"in_proj_qkvz": "attn_qkv", "in_proj_qkv": "attn_qkv", "in_proj_z": "attn_gate", "in_proj_b": "ssm_beta", "in_proj_a": "ssm_alpha",
                 "in_proj_ba": "ssm_ba", "conv1d": "ssm_conv1d", "dt_bias": "ssm_dt", "A_log": "ssm_a", "norm": "ssm_norm",
                 "out_proj": "ssm_out"}
 _FFN = {"gate_proj": "ffn_gate", "up_proj": "ffn_up", "down_proj": "ffn_down", "w1": "ffn_gate", "w3": "ffn_up",
@@ -103,6 +103,8 @@ def _gguf_name(name: str, cfg: Any, kind: str) -> str | None:
     gguf = _part(body, cfg, kind, int(layer))
     if gguf == "ssm_dt":
         return f"blk.{layer}.ssm_dt.bias"
+    if gguf.endswith("_exps"):  # the stacks (transformers 5's parameters have no .weight)
+        kind_suffix = "weight"
     return f"blk.{layer}.{gguf}" + (f".{kind_suffix}" if kind_suffix else "")
 
 

@@ -123,10 +123,13 @@ def test_issue41_gguf_f32_and_f16_give_transformers_logits_and_greedy_tokens(fil
     for qtype in ("F32", "F16"):
         loaded = load_model(files.folder / f"{qtype}.gguf")
         assert loaded.model_type == CASES[files.family][0]
+        # Falcon-H1's converter folds the muP multipliers into the weights before rounding them to F16, so its
+        # F16 file is not the float16-rounded checkpoint (seen: 2.4e-4 on logits of 0.58; F32: 2e-7)
+        tol = 1e-3 if (qtype, files.family) == ("F16", "falcon-h1") else TOL
         for prompt in PROMPTS:
             got = uncached_logits(loaded.model, prompt)
-            torch.testing.assert_close(got, _reference_logits(files.reference, prompt), atol=TOL, rtol=0)
-            torch.testing.assert_close(got, uncached_logits(files.hf, prompt), atol=TOL, rtol=0)
+            torch.testing.assert_close(got, _reference_logits(files.reference, prompt), atol=tol, rtol=0)
+            torch.testing.assert_close(got, uncached_logits(files.hf, prompt), atol=tol, rtol=0)
         assert greedy(loaded.model, PROMPTS[0], NUM_TOKENS, HybridSequences) == want_greedy, qtype
 
 
