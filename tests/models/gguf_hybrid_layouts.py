@@ -23,6 +23,8 @@ import numpy as np
 import torch
 from torch import nn
 
+from .gguf_layouts import _add
+
 ARCH = {"qwen3_5_text": "qwen35", "qwen3_5_moe_text": "qwen35moe", "qwen3_next": "qwen3next",
         "nemotron_h": "nemotron_h", "granitemoehybrid": "granitehybrid", "falcon_h1": "falcon-h1", "lfm2": "lfm2"}
 
@@ -311,7 +313,8 @@ def hybrid_gguf_metadata(model: nn.Module) -> dict[str, Any]:
     elif kind == "lfm2":
         meta.update({"attention.head_count_kv": [0 if t == "conv" else kv for t in cfg.layer_types],
                      "shortconv.l_cache": cfg.conv_L_cache, "attention.layer_norm_rms_epsilon": cfg.norm_eps,
-                     "feed_forward_length": _lfm2_ff(cfg)})
+                     # the converter's block_auto_adjust_ff_dim width: the one transformers built
+                     "feed_forward_length": model.model.layers[0].feed_forward.w1.out_features})
         meta.pop("attention.key_length"), meta.pop("attention.value_length")
     return meta
 
@@ -323,16 +326,6 @@ def _granite_kinds(cfg: Any) -> list[str]:
 def _mamba_meta(hidden: int, inner: int, heads: int, state: int, groups: int, kernel: int) -> dict[str, Any]:
     return {"ssm.conv_kernel": kernel, "ssm.inner_size": inner, "ssm.state_size": state, "ssm.time_step_rank": heads,
             "ssm.group_count": groups}
-
-
-def _lfm2_ff(cfg: Any) -> int:
-    ff = cfg.intermediate_size
-    if cfg.block_auto_adjust_ff_dim:
-        ff = int(2 * ff / 3)
-        if cfg.block_ffn_dim_multiplier is not None:
-            ff = int(cfg.block_ffn_dim_multiplier * ff)
-        ff = cfg.block_multiple_of * ((ff + cfg.block_multiple_of - 1) // cfg.block_multiple_of)
-    return ff
 
 
 def _rope_theta(cfg: Any) -> float:
@@ -367,14 +360,3 @@ def write_hybrid_gguf(model: nn.Module, path: Path, qtype: str = "F32", chat_tem
     writer.write_tensors_to_file()
     writer.close()
     return path
-
-
-def _add(writer: Any, key: str, value: Any) -> None:
-    if isinstance(value, bool):
-        writer.add_bool(key, value)
-    elif isinstance(value, list):
-        writer.add_array(key, value)
-    elif isinstance(value, int):
-        writer.add_uint32(key, value)
-    else:
-        writer.add_float32(key, float(value))
