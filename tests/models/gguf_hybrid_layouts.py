@@ -107,6 +107,8 @@ def _gguf_name(name: str, cfg: Any, kind: str) -> str | None:
         return f"blk.{layer}.ssm_dt.bias"
     if gguf.endswith("_exps"):  # the stacks (transformers 5's parameters have no .weight)
         kind_suffix = "weight"
+    if kind == "falcon_h1" and gguf == "ffn_norm":  # llama.cpp's falcon-h1 names it bare
+        kind_suffix = ""
     return f"blk.{layer}.{gguf}" + (f".{kind_suffix}" if kind_suffix else "")
 
 

@@ -150,7 +150,8 @@ def _scaled(value: Any, factor: Any) -> Any:
 # The converter folds every muP multiplier into the weights (the embedding's and lm_head's too), so the
 # file loads with all of them 1; llama.cpp's Mamba-2 gates before its grouped norm.
 
-GGUF_LAYER_NAMES = {**mamba2_gguf_names("mamba"), "ffn_norm": "pre_ff_layernorm", "ffn_gate": "feed_forward.gate_proj",
+# llama.cpp names Falcon-H1's pre-FFN norm bare (`blk.N.ffn_norm`, no `.weight`)
+GGUF_LAYER_NAMES = {**mamba2_gguf_names("mamba"), "ffn_norm": "pre_ff_layernorm.weight", "ffn_gate": "feed_forward.gate_proj",
                     "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
 
 
