@@ -341,6 +341,8 @@ def write_hybrid_gguf(model: nn.Module, path: Path, qtype: str = "F32", chat_tem
     import gguf
 
     arch = ARCH[model_type_of(model)]
+    if "moe" in (getattr(model.config, "layers_block_type", None) or ()):
+        arch = "nemotron_h_moe"  # the converter's NemotronHModel with MoE parameters
     writer = gguf.GGUFWriter(str(path), arch)
     for key, value in hybrid_gguf_metadata(model).items():
         _add(writer, f"{arch}.{key}", value)

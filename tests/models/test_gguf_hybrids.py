@@ -187,6 +187,7 @@ def test_issue41_llama_cpp_converter_output_equals_our_layout_and_loads(family: 
                              "--outfile", str(out), *extra], capture_output=True, text=True)
     assert result.returncode == 0, result.stderr[-3000:]
     converted = GGUFFile(out)
+    assert converted.architecture == family
     ours = hybrid_gguf_tensors(reference)
     assert sorted(converted.tensors) == sorted(ours)
     for name, array in ours.items():
