@@ -4,8 +4,7 @@ qwen3next, nemotron_h, nemotron_h_moe, granitehybrid, falcon-h1, lfm2).
 CI: tests/models/gguf_hybrid_layouts.py writes the converter's layout with the `gguf` package from a tiny
 random transformers checkpoint: the F32 file's logits equal transformers' float32 forward and the HF
 checkpoint's (ours), and 16 greedy tokens equal transformers'; an F16 file of the same model with its weights
-rounded to float16 too; a Q8_0 file loads and its greedy tokens stay close. The chat template comes from the
-file's tokenizer.chat_template.
+rounded to float16 too; a Q8_0 file loads and its greedy tokens stay close.
 
 MLXCEL_LLAMA_CPP=<llama.cpp source folder>: the converter itself runs on the checkpoints (with SmolLM2's
 tokenizer) and its tensors must equal what gguf_hybrid_layouts.py writes and load to the same logits.
@@ -73,7 +72,6 @@ CASES: dict[str, tuple[str, Callable[[], Any]]] = {
         **SMALL, num_hidden_layers=3, layer_types=["conv", "full_attention", "conv"], intermediate_size=144,
         block_multiple_of=32, conv_L_cache=3)),
 }
-TEMPLATE = "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{% endfor %}<|assistant|>"
 
 _rng = random.Random(5)
 PROMPTS = [[_rng.randrange(VOCAB) for _ in range(n)] for n in (4, 19)]
@@ -102,7 +100,7 @@ def files(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFacto
     _round_to_f16(reference)  # F16 is then lossless for the 2-D weights; F32 and the HF folder use the same values
     reference.save_pretrained(folder / "hf")
     for qtype in ("F32", "F16", "Q8_0"):
-        write_hybrid_gguf(reference, folder / f"{qtype}.gguf", qtype, chat_template=TEMPLATE)
+        write_hybrid_gguf(reference, folder / f"{qtype}.gguf", qtype)
     return Files(request.param, reference, load_model(folder / "hf").model, folder, _reference_greedy(reference, PROMPTS[0]))
 
 
@@ -145,12 +143,6 @@ def test_issue41_gguf_q8_0_loads_and_stays_close(files: Files) -> None:
     assert (got.argmax(-1) == want.argmax(-1)).float().mean() >= 0.8
     tokens = greedy(loaded.model, PROMPTS[0], NUM_TOKENS, HybridSequences)
     assert sum(a == b for a, b in zip(tokens, files.greedy)) >= NUM_TOKENS // 2
-
-
-def test_issue41_gguf_chat_template_comes_from_the_file(files: Files) -> None:
-    from mlxcel.loading.gguf import GGUFFile
-
-    assert GGUFFile(files.folder / "F32.gguf").metadata["tokenizer.chat_template"] == TEMPLATE
 
 
 # ---- against the converter itself ----------------------------------------------------------------
