@@ -40,6 +40,7 @@ class Family:
     block: str = "mlp"  # the block's attribute in transformers' decoder layer
     stored_block: str = "mlp"  # ... and its name in the saved checkpoint
     router: str = "gate"  # the router's attribute in transformers' block
+    stored_layer: str = "model.layers.0."  # the first layer's prefix in the saved checkpoint
 
 
 FAMILIES: dict[str, Family] = {
@@ -80,10 +81,23 @@ FAMILIES: dict[str, Family] = {
         lambda: transformers.DeepseekV2Config(**COMMON, **{**GROUPED, "n_shared_experts": 2},
                                               topk_method="group_limited_greedy", **MLA),
         lambda c: _deepseek_v2_spec(c), "per_expert"),
+    # Issue 41: Nemotron-H's ungated relu^2 experts and shared expert, its sigmoid router limited to 1 of 2 groups.
+    "nemotron_h": Family(
+        lambda: transformers.NemotronHConfig(**COMMON, layers_block_type=["moe"], n_routed_experts=8,
+                                             moe_intermediate_size=32, moe_shared_expert_intermediate_size=48,
+                                             n_group=2, topk_group=1, routed_scaling_factor=2.5, norm_topk_prob=True),
+        lambda c: _nemotron_h_spec(c), "per_expert", block="mixer", stored_block="mixer",
+        stored_layer="backbone.layers.0."),
     "glm4_moe": Family(
         lambda: transformers.Glm4MoeConfig(**COMMON, **GROUPED, head_dim=16),
         lambda c: moe_spec_from_config(c, "sigmoid_grouped"), "per_expert"),
 }
+
+
+def _nemotron_h_spec(config: dict[str, Any]) -> MoESpec:
+    from mlxcel.models import nemotron_h
+
+    return nemotron_h.ModelArgs.from_dict(config).moe_spec()
 
 
 def _deepseek_v2_spec(config: dict[str, Any]) -> MoESpec:
@@ -122,7 +136,7 @@ def _build(name: str, tmp_path: Path) -> Pair:
             if buffer_name.endswith("e_score_correction_bias"):  # a bias big enough to change choices
                 buffer.normal_(0.0, 0.2)
     model.save_pretrained(tmp_path)
-    prefix = f"model.layers.0.{family.stored_block}."
+    prefix = f"{family.stored_layer}{family.stored_block}."
     stored = {k[len(prefix):]: v for k, v in load_file(tmp_path / "model.safetensors").items() if k.startswith(prefix)}
     ours = MoE(family.spec(config.to_dict()))
     missing, unexpected = ours.load_state_dict(sanitize_moe(stored, family.layout), strict=True)

@@ -126,7 +126,7 @@ import runpy, sys
 root = sys.argv[1]
 sys.path[:0] = [root, root + "/gguf-py"]
 from transformers.models.auto import tokenization_auto
-tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.difference_update({"qwen2", "phi3"})
+tokenization_auto.MODELS_WITH_INCORRECT_HUB_TOKENIZER_CLASS.difference_update({"qwen2", "phi3", "qwen3_5_moe_text"})
 sys.argv = [root + "/convert_hf_to_gguf.py", *sys.argv[2:]]
 runpy.run_path(sys.argv[0], run_name="__main__")
 """

@@ -36,6 +36,13 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
         **MAMBA, layers_block_type=["linear_attention", "full_attention", "mlp", "linear_attention"],
         head_dim=16, intermediate_size=128, mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2,
         chunk_size=8)),
+    # Nemotron 3 Nano's shape (issue 41 part 2): M, E, *, E: MoE layers of 8 ungated relu^2 experts (top-2 within the
+    # best of 2 groups, sigmoid scores with the selection bias, renormalised, times 2.5) plus the ungated shared expert.
+    "nemotron_h-moe": ("nemotron_h", lambda: transformers.NemotronHConfig(
+        **MAMBA, layers_block_type=["mamba", "moe", "attention", "moe"], head_dim=16, intermediate_size=128,
+        mamba_num_heads=8, mamba_head_dim=16, ssm_state_size=16, n_groups=2, chunk_size=8, n_routed_experts=8,
+        num_experts_per_tok=2, moe_intermediate_size=32, moe_shared_expert_intermediate_size=48, n_group=2,
+        topk_group=1, norm_topk_prob=True, routed_scaling_factor=2.5)),
     # Mamba-2 then rope attention, each followed by 8 experts (top-2) plus the shared MLP; Granite's multipliers.
     "granitemoehybrid": ("granitemoehybrid", lambda: transformers.GraniteMoeHybridConfig(
         **MAMBA, num_hidden_layers=2, layer_types=["mamba", "attention"], intermediate_size=32,

@@ -40,6 +40,9 @@ class GatedDeltaNetRecipe:
     rope: None = None
     head_dim: int = 0
     has_kv: bool = False  # a recurrent layer: its state lives in the state pool, not the KV cache
+    # The value heads' order: "grouped" (HF: value head h reads key head h // (Hv / Hk)) or "tiled" (llama.cpp's
+    # Qwen3.5 GGUFs, whose converter reorders them for ggml's broadcast: value head h reads key head h % Hk)
+    v_head_order: str = "grouped"
 
     def build(self, hidden_size: int, layer_idx: int, rope: object, norm: object) -> nn.Module:
         return GatedDeltaNet(hidden_size, self, layer_idx)
@@ -76,6 +79,9 @@ class GatedDeltaNet(nn.Module):
         self.A_log = nn.Parameter(torch.zeros(r.num_v_heads))
         self.norm = GatedRMSNorm(r.head_v_dim, r.eps)
         self.out_proj = nn.Linear(self.value_dim, hidden_size, bias=False)
+        if r.v_head_order not in ("grouped", "tiled"):
+            raise ValueError(f"v_head_order must be 'grouped' or 'tiled', not {r.v_head_order!r}")
+        self._tiled = r.v_head_order == "tiled"
         self.state_spec = StateSpec((self.conv_dim, r.conv_kernel - 1),
                                     (r.num_v_heads, r.head_k_dim, r.head_v_dim))
 
@@ -116,9 +122,9 @@ class GatedDeltaNet(nn.Module):
         if valid is not None:  # padded positions neither decay nor write the state
             beta_b, g_b = beta_b * valid.unsqueeze(-1), g_b * valid.unsqueeze(-1)
         if states.is_decode:
-            out, rec1 = recurrent_gated_delta_rule(q, k, v, g_b, beta_b, rec0)
+            out, rec1 = recurrent_gated_delta_rule(q, k, v, g_b, beta_b, rec0, self._tiled)
         else:
-            out, rec1 = chunk_gated_delta_rule(q, k, v, g_b, beta_b, rec0)
+            out, rec1 = chunk_gated_delta_rule(q, k, v, g_b, beta_b, rec0, self._tiled)
         states.write(self.layer_idx, conv1, rec1)
         return out.squeeze(1) if states.is_decode else states.from_batch(out)  # [T, Hv, Dv]
 
@@ -134,7 +140,7 @@ class GatedDeltaNet(nn.Module):
             conv_out, conv_next = causal_conv(mixed_b[:, i:i + 1], self._conv_weight(), None, conv)
             q, k, v = self._split(F.silu(conv_out))
             out, rec_next = recurrent_gated_delta_rule(q, k, v, g_b[:, i:i + 1] * live.unsqueeze(-1),
-                                                       beta_b[:, i:i + 1] * live.unsqueeze(-1), rec)
+                                                       beta_b[:, i:i + 1] * live.unsqueeze(-1), rec, self._tiled)
             conv = torch.where(live.unsqueeze(-1), conv_next, conv) if conv is not None else conv_next
             rec = rec_next
             outs.append(out)
@@ -153,23 +159,26 @@ def _l2norm(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
 
 
 def _prepare(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-             beta: torch.Tensor) -> tuple[torch.Tensor, ...]:
-    """[S, L, H*, D] inputs -> float32 [S, Hv, L, D] with q, k repeated to the value heads, L2-normed,
-    q scaled by Dk ** -0.5; g, beta [S, Hv, L]."""
+             beta: torch.Tensor, tiled: bool = False) -> tuple[torch.Tensor, ...]:
+    """[S, L, H*, D] inputs -> float32 [S, Hv, L, D] with q, k repeated to the value heads (each key head
+    `groups` times in a row, or `tiled`: the key heads `groups` times over), L2-normed, q scaled by
+    Dk ** -0.5; g, beta [S, Hv, L]."""
     groups = v.shape[2] // k.shape[2]
-    if groups > 1:
+    if groups > 1 and tiled:
+        q, k = q.repeat(1, 1, groups, 1), k.repeat(1, 1, groups, 1)
+    elif groups > 1:
         q, k = q.repeat_interleave(groups, dim=2), k.repeat_interleave(groups, dim=2)
     q, k, v, g, beta = (t.transpose(1, 2).float().contiguous() for t in (q, k, v, g, beta))
     q, k = _l2norm(q), _l2norm(k)
     return q * q.shape[-1] ** -0.5, k, v, g, beta
 
 
-def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                               beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                               state: torch.Tensor | None, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """One token a sequence: q, k [S, 1, Hk, Dk], v [S, 1, Hv, Dv], g, beta [S, 1, Hv], state [S, Hv, Dk, Dv]
     -> out [S, 1, Hv, Dv] in v's dtype, new state (float32)."""
     dtype = v.dtype
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, tiled)
     q, k, v, g, beta = q[:, :, 0], k[:, :, 0], v[:, :, 0], g[:, :, 0], beta[:, :, 0]
     s = state.float() if state is not None else q.new_zeros(*v.shape[:2], k.shape[-1], v.shape[-1])
     s = s * g.exp()[..., None, None]
@@ -180,12 +189,12 @@ def recurrent_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     return out.unsqueeze(1).to(dtype), s
 
 
-def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor,
-                           beta: torch.Tensor, state: torch.Tensor | None) -> tuple[torch.Tensor, torch.Tensor]:
+def chunk_gated_delta_rule(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                           state: torch.Tensor | None, tiled: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
     """A chunk of L positions a sequence, solved CHUNK at a time: shapes as `recurrent_gated_delta_rule`
     with L for 1. Positions with g = 0 and beta = 0 (padding) leave the state as it was."""
     dtype, length = v.dtype, q.shape[1]
-    q, k, v, g, beta = _prepare(q, k, v, g, beta)
+    q, k, v, g, beta = _prepare(q, k, v, g, beta, tiled)
     pad = (CHUNK - length % CHUNK) % CHUNK
     q, k, v = (F.pad(t, (0, 0, 0, pad)) for t in (q, k, v))
     g, beta = (F.pad(t, (0, pad)) for t in (g, beta))
@@ -223,6 +232,9 @@ def split_qwen3_next_projections(weights: dict[str, torch.Tensor], recipe: Gated
         q, k, v, z = qkvz.split((r.head_k_dim, r.head_k_dim, groups * r.head_v_dim, groups * r.head_v_dim), dim=1)
         weights[stem + "in_proj_qkv.weight"] = torch.cat([t.flatten(0, 1) for t in (q, k, v)])
         weights[stem + "in_proj_z.weight"] = z.flatten(0, 1)
-        ba = weights.pop(stem + "in_proj_ba.weight").unflatten(0, (r.num_k_heads, -1))
+    # apart: llama.cpp's converter splits in_proj_qkvz itself (attn_qkv, attn_gate) but keeps in_proj_ba (ssm_ba)
+    for name in [n for n in weights if n.endswith("in_proj_ba.weight")]:
+        stem = name[:-len("in_proj_ba.weight")]
+        ba = weights.pop(name).unflatten(0, (r.num_k_heads, -1))
         b, a = ba.split((groups, groups), dim=1)
         weights[stem + "in_proj_b.weight"], weights[stem + "in_proj_a.weight"] = b.flatten(0, 1), a.flatten(0, 1)

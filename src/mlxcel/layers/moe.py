@@ -23,9 +23,13 @@ Router kinds (`RouterSpec.kind`), after transformers 5.25's modeling files:
                      expert (DeepSeek-V2's "group_limited_greedy"; one group: "greedy"); not
                      renormalised (transformers ignores norm_topk_prob there), times `scaling`
 
-Expert activation (`MoESpec.activation`): "silu" / "gelu" / "gelu_pytorch_tanh" / "relu" gate,
+Expert activation (`MoESpec.activation`): "silu" / "gelu" / "gelu_pytorch_tanh" / "relu" / "relu2" gate,
 times up; "swiglu_clamped" is gpt-oss's: gate.clamp(max=limit), up.clamp(-limit, limit),
-(up + 1) * gate * sigmoid(gate * alpha).
+(up + 1) * gate * sigmoid(gate * alpha). `MoESpec.gated` False (Nemotron-H): no gate, the experts and
+the shared expert are act(up(x)) then down; `experts.gate_up_proj` then holds the up rows alone [E, I, H].
+`MoESpec.latent_size` (Nemotron-H's `moe_latent_size`): the routed experts run in a smaller space,
+`fc1_latent_proj` [L, H] before them and `fc2_latent_proj` [H, L] after (the router and shared expert
+see the hidden state itself).
 
 Parameters of one `MoE` (the module sits where the checkpoint's block sits: `mlp` or
 `block_sparse_moe`) and the checkpoint names `sanitize_moe` makes them from, per `layout`:
@@ -77,6 +81,7 @@ _GATED_ACTIVATIONS: dict[str, Callable[[torch.Tensor], torch.Tensor]] = {
     "gelu": F.gelu,
     "gelu_pytorch_tanh": lambda x: F.gelu(x, approximate="tanh"),
     "relu": F.relu,
+    "relu2": lambda x: F.relu(x).square(),
 }
 
 
@@ -120,10 +125,23 @@ class MoESpec:
     shared_intermediate_size: int = 0
     shared_name: str = "shared_experts"
     is_shared_gated: bool = False  # qwen2_moe: sigmoid(`{shared_name}_gate`(x)) times the shared output
+    gated: bool = True  # False: act(up) experts and shared expert, no gate projection (Nemotron-H)
+    latent_size: int = 0  # Nemotron-H's moe_latent_size: the routed experts' input / output width (0: hidden)
 
     def __post_init__(self) -> None:
         if self.activation not in _GATED_ACTIVATIONS and self.activation != "swiglu_clamped":
             raise ValueError(f"unsupported expert activation {self.activation!r}")
+        if not self.gated and self.activation == "swiglu_clamped":
+            raise ValueError("swiglu_clamped is a gated activation")
+
+    @property
+    def expert_width(self) -> int:
+        """The rows of `experts.gate_up_proj` an expert: gate and up, or up alone."""
+        return (2 if self.gated else 1) * self.intermediate_size
+
+    @property
+    def expert_input(self) -> int:
+        return self.latent_size or self.hidden_size
 
     @property
     def num_experts(self) -> int:
@@ -263,11 +281,11 @@ class Experts(nn.Module):
 
     def __init__(self, spec: MoESpec) -> None:
         super().__init__()
-        num, hidden, width = spec.num_experts, spec.hidden_size, spec.intermediate_size
+        num, hidden, width = spec.num_experts, spec.expert_input, spec.intermediate_size
         self.spec = spec
-        self.gate_up_proj = nn.Parameter(torch.empty(num, 2 * width, hidden))
+        self.gate_up_proj = nn.Parameter(torch.empty(num, spec.expert_width, hidden))
         self.down_proj = nn.Parameter(torch.empty(num, hidden, width))
-        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num, 2 * width)) if spec.has_expert_bias else None
+        self.gate_up_proj_bias = nn.Parameter(torch.zeros(num, spec.expert_width)) if spec.has_expert_bias else None
         self.down_proj_bias = nn.Parameter(torch.zeros(num, hidden)) if spec.has_expert_bias else None
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
@@ -277,7 +295,7 @@ class Experts(nn.Module):
         spec = self.spec
         return torch.ops.mlxcel.moe_experts(
             x, ids, weights.float(), self.gate_up_proj, self.down_proj, self.gate_up_proj_bias,
-            self.down_proj_bias, spec.activation, spec.swiglu_limit, spec.swiglu_alpha, path)
+            self.down_proj_bias, _activation_name(spec), spec.swiglu_limit, spec.swiglu_alpha, path)
 
     def packed(self, source: StoredSource) -> QuantExperts:
         """These experts as weight-only quantized linears (the CPU decode rewrite, layers/quant.py
@@ -288,14 +306,18 @@ class Experts(nn.Module):
         num = self.spec.num_experts
         gate, up, down = (source.stored(f"{n}.weight") for n in ("gate_proj", "up_proj", "down_proj"))
         gate_up_float = down_float = None
-        if gate is None or up is None:
+        if not self.spec.gated:  # the up stack alone: as stored, or the float stack
+            gate, up = (None, None) if up is None else (up, None)
+            gate_up_float = source.param("gate_up_proj") if gate is None else None
+        elif gate is None or up is None:
             gate_up_float = source.param("gate_up_proj")
         if down is None:
             down_float = source.param("down_proj")
         gate_up_bias, down_bias = source.param("gate_up_proj_bias"), source.param("down_proj_bias")
         gate_ups, downs = [], []
         for e in range(num):
-            first = (_expert_part(gate, num, e), _expert_part(up, num, e)) if gate_up_float is None else None
+            first = (None if gate_up_float is not None else
+                     tuple(_expert_part(t, num, e) for t in (gate, up) if t is not None))
             gate_ups.append(source.pack([*first] if first else [gate_up_float[e]],
                                         None if gate_up_bias is None else gate_up_bias[e]))
             downs.append(source.pack([_expert_part(down, num, e) if down_float is None else down_float[e]],
@@ -326,12 +348,12 @@ class QuantExperts(nn.Module):
 
     def forward(self, x: torch.Tensor, ids: torch.Tensor, weights: torch.Tensor, path: str = "auto") -> torch.Tensor:
         spec = self.spec
-        if x.device.type == "cpu" and self._on_kernels:
+        if x.device.type == "cpu" and self._on_kernels and spec.gated:
             out = torch.ops.mlxcel.quant_experts(x.float().contiguous(), ids.long().contiguous(),
                                                  weights.float().contiguous(), self._linears(), spec.activation,
                                                  spec.swiglu_limit, spec.swiglu_alpha)
             return out.to(x.dtype)
-        stack = _ExpertStack(None, None, None, None, spec.activation, spec.swiglu_limit, spec.swiglu_alpha)
+        stack = _ExpertStack(None, None, None, None, _activation_name(spec), spec.swiglu_limit, spec.swiglu_alpha)
         return _per_expert(lambda e, rows: self.down[e].packed_rows(stack.activate(self.gate_up[e].packed_rows(rows))),
                            len(self.gate_up), x, ids, weights)
 
@@ -348,6 +370,11 @@ class QuantExperts(nn.Module):
 
 
 EXPERT_PATHS = ("grouped", "per_expert", "gathered")
+UNGATED = "ungated:"  # the op's activation string for `MoESpec.gated` False (one op signature for both forms)
+
+
+def _activation_name(spec: MoESpec) -> str:
+    return spec.activation if spec.gated else UNGATED + spec.activation
 
 
 @torch.library.custom_op("mlxcel::moe_experts", mutates_args=())
@@ -382,7 +409,10 @@ class _ExpertStack:
     alpha: float
 
     def activate(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """[rows, 2I] -> [rows, I]: the gated activation of the experts' first projection."""
+        """[rows, 2I] -> [rows, I]: the gated activation of the experts' first projection (an
+        "ungated:" activation: [rows, I] -> act(up), no gate)."""
+        if self.activation.startswith(UNGATED):
+            return _GATED_ACTIVATIONS[self.activation[len(UNGATED):]](gate_up)
         gate, up = gate_up.chunk(2, dim=-1)
         if self.activation == "swiglu_clamped":
             gate, up = gate.clamp(max=self.limit), up.clamp(min=-self.limit, max=self.limit)
@@ -469,17 +499,22 @@ def _run_gathered(stack: _ExpertStack, x: torch.Tensor, ids: torch.Tensor, weigh
 
 
 class SharedExpert(nn.Module):
-    """A dense gated MLP every token runs beside the routed experts (HF names gate/up/down_proj)."""
+    """A dense gated MLP every token runs beside the routed experts (HF names gate/up/down_proj; no
+    gate_proj where the spec is not gated)."""
 
     def __init__(self, spec: MoESpec) -> None:
         super().__init__()
         hidden, width = spec.hidden_size, spec.shared_intermediate_size
-        self.gate_proj = nn.Linear(hidden, width, bias=False)
+        self.gated = spec.gated
+        if spec.gated:
+            self.gate_proj = nn.Linear(hidden, width, bias=False)
         self.up_proj = nn.Linear(hidden, width, bias=False)
         self.down_proj = nn.Linear(width, hidden, bias=False)
         self.act = _GATED_ACTIVATIONS[spec.activation]
 
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
+        if not self.gated:
+            return linear(self.down_proj, self.act(linear(self.up_proj, x, step)), step)
         gate, up = project(self, x, GATE_UP, step)
         return linear(self.down_proj, self.act(gate) * up, step)
 
@@ -492,6 +527,9 @@ class MoE(nn.Module):
         self.spec = spec
         self.gate = Router(spec.router, spec.hidden_size)
         self.experts = Experts(spec)
+        if spec.latent_size:
+            self.fc1_latent_proj = nn.Linear(spec.hidden_size, spec.latent_size, bias=False)
+            self.fc2_latent_proj = nn.Linear(spec.latent_size, spec.hidden_size, bias=False)
         if spec.shared_intermediate_size:
             self.add_module(spec.shared_name, SharedExpert(spec))
             if spec.is_shared_gated:
@@ -500,7 +538,10 @@ class MoE(nn.Module):
     def forward(self, x: torch.Tensor, step: Step | None = None) -> torch.Tensor:
         """x [T, H] -> [T, H]; `step` is the engine step the shared experts' projections take."""
         weights, ids = self.gate(x)
-        out = self.experts(x, ids, weights)
+        if self.spec.latent_size:
+            out = linear(self.fc2_latent_proj, self.experts(linear(self.fc1_latent_proj, x, step), ids, weights), step)
+        else:
+            out = self.experts(x, ids, weights)
         if self.spec.shared_intermediate_size:
             out = out + self._shared(x, step)
         return out
@@ -552,6 +593,11 @@ def _is_gguf_stack(name: str) -> bool:
 
 def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
     kept = dict(weights)
+    for up in [k for k in weights if k == "experts.up_proj.weight" or k.endswith(".experts.up_proj.weight")]:
+        prefix = up[:-len("up_proj.weight")]
+        if f"{prefix}gate_proj.weight" not in weights:  # ungated experts (Nemotron-H): the up stack alone
+            kept[f"{prefix}gate_up_proj"] = kept.pop(up)
+            kept[f"{prefix}down_proj"] = kept.pop(f"{prefix}down_proj.weight")
     for gate in [k for k in weights if _is_gguf_stack(k)]:
         prefix = gate[:-len("gate_proj.weight")]
         for kind, suffix in (("weight", ""), ("bias", "_bias")):
@@ -575,9 +621,12 @@ def _stack_per_expert(weights: dict[str, Value], names: dict[str, str]) -> dict[
         else:
             kept[key] = value
     for prefix, roles in found.items():
-        gate, up, down = (_expert_keys(roles, role, prefix) for role in ("gate", "up", "down"))
+        # no gate projections: ungated experts (Nemotron-H), whose stack is the up rows alone
+        gate = _expert_keys(roles, "gate", prefix) if "gate" in roles else []
+        up, down = (_expert_keys(roles, role, prefix) for role in ("up", "down"))
         kept[f"{prefix}experts.gate_up_proj"] = combined(
-            weights, gate + up, lambda ts, n=len(gate): torch.cat((torch.stack(ts[:n]), torch.stack(ts[n:])), 1))
+            weights, gate + up, lambda ts, n=len(gate): torch.cat((torch.stack(ts[:n]), torch.stack(ts[n:])), 1)
+            if n else torch.stack(ts))
         kept[f"{prefix}experts.down_proj"] = combined(weights, down, torch.stack)
     return kept
 

@@ -71,13 +71,20 @@ GGUF_ARCHITECTURES = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",  # V2 files too: deepseek_v3.gguf_config reads the router (V2: softmax)
     "ernie4_5-moe": "ernie4_5_moe",
+    # issue 41: the hybrids
+    "qwen35": "qwen3_5_text",
+    "qwen35moe": "qwen3_5_moe_text",
+    "qwen3next": "qwen3_next",
+    "nemotron_h_moe": "nemotron_h",
+    "granitehybrid": "granitemoehybrid",
+    "falcon-h1": "falcon_h1",
 }
 GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
     "output_norm": "model.norm",
     "output": "lm_head",
 }
-_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)\.(weight|bias)$")
+_LAYER_RE = re.compile(r"^blk\.(\d+)\.(.+)$")
 _GLOBAL_RE = re.compile(r"^(.+)\.(weight|bias)$")
 
 
@@ -226,15 +233,21 @@ class GGUFPackedWeights:
 def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:
     """HF parameter name -> the GGUF tensor that holds it (tensors with no HF counterpart left out)."""
     layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
-    return {hf_name: name for name in gguf.tensors if (hf_name := _hf_name(name, layer_names)) is not None}
+    global_names = {**GGUF_GLOBAL_NAMES, **getattr(module, "GGUF_GLOBAL_NAMES", {})}
+    return {hf_name: name for name in gguf.tensors
+            if (hf_name := _hf_name(name, layer_names, global_names)) is not None}
 
 
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+def _hf_name(name: str, layer_names: dict[str, str], global_names: dict[str, str]) -> str | None:
     if m := _LAYER_RE.match(name):
-        part = layer_names.get(m.group(2))
-        return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
+        layer, rest = m.groups()
+        if rest in layer_names:  # a whole name: a bare tensor (the SSMs' `ssm_a`) or one whose kind changes (`ssm_dt.bias`)
+            return f"model.layers.{layer}.{layer_names[rest]}"
+        part, _, kind = rest.rpartition(".")
+        hf_part = layer_names.get(part) if kind in ("weight", "bias") else None
+        return f"model.layers.{layer}.{hf_part}.{kind}" if hf_part else None
     if m := _GLOBAL_RE.match(name):
-        part = GGUF_GLOBAL_NAMES.get(m.group(1))
+        part = global_names.get(m.group(1))
         return f"{part}.{m.group(2)}" if part else None
     return None
 

@@ -13,13 +13,17 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from mlxcel.layers.decoder import DecoderArgs, DecoderLM, LayerRecipe
 from mlxcel.layers.mamba2 import Mamba2Recipe
-from mlxcel.models._hybrid import rename_prefixes, time_step_limit
+from mlxcel.models._hybrid import (fix_mamba2_weights, mamba2_gguf_names, mamba2_gguf_shape, rename_prefixes,
+                                   time_step_limit)
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -140,3 +144,27 @@ def _scaled(value: Any, factor: Any) -> Any:
         return scale(value)
     reader: Callable[[str], torch.Tensor] = value
     return lambda name: scale(reader(name))
+
+
+# ---- GGUF (issue 41): llama.cpp's falcon-h1 ------------------------------------------------------------
+# The converter folds every muP multiplier into the weights (the embedding's and lm_head's too), so the
+# file loads with all of them 1; llama.cpp's Mamba-2 gates before its grouped norm.
+
+# llama.cpp names Falcon-H1's pre-FFN norm bare (`blk.N.ffn_norm`, no `.weight`)
+GGUF_LAYER_NAMES = {**mamba2_gguf_names("mamba"), "ffn_norm": "pre_ff_layernorm.weight", "ffn_gate": "feed_forward.gate_proj",
+                    "ffn_up": "feed_forward.up_proj", "ffn_down": "feed_forward.down_proj"}
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    mamba = mamba2_gguf_shape(gguf)
+    return {**config, "mamba_d_ssm": mamba["inner_size"], "mamba_n_heads": mamba["num_heads"],
+            "mamba_d_head": mamba["head_dim"], "mamba_d_state": mamba["state_size"],
+            "mamba_n_groups": mamba["n_groups"], "mamba_d_conv": mamba["conv_kernel"],
+            "mamba_conv_bias": mamba["conv_bias"], "mamba_proj_bias": mamba["proj_bias"],
+            "mamba_rms_norm": "blk.0.ssm_norm.weight" in gguf.tensors, "mamba_norm_before_gate": False,
+            "projectors_bias": "blk.0.ssm_out.bias" in gguf.tensors,
+            "attention_bias": "blk.0.attn_q.bias" in gguf.tensors, "mlp_bias": "blk.0.ffn_up.bias" in gguf.tensors}
+
+
+def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return fix_mamba2_weights(state, "mamba")

@@ -8,14 +8,21 @@ from __future__ import annotations
 
 from dataclasses import dataclass, replace
 from functools import partial
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from mlxcel.layers.decoder import DecoderArgs, LayerRecipe, MLPRecipe, RopeRecipe, split_fused
 from mlxcel.layers.mamba2 import Mamba2Recipe
 from mlxcel.layers.moe import MoE, MoESpec
 from mlxcel.models import granite
-from mlxcel.models._hybrid import time_step_limit
-from mlxcel.models._moe import MoEArgs, MoEDecoderLM
+from mlxcel.models._gguf import unpermute_qk
+from mlxcel.models._hybrid import (fix_mamba2_weights, gguf_layer_kinds, gguf_rows, mamba2_gguf_names, mamba2_gguf_shape,
+                                   per_layer_max, time_step_limit)
+from mlxcel.models._moe import GGUF_MOE_NAMES, MoEArgs, MoEDecoderLM
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 MAMBA_KINDS = ("mamba", "linear_attention")
 
@@ -90,3 +97,38 @@ class Model(MoEDecoderLM):
             # The shared MLP sits beside the MoE in the checkpoint, inside our MoE block.
             weights = {k.replace(".shared_mlp.", ".block_sparse_moe.shared_mlp."): v for k, v in weights.items()}
         return super().sanitize(weights, args)
+
+
+# ---- GGUF (issue 41): llama.cpp's granitehybrid ------------------------------------------------------
+
+GGUF_LAYER_NAMES = {
+    **{part: name.replace("mlp.", "block_sparse_moe.", 1) for part, name in GGUF_MOE_NAMES.items()},
+    **mamba2_gguf_names("mamba"),
+    "ffn_gate_shexp": "shared_mlp.gate_proj", "ffn_up_shexp": "shared_mlp.up_proj",
+    "ffn_down_shexp": "shared_mlp.down_proj",
+    # no experts: the converter writes the shared MLP as the layer's plain FFN
+    "ffn_gate": "shared_mlp.gate_proj", "ffn_up": "shared_mlp.up_proj", "ffn_down": "shared_mlp.down_proj",
+}
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """Granite's multipliers, the Mamba-2 shape from `ssm.*`, each layer's kind from its tensors, no rope
+    unless `rope.scaling.finetuned` (llama.cpp's granitehybrid ropes only Bamba and all-attention files)."""
+    mamba = mamba2_gguf_shape(gguf)
+    layers = config["num_hidden_layers"]
+    experts = config.pop("num_experts", None) or 0
+    shared = gguf.arch_value("expert_shared_feed_forward_length")
+    out = {**granite.gguf_config(config, gguf),
+           "layer_types": ["mamba" if k == "mamba" else "attention" for k in gguf_layer_kinds(gguf, layers)],
+           "num_key_value_heads": per_layer_max(config.get("num_key_value_heads"))
+           or gguf_rows(gguf, "attn_k.weight") // (config["hidden_size"] // config["num_attention_heads"]),
+           "num_local_experts": experts, "shared_intermediate_size": shared or config.get("intermediate_size"),
+           "position_embedding_type": "rope" if gguf.arch_value("rope.scaling.finetuned") else None,
+           "mamba_n_heads": mamba["num_heads"], "mamba_d_head": mamba["head_dim"], "mamba_d_state": mamba["state_size"],
+           "mamba_n_groups": mamba["n_groups"], "mamba_d_conv": mamba["conv_kernel"],
+           "mamba_conv_bias": mamba["conv_bias"], "mamba_proj_bias": mamba["proj_bias"]}
+    return out
+
+
+def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    return fix_mamba2_weights(unpermute_qk(state, config), "mamba")  # q/k permuted as a LlamaModel's

@@ -6,11 +6,16 @@ final one `model.embedding_norm`. The feed-forward width follows `block_auto_adj
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+import torch
 
 from mlxcel.layers.decoder import AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe, MLPRecipe
 from mlxcel.layers.short_conv import ShortConvRecipe
-from mlxcel.models._hybrid import rename_prefixes
+from mlxcel.models._hybrid import per_layer_max, rename_prefixes
+
+if TYPE_CHECKING:
+    from mlxcel.models._gguf import GGUFTensors
 
 
 @dataclass(frozen=True)
@@ -60,3 +65,35 @@ class Model(DecoderLM):
     @classmethod
     def sanitize(cls, weights: dict[str, Any], args: DecoderArgs) -> dict[str, Any]:
         return super().sanitize(rename_prefixes(weights, {"model.embedding_norm.": "model.norm."}), args)
+
+
+# ---- GGUF (issue 41): llama.cpp's lfm2 -------------------------------------------------------------------
+
+GGUF_LAYER_NAMES = {
+    "attn_norm": "operator_norm", "ffn_norm": "ffn_norm", "attn_q_norm": "self_attn.q_layernorm",
+    "attn_k_norm": "self_attn.k_layernorm", "attn_output": "self_attn.out_proj",
+    "shortconv.conv": "conv.conv", "shortconv.in_proj": "conv.in_proj", "shortconv.out_proj": "conv.out_proj",
+    "ffn_gate": "feed_forward.w1", "ffn_up": "feed_forward.w3", "ffn_down": "feed_forward.w2",
+}
+GGUF_GLOBAL_NAMES = {"token_embd_norm": "model.norm"}  # llama.cpp's name for LFM2's final `embedding_norm`
+
+
+def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
+    """The written feed-forward width is the adjusted one; the conv window is `shortconv.l_cache`; each
+    layer's kind by its tensors."""
+    layers = config["num_hidden_layers"]
+    return {**config, "block_auto_adjust_ff_dim": False, "conv_L_cache": gguf.arch_value("shortconv.l_cache"),
+            "norm_eps": config.get("rms_norm_eps", ModelArgs.norm_eps),
+            "num_key_value_heads": per_layer_max(config.get("num_key_value_heads")),
+            "conv_bias": "blk.0.shortconv.in_proj.bias" in gguf.tensors or any(
+                n.endswith(".shortconv.in_proj.bias") for n in gguf.tensors),
+            "layer_types": ["conv" if f"blk.{i}.shortconv.in_proj.weight" in gguf.tensors else "full_attention"
+                            for i in range(layers)]}
+
+
+def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """The short conv's weight [C, K] as the converter squeezed it -> [C, 1, K]."""
+    for name, value in list(state.items()):
+        if name.endswith("conv.conv.weight") and value.dim() == 2:
+            state[name] = value.unsqueeze(1)
+    return state

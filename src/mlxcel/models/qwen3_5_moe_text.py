@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxcel.models._moe import MoEArgs
-from mlxcel.models.qwen3_next import HybridArgs, HybridLM
+from mlxcel.models.qwen3_next import GGUF_LAYER_NAMES, HybridArgs, HybridLM, fix_gguf_weights, gguf_config
 
 
 @dataclass(frozen=True)
@@ -17,3 +17,6 @@ class ModelArgs(MoEArgs, HybridArgs):
 
 class Model(HybridLM):
     ARGS = ModelArgs
+
+
+__all__ = ["GGUF_LAYER_NAMES", "Model", "ModelArgs", "fix_gguf_weights", "gguf_config"]  # its GGUF hooks: Qwen3-Next's

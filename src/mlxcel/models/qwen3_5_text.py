@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxcel.models.qwen3_next import HybridArgs, HybridLM
+from mlxcel.models.qwen3_next import GGUF_LAYER_NAMES, HybridArgs, HybridLM, fix_gguf_weights, gguf_config
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,6 @@ class ModelArgs(HybridArgs):
 
 class Model(HybridLM):
     ARGS = ModelArgs
+
+
+__all__ = ["GGUF_LAYER_NAMES", "Model", "ModelArgs", "fix_gguf_weights", "gguf_config"]  # its GGUF hooks: Qwen3-Next's

@@ -40,6 +40,7 @@ class HybridArgs(DecoderArgs):
     linear_value_head_dim: int = 128
     linear_conv_kernel_dim: int = 4
     full_attention_interval: int = 4
+    linear_v_head_order: str = "grouped"  # "tiled" in llama.cpp's Qwen3.5 GGUFs (layers/gated_deltanet.py)
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
@@ -62,7 +63,8 @@ class HybridArgs(DecoderArgs):
 
     def linear_recipe(self) -> GatedDeltaNetRecipe:
         return GatedDeltaNetRecipe(self.linear_num_key_heads, self.linear_num_value_heads, self.linear_key_head_dim,
-                                   self.linear_value_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps)
+                                   self.linear_value_head_dim, self.linear_conv_kernel_dim, self.rms_norm_eps,
+                                   v_head_order=self.linear_v_head_order)
 
     def layer_recipe(self, layer_idx: int) -> LayerRecipe:
         recipe = super().layer_recipe(layer_idx)
@@ -105,8 +107,61 @@ def _text_name(name: str) -> str | None:
     return name
 
 
-GGUF_LAYER_NAMES = GGUF_MOE_NAMES
+# ---- GGUF (issue 41): llama.cpp's qwen3next / qwen35 / qwen35moe, as convert_hf_to_gguf.py writes them ----
+
+GGUF_LAYER_NAMES = {
+    **GGUF_MOE_NAMES,
+    "ffn_gate_inp_shexp": "mlp.shared_expert_gate",
+    "ffn_gate_shexp": "mlp.shared_expert.gate_proj",
+    "ffn_up_shexp": "mlp.shared_expert.up_proj",
+    "ffn_down_shexp": "mlp.shared_expert.down_proj",
+    "post_attention_norm": "post_attention_layernorm",
+    "attn_qkv": "linear_attn.in_proj_qkv",  # Qwen3-Next's in_proj_qkvz split by the converter: q, k, v ...
+    "attn_gate": "linear_attn.in_proj_z",  # ... and z
+    "ssm_ba": "linear_attn.in_proj_ba",  # Qwen3-Next's, kept fused (split at load as the HF one)
+    "ssm_beta": "linear_attn.in_proj_b",
+    "ssm_alpha": "linear_attn.in_proj_a",
+    "ssm_a": "linear_attn.A_log",  # stored as -exp(A_log)
+    "ssm_dt.bias": "linear_attn.dt_bias",
+    "ssm_conv1d": "linear_attn.conv1d",  # [C, K], squeezed
+    "ssm_norm": "linear_attn.norm",
+    "ssm_out": "linear_attn.out_proj",
+}
+_TILED_ARCHES = ("qwen3_5_text", "qwen3_5_moe_text")  # the converter's _LinearAttentionVReorderBase
 
 
 def gguf_config(config: dict[str, Any], gguf: GGUFTensors) -> dict[str, Any]:
-    return {"norm_topk_prob": True, **config}
+    """The linear-attention shape from llama.cpp's `ssm.*` keys; which layers are linear from the tensors the
+    file holds (its `full_attention_interval` alone cannot say `layer_types`); Qwen3.5's value heads in
+    the converter's tiled order; the shared expert's width; top-k renormalised (llama.cpp's qwen3next
+    always renormalises)."""
+    v_heads, inner = gguf.arch_value("ssm.time_step_rank"), gguf.arch_value("ssm.inner_size")
+    layers = config["num_hidden_layers"] - (gguf.arch_value("nextn_predict_layers") or 0)
+    out = {
+        "norm_topk_prob": True, **config, "num_hidden_layers": layers,
+        "linear_conv_kernel_dim": gguf.arch_value("ssm.conv_kernel"),
+        "linear_key_head_dim": gguf.arch_value("ssm.state_size"),
+        "linear_num_key_heads": gguf.arch_value("ssm.group_count"),
+        "linear_num_value_heads": v_heads, "linear_value_head_dim": inner // v_heads,
+        "layer_types": [LINEAR if f"blk.{i}.ssm_a" in gguf.tensors else FULL for i in range(layers)],
+        "linear_v_head_order": "tiled" if config["model_type"] in _TILED_ARCHES else "grouped",
+    }
+    if shared := gguf.arch_value("expert_shared_feed_forward_length"):
+        out["shared_expert_intermediate_size"] = shared
+    return out
+
+
+def fix_gguf_weights(state: dict[str, torch.Tensor], config: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Undo the converter's changes: A_log from -exp(A_log), the conv's squeezed channel axis, every
+    (1 + w) RMSNorm stored as 1 + w (the gated norm of the linear attention is plain), the shared expert's
+    gate as a vector."""
+    for name, value in list(state.items()):
+        if name.endswith("linear_attn.A_log"):
+            state[name] = torch.log(-value)
+        elif name.endswith("linear_attn.conv1d.weight") and value.dim() == 2:
+            state[name] = value.unsqueeze(1)
+        elif name.endswith("norm.weight") and not name.endswith("linear_attn.norm.weight"):
+            state[name] = value - 1.0
+        elif name.endswith("shared_expert_gate.weight"):
+            state[name] = value.reshape(1, -1)
+    return state
