@@ -7,7 +7,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxcel.models._moe import MoEArgs
-from mlxcel.models.qwen3_next import HybridArgs, HybridLM
+from mlxcel.models.qwen3_next import MTP_HEAD_PREFIXES, MTP_LAYERS_PREFIX, HybridArgs, HybridLM
 
 
 @dataclass(frozen=True)
@@ -17,3 +17,6 @@ class ModelArgs(MoEArgs, HybridArgs):
 
 class Model(HybridLM):
     ARGS = ModelArgs
+
+
+__all__ = ["MTP_HEAD_PREFIXES", "MTP_LAYERS_PREFIX", "Model", "ModelArgs"]

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from mlxcel.models.qwen3_next import HybridArgs, HybridLM
+from mlxcel.models.qwen3_next import MTP_HEAD_PREFIXES, MTP_LAYERS_PREFIX, HybridArgs, HybridLM
 
 
 @dataclass(frozen=True)
@@ -15,3 +15,6 @@ class ModelArgs(HybridArgs):
 
 class Model(HybridLM):
     ARGS = ModelArgs
+
+
+__all__ = ["MTP_HEAD_PREFIXES", "MTP_LAYERS_PREFIX", "Model", "ModelArgs"]
