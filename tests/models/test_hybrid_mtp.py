@@ -149,9 +149,10 @@ def _mtp_checkpoint(folder: Path) -> tuple[torch.nn.Module, list[list[int]]]:
 def mtp_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[str, ServedModel], list, list]]:
     folder = tmp_path_factory.mktemp("qwen3_5_mtp")
     reference, prompts = _mtp_checkpoint(folder)
+    eos = reference.config.vocab_size - 1  # tiny_tokenizer_json's last token; ignore_eos bans it, as llama.cpp does
     with torch.inference_mode():
         expected = [reference.generate(torch.tensor([p]), max_new_tokens=NUM_TOKENS, min_new_tokens=NUM_TOKENS,
-                                       do_sample=False)[0, len(p):].tolist() for p in prompts]
+                                       do_sample=False, suppress_tokens=[eos])[0, len(p):].tolist() for p in prompts]
     served = {mode: start_served_model(resolve_model(str(folder)), RuntimeOptions(warmup=False, quantize="off"),
                                        EngineConfig(max_num_seqs=2, ctx_size=512, decode_step="eager", block_size=16,
                                                     speculative=SpeculativeConfig(mtp=mode)))
@@ -164,7 +165,7 @@ def mtp_served(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[dict[
 async def _greedy(served: ServedModel, request_id: str, prompt: list[int]) -> list[int]:
     tokens: list[int] = []
     sampling = SamplingParams(temperature=0.0, max_tokens=NUM_TOKENS, ignore_eos=True)
-    async for event in served.client.generate(Request(request_id, prompt, sampling)):
+    async for event in served.engine.generate(Request(request_id, prompt, sampling)):
         tokens.extend(event.token_ids)
     return tokens
 
@@ -180,8 +181,8 @@ def test_f10_qwen3_5_mtp_head_drafts_and_streams_equal_plain_decoding(mtp_served
         drafted = asyncio.run(_greedy(on, f"on{i}", prompt))
         assert plain == expected[i]
         assert drafted == plain
-    drafts = on.client.stats().drafts
+    drafts = on.engine.stats().drafts
     assert drafts is not None and drafts.kind == "mtp"
     # Accepted drafts (the head predicts what the main model mostly does) and rejected ones (rolled back).
     assert 0 < drafts.num_accepted < drafts.num_drafted, drafts
-    assert off.client.stats().drafts is None or off.client.stats().drafts.num_drafted == 0
+    assert off.engine.stats().drafts is None or off.engine.stats().drafts.num_drafted == 0

@@ -108,12 +108,12 @@ class EngineCore:
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
         # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
         # prefix cache hits only where a state snapshot exists (engine/kv/states.py).
-        self.states = _state_pool(model, config, dtype, device)
+        self.drafts = drafts or build_policy(config.speculative)
+        self.states = _state_pool(model, config, dtype, device, drafts=self.drafts)
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         if self.states is not None and self.disk is not None:
             self.states.attach_disk(self.disk.folder)
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
-        self.drafts = drafts or build_policy(config.speculative)
         scheduled_kv = SnapshotPrefixCache(self.kv, self.states) if self.states is not None else self.kv
         self.scheduler = Scheduler(config, scheduled_kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
@@ -692,13 +692,14 @@ SNAPSHOTS_PER_SLOT = 4
 
 
 def _state_pool(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
-                device: torch.device | str) -> StatePool | None:
-    """The recurrent-state pool of a hybrid model (None for attention-only models)."""
+                device: torch.device | str, *, drafts: DraftPolicy) -> StatePool | None:
+    """The recurrent-state pool of a hybrid model (None for attention-only models); verify slots where
+    any drafter drafts (a --draft-kind, or the checkpoint's own MTP layers under `--draft-kind none`)."""
     specs = state_specs(model)
     if not specs:
         return None
     num_snapshots = SNAPSHOTS_PER_SLOT * config.max_num_seqs if config.enable_prefix_caching else 0
-    verify_width = config.speculative.draft_max + 1 if config.speculative.is_enabled else 0
+    verify_width = config.speculative.draft_max + 1 if drafts.drafter.kind != "none" else 0
     pool = StatePool(specs, num_seqs=config.max_num_seqs, num_snapshots=num_snapshots, verify_width=verify_width,
                      block_size=config.block_size, dtype=dtype, device=device)
     log.info("recurrent state: %d layers, %.2f MiB a sequence; %d slots (%d live, %d verify, %d prefix snapshots), "
