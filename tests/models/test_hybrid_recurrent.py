@@ -310,3 +310,62 @@ def test_issue41_slot_save_and_restore_carry_the_state(hybrid, tmp_path: Path) -
         assert asyncio.run(_generate(client, "restored", PROMPTS[-1])) == (cold[0], cold[1], 20)
     finally:
         core.stop(10)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # the engine paths are the families' same
+def test_issue41_the_state_pool_is_counted_by_kv_cache_memory_and_shown_in_stats(hybrid) -> None:
+    """--kv-cache-memory holds the recurrent-state pool beside the blocks (the blocks get what is left); the
+    stats (/slots, /metrics, /props) show the pool and each slot's state: its bytes and the snapshots held
+    of its running request's prefix."""
+    _, model = hybrid
+    block_bytes = 4 * 256  # 4 tokens of K and V of the one attention layer (float32)
+    client = _engine(model)
+    pool_bytes = client.core.states.num_bytes
+    client.core.stop(10)
+    assert pool_bytes > block_bytes  # else the pool would not change the block count
+    with pytest.raises(ValueError, match="recurrent-state pool"):
+        _engine(model, kv_cache_bytes=pool_bytes + 4 * block_bytes)  # one slot's context needs 17 blocks
+    client = _engine(model, kv_cache_bytes=pool_bytes + 30 * block_bytes)
+    core = client.core
+    try:
+        assert core.kv.pool.num_blocks == 30
+        assert core.memory_budget.state_bytes == core.states.bytes_per_slot > 0
+        seen = []
+
+        async def watch() -> None:
+            sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            async for _ in client.generate(Request("watched", PROMPTS[-1], sampling)):
+                if not seen:
+                    seen.append(core.stats())
+
+        asyncio.run(watch())
+        running = next(s for s in seen[0].slots if s.request_id == "watched")
+        assert running.num_state_bytes == core.states.bytes_per_slot  # no drafts: the live slot alone
+        assert running.num_state_snapshots == 1  # the prompt's chunk was split at its last whole block (20)
+        pool = core.stats().recurrent_state
+        assert pool is not None and pool.num_bytes == pool_bytes and pool.num_snapshots >= 1
+        assert pool.num_slots == core.states.tensors.num_slots
+        idle = core.stats().slots[0]
+        assert idle.num_state_bytes == core.states.bytes_per_slot and idle.num_state_snapshots == 0
+    finally:
+        core.stop(10)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # the engine paths are the families' same
+def test_issue41_max_kv_size_with_a_hybrid(hybrid) -> None:
+    """--max-kv-size windows the attention layers' KV (the recurrent state carries the whole history):
+    inside the window the tokens are the unbounded run's; past it the request runs to its end, repeats
+    give the same tokens, and every block and state slot is free again."""
+    reference, model = hybrid
+    client = _engine(model, max_kv_size=64, ctx_size=4 * 128)
+    core = client.core
+    try:
+        inside = asyncio.run(_generate(client, "inside", PROMPTS[-1]))  # 23 + 16 tokens: inside the window
+        assert inside[0] == _transformers_greedy(reference, PROMPTS[-1])
+        past = asyncio.run(_generate(client, "past", LONG, 24))  # 94 tokens through a 64-token window
+        again = asyncio.run(_generate(client, "again", LONG, 24))
+        assert len(past[0]) == 24 and again[0] == past[0]
+        _assert_no_state_held(client)
+        assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    finally:
+        core.stop(10)

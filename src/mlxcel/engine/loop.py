@@ -99,17 +99,18 @@ class EngineCore:
         self.slot_context = config.slot_context(shape.context_length)
         k_type, v_type = config.kv_element_types()
         bytes_per_token = shape.kv_bytes_per_token(k_type, v_type)
-        num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
+        # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
+        # prefix cache hits only where a state snapshot exists (engine/kv/states.py); --kv-cache-memory holds both.
+        self.drafts = drafts or build_policy(config.speculative)
+        self.states = _state_pool(model, config, dtype, device, drafts=self.drafts)
+        num_blocks = config.num_blocks(shape.context_length, bytes_per_token,
+                                       state_bytes=self.states.num_bytes if self.states is not None else 0)
         self.kv_cache = shape.kv_cache(num_blocks, config.block_size, dtype, device, k_type, v_type)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
         # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (serving.served_model)
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
-        # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
-        # prefix cache hits only where a state snapshot exists (engine/kv/states.py).
-        self.drafts = drafts or build_policy(config.speculative)
-        self.states = _state_pool(model, config, dtype, device, drafts=self.drafts)
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         if self.states is not None and self.disk is not None:
             self.states.attach_disk(self.disk.folder)
@@ -240,7 +241,7 @@ class EngineCore:
                 prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
                 slots=slots, prefix_cache=self._prefix_cache_stats(), num_steps=s.num_steps,
                 num_busy_slot_steps=s.num_busy_slot_steps, max_sequence_len=s.max_sequence_len,
-                drafts=self._draft_stats())
+                drafts=self._draft_stats(), recurrent_state=self.states.stats() if self.states is not None else None)
 
     def _prefix_cache_stats(self) -> PrefixCacheStats:
         stats = self.kv.stats()
@@ -263,7 +264,14 @@ class EngineCore:
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
                          context_size=self.slot_context, num_remaining_tokens=_remaining(seq),
-                         num_cached_tokens=seq.num_cached_tokens if seq else 0)
+                         num_cached_tokens=seq.num_cached_tokens if seq else 0, **self._slot_state(seq))
+
+    def _slot_state(self, seq: Sequence | None) -> dict[str, int]:
+        """Issue 41: a hybrid model's recurrent state of a slot (its bytes are held whether it runs or not)."""
+        if self.states is None:
+            return {}
+        return {"num_state_bytes": self.states.slot_bytes(),
+                "num_state_snapshots": self.states.num_snapshots_of(seq.request_id) if seq else 0}
 
     # ---- slot snapshots (F12); run these on the loop thread through `call` ----
 

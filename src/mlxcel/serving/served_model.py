@@ -165,10 +165,12 @@ class MemoryBudgetError(ValueError):
 def check_memory_budget(budget: MemoryBudget) -> None:
     """Spec O: refuse a budget below one KV block, naming the minimum (smaller ones are served, the
     warmup fitting itself to them)."""
-    if budget.budget_bytes < budget.block_bytes:
+    minimum = budget.block_bytes + budget.state_bytes  # issue 41: a hybrid's request holds its recurrent state too
+    if budget.budget_bytes < minimum:
+        state = f" and one sequence's recurrent state ({budget.state_bytes} bytes)" if budget.state_bytes else ""
         raise MemoryBudgetError(
             f"MLXCEL_REQUEST_MEMORY_BUDGET: {budget.budget_bytes} bytes cannot hold one KV block of this model "
-            f"({budget.block_size} tokens); the minimum is {budget.block_bytes} bytes")
+            f"({budget.block_size} tokens){state}; the minimum is {minimum} bytes")
 
 
 def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, draft: Tokenizer) -> None:

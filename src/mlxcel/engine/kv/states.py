@@ -36,6 +36,7 @@ from safetensors.torch import load_file, save_file
 
 from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
 from mlxcel.layers.recurrent import SCRATCH_SLOT, StateSpec, StateTensors
+from mlxcel.types import RecurrentStateStats
 
 log = logging.getLogger(__name__)
 
@@ -71,6 +72,18 @@ class StatePool:
     @property
     def num_snapshots_held(self) -> int:
         return len(self._snapshots)
+
+    def stats(self) -> RecurrentStateStats:
+        return RecurrentStateStats(self.bytes_per_slot, self.tensors.num_slots, self.num_bytes, len(self._snapshots),
+                                   self.num_snapshots, self.num_resumed)
+
+    def slot_bytes(self) -> int:
+        """What one scheduler slot holds: its live slot and its verify slots."""
+        return self.bytes_per_slot * (1 + self.verify_width)
+
+    def num_snapshots_of(self, request_id: str) -> int:
+        """Snapshots held of `request_id`'s prefix (its whole blocks so far)."""
+        return sum(h in self._snapshots for h in self._hashes.get(request_id, ()))
 
     # ---- which slot a step reads and writes ----
 
