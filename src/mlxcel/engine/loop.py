@@ -114,6 +114,8 @@ class EngineCore:
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         if self.states is not None and self.disk is not None:
             self.states.attach_disk(self.disk.folder)
+            # Snapshots go to disk with their blocks, or alone when evicted first: a killed server's successor resumes.
+            self.disk.sidecar, self.states.spill = self.states.export_snapshot, self.disk.save_sidecar
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
         scheduled_kv = SnapshotPrefixCache(self.kv, self.states) if self.states is not None else self.kv
         self.scheduler = Scheduler(config, scheduled_kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
