@@ -102,13 +102,14 @@ def test_mtp_head_equals_transformers_mtp_layer(family: str, tmp_path: Path) -> 
 # ---- served: the MTP policy drafting with the head ----
 
 NUM_TOKENS = 24
+MIXER_SCALE = 0.01  # how much the recurrent, attention and MLP layers add to the embedding (0: all drafts right)
 PROMPTS = ["The quick brown fox", "jumps over the lazy dog and the"]
 
 
 def _mtp_checkpoint(folder: Path) -> tuple[torch.nn.Module, list[list[int]]]:
     """A tiny qwen3_5 (the release's layout: text model under `model.language_model`, `mtp.*` beside it).
 
-    Its mixers' and MLP's output projections are scaled down, so the main model mostly predicts the next
+    Its mixers' and MLP's output projections are scaled down (MIXER_SCALE), so the main model mostly predicts the next
     token from the current one alone (its hidden state is mostly the token's embedding; the norms are
     unit: Qwen3.5's (1 + w) with w = 0); the MTP head passes its token's embedding through (`fc` = [I, 0],
     its layer's outputs zero), so it predicts that same next token: its drafts are often right, and
@@ -121,16 +122,18 @@ def _mtp_checkpoint(folder: Path) -> tuple[torch.nn.Module, list[list[int]]]:
     weights = load_file(str(folder / "model.safetensors"))
     for name in list(weights):
         if name.endswith(("out_proj.weight", "o_proj.weight", "down_proj.weight")):
-            weights[name] = weights[name] * 0.2
+            weights[name] = weights[name] * MIXER_SCALE
         elif name.endswith("norm.weight") and "linear_attn" not in name and "_norm" not in name.rsplit(".", 2)[-2]:
             weights[name] = torch.zeros_like(weights[name])
+    # The end token (which ignore_eos bans from the stream, not from the head's drafts) is never the argmax.
+    weights["lm_head.weight"][vocab - 1] = 0.0
     head = _checkpoint_names(_reference_head("qwen3_5_text", vocab)[0])
     hidden = 64
     head["mtp.fc.weight"] = torch.cat((torch.eye(hidden), torch.zeros(hidden, hidden)), dim=1)
     for name in head:
         if name.endswith(("o_proj.weight", "down_proj.weight")):
             head[name] = torch.zeros_like(head[name])
-        elif name.endswith("norm.weight") and "self_attn" not in name:
+        elif "norm" in name.rsplit(".", 2)[-2] and "self_attn" not in name:  # pre_fc_norm_*, layer norms, norm
             head[name] = torch.zeros_like(head[name])
     nested = {k.replace("model.", "model.language_model.", 1) if k.startswith("model.") else k: v
               for k, v in weights.items()}
@@ -184,5 +187,5 @@ def test_f10_qwen3_5_mtp_head_drafts_and_streams_equal_plain_decoding(mtp_served
     drafts = on.engine.stats().drafts
     assert drafts is not None and drafts.kind == "mtp"
     # Accepted drafts (the head predicts what the main model mostly does) and rejected ones (rolled back).
-    assert 0 < drafts.num_accepted < drafts.num_drafted, drafts
+    assert 0 < drafts.num_accepted < drafts.num_drafted and drafts.acceptance_rate > 0.2, drafts  # seen: 18 of 48
     assert off.engine.stats().drafts is None or off.engine.stats().drafts.num_drafted == 0
