@@ -134,11 +134,12 @@ class EngineConfig:
             return max(self.ctx_size // self.max_num_seqs, self.block_size)
         return model_context
 
-    def num_blocks(self, model_context: int, bytes_per_token: int) -> int:
+    def num_blocks(self, model_context: int, bytes_per_token: int, *, state_bytes: int = 0) -> int:
         """KV blocks for every slot's full context, capped by the memory budget when one is set.
 
         A smaller pool still serves every slot: blocks are shared and handed out on demand, and
-        when they run out the newest request is preempted and recomputed later.
+        when they run out the newest request is preempted and recomputed later. `state_bytes`: a
+        hybrid model's recurrent-state pool (issue 41), which the budget holds beside the blocks.
         """
         per_slot = self.slot_context(model_context)
         if self.max_kv_size:
@@ -147,10 +148,11 @@ class EngineConfig:
         wanted = blocks_per_slot * self.max_num_seqs
         if not self.kv_cache_bytes:
             return wanted
-        affordable = self.kv_cache_bytes // (bytes_per_token * self.block_size)
+        affordable = max(self.kv_cache_bytes - state_bytes, 0) // (bytes_per_token * self.block_size)
         if affordable < blocks_per_slot:
+            states = f" beside the recurrent-state pool's {state_bytes} bytes" if state_bytes else ""
             raise ValueError(
-                f"--kv-cache-memory {self.kv_cache_bytes} bytes holds {affordable * self.block_size} tokens, "
+                f"--kv-cache-memory {self.kv_cache_bytes} bytes holds {affordable * self.block_size} tokens{states}, "
                 f"less than one slot's context ({per_slot} tokens); raise it or lower --ctx-size"
             )
         return min(wanted, affordable)

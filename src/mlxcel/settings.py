@@ -402,7 +402,8 @@ SETTINGS: tuple[Setting, ...] = (
     _s("max_kv_size", NON_NEGATIVE, 0, "keep only the newest N tokens live (0 = off, else 64..2^31-1)",
        ("--max-kv-size",), "LLAMA_ARG_MAX_KV_SIZE", metavar="N", group="engine"),
     _s("kv_cache_memory", SIZE, 0, "cap the KV pool at this many bytes (e.g. 512M; 0 = room for every slot's full "
-       "context); a smaller pool preempts and recomputes under pressure", ("--kv-cache-memory",),
+       "context; a hybrid model's recurrent-state pool counts in it); a smaller pool preempts and recomputes under "
+       "pressure", ("--kv-cache-memory",),
        "MLXCEL_KV_CACHE_MEMORY", metavar="SIZE", group="engine"),
     _s("request_memory_budget", size(is_positive=True), None, "lower the request memory budget (O): a request "
        "whose KV blocks (prompt + max output) exceed it gets 503 request_memory_budget_exceeded; default and "
@@ -469,7 +470,7 @@ SETTINGS: tuple[Setting, ...] = (
        ("--prompt-lookup-ngram",), "MLXCEL_PROMPT_LOOKUP_NGRAM", metavar="N", group="speculative"),
     _s("draft_block_size", integer(minimum=1), 16, "tokens a DFlash drafter proposes per block",
        ("--draft-block-size",), "MLXCEL_DRAFT_BLOCK_SIZE", metavar="N", group="speculative"),
-    _s("mtp", choice(*MTP_MODES), "auto", "drafting with the checkpoint's own MTP layers (F10; MiMo) while one "
+    _s("mtp", choice(*MTP_MODES), "auto", "drafting with the checkpoint's own MTP layers (F10; MiMo, Qwen3.5, Qwen3-Next) while one "
        "request runs: auto (profile, then keep the faster), on or off; GET /v1/internal/mtp-policy reports it",
        ("--mtp",), "MLXCEL_MTP", group="speculative"),
     # block-diffusion text models (U): a DiffusionGemma -m is served by a serial worker

@@ -357,6 +357,22 @@ class SlotStats:
     context_size: int
     num_remaining_tokens: int = -1  # max_tokens left to generate; -1: idle or no limit
     num_cached_tokens: int = 0  # the running request's prompt tokens from the prefix cache, RAM or disk
+    # issue 41, a hybrid model: the slot's recurrent state (its live and verify slots of the pool), and the
+    # snapshots of the running request's prefix the pool holds (what a later request may resume from)
+    num_state_bytes: int = 0
+    num_state_snapshots: int = 0
+
+
+@dataclass(frozen=True, slots=True)
+class RecurrentStateStats:
+    """A hybrid model's recurrent-state pool (issue 41): fixed at startup, held beside the KV blocks."""
+
+    bytes_per_slot: int  # one sequence's conv and recurrent states over every recurrent layer
+    num_slots: int  # live, verify and snapshot slots (and the zero scratch slot)
+    num_bytes: int  # the whole pool: what --kv-cache-memory holds beside the blocks
+    num_snapshots: int  # prefix snapshots held in RAM
+    num_snapshot_slots: int  # the most it holds
+    num_resumed: int = 0  # sequences that started from a snapshot
 
 
 @dataclass(frozen=True, slots=True)
@@ -507,3 +523,4 @@ class EngineStats:
     max_sequence_len: int = 0  # longest sequence computed so far, prompt + output (n_tokens_max)
     drafts: DraftStats = DraftStats()
     diffusion: DiffusionStats | None = None  # set when a block-diffusion worker serves the model (U)
+    recurrent_state: RecurrentStateStats | None = None  # a hybrid model's state pool (issue 41); None otherwise

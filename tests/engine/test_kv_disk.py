@@ -222,3 +222,31 @@ def test_kv_identity_names_everything_that_makes_kv_differ(tmp_path: Path, smoll
     others = [identity(other_file), identity(config=rope), identity(quantize="off"),
               identity(adapters=((adapter, 1.0),)), identity(mmproj=projector)]
     assert len({base, *others}) == 6
+
+
+
+def test_issue41_sidecars_are_written_with_their_blocks_counted_and_evicted_with_them(tmp_path: Path) -> None:
+    """A block's sidecar (a hybrid's state snapshot) is written with it, counts in the capacity, and goes when
+    the capacity evicts its block; one written alone (its snapshot left RAM first) is counted too."""
+    from safetensors.torch import load_file
+
+    probe = Engine(tmp_path / "probe")
+    probe.compute("a", prompt(1))
+    probe.store.close(probe.pool)
+    file_size = next(probe.store.folder.glob("*.kvb")).stat().st_size
+    engine = Engine(tmp_path / "bounded", capacity=6 * file_size)
+    engine.store.sidecar = lambda block_hash: {"state": torch.full((256,), float(block_hash % 7))}
+    alone = 12345
+    engine.store.save_sidecar(alone, {"state": torch.ones(256)})
+    for seed in range(2, 8):  # 3 blocks each, 18 in all: the capacity evicts
+        engine.compute(str(seed), prompt(seed))
+    engine.store.close(engine.pool)
+    folder = tmp_path / "bounded"
+    blocks, sidecars = list(folder.glob("*/*.kvb")), list(folder.glob("*/*.rstate"))
+    assert blocks and {p.stem for p in sidecars} - {f"{alone:064x}"} <= {p.stem for p in blocks}
+    assert {p.stem for p in blocks} <= {p.stem for p in sidecars}  # every block kept its sidecar
+    for path in sidecars:
+        expected = 1.0 if path.stem == f"{alone:064x}" else float(int(path.stem, 16) % 7)
+        assert torch.equal(load_file(str(path))["state"], torch.full((256,), expected))
+    total = sum(p.stat().st_size for p in [*blocks, *sidecars])
+    assert total <= 6 * file_size and engine.store.stats().size_bytes == total

@@ -143,6 +143,13 @@ async def _generate(client: EngineClient, request_id: str, prompt: list[int],
     return tokens, logprobs, cached
 
 
+def _state_pool_bytes(model: torch.nn.Module, **overrides: object) -> int:
+    """The recurrent-state pool's bytes of an engine of this config (--kv-cache-memory holds it beside the blocks)."""
+    client = _engine(model, **overrides)
+    client.core.stop(10)
+    return client.core.states.num_bytes
+
+
 def _assert_no_state_held(client: EngineClient) -> None:
     pool = client.core.states
     assert pool._holds == {} and pool._hashes == {} and not client.core.scheduler.running
@@ -239,8 +246,9 @@ def test_issue41_aborts_and_preemptions_free_every_state_slot(hybrid, caplog: py
     them disconnected mid-stream: afterwards no slot is held, and a new request gets the greedy tokens."""
     reference, model = hybrid
     caplog.set_level(logging.INFO, logger="mlxcel.engine.scheduler")
-    # 12 blocks of 4 tokens (256 bytes a token: K and V of the one attention layer); 4 streams need up to 28
-    client = _engine(model, ctx_size=4 * 32, kv_cache_bytes=12 * 4 * 256)
+    # 12 blocks of 4 tokens (256 bytes a token: K and V of the one attention layer) beside the state pool; 4
+    # streams need up to 28
+    client = _engine(model, ctx_size=4 * 32, kv_cache_bytes=_state_pool_bytes(model, ctx_size=4 * 32) + 12 * 4 * 256)
     rng = random.Random(5)
 
     async def stream(i: int) -> None:
@@ -310,3 +318,97 @@ def test_issue41_slot_save_and_restore_carry_the_state(hybrid, tmp_path: Path) -
         assert asyncio.run(_generate(client, "restored", PROMPTS[-1])) == (cold[0], cold[1], 20)
     finally:
         core.stop(10)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # the engine paths are the families' same
+def test_issue41_the_state_pool_is_counted_by_kv_cache_memory_and_shown_in_stats(hybrid) -> None:
+    """--kv-cache-memory holds the recurrent-state pool beside the blocks (the blocks get what is left); the
+    stats (/slots, /metrics, /props) show the pool and each slot's state: its bytes and the snapshots held
+    of its running request's prefix."""
+    _, model = hybrid
+    block_bytes = 4 * 256  # 4 tokens of K and V of the one attention layer (float32)
+    pool_bytes = _state_pool_bytes(model)
+    assert pool_bytes > block_bytes  # else the pool would not change the block count
+    with pytest.raises(ValueError, match="recurrent-state pool"):
+        _engine(model, kv_cache_bytes=pool_bytes + 4 * block_bytes)  # one slot's context needs 17 blocks
+    client = _engine(model, kv_cache_bytes=pool_bytes + 30 * block_bytes)
+    core = client.core
+    try:
+        assert core.kv.pool.num_blocks == 30
+        assert core.memory_budget.state_bytes == core.states.bytes_per_slot > 0
+        seen = []
+
+        async def watch() -> None:
+            sampling = SamplingParams(temperature=0.0, max_tokens=8, ignore_eos=True)
+            async for _ in client.generate(Request("watched", PROMPTS[-1], sampling)):
+                if not seen:
+                    seen.append(core.stats())
+
+        asyncio.run(watch())
+        running = next(s for s in seen[0].slots if s.request_id == "watched")
+        assert running.num_state_bytes == core.states.bytes_per_slot  # no drafts: the live slot alone
+        assert running.num_state_snapshots == 1  # the prompt's chunk was split at its last whole block (20)
+        pool = core.stats().recurrent_state
+        assert pool is not None and pool.num_bytes == pool_bytes and pool.num_snapshots >= 1
+        assert pool.num_slots == core.states.tensors.num_slots
+        idle = core.stats().slots[0]
+        assert idle.num_state_bytes == core.states.bytes_per_slot and idle.num_state_snapshots == 0
+    finally:
+        core.stop(10)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # the engine paths are the families' same
+def test_issue41_max_kv_size_with_a_hybrid(hybrid) -> None:
+    """--max-kv-size windows the attention layers' KV (the recurrent state carries the whole history):
+    inside the window the tokens are the unbounded run's; past it the request runs to its end, repeats
+    give the same tokens, and every block and state slot is free again."""
+    reference, model = hybrid
+    client = _engine(model, max_kv_size=64, ctx_size=4 * 128)
+    core = client.core
+    try:
+        inside = asyncio.run(_generate(client, "inside", PROMPTS[-1]))  # 23 + 16 tokens: inside the window
+        assert inside[0] == _transformers_greedy(reference, PROMPTS[-1])
+        past = asyncio.run(_generate(client, "past", LONG, 24))  # 94 tokens through a 64-token window
+        again = asyncio.run(_generate(client, "again", LONG, 24))
+        assert len(past[0]) == 24 and again[0] == past[0]
+        _assert_no_state_held(client)
+        assert core.kv.pool.num_free_blocks == core.kv.pool.num_blocks
+    finally:
+        core.stop(10)
+
+
+@pytest.mark.parametrize("hybrid", ["qwen3_5_text"], indirect=True)  # the engine paths are the families' same
+def test_issue41_snapshots_go_to_disk_with_their_blocks_and_count_in_its_size(hybrid, tmp_path: Path) -> None:
+    """A block evicted to the disk tier takes its state snapshot with it (a sidecar file), and a snapshot evicted
+    from RAM first goes to disk alone, so an engine that never stopped gracefully (killed: no stop, no save at
+    exit) left what a new one resumes from; sidecars count in the disk tier's size."""
+    import time
+
+    _, model = hybrid
+    small = dict(max_num_seqs=1, ctx_size=64, prefix_cache_dir=str(tmp_path), prefix_cache_disk_bytes=1 << 26)
+    # One slot's context (17 blocks) and no more beside the state pool: the next prompt evicts the first's blocks.
+    small["kv_cache_bytes"] = _state_pool_bytes(model, **small) + 17 * 4 * 256
+    for path in tmp_path.rglob("*"):
+        path.unlink() if path.is_file() else None
+    killed = _engine(model, **small)
+    try:
+        cold = asyncio.run(_generate(killed, "cold", PROMPTS[-1]))  # 23 + 16 tokens: 9 blocks cached
+        for i, start in enumerate((0, 30)):  # 12 blocks each: the cold prompt's blocks go to disk, then its snapshot
+            asyncio.run(_generate(killed, f"evicting{i}", LONG[start:start + 40], 8))
+        def on_disk() -> int:
+            return sum(p.stat().st_size for p in tmp_path.rglob("*") if p.suffix in (".kvb", ".rstate"))
+
+        disk = killed.core.disk
+        deadline = time.monotonic() + 30
+        while (disk._queue.qsize() or disk.stats().size_bytes != on_disk()) and time.monotonic() < deadline:
+            time.sleep(0.05)  # the writer thread writes blocks with their sidecars, and spilled snapshots alone
+        assert list(tmp_path.rglob("*.rstate")) and disk.stats().size_bytes == on_disk()
+        # A new engine over the same folder, the first one never stopped: it resumes from the disk snapshot.
+        fresh = _engine(model, **small)
+        try:
+            warm = asyncio.run(_generate(fresh, "warm", PROMPTS[-1]))
+            assert warm == (cold[0], cold[1], 20) and fresh.core.states.num_resumed == 1
+        finally:
+            fresh.core.stop(10)
+    finally:
+        killed.core.stop(10)

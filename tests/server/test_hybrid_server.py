@@ -10,6 +10,7 @@ import json
 from collections.abc import Iterator
 from pathlib import Path
 
+import httpx
 import openai
 import pytest
 import torch
@@ -21,6 +22,7 @@ from mlxcel.config import EngineConfig
 from mlxcel.loading import resolve_model
 from mlxcel.serving.chat_model import start_served_model
 from mlxcel.serving.served_model import RuntimeOptions
+from mlxcel.server.config import ServerConfig
 from tests.loading.tiny_checkpoint import EOS, tiny_tokenizer_json
 from tests.models.harness import save_tiny_hf
 
@@ -74,7 +76,7 @@ def served(tmp_path: Path, start_server) -> Iterator[tuple[str, str, object]]:
     reference, tokenizer = _checkpoint(tmp_path)
     model = start_served_model(resolve_model(str(tmp_path)), RuntimeOptions(warmup=False, quantize="off"),
                                EngineConfig(max_num_seqs=2, ctx_size=1024, decode_step="eager"))
-    server = start_server(model)
+    server = start_server(model, ServerConfig(port=0, endpoint_metrics=True, endpoint_props=True))
     yield server.address, _transformers_text(reference, tokenizer), tokenizer
     model.close(30)
 
@@ -93,6 +95,15 @@ def test_issue41_qwen3_5_serves_completions_and_chat_with_reasoning(served) -> N
     again = client.completions.create(**body)
     assert again.choices[0].text == expected
     assert again.usage.prompt_tokens_details.cached_tokens == (again.usage.prompt_tokens - 1) // 16 * 16 > 0
+    # The recurrent-state pool as /props, /metrics and /slots show it (snapshots: the prompt's 2 blocks at least).
+    pool = httpx.get(f"{address}/props", timeout=30).json()["recurrent_state"]
+    assert pool["bytes"] == pool["bytes_per_sequence"] * pool["slots"] > 0 and pool["snapshots"] >= 1
+    assert pool["resumed"] >= 1
+    metrics = httpx.get(f"{address}/metrics", timeout=30).text
+    assert f"mlxcel_recurrent_state_bytes {float(pool['bytes'])}" in metrics
+    slots = httpx.get(f"{address}/slots", timeout=30).json()
+    assert len(slots) == 2 and all(s["recurrent_state"] == {"bytes": pool["bytes_per_sequence"], "snapshots": 0}
+                                   for s in slots)  # idle slots: their state is held, no request's snapshots
     chat = client.chat.completions.create(model="m", messages=[{"role": "user", "content": "Hi"}], max_tokens=6,
                                           temperature=0, logit_bias={str(tokenizer.token_to_id("</think>")): -100})
     message = chat.choices[0].message

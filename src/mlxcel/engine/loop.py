@@ -99,21 +99,24 @@ class EngineCore:
         self.slot_context = config.slot_context(shape.context_length)
         k_type, v_type = config.kv_element_types()
         bytes_per_token = shape.kv_bytes_per_token(k_type, v_type)
-        num_blocks = config.num_blocks(shape.context_length, bytes_per_token)
+        # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
+        # prefix cache hits only where a state snapshot exists (engine/kv/states.py); --kv-cache-memory holds both.
+        self.drafts = drafts or build_policy(config.speculative)
+        self.states = _state_pool(model, config, dtype, device, drafts=self.drafts)
+        num_blocks = config.num_blocks(shape.context_length, bytes_per_token,
+                                       state_bytes=self.states.num_bytes if self.states is not None else 0)
         self.kv_cache = shape.kv_cache(num_blocks, config.block_size, dtype, device, k_type, v_type)
         self.kv = KVCacheManager(BlockPool(num_blocks, config.block_size,
                                            enable_caching=config.enable_prefix_caching),
                                  enable_prefix_caching=config.enable_prefix_caching)
         # issue 29: the disk tier under the prefix cache; `cache_identity` names the model's KV (serving.served_model)
         identity = cache_identity and f"{cache_identity}|{dtype}|{device}"
-        # Issue 41: a hybrid model's recurrent layers keep their states in a pool beside the blocks, and its
-        # prefix cache hits only where a state snapshot exists (engine/kv/states.py).
-        self.states = _state_pool(model, config, dtype, device)
         self.disk = _open_disk_tier(config, self.kv_cache, self.kv, identity)
         if self.states is not None and self.disk is not None:
             self.states.attach_disk(self.disk.folder)
+            # Snapshots go to disk with their blocks, or alone when evicted first: a killed server's successor resumes.
+            self.disk.sidecar, self.states.spill = self.states.export_snapshot, self.disk.save_sidecar
         self.host = _open_host_tier(config, self.kv_cache, self.kv, self.disk)  # point 5: between pool and disk
-        self.drafts = drafts or build_policy(config.speculative)
         scheduled_kv = SnapshotPrefixCache(self.kv, self.states) if self.states is not None else self.kv
         self.scheduler = Scheduler(config, scheduled_kv, slot_context=self.slot_context, eos_token_ids=eos_token_ids,
                                    drafts=self.drafts)
@@ -240,7 +243,7 @@ class EngineCore:
                 prompt_tokens_processed=s.num_prompt_computed, context_size=self.slot_context,
                 slots=slots, prefix_cache=self._prefix_cache_stats(), num_steps=s.num_steps,
                 num_busy_slot_steps=s.num_busy_slot_steps, max_sequence_len=s.max_sequence_len,
-                drafts=self._draft_stats())
+                drafts=self._draft_stats(), recurrent_state=self.states.stats() if self.states is not None else None)
 
     def _prefix_cache_stats(self) -> PrefixCacheStats:
         stats = self.kv.stats()
@@ -263,7 +266,14 @@ class EngineCore:
                          num_prompt_tokens=seq.num_prompt_tokens if seq else 0,
                          num_generated_tokens=seq.num_output_tokens if seq else 0,
                          context_size=self.slot_context, num_remaining_tokens=_remaining(seq),
-                         num_cached_tokens=seq.num_cached_tokens if seq else 0)
+                         num_cached_tokens=seq.num_cached_tokens if seq else 0, **self._slot_state(seq))
+
+    def _slot_state(self, seq: Sequence | None) -> dict[str, int]:
+        """Issue 41: a hybrid model's recurrent state of a slot (its bytes are held whether it runs or not)."""
+        if self.states is None:
+            return {}
+        return {"num_state_bytes": self.states.slot_bytes(),
+                "num_state_snapshots": self.states.num_snapshots_of(seq.request_id) if seq else 0}
 
     # ---- slot snapshots (F12); run these on the loop thread through `call` ----
 
@@ -692,13 +702,14 @@ SNAPSHOTS_PER_SLOT = 4
 
 
 def _state_pool(model: torch.nn.Module, config: EngineConfig, dtype: torch.dtype,
-                device: torch.device | str) -> StatePool | None:
-    """The recurrent-state pool of a hybrid model (None for attention-only models)."""
+                device: torch.device | str, *, drafts: DraftPolicy) -> StatePool | None:
+    """The recurrent-state pool of a hybrid model (None for attention-only models); verify slots where
+    any drafter drafts (a --draft-kind, or the checkpoint's own MTP layers under `--draft-kind none`)."""
     specs = state_specs(model)
     if not specs:
         return None
     num_snapshots = SNAPSHOTS_PER_SLOT * config.max_num_seqs if config.enable_prefix_caching else 0
-    verify_width = config.speculative.draft_max + 1 if config.speculative.is_enabled else 0
+    verify_width = config.speculative.draft_max + 1 if drafts.drafter.kind != "none" else 0
     pool = StatePool(specs, num_seqs=config.max_num_seqs, num_snapshots=num_snapshots, verify_width=verify_width,
                      block_size=config.block_size, dtype=dtype, device=device)
     log.info("recurrent state: %d layers, %.2f MiB a sequence; %d slots (%d live, %d verify, %d prefix snapshots), "

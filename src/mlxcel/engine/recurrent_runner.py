@@ -127,7 +127,11 @@ class RecurrentRunner(Runner):
                                  [self.states.live_slot(i.seq.slot_id) for i in verify], token_slots=token_slots)
         self._set_lora_rows(verify)
         ctx = AttentionContext(slices, self.kv_cache, self.device, states=states)
-        logits = self.model.compute_logits(self.model(input_ids, positions, ctx)).float()
+        if self.features is not None:  # a drafter reads the target's layers (an MTP head: F10)
+            hidden = self._tapped_forward(input_ids, positions, ctx, verify, slices, None)
+        else:
+            hidden = self.model(input_ids, positions, ctx)
+        logits = self.model.compute_logits(hidden).float()
         out: dict[str, torch.Tensor] = {}
         for item, sl in zip(verify, slices):
             seq = item.seq

@@ -7,7 +7,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from mlxcel.models._moe import MoEArgs
-from mlxcel.models.qwen3_next import GGUF_LAYER_NAMES, HybridArgs, HybridLM, fix_gguf_weights, gguf_config
+from mlxcel.models.qwen3_next import (GGUF_LAYER_NAMES, MTP_HEAD_PREFIXES, MTP_LAYERS_PREFIX, HybridArgs, HybridLM,
+                                      fix_gguf_weights, gguf_config)
 
 
 @dataclass(frozen=True)
@@ -19,4 +20,5 @@ class Model(HybridLM):
     ARGS = ModelArgs
 
 
-__all__ = ["GGUF_LAYER_NAMES", "Model", "ModelArgs", "fix_gguf_weights", "gguf_config"]  # its GGUF hooks: Qwen3-Next's
+__all__ = ["GGUF_LAYER_NAMES", "MTP_HEAD_PREFIXES", "MTP_LAYERS_PREFIX", "Model", "ModelArgs", "fix_gguf_weights",
+           "gguf_config"]  # its GGUF and MTP hooks: Qwen3-Next's

@@ -24,8 +24,12 @@ if TYPE_CHECKING:
 
 LINEAR = "linear_attention"
 
+# The MTP head's weights (fc, norms, one full-attention decoder layer): no part of the forward; the
+# speculative path reads them (F10: engine/spec/mtp.py, layers/mtp.py).
+MTP_HEAD_PREFIXES = ("mtp.", "model.mtp.")
+MTP_LAYERS_PREFIX = MTP_HEAD_PREFIXES[0]  # F10's mark of a family whose MTP layers draft
 # The Qwen3.5 vision-language checkpoints: their text model under LLAVA_TEXT_PREFIXES; vision tower and MTP head dropped.
-_DROPPED_PREFIXES = ("model.visual.", "visual.", "mtp.", "model.mtp.")
+_DROPPED_PREFIXES = ("model.visual.", "visual.", *MTP_HEAD_PREFIXES)
 
 
 @dataclass(frozen=True)
@@ -82,7 +86,8 @@ class ModelArgs(MoEArgs, HybridArgs):
 
 
 class HybridLM(MoEDecoderLM):
-    """The Qwen3-Next / Qwen3.5 model: text weights of a multimodal checkpoint kept, the MTP head dropped."""
+    """The Qwen3-Next / Qwen3.5 model: text weights of a multimodal checkpoint kept, the MTP head left to
+    the drafter."""
 
     ARGS = ModelArgs
 

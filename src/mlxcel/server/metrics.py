@@ -19,7 +19,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.registry import Collector
 
 from mlxcel.api.context import SequenceRecord
-from mlxcel.types import DiffusionStats, DiskCacheStats, EngineStats, HostCacheStats, Usage
+from mlxcel.types import DiffusionStats, DiskCacheStats, EngineStats, HostCacheStats, RecurrentStateStats, Usage
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -100,6 +100,8 @@ class EngineCollector(Collector):
         yield _counter("mlxcel_sequences_aborted", "Engine sequences started, then aborted", stats.sequences_aborted)
         yield from _prefix_cache_metrics(stats)
         yield from _draft_metrics(stats)
+        if stats.recurrent_state is not None:
+            yield from _recurrent_state_metrics(stats.recurrent_state)
         if stats.diffusion is not None:
             yield from _diffusion_metrics(stats.diffusion)
 
@@ -139,6 +141,16 @@ def _host_cache_metrics(host: HostCacheStats) -> Iterator[Metric]:
                    host.load_seconds)
     yield _gauge("mlxcel_prefix_cache_host_bytes", "Bytes of KV blocks held in host memory", host.size_bytes)
     yield _gauge("mlxcel_prefix_cache_host_capacity_bytes", "--prefix-cache-host-size", host.capacity_bytes)
+
+
+def _recurrent_state_metrics(pool: RecurrentStateStats) -> Iterator[Metric]:
+    """A hybrid model's recurrent-state pool (issue 41); absent for attention-only models."""
+    yield _gauge("mlxcel_recurrent_state_bytes", "Bytes of the recurrent-state pool (beside the KV blocks)",
+                 pool.num_bytes)
+    yield _gauge("mlxcel_recurrent_state_slots", "Slots of the recurrent-state pool", pool.num_slots)
+    yield _gauge("mlxcel_recurrent_state_snapshots", "Prefix snapshots of recurrent state held in RAM",
+                 pool.num_snapshots)
+    yield _counter("mlxcel_recurrent_state_resumed", "Sequences that resumed from a state snapshot", pool.num_resumed)
 
 
 def _disk_cache_metrics(disk: DiskCacheStats) -> Iterator[Metric]:

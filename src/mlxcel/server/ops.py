@@ -23,7 +23,8 @@ from mlxcel.server.metrics import CONTENT_TYPE
 from mlxcel.server.state import ServerState
 from mlxcel.serving.process import FLORENCE2_CAPABILITY, SideModels
 from mlxcel.types import (MTP_POLICY_VERSION, MTP_STATES, DiffusionStats, DiskCacheStats, DraftStats, EngineStats,
-                          HostCacheStats, MtpDecision, PrefixCacheReset, PrefixCacheStats, SlotStats)
+                          HostCacheStats, MtpDecision, PrefixCacheReset, PrefixCacheStats, RecurrentStateStats,
+                          SlotStats)
 
 if TYPE_CHECKING:
     from mlxcel.workers.base import WorkerStats
@@ -138,6 +139,8 @@ def slot_json(slot: SlotStats) -> dict[str, Any]:
         "is_processing": slot.is_processing, "request_id": slot.request_id,
         "n_prompt_tokens": slot.num_prompt_tokens, "n_prompt_tokens_cached": slot.num_cached_tokens,
         "next_token": [next_token],
+        **({"recurrent_state": {"bytes": slot.num_state_bytes, "snapshots": slot.num_state_snapshots}}
+           if slot.num_state_bytes else {}),  # issue 41: a hybrid model's
     }
 
 
@@ -225,7 +228,14 @@ async def props(request: Request, state: ServerState) -> Response:
         "build_info": f"mlxcel {_version()}",
         "prefix_cache_disk": disk_tier_props(stats.prefix_cache),
         **speculative,
+        **({"recurrent_state": recurrent_state_json(stats.recurrent_state)} if stats.recurrent_state else {}),
     })
+
+
+def recurrent_state_json(pool: RecurrentStateStats) -> dict[str, Any]:
+    """A hybrid model's recurrent-state pool (issue 41), as /props shows it."""
+    return {"bytes": pool.num_bytes, "bytes_per_sequence": pool.bytes_per_slot, "slots": pool.num_slots,
+            "snapshots": pool.num_snapshots, "snapshot_slots": pool.num_snapshot_slots, "resumed": pool.num_resumed}
 
 
 def disk_tier_props(cache: PrefixCacheStats | None) -> dict[str, Any]:

@@ -170,10 +170,12 @@ class MemoryBudgetError(ValueError):
 def check_memory_budget(budget: MemoryBudget) -> None:
     """Spec O: refuse a budget below one KV block, naming the minimum (smaller ones are served, the
     warmup fitting itself to them)."""
-    if budget.budget_bytes < budget.block_bytes:
+    minimum = budget.block_bytes + budget.state_bytes  # issue 41: a hybrid's request holds its recurrent state too
+    if budget.budget_bytes < minimum:
+        state = f" and one sequence's recurrent state ({budget.state_bytes} bytes)" if budget.state_bytes else ""
         raise MemoryBudgetError(
             f"MLXCEL_REQUEST_MEMORY_BUDGET: {budget.budget_bytes} bytes cannot hold one KV block of this model "
-            f"({budget.block_size} tokens); the minimum is {budget.block_bytes} bytes")
+            f"({budget.block_size} tokens){state}; the minimum is {minimum} bytes")
 
 
 def check_draft_vocab(target_path: Path, target: Tokenizer, draft_path: Path, draft: Tokenizer) -> None:
@@ -319,24 +321,30 @@ def _mtp_decision(loaded: LoadedModel, config: EngineConfig) -> MtpDecision | No
 
 def _mtp_policy(loaded: LoadedModel, options: RuntimeOptions,
                 config: EngineConfig) -> tuple[MtpDraftPolicy | None, MtpDecision | None]:
-    """F10: the checkpoint's first MTP layer, read from its safetensors, drafting over the target; a
-    checkpoint whose MTP weights are missing (an export that dropped them) is served without them."""
+    """F10: the checkpoint's first MTP layer (MiMo's) or MTP head of the target's own blocks (Qwen3-Next,
+    Qwen3.5: `MTP_HEAD_PREFIXES`), read from its safetensors, drafting over the target; a checkpoint whose
+    MTP weights are missing (an export that dropped them) is served without them."""
     from safetensors import safe_open
 
-    from mlxcel.engine.spec.mtp import MtpDrafter, declared_mtp_layers, load_mtp_layer
+    from mlxcel.engine.spec.mtp import MtpDrafter, declared_mtp_layers, load_mtp_head, load_mtp_layer
 
-    prefix = family_module(loaded.model_type).MTP_LAYERS_PREFIX + "0."
+    family = family_module(loaded.model_type)
+    head_prefixes: tuple[str, ...] | None = getattr(family, "MTP_HEAD_PREFIXES", None)
+    prefixes = head_prefixes or (family.MTP_LAYERS_PREFIX + "0.",)
     num_layers, key = declared_mtp_layers(loaded.config)
     weights: dict[str, torch.Tensor] = {}
     for file in sorted(loaded.model_dir.glob("*.safetensors")) if loaded.model_dir is not None else ():
         with safe_open(str(file), framework="pt") as handle:
-            weights.update({name: handle.get_tensor(name) for name in handle.keys() if name.startswith(prefix)})
+            weights.update({name: handle.get_tensor(name) for name in handle.keys() if name.startswith(prefixes)})
+    place = {"device": options.device, "dtype": options.torch_dtype()}
     try:
-        layer = load_mtp_layer(loaded.config, weights, prefix, device=options.device, dtype=options.torch_dtype())
+        layer = (load_mtp_head(loaded.model, weights, head_prefixes, **place) if head_prefixes else
+                 load_mtp_layer(loaded.config, weights, prefixes[0], **place))
     except ValueError as exc:
         return None, MtpDecision("unavailable", f"the config declares {num_layers} MTP layer(s) ({key}), but {exc}",
                                  num_mtp_layers=num_layers)
-    log.info("MTP drafter loaded: %s* (%d MTP layer(s) declared; --mtp %s)", prefix, num_layers, config.speculative.mtp)
+    log.info("MTP drafter loaded: %s* (%d MTP layer(s) declared; --mtp %s)", prefixes[0], num_layers,
+             config.speculative.mtp)
     policy = MtpDraftPolicy(config.speculative, MtpDrafter(layer, loaded.model), num_mtp_layers=num_layers)
     return policy, None
 

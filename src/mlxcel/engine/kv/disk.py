@@ -10,6 +10,12 @@ the KV manager asks `load`, which reads the stored run into free blocks when loa
 faster than recomputing. A file that fails any check is never used: skipped, deleted, one log line.
 A write that fails (read-only or full directory) turns writing off with one warning: RAM-only.
 
+A block may have a sidecar file beside it (issue 41: a hybrid model's recurrent-state snapshot at the
+block's end, `SIDECAR_SUFFIX`, engine/kv/states.py): `sidecar(hash)` is asked on the engine thread as
+the block is handed to the writer, which writes it with the block, and a snapshot evicted from RAM
+before its block goes to disk alone (`save_sidecar`), so a killed server still finds the snapshots of
+the blocks it wrote. Sidecars count in the capacity and are evicted with their blocks.
+
 The eviction hook only notes the blocks; at the pool's flush (before any KV write, evict.py) they are
 gathered in one batch into rows of a bounded host ring allocated up front (pinned on CUDA, copied there by a
 side stream), and the writer builds, checksums and writes each file, then hands the rows back. When the
@@ -46,6 +52,7 @@ log = logging.getLogger(__name__)
 MAGIC = b"MLXCELKV"
 FORMAT_VERSION = 1
 SUFFIX = ".kvb"
+SIDECAR_SUFFIX = ".rstate"  # a block's recurrent-state snapshot (safetensors), written and evicted with it
 _HEADER_LEN = struct.Struct("<I")
 _QUEUE_BATCHES = 64  # eviction batches waiting for the writer; past it a batch is dropped, never waited for
 _EMA = 0.3  # weight of the newest measurement in the load / prefill rates
@@ -81,10 +88,11 @@ class _WriteBatch:
     the device->host copy into them (CUDA) and how many ring rows to give back once written."""
 
     hashes: list[int]
-    payloads: list[torch.Tensor]
+    payloads: list[torch.Tensor | None]  # None: a sidecar alone (a state snapshot evicted from RAM before its block)
     ready: torch.cuda.Event | None = None
     num_ring_rows: int = 0
     done: Callable[[], None] | None = None  # the payloads are no longer read: written, or dropped (host-tier rows)
+    sidecars: list[dict[str, torch.Tensor] | None] | None = None  # each block's sidecar tensors (CPU), if any
 
 
 @dataclass(slots=True)
@@ -159,6 +167,8 @@ class DiskBlockStore:
                                self.pending.row_bytes, self.is_pinned)
         self._stream = torch.cuda.Stream(cache.k[0].device) if self.is_pinned else None
         self._is_writable = self._prepare_folder()
+        # A block's sidecar tensors, asked on the engine thread (a hybrid's state snapshot: EngineCore sets it)
+        self.sidecar: Callable[[int], dict[str, torch.Tensor] | None] | None = None
         self._writer = threading.Thread(target=self._write_loop, name="mlxcel-kv-disk", daemon=True)
         self._writer.start()
         log.info("disk prefix cache: %s (%d blocks, %.1f MiB of %.1f GiB; %s)", self.folder, len(self._known),
@@ -267,7 +277,19 @@ class DiskBlockStore:
 
     def _enqueue_rows(self, hashes: list[int], runs: list[tuple[int, int]], ready: torch.cuda.Event | None) -> None:
         rows = [self._ring.rows[first + i] for first, count in runs for i in range(count)]
-        self._queue.put_nowait(_WriteBatch(hashes, rows, ready, len(rows)))  # room checked by _take_rows
+        self._queue.put_nowait(_WriteBatch(hashes, rows, ready, len(rows), sidecars=self._sidecars(hashes)))
+
+    def save_sidecar(self, block_hash: int, tensors: dict[str, torch.Tensor]) -> None:
+        """A sidecar leaving RAM before its block does (a state snapshot the pool evicts): written alone, found
+        by its block's hash when the block comes back (or dropped with the others when the writer is behind)."""
+        if self._is_writable:
+            self._enqueue(_WriteBatch([block_hash], [None], sidecars=[tensors]))
+
+    def _sidecars(self, hashes: list[int]) -> list[dict[str, torch.Tensor] | None] | None:
+        """The blocks' sidecar tensors, copied now (the engine thread owns what they are read from)."""
+        if self.sidecar is None:
+            return None
+        return [self.sidecar(block_hash) for block_hash in hashes]
 
     def save_payloads(self, blocks: list[tuple[int, torch.Tensor]], *, wait: bool = False,
                       ready: torch.cuda.Event | None = None, done: Callable[[], None] | None = None) -> None:
@@ -276,7 +298,9 @@ class DiskBlockStore:
         the graceful stop, for room in the queue rather than drop)."""
         fresh = [(block_hash, payload) for block_hash, payload in blocks if block_hash not in self._known]
         if fresh and self._is_writable:
-            self._enqueue(_WriteBatch([h for h, _ in fresh], [p for _, p in fresh], ready, done=done), wait=wait)
+            hashes = [h for h, _ in fresh]
+            self._enqueue(_WriteBatch(hashes, [p for _, p in fresh], ready, done=done, sidecars=self._sidecars(hashes)),
+                          wait=wait)
         elif done is not None:
             done()
 
@@ -321,7 +345,8 @@ class DiskBlockStore:
         for batch in chunks(fresh, 64) if self._is_writable else []:
             data = torch.empty((len(batch), self.pending.row_bytes), dtype=torch.uint8, device=self.cache.k[0].device)
             gather_into(self.cache, [b for b, _ in batch], data)
-            self._queue.put(_WriteBatch([h for _, h in batch], list(data.cpu())))
+            hashes = [h for _, h in batch]
+            self._queue.put(_WriteBatch(hashes, list(data.cpu()), sidecars=self._sidecars(hashes)))
         self._queue.put(None)
         self._writer.join(timeout)
         if self._writer.is_alive():
@@ -442,10 +467,13 @@ class DiskBlockStore:
                 continue
             if item.ready is not None:
                 item.ready.synchronize()  # the side stream's copy into the ring (or host-tier) rows
+            sidecars = item.sidecars or [None] * len(item.hashes)
             try:
-                for block_hash, payload in zip(item.hashes, item.payloads):
-                    if self._is_writable:
+                for block_hash, payload, sidecar in zip(item.hashes, item.payloads, sidecars):
+                    if self._is_writable and payload is not None:
                         self._write(block_hash, payload.numpy().tobytes())
+                    if self._is_writable and sidecar is not None:
+                        self._write_sidecar(block_hash, sidecar)
             finally:
                 if item.done is not None:
                     item.done()
@@ -456,7 +484,7 @@ class DiskBlockStore:
     def _delete_all(self, request: _Reset) -> None:
         """This identity's block files only: another model sharing the directory keeps its own."""
         try:
-            for path in self.folder.glob(f"*{SUFFIX}"):
+            for path in [*self.folder.glob(f"*{SUFFIX}"), *self.folder.glob(f"*{SIDECAR_SUFFIX}")]:
                 try:
                     size = path.stat().st_size
                     path.unlink()
@@ -500,6 +528,21 @@ class DiskBlockStore:
         self._size_bytes += size
         self._count(num_blocks_written=1, num_bytes_written=size)
 
+    def _write_sidecar(self, block_hash: int, tensors: dict[str, torch.Tensor]) -> None:
+        from safetensors.torch import save_file
+
+        path = self._path(block_hash).with_suffix(SIDECAR_SUFFIX)
+        if path.exists():
+            return
+        temp = path.with_name(f".{path.stem[:16]}.{os.getpid()}.{secrets.token_hex(4)}.tmp")
+        try:
+            save_file(tensors, str(temp))
+            os.replace(temp, path)
+        except OSError as exc:
+            self._fail_writes(temp, exc)
+            return
+        self._size_bytes += path.stat().st_size
+
     def _fail_writes(self, temp: Path, exc: OSError) -> None:
         self._is_writable = False
         self._count(num_write_errors=1)
@@ -520,6 +563,7 @@ class DiskBlockStore:
                 pass  # another server evicted it first
             except OSError:
                 continue
+            path.with_suffix(SIDECAR_SUFFIX).unlink(missing_ok=True)  # a block's sidecar goes with it
             total -= size
             if path.parent == self.folder:
                 self._known.discard(int(path.stem, 16))
@@ -572,15 +616,18 @@ def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
 
 
 def _block_files(directory: Path) -> list[tuple[Path, int, float]]:
-    """Every block file under `directory` (all identities): path, size, last use."""
-    files: list[tuple[Path, int, float]] = []
-    for path in directory.glob(f"*/*{SUFFIX}"):
+    """Every block file under `directory` (all identities): path, size with its sidecar's, last use. A sidecar
+    without its block (a snapshot saved at a graceful stop, its block's file evicted) is an entry of its own."""
+    files: dict[Path, tuple[Path, int, float]] = {}
+    for path in [*directory.glob(f"*/*{SUFFIX}"), *directory.glob(f"*/*{SIDECAR_SUFFIX}")]:
         try:
             info = path.stat()
         except OSError:
             continue
-        files.append((path, info.st_size, info.st_mtime))
-    return files
+        key = path.with_suffix("")
+        first, size, used = files.get(key, (path, 0, 0.0))
+        files[key] = (first if first.suffix == SUFFIX else path, size + info.st_size, max(used, info.st_mtime))
+    return list(files.values())
 
 
 def _remove_stale_temps(folder: Path) -> None:

@@ -27,6 +27,7 @@ from __future__ import annotations
 import logging
 import os
 from collections import OrderedDict
+from collections.abc import Callable
 from collections.abc import Sequence as Seq
 from pathlib import Path
 from typing import Any
@@ -34,12 +35,14 @@ from typing import Any
 import torch
 from safetensors.torch import load_file, save_file
 
+from mlxcel.engine.kv.disk import SIDECAR_SUFFIX
 from mlxcel.engine.kv.prefix import KVCacheManager, hash_block_tokens
 from mlxcel.layers.recurrent import SCRATCH_SLOT, StateSpec, StateTensors
+from mlxcel.types import RecurrentStateStats
 
 log = logging.getLogger(__name__)
 
-STATE_SUFFIX = ".rstate"  # a snapshot's file (safetensors) beside the disk tier's `.kvb` block files
+STATE_SUFFIX = SIDECAR_SUFFIX  # a snapshot's file (safetensors) beside its block's in the disk tier
 
 
 class StatePool:
@@ -59,6 +62,7 @@ class StatePool:
         self._rolling: dict[str, int] = {}  # request -> the key of its latest decode-step snapshot
         self.num_resumed = 0  # sequences that started from a snapshot
         self.folder: Path | None = None  # the disk tier's folder, when there is one (`attach_disk`)
+        self.spill: Callable[[int, dict[str, torch.Tensor]], None] | None = None  # the disk tier's, for evictions
 
     @property
     def bytes_per_slot(self) -> int:
@@ -71,6 +75,18 @@ class StatePool:
     @property
     def num_snapshots_held(self) -> int:
         return len(self._snapshots)
+
+    def stats(self) -> RecurrentStateStats:
+        return RecurrentStateStats(self.bytes_per_slot, self.tensors.num_slots, self.num_bytes, len(self._snapshots),
+                                   self.num_snapshots, self.num_resumed)
+
+    def slot_bytes(self) -> int:
+        """What one scheduler slot holds: its live slot and its verify slots."""
+        return self.bytes_per_slot * (1 + self.verify_width)
+
+    def num_snapshots_of(self, request_id: str) -> int:
+        """Snapshots held of `request_id`'s prefix (its whole blocks so far)."""
+        return sum(h in self._snapshots for h in self._hashes.get(request_id, ()))
 
     # ---- which slot a step reads and writes ----
 
@@ -118,11 +134,21 @@ class StatePool:
             return
         if is_rolling and (previous := self._rolling.pop(request_id, None)) in self._snapshots:
             self._free_snapshots.append(self._snapshots.pop(previous))
-        target = self._free_snapshots.pop() if self._free_snapshots else self._snapshots.popitem(last=False)[1]
+        target = self._free_snapshot_slot()
         self.tensors.copy([slot], [target])
         self._snapshots[key] = target
         if is_rolling:
             self._rolling[request_id] = key
+
+    def _free_snapshot_slot(self) -> int:
+        """A free snapshot slot, else the least recently used one's (its snapshot spilled to disk when the disk
+        tier is on, so it is found again, and a killed server's successor finds it too)."""
+        if self._free_snapshots:
+            return self._free_snapshots.pop()
+        block_hash, slot = self._snapshots.popitem(last=False)
+        if self.spill is not None:
+            self.spill(block_hash, self.tensors.export(slot))
+        return slot
 
     def has_snapshot(self, block_hash: int) -> bool:
         """In RAM, or on disk (a previous run's, read back into a snapshot slot now)."""
@@ -219,7 +245,7 @@ class StatePool:
         """A snapshot read back from disk or a slot file, under `block_hash`."""
         if block_hash in self._snapshots:
             return
-        target = self._free_snapshots.pop() if self._free_snapshots else self._snapshots.popitem(last=False)[1]
+        target = self._free_snapshot_slot()
         self.tensors.load(target, saved)
         self._snapshots[block_hash] = target
 

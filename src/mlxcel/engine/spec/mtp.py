@@ -37,6 +37,7 @@ from torch import nn
 
 from mlxcel.config import SpeculativeConfig
 from mlxcel.engine.spec import DraftPolicy, weights_misfit
+from mlxcel.layers.mtp import MtpHead, build_mtp_head, mtp_layer_index
 from mlxcel.layers.norm import RMSNorm
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings
 from mlxcel.types import MtpDecision, MtpProfile
@@ -179,6 +180,27 @@ def load_mtp_layer(config: Mapping[str, Any], weights: Mapping[str, torch.Tensor
     return layer.to(device=device, dtype=dtype).eval()
 
 
+# ---- an MTP head of the target's own blocks (Qwen3-Next / Qwen3.5: layers/mtp.py) ----
+
+def load_mtp_head(target: nn.Module, weights: Mapping[str, torch.Tensor], prefixes: tuple[str, ...], *,
+                  device: torch.device | str, dtype: torch.dtype) -> MtpHead:
+    """The MTP head of `target` from the checkpoint's `weights` under `prefixes` (e.g. "mtp."): its decoder
+    layer's weights go through the family's own sanitize (fused experts stacked), as the target's did."""
+    own = {name[len(p):]: tensor for name, tensor in weights.items() for p in prefixes if name.startswith(p)}
+    if not own:
+        raise ValueError(f"the checkpoint holds no {' or '.join(p + '*' for p in prefixes)} weights")
+    index = mtp_layer_index(target.args)
+    block, stem = "layers.0.", f"model.layers.{index}."
+    renamed = {(stem + name[len(block):] if name.startswith(block) else name): t for name, t in own.items()}
+    sanitized = type(target).sanitize(renamed, target.args)
+    head = build_mtp_head(target)
+    misfit = weights_misfit(head, {(block + n[len(stem):] if n.startswith(stem) else n): t
+                                   for n, t in sanitized.items()})
+    if misfit:
+        raise ValueError(f"the MTP head {prefixes[0]}* does not fit the config: {misfit}")
+    return head.to(device=device, dtype=dtype).eval()
+
+
 # ---- the drafter ----
 
 @dataclass(slots=True)
@@ -197,7 +219,7 @@ class MtpDrafter:
 
     kind = "mtp"
 
-    def __init__(self, layer: MtpLayer, target: nn.Module, *, max_draft: int = MAX_DRAFT) -> None:
+    def __init__(self, layer: MtpLayer | MtpHead, target: nn.Module, *, max_draft: int = MAX_DRAFT) -> None:
         self.layer = layer
         self.target = target
         self.max_draft = max_draft
