@@ -1,4 +1,6 @@
-"""Shared fixtures: paths of the real model files that ship as pip packages (MODELS.md)."""
+"""Shared fixtures: paths of the real model files that ship as pip packages (MODELS.md), and transformers'
+own conversions of them (tokenizer, float32 model), built once per test session: converting a GGUF in
+transformers costs 10-60 s each time (Gemma 3's 262k-token vocabulary, SmolLM2's dequantized weights)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import importlib.util
 import os
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -68,3 +71,55 @@ def smollm2_path() -> Path:
 @pytest.fixture(scope="session")
 def gemma3_path() -> Path:
     return gemma3_gguf()
+
+
+@pytest.fixture(scope="session")
+def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
+    from mlxcel.loading.gguf import GGUFFile
+
+    return GGUFFile(smollm2_path).metadata
+
+
+@pytest.fixture(scope="session")
+def gemma3_metadata(gemma3_path: Path) -> dict[str, Any]:
+    from mlxcel.loading.gguf import GGUFFile
+
+    return GGUFFile(gemma3_path).metadata
+
+
+@pytest.fixture(scope="session")
+def smollm2_tokenizer(smollm2_metadata: dict[str, Any]) -> Any:
+    from mlxcel.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(smollm2_metadata)
+
+
+@pytest.fixture(scope="session")
+def gemma3_tokenizer(gemma3_metadata: dict[str, Any]) -> Any:
+    from mlxcel.text.tokenizer import Tokenizer
+
+    return Tokenizer.from_gguf(gemma3_metadata)
+
+
+@pytest.fixture(scope="session")
+def smollm2_reference(smollm2_path: Path) -> Any:
+    """transformers' own conversion of the SmolLM2 GGUF's tokenizer: the reference for ids and templates."""
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
+
+
+@pytest.fixture(scope="session")
+def gemma3_reference(gemma3_path: Path) -> Any:
+    transformers = pytest.importorskip("transformers")
+    return transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
+
+
+@pytest.fixture(scope="session")
+def smollm2_transformers(smollm2_path: Path) -> Any:
+    """transformers' float32 model dequantized from the SmolLM2 GGUF (eval mode), shared read-only: a test that
+    changes it (peft.get_peft_model wraps its layers in place) takes `copy.deepcopy` of it first."""
+    transformers = pytest.importorskip("transformers")
+    import torch
+
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(smollm2_path.parent), gguf_file=smollm2_path.name, dtype=torch.float32).eval()

@@ -1,6 +1,4 @@
-"""The chat-feature tests use the text layer's tokenizers (real model files, tiny hand-built vocabularies)."""
+"""The chat-feature tests use the text layer's tiny hand-built vocabularies; the real models' tokenizers
+(`smollm2_tokenizer`, `gemma3_tokenizer`, ...) are the root conftest's session fixtures, shared with tests/text."""
 
-from tests.text.conftest import (  # noqa: F401 - fixtures shared with tests/text
-    byte_level_tokenizer, gemma3_metadata, gemma3_reference, gemma3_tokenizer, sentencepiece_tokenizer,
-    smollm2_metadata, smollm2_reference, smollm2_tokenizer,
-)
+from tests.text.conftest import byte_level_tokenizer, sentencepiece_tokenizer  # noqa: F401 - shared with tests/text

@@ -45,11 +45,15 @@ def pair(request: pytest.FixtureRequest) -> Pair:
     transformers = pytest.importorskip("transformers")
     if request.param in QWEN_CODERS:
         path = packaged_gguf(request.param)
+        tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), gguf_file=path.name)
     else:
         path: Path = request.getfixturevalue(f"{request.param}_path")
-    kw = {"gguf_file": path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(path.parent), **kw)
-    reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), dtype=torch.float32, **kw)
+        tokenizer = request.getfixturevalue(f"{request.param}_reference")  # converted once per session
+    if request.param == "smollm2":  # the session's copy, also the LoRA tests' base (only read here)
+        reference = request.getfixturevalue("smollm2_transformers")
+    else:
+        reference = transformers.AutoModelForCausalLM.from_pretrained(str(path.parent), gguf_file=path.name,
+                                                                      dtype=torch.float32)
     ours = load_model(path, dtype=torch.float32).model
     return Pair(request.param, ours, reference.eval(), tokenizer, real_prompts(request.param, tokenizer))
 

@@ -4,6 +4,7 @@ transformers + peft with the same adapter and scale; /lora-adapters lists and se
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -27,11 +28,12 @@ PROMPT = "The capital of France is"
 
 
 @pytest.fixture(scope="module")
-def reference(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
-    """(adapter folder, peft model, tokenizer): r=8 on q/v/down of every layer, random B."""
-    kw = {"gguf_file": smollm2_path.name}
-    tokenizer = transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), **kw)
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), dtype=torch.float32, **kw)
+def reference(smollm2_reference: Any, smollm2_transformers: Any,
+              tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, Any, Any]:
+    """(adapter folder, peft model, tokenizer): r=8 on q/v/down of every layer, random B. The base is a copy of
+    the session's float32 SmolLM2 (peft wraps the layers of the model it is given)."""
+    tokenizer = smollm2_reference
+    base = copy.deepcopy(smollm2_transformers)
     torch.manual_seed(0)
     config = peft.LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "v_proj", "down_proj"],
                              init_lora_weights=False, lora_dropout=0.0)

@@ -15,6 +15,7 @@ import tempfile
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -265,8 +266,8 @@ def test_read_only_folder_keeps_serving(warm_folder: tuple[Path, str], tmp_path:
 
 
 def test_another_lora_scale_or_adapter_set_never_reuses(tmp_path: Path, tmp_path_factory: pytest.TempPathFactory,
-                                                        servers: list[Server], smollm2_path: Path) -> None:
-    adapter = _peft_adapter(smollm2_path, tmp_path_factory)
+                                                        servers: list[Server], smollm2_transformers: Any) -> None:
+    adapter = _peft_adapter(smollm2_transformers, tmp_path_factory)
     prompt = long_prompt(6)
 
     def completion(server: Server, scale: float) -> tuple[str, int]:
@@ -290,14 +291,15 @@ def test_another_lora_scale_or_adapter_set_never_reuses(tmp_path: Path, tmp_path
     assert plain.chat(prompt)[2] == 0 and plain.disk()["blocks_read"] == 0
 
 
-def _peft_adapter(smollm2_path: Path, tmp_path_factory: pytest.TempPathFactory) -> Path:
-    """A random r=4 LoRA adapter over SmolLM2 saved by peft (as tests/server/test_lora_server.py builds one)."""
+def _peft_adapter(smollm2_transformers: Any, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """A random r=4 LoRA adapter over SmolLM2 saved by peft (as tests/server/test_lora_server.py builds one), on a
+    copy of the session's transformers model (peft wraps the layers of the model it is given)."""
     peft = pytest.importorskip("peft")
-    transformers = pytest.importorskip("transformers")
+    import copy
+
     import torch
 
-    base = transformers.AutoModelForCausalLM.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name,
-                                                             dtype=torch.float32)
+    base = copy.deepcopy(smollm2_transformers)
     torch.manual_seed(0)
     config = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj"], init_lora_weights=False)
     model = peft.get_peft_model(base, config)

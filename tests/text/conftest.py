@@ -1,53 +1,16 @@
 """Tokenizers of the real model files and tiny hand-built vocabularies for the text-layer tests.
 
-The model paths (`smollm2_path`, `gemma3_path`) are the root conftest's session fixtures."""
+The real models' fixtures (`smollm2_path`, `gemma3_path`, their GGUF metadata, our tokenizers and transformers'
+ones: `*_metadata`, `*_tokenizer`, `*_reference`) are the root conftest's session fixtures, built once per run."""
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import Any
 
 import pytest
 
 from mlxcel.text.gguf_vocab import byte_alphabet
 from mlxcel.text.tokenizer import Tokenizer
-
-@pytest.fixture(scope="session")
-def smollm2_metadata(smollm2_path: Path) -> dict[str, Any]:
-    from mlxcel.loading.gguf import GGUFFile
-
-    return GGUFFile(smollm2_path).metadata
-
-
-@pytest.fixture(scope="session")
-def gemma3_metadata(gemma3_path: Path) -> dict[str, Any]:
-    from mlxcel.loading.gguf import GGUFFile
-
-    return GGUFFile(gemma3_path).metadata
-
-
-@pytest.fixture(scope="session")
-def smollm2_tokenizer(smollm2_metadata: dict[str, Any]) -> Tokenizer:
-    return Tokenizer.from_gguf(smollm2_metadata)
-
-
-@pytest.fixture(scope="session")
-def gemma3_tokenizer(gemma3_metadata: dict[str, Any]) -> Tokenizer:
-    return Tokenizer.from_gguf(gemma3_metadata)
-
-
-@pytest.fixture(scope="session")
-def smollm2_reference(smollm2_path: Path) -> Any:
-    """transformers' own conversion of the SmolLM2 GGUF: the reference for ids and templates."""
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(smollm2_path.parent), gguf_file=smollm2_path.name)
-
-
-@pytest.fixture(scope="session")
-def gemma3_reference(gemma3_path: Path) -> Any:
-    transformers = pytest.importorskip("transformers")
-    return transformers.AutoTokenizer.from_pretrained(str(gemma3_path.parent), gguf_file=gemma3_path.name)
-
 
 # --- tiny vocabularies (fast tests) ---------------------------------------------------------
 
