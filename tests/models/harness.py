@@ -53,9 +53,10 @@ class PagedSequences:
         param = next(model.parameters())
         args = model.args
         self.model, self.device = model, param.device
-        self.kv = KVCache(args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
+        shapes = getattr(args, "kv_layer_shapes", None)  # Gemma 4: per-layer widths, KV-shared layers keep none
+        self.kv = KVCache(len(shapes) if shapes else args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
                           args.dim_per_head, param.dtype, param.device,
-                          values_are_keys=getattr(args, "kv_values_are_keys", False))
+                          values_are_keys=getattr(args, "kv_values_are_keys", False), layer_shapes=shapes)
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)  # non-contiguous tables exercise the slot mapping
         self.tables: dict[int, list[int]] = {}

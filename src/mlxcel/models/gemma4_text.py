@@ -1,0 +1,156 @@
+"""Gemma 4 (text): the shared decoder's recipe for Gemma4ForCausalLM (transformers 5.25's `gemma4`).
+
+Differences from Gemma 3 (models/gemma3.py):
+- plain RMSNorms (x * w, not x * (1 + w)); values RMS-normed per head with no weight; q/k norms per head;
+  no query scaling (scale 1.0);
+- global (full-attention) layers with their own head size (`global_head_dim`, or transformers 5's
+  `per_layer_config`) and KV-head count, and proportional rope (a quarter of the angles turn); with
+  `attention_k_eq_v` their values are the keys' projection (no v_proj);
+- KV sharing: the last `num_kv_shared_layers` layers compute no keys or values; each attends over those of the
+  last earlier layer of its type, reading that layer's cache (it keeps none: engine KV is per KV layer);
+- per-layer inputs (`hidden_size_per_layer_input`): a second embedding plus a projection of the first give
+  each layer a small input, gated into the residual after the MLP (layers/decoder.py); every layer's output
+  is multiplied by its learned `layer_scalar`;
+- KV-shared layers may have a double-width MLP (`use_double_wide_mlp`).
+The MoE variant (`enable_moe_block`: a dense MLP and 128 experts side by side) is refused at load for now.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+
+from mlxcel.layers.decoder import (
+    FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe, MLPRecipe, NormRecipe, RopeRecipe,
+)
+from mlxcel.models.gemma3 import SANDWICH_NORMS, _check_supported, _rope_fields
+
+__all__ = ["Model", "ModelArgs"]
+
+# transformers' defaults where a config leaves the rope out
+_DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
+                 FULL: {"rope_type": "proportional", "partial_rotary_factor": 0.25, "rope_theta": 1_000_000.0}}
+
+
+@dataclass(frozen=True)
+class ModelArgs(DecoderArgs):
+    head_dim: int | None = 256  # the sliding layers'; `layer_head_dims` has every layer's
+    rope_theta: float = 1_000_000.0  # global layers
+    rope_local_base_freq: float = 10_000.0
+    rope_local_scaling: dict[str, Any] | None = None
+    sliding_window: int | None = 512  # applies to the sliding layers only
+    max_position_embeddings: int = 131072
+    tie_word_embeddings: bool = True
+    hidden_activation: str = "gelu_pytorch_tanh"
+    final_logit_softcapping: float | None = None
+    hidden_size_per_layer_input: int = 256
+    vocab_size_per_layer_input: int = 262_144
+    attention_k_eq_v: bool = False
+    num_kv_shared_layers: int = 0
+    use_double_wide_mlp: bool = False
+    layer_head_dims: tuple[int, ...] = ()
+    layer_kv_heads: tuple[int, ...] = ()
+
+    NORM_NAMES: ClassVar = SANDWICH_NORMS
+
+    @classmethod
+    def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
+        _check_supported({**config, "use_bidirectional_attention": config.get("use_bidirectional_attention") == "all"})
+        if config.get("enable_moe_block"):
+            raise ValueError("gemma4: the mixture-of-experts variant (enable_moe_block) is not supported yet")
+        config = {**config, "layer_types": _layer_types(config)}
+        if not config.get("rope_parameters") and config.get("rope_theta") is None:
+            config["rope_parameters"] = _DEFAULT_ROPE
+        heads, dims = _layer_shapes(config)
+        return {**config, **_rope_fields(config), "layer_head_dims": dims, "layer_kv_heads": heads,
+                "hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
+
+    @property
+    def embed_scale(self) -> float:
+        return self.hidden_size**0.5
+
+    @property
+    def final_softcap(self) -> float | None:
+        return self.final_logit_softcapping
+
+    @property
+    def per_layer_input_width(self) -> int:
+        return self.hidden_size_per_layer_input or 0
+
+    @property
+    def kv_sources(self) -> tuple[int | None, ...]:
+        """Each layer's KV source: None where it computes its own, else the last earlier layer of its type
+        before the shared ones (transformers' `kv_sharing_modes`)."""
+        first_shared = self.num_hidden_layers - self.num_kv_shared_layers
+        types = self.layer_types or ()
+        return tuple(None if i < first_shared else max(j for j in range(first_shared) if types[j] == types[i])
+                     for i in range(self.num_hidden_layers))
+
+    @property
+    def kv_layer_shapes(self) -> tuple[tuple[int, int], ...]:
+        """(KV heads, head size) of each layer that keeps KV, in order (engine/kv/tensors.py)."""
+        return tuple((self.layer_kv_heads[i], self.layer_head_dims[i])
+                     for i, source in enumerate(self.kv_sources) if source is None)
+
+    def layer_rope(self, layer_idx: int) -> RopeRecipe:
+        dim = self.layer_head_dims[layer_idx]
+        if self.is_sliding(layer_idx):
+            return RopeRecipe.of(self.rope_local_base_freq, self.rope_local_scaling, dim)
+        return RopeRecipe.of(self.rope_theta, self.rope_scaling, dim)
+
+    def norm_recipe(self) -> NormRecipe:
+        return NormRecipe("rms", self.rms_norm_eps)
+
+    def attention_recipe(self, layer_idx: int) -> AttentionRecipe:
+        return AttentionRecipe(
+            self.num_attention_heads, self.layer_kv_heads[layer_idx], self.layer_head_dims[layer_idx], 1.0,
+            self.layer_rope(layer_idx), self.layer_window(layer_idx), q_bias=self.attention_bias,
+            kv_bias=self.attention_bias, o_bias=self.attention_bias, qk_norm="head", v_norm=True,
+            values_are_keys=self.attention_k_eq_v and not self.is_sliding(layer_idx),
+            kv_source=self.kv_sources[layer_idx])
+
+    def layer_recipe(self, layer_idx: int) -> LayerRecipe:
+        is_shared = self.kv_sources[layer_idx] is not None
+        width = self.intermediate_size * (2 if self.use_double_wide_mlp and is_shared else 1)
+        return LayerRecipe(self.attention_recipe(layer_idx), self.norm_recipe(), self.NORM_NAMES,
+                           mlp=MLPRecipe(width, self.hidden_activation),
+                           per_layer_input=self.per_layer_input_width, has_layer_scalar=True)
+
+
+def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
+    """The config's layer types (every 6th layer global where none are given); the last layer is always
+    global, as transformers forces it."""
+    count = int(config["num_hidden_layers"])
+    types = list(config.get("layer_types") or [SLIDING if (i + 1) % 6 else FULL for i in range(count)])
+    types[-1] = FULL
+    return tuple(types)
+
+
+def _layer_shapes(config: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """Each layer's KV heads and head size: the sliding layers' from `num_key_value_heads` / `head_dim`;
+    the global layers' from transformers 5's `per_layer_config` (by layer index) or else `global_head_dim`
+    (default 512) and, with attention_k_eq_v, `num_global_key_value_heads`."""
+    heads, dim = int(config.get("num_key_value_heads") or config["num_attention_heads"]), int(config.get("head_dim") or 256)
+    per_layer = {int(k): v for k, v in (config.get("per_layer_config") or {}).items()}
+    if not per_layer:
+        override: dict[str, Any] = {"head_dim": config.get("global_head_dim") or 512}
+        if config.get("attention_k_eq_v") and config.get("num_global_key_value_heads"):
+            override["num_key_value_heads"] = config["num_global_key_value_heads"]
+        per_layer = {i: override for i, kind in enumerate(config["layer_types"]) if kind == FULL}
+    count = int(config["num_hidden_layers"])
+    return (tuple(int(per_layer.get(i, {}).get("num_key_value_heads") or heads) for i in range(count)),
+            tuple(int(per_layer.get(i, {}).get("head_dim") or dim) for i in range(count)))
+
+
+class Model(DecoderLM):
+    ARGS = ModelArgs
+
+    @classmethod
+    def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
+        """Hub checkpoints may still hold k/v projections and norms of the KV-shared layers, which never run."""
+        assert isinstance(args, ModelArgs)
+        unused = tuple(f"model.layers.{i}.self_attn.{part}." for i, source in enumerate(args.kv_sources)
+                       if source is not None for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
+        return super().sanitize({k: v for k, v in weights.items() if not k.startswith(unused)}, args)
