@@ -142,6 +142,8 @@ def save_tiny_hf(config: Any, folder: Path, seed: int = 0, model_type: str | Non
         for name, buffer in model.named_buffers():  # DeepSeek-style routers' selection bias is a buffer
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (1 at init)
+                buffer.uniform_(0.5, 1.5)
     model.eval().save_pretrained(folder)
     if model_type is not None and model_type != config.model_type:
         saved = json.loads((folder / "config.json").read_text())

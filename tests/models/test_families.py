@@ -53,6 +53,13 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "gemma3-pattern2": ("gemma3_text", lambda: transformers.Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
         sliding_window_pattern=2, rope_local_base_freq=100.0)),
+    # Gemma 4: sliding, global (another head size and KV-head count, values = keys' projection, proportional
+    # rope), then two KV-shared layers (one of each type, double-wide MLPs); per-layer inputs; a window of 4.
+    "gemma4": ("gemma4_text", lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, sliding_window=4, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0)),
     # Issue 40: the dense families, each a recipe over layers/decoder.py.
     "qwen3-yarn": ("qwen3", lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
