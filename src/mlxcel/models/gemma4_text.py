@@ -17,6 +17,7 @@ The MoE variant (`enable_moe_block`: a dense MLP and 128 experts side by side) i
 
 from __future__ import annotations
 
+import logging
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -28,6 +29,8 @@ from mlxcel.layers.decoder import (
 from mlxcel.models.gemma3 import SANDWICH_NORMS, _check_supported, _rope_fields
 
 __all__ = ["Model", "ModelArgs"]
+
+log = logging.getLogger(__name__)
 
 # transformers' defaults where a config leaves the rope out
 _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
@@ -144,13 +147,35 @@ def _layer_shapes(config: dict[str, Any]) -> tuple[tuple[int, ...], tuple[int, .
             tuple(int(per_layer.get(i, {}).get("head_dim") or dim) for i in range(count)))
 
 
+# A Gemma4ForConditionalGeneration checkpoint (model_type gemma4: its text_config is read as gemma4_text by
+# loading/checkpoint.py): the text model's names, and the towers it is served without (text only for now).
+_TEXT_PREFIXES = {"model.language_model.": "model.", "language_model.model.": "model.",
+                  "language_model.lm_head.": "lm_head."}
+_UNSERVED_PREFIXES = ("model.vision_tower.", "model.embed_vision.", "model.audio_tower.", "model.embed_audio.",
+                      "vision_tower.", "embed_vision.", "audio_tower.", "embed_audio.")
+
+
 class Model(DecoderLM):
     ARGS = ModelArgs
 
     @classmethod
     def sanitize(cls, weights: dict[str, torch.Tensor], args: DecoderArgs) -> dict[str, torch.Tensor]:
-        """Hub checkpoints may still hold k/v projections and norms of the KV-shared layers, which never run."""
+        """The text model's weights under our names. Hub checkpoints may still hold k/v projections and norms
+        of the KV-shared layers, which never run; a multimodal checkpoint's towers are left out, said once."""
         assert isinstance(args, ModelArgs)
         unused = tuple(f"model.layers.{i}.self_attn.{part}." for i, source in enumerate(args.kv_sources)
                        if source is not None for part in ("k_proj", "v_proj", "k_norm", "v_norm"))
-        return super().sanitize({k: v for k, v in weights.items() if not k.startswith(unused)}, args)
+        towers = sorted({name.split(".")[1 if name.startswith("model.") else 0]
+                         for name in weights if name.startswith(_UNSERVED_PREFIXES)})
+        if towers:
+            log.info("gemma4: serving text only: the checkpoint's %s (image and audio input) are not loaded; "
+                     "requests with images get 400", ", ".join(towers))
+        kept = {_text_name(k): v for k, v in weights.items() if not k.startswith(_UNSERVED_PREFIXES)}
+        return super().sanitize({k: v for k, v in kept.items() if not k.startswith(unused)}, args)
+
+
+def _text_name(name: str) -> str:
+    for prefix, ours in _TEXT_PREFIXES.items():
+        if name.startswith(prefix):
+            return ours + name[len(prefix):]
+    return name
