@@ -60,6 +60,11 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
         attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
         hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, sliding_window=4, use_double_wide_mlp=True,
         final_logit_softcapping=30.0)),
+    # Gemma 4's MoE variant (26B-A4B's shape): a dense MLP and 4 experts (top-2) side by side in every layer.
+    "gemma4-moe": ("gemma4_text", lambda: transformers.Gemma4TextConfig(
+        **COMMON, head_dim=16, global_head_dim=32, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, sliding_window=4, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32)),
     # Issue 40: the dense families, each a recipe over layers/decoder.py.
     "qwen3-yarn": ("qwen3", lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),

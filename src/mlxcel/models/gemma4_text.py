@@ -12,21 +12,29 @@ Differences from Gemma 3 (models/gemma3.py):
   each layer a small input, gated into the residual after the MLP (layers/decoder.py); every layer's output
   is multiplied by its learned `layer_scalar`;
 - KV-shared layers may have a double-width MLP (`use_double_wide_mlp`).
-The MoE variant (`enable_moe_block`: a dense MLP and 128 experts side by side) is refused at load for now.
+- the MoE variant (`enable_moe_block`, e.g. 26B-A4B): each layer runs its dense MLP and its experts side by
+  side, each branch with its own norms, the router reading the un-normed residual (`DenseAndExperts`).
 """
 
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
-from typing import Any, ClassVar
+import re
+from dataclasses import dataclass, replace
+from functools import partial
+from typing import Any
 
 import torch
+from torch import nn
 
 from mlxcel.layers.decoder import (
-    FULL, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe, MLPRecipe, NormRecipe, RopeRecipe,
+    FULL, MLP, SLIDING, AttentionRecipe, DecoderArgs, DecoderLM, LayerRecipe, MLPRecipe, NormRecipe, RopeRecipe,
 )
-from mlxcel.models.gemma3 import SANDWICH_NORMS, _check_supported, _rope_fields
+from mlxcel.layers.moe import Experts, MoESpec, RouterSpec, route
+from mlxcel.layers.norm import rms_normalize
+from mlxcel.layers.quant import Step
+from mlxcel.models import gemma3
+from mlxcel.models.gemma3 import _check_supported, _rope_fields
 
 __all__ = ["Model", "ModelArgs"]
 
@@ -38,45 +46,32 @@ _DEFAULT_ROPE = {SLIDING: {"rope_type": "default", "rope_theta": 10_000.0},
 
 
 @dataclass(frozen=True)
-class ModelArgs(DecoderArgs):
+class ModelArgs(gemma3.ModelArgs):
+    """Gemma 3's arguments (embedding scale, final soft-cap, sandwich norms, rope per layer type) and Gemma 4's."""
+
     head_dim: int | None = 256  # the sliding layers'; `layer_head_dims` has every layer's
-    rope_theta: float = 1_000_000.0  # global layers
-    rope_local_base_freq: float = 10_000.0
-    rope_local_scaling: dict[str, Any] | None = None
     sliding_window: int | None = 512  # applies to the sliding layers only
-    max_position_embeddings: int = 131072
-    tie_word_embeddings: bool = True
-    hidden_activation: str = "gelu_pytorch_tanh"
-    final_logit_softcapping: float | None = None
     hidden_size_per_layer_input: int = 256
     vocab_size_per_layer_input: int = 262_144
     attention_k_eq_v: bool = False
     num_kv_shared_layers: int = 0
     use_double_wide_mlp: bool = False
+    enable_moe_block: bool = False
+    num_experts: int | None = None
+    top_k_experts: int | None = None
+    moe_intermediate_size: int | None = None
     layer_head_dims: tuple[int, ...] = ()
     layer_kv_heads: tuple[int, ...] = ()
-
-    NORM_NAMES: ClassVar = SANDWICH_NORMS
 
     @classmethod
     def prepare(cls, config: dict[str, Any]) -> dict[str, Any]:
         _check_supported({**config, "use_bidirectional_attention": config.get("use_bidirectional_attention") == "all"})
-        if config.get("enable_moe_block"):
-            raise ValueError("gemma4: the mixture-of-experts variant (enable_moe_block) is not supported yet")
         config = {**config, "layer_types": _layer_types(config)}
         if not config.get("rope_parameters") and config.get("rope_theta") is None:
             config["rope_parameters"] = _DEFAULT_ROPE
         heads, dims = _layer_shapes(config)
         return {**config, **_rope_fields(config), "layer_head_dims": dims, "layer_kv_heads": heads,
                 "hidden_activation": config.get("hidden_activation") or "gelu_pytorch_tanh"}
-
-    @property
-    def embed_scale(self) -> float:
-        return self.hidden_size**0.5
-
-    @property
-    def final_softcap(self) -> float | None:
-        return self.final_logit_softcapping
 
     @property
     def per_layer_input_width(self) -> int:
@@ -117,9 +112,62 @@ class ModelArgs(DecoderArgs):
     def layer_recipe(self, layer_idx: int) -> LayerRecipe:
         is_shared = self.kv_sources[layer_idx] is not None
         width = self.intermediate_size * (2 if self.use_double_wide_mlp and is_shared else 1)
-        return LayerRecipe(self.attention_recipe(layer_idx), self.norm_recipe(), self.NORM_NAMES,
-                           mlp=MLPRecipe(width, self.hidden_activation),
-                           per_layer_input=self.per_layer_input_width, has_layer_scalar=True)
+        mlp = MLPRecipe(width, self.hidden_activation)
+        recipe = LayerRecipe(self.attention_recipe(layer_idx), self.norm_recipe(), self.NORM_NAMES, mlp=mlp,
+                             per_layer_input=self.per_layer_input_width, has_layer_scalar=True)
+        if not self.enable_moe_block:
+            return recipe
+        # the block norms its own inputs (the router reads the residual as it is): no "mlp_in" slot
+        norms = {slot: name for slot, name in self.NORM_NAMES.items() if slot != "mlp_in"}
+        return replace(recipe, norm_names=norms, feed_forward=partial(DenseAndExperts, self, mlp))
+
+    def moe_spec(self) -> MoESpec:
+        router = RouterSpec("softmax", int(self.num_experts or 0), int(self.top_k_experts or 0), normalize=True)
+        return MoESpec(router, self.hidden_size, int(self.moe_intermediate_size or 0), self.hidden_activation)
+
+
+class Gemma4Router(nn.Module):
+    """Gemma4TextRouter: the residual RMS-normed (no weight), times `scale` / sqrt(hidden), projected; softmax,
+    top-k renormalised, each pick times its expert's `per_expert_scale`."""
+
+    def __init__(self, spec: MoESpec, eps: float) -> None:
+        super().__init__()
+        self.spec, self.eps = spec.router, eps
+        self.proj = nn.Linear(spec.hidden_size, spec.num_experts, bias=False)
+        self.scale = nn.Parameter(torch.ones(spec.hidden_size))
+        self.per_expert_scale = nn.Parameter(torch.ones(spec.num_experts))
+
+    def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """x [T, H] -> (weights [T, k] float32, expert ids [T, k])."""
+        h = rms_normalize(x, self.eps) * self.scale * x.shape[-1] ** -0.5
+        weights, ids = route(self.proj(h), self.spec)
+        return weights * self.per_expert_scale[ids].float(), ids
+
+
+class DenseAndExperts(MLP):
+    """A Gemma 4 MoE layer's feed-forward, at the checkpoint's `mlp` (its dense MLP's names): the dense MLP
+    over pre_feedforward_layernorm(x) normed by post_feedforward_layernorm_1, plus the experts over
+    pre_feedforward_layernorm_2(x) normed by post_feedforward_layernorm_2 (those norms, `router` and `experts`
+    sit at the layer in the checkpoint: `Model.sanitize` moves them here)."""
+
+    def __init__(self, args: ModelArgs, mlp: MLPRecipe) -> None:
+        super().__init__(args.hidden_size, mlp)
+        spec, norm = args.moe_spec(), args.norm_recipe()
+        for name in _MOE_NORMS:
+            setattr(self, name, norm.build(args.hidden_size))
+        self.router = Gemma4Router(spec, args.rms_norm_eps)
+        self.experts = Experts(spec)
+
+    def forward(self, x: torch.Tensor, ctx: Step | None = None) -> torch.Tensor:
+        dense = self.post_feedforward_layernorm_1(super().forward(self.pre_feedforward_layernorm(x), ctx))
+        weights, ids = self.router(x)
+        experts = self.experts(self.pre_feedforward_layernorm_2(x), ids, weights)
+        return dense + self.post_feedforward_layernorm_2(experts)
+
+
+_MOE_NORMS = ("pre_feedforward_layernorm", "post_feedforward_layernorm_1", "pre_feedforward_layernorm_2",
+              "post_feedforward_layernorm_2")
+_MOE_MOVED = re.compile(r"^(model\.layers\.\d+\.)(router|experts|" + "|".join(_MOE_NORMS) + r")\.")
 
 
 def _layer_types(config: dict[str, Any]) -> tuple[str, ...]:
@@ -171,6 +219,8 @@ class Model(DecoderLM):
             log.info("gemma4: serving text only: the checkpoint's %s (image and audio input) are not loaded; "
                      "requests with images get 400", ", ".join(towers))
         kept = {_text_name(k): v for k, v in weights.items() if not k.startswith(_UNSERVED_PREFIXES)}
+        if args.enable_moe_block:  # the MoE block's parts, at the layer in the checkpoint, sit in our `mlp`
+            kept = {_MOE_MOVED.sub(r"\1mlp.\2.", k): v for k, v in kept.items()}
         return super().sanitize({k: v for k, v in kept.items() if not k.startswith(unused)}, args)
 
 
