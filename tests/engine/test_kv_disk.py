@@ -102,6 +102,29 @@ def test_issue40_a_cache_of_two_head_shapes_saves_and_restores_every_layer(tmp_p
     assert second.store.stats().num_bad_files == 0
 
 
+def test_issue40_a_slot_file_of_two_head_shapes_restores_every_layer(tmp_path: Path) -> None:
+    """F12 slot files on Gemma 4's cache: every stacked tensor of each shape is saved and written back, and a
+    cache of another shape refuses the file."""
+    from mlxcel.engine.kv.slot_files import SlotError, restore_slot, save_slot
+    from mlxcel.engine.scheduler import SlotContent
+
+    shapes = ((2, 32), (1, 64), (2, 32))
+    first = Engine(tmp_path / "a", layer_shapes=shapes)
+    tokens = prompt(4)
+    saved = first.rows(first.compute("a", tokens)[:3])
+    path = tmp_path / "slot.bin"
+    save_slot(first.kv, first.cache, SlotContent(tokens), (), 0, path)
+    second = Engine(tmp_path / "b", layer_shapes=shapes)
+    result, _ = restore_slot(second.kv, second.cache, 0, path, ())
+    assert result.num_tokens == 3 * BLOCK
+    blocks, num_cached = second.kv.find_cached_prefix(tokens, cache_prompt=True)
+    assert num_cached == 3 * BLOCK
+    assert all(torch.equal(a, b) for a, b in zip(saved, second.rows(blocks)))
+    other = Engine(tmp_path / "c", layer_shapes=((2, 32), (2, 32), (2, 32)))
+    with pytest.raises(SlotError, match="another KV shape"):
+        restore_slot(other.kv, other.cache, 0, path, ())
+
+
 def test_eviction_writes_blocks_before_they_are_overwritten(tmp_path: Path) -> None:
     engine = Engine(tmp_path)
     tokens = prompt(1)
