@@ -39,6 +39,7 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen2": ("qwen2", FAMILIES["qwen2"][1]),
     "qwen3": ("qwen3", FAMILIES["qwen3"][1]),
     "gemma3_text": ("gemma3", FAMILIES["gemma3"][1]),
+    "gemma4_text": ("gemma4_text", FAMILIES["gemma4"][1]),
     "gemma2": ("gemma2", FAMILIES["gemma2"][1]),
     "smollm3": ("smollm3", lambda: transformers.SmolLM3Config(
         **{**COMMON, "num_hidden_layers": 4}, pad_token_id=0)),

@@ -70,6 +70,7 @@ GGUF_ARCHITECTURES = {
     "gpt-oss": "gpt_oss",
     "glm4moe": "glm4_moe",
     "ernie4_5-moe": "ernie4_5_moe",
+    "gemma4": "gemma4_text",  # (the text model; a "gemma4" HF config is the multimodal one)
 }
 GGUF_GLOBAL_NAMES = {
     "token_embd": "model.embed_tokens",
@@ -225,15 +226,17 @@ class GGUFPackedWeights:
 def _hf_names(gguf: GGUFFile, module: ModuleType) -> dict[str, str]:
     """HF parameter name -> the GGUF tensor that holds it (tensors with no HF counterpart left out)."""
     layer_names = {**GGUF_LAYER_NAMES, **getattr(module, "GGUF_LAYER_NAMES", {})}
-    return {hf_name: name for name in gguf.tensors if (hf_name := _hf_name(name, layer_names)) is not None}
+    global_names = {**GGUF_GLOBAL_NAMES, **getattr(module, "GGUF_GLOBAL_NAMES", {})}
+    return {hf_name: name for name in gguf.tensors
+            if (hf_name := _hf_name(name, layer_names, global_names)) is not None}
 
 
-def _hf_name(name: str, layer_names: dict[str, str]) -> str | None:
+def _hf_name(name: str, layer_names: dict[str, str], global_names: dict[str, str]) -> str | None:
     if m := _LAYER_RE.match(name):
         part = layer_names.get(m.group(2))
         return f"model.layers.{m.group(1)}.{part}.{m.group(3)}" if part else None
     if m := _GLOBAL_RE.match(name):
-        part = GGUF_GLOBAL_NAMES.get(m.group(1))
+        part = global_names.get(m.group(1))
         return f"{part}.{m.group(2)}" if part else None
     return None
 

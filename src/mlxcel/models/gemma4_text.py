@@ -229,3 +229,70 @@ def _text_name(name: str) -> str:
         if name.startswith(prefix):
             return ours + name[len(prefix):]
     return name
+
+
+# ---- GGUF, as llama.cpp's converter writes arch "gemma4" (conversion/gemma.py's Gemma4Model) ----
+
+GGUF_LAYER_NAMES = {
+    **gemma3.GGUF_LAYER_NAMES,
+    "layer_output_scale": "layer_scalar",
+    "inp_gate": "per_layer_input_gate",
+    "proj": "per_layer_projection",
+    "post_norm": "post_per_layer_input_norm",
+    "pre_ffw_norm_2": "pre_feedforward_layernorm_2",
+    "post_ffw_norm_1": "post_feedforward_layernorm_1",
+    "post_ffw_norm_2": "post_feedforward_layernorm_2",
+}
+GGUF_GLOBAL_NAMES = {"per_layer_token_embd": "model.embed_tokens_per_layer",
+                     "per_layer_model_proj": "model.per_layer_model_projection",
+                     "per_layer_proj_norm": "model.per_layer_projection_norm"}
+
+
+def gguf_config(config: dict[str, Any], gguf: Any) -> dict[str, Any]:
+    """The converter's per-layer arrays and `_swa` keys as transformers' config: the global layers' head size
+    (`key_length`) and KV heads (`head_count_kv`'s entry) in `per_layer_config`; the sliding layers'
+    (`key_length_swa`); double-wide MLPs from `feed_forward_length`'s entries; the global layers' proportional
+    rope from `rope_freqs` (1 where an angle turns, 1e30 where it does not); values = keys where the global
+    layers store no attn_v."""
+    if config.get("num_experts"):
+        raise ValueError("gemma4: a mixture-of-experts GGUF (its router scales and expert stacks) is not supported "
+                         "yet; the Hugging Face checkpoint is")
+    count = int(config["num_hidden_layers"])
+    types = config.get("layer_types") or [FULL] * count
+    kv_heads, widths = (_per_layer(gguf.arch_value(key), count)
+                        for key in ("attention.head_count_kv", "feed_forward_length"))
+    full_dim = int(gguf.arch_value("attention.key_length"))
+    swa_dim = int(gguf.arch_value("attention.key_length_swa", full_dim))
+    shared = int(gguf.arch_value("attention.shared_kv_layers", 0) or 0)
+    first_swa = types.index(SLIDING) if SLIDING in types else 0
+    own_full = [i for i, kind in enumerate(types) if kind == FULL and i < count - shared]
+    freqs = gguf.dequantize("rope_freqs.weight").reshape(-1) if "rope_freqs.weight" in gguf.tensors else None
+    partial = float((freqs < 1e29).sum() * 2 / full_dim) if freqs is not None else 1.0
+    swa_rotary = (gguf.arch_value("rope.dimension_count_swa") or swa_dim) / swa_dim
+    return {**config, "layer_types": list(types), "head_dim": swa_dim, "num_key_value_heads": kv_heads[first_swa],
+            "per_layer_config": {str(i): {"head_dim": full_dim, "num_key_value_heads": kv_heads[i]}
+                                 for i, kind in enumerate(types) if kind == FULL},
+            "attention_k_eq_v": bool(own_full) and not any(f"blk.{i}.attn_v.weight" in gguf.tensors for i in own_full),
+            "num_kv_shared_layers": shared, "intermediate_size": widths[0],
+            "use_double_wide_mlp": any(width == 2 * widths[0] for width in widths[count - shared:]),
+            "hidden_size_per_layer_input": int(gguf.arch_value("embedding_length_per_layer_input", 0) or 0),
+            "vocab_size_per_layer_input": _rows_of(gguf, "per_layer_token_embd.weight", config.get("vocab_size")),
+            "rope_parameters": {
+                FULL: {"rope_type": "proportional", "partial_rotary_factor": partial,
+                       "rope_theta": float(gguf.arch_value("rope.freq_base", 1_000_000.0))},
+                SLIDING: {"rope_type": "default", "rope_theta": float(gguf.arch_value("rope.freq_base_swa", 10_000.0)),
+                          **({"partial_rotary_factor": swa_rotary} if swa_rotary != 1.0 else {})}}}
+
+
+def _per_layer(value: Any, count: int) -> list[int]:
+    return [int(v) for v in value] if isinstance(value, (list, tuple)) else [int(value)] * count
+
+
+def _rows_of(gguf: Any, name: str, default: Any) -> Any:
+    tensor = gguf.tensors.get(name)
+    return int(tensor.shape[0]) if tensor is not None else default
+
+
+def fix_gguf_weights(state: dict[str, Any], config: dict[str, Any]) -> dict[str, Any]:
+    """The converter names the layer scalar `layer_output_scale.weight` (our `layer_scalar`)."""
+    return {k[:-len(".weight")] if k.endswith(".layer_scalar.weight") else k: v for k, v in state.items()}
