@@ -64,8 +64,9 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
         **COMMON, num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32, shared_expert_intermediate_size=48)),
     "granitemoe": ("granitemoe", FAMILIES["granitemoe"][1]),
 }
-# Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not.
-NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5"}
+# Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not (Gemma 4:
+# a byte-fallback BPE tokenizer.json, LlamaHfVocab; its metadata and tensors were written before the vocabulary).
+NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5", "gemma4_text"}
 
 
 def _assert_logits_match(model: torch.nn.Module, reference: torch.nn.Module) -> None:
