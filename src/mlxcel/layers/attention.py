@@ -158,8 +158,8 @@ class AttentionContext:
         `states`: the recurrent layers' states of the step's sequences (layers/recurrent.py)."""
         self.seqs = seqs
         self.states = states
-        # without a cache: each layer's new keys and values, for the layers that reuse them (`attend`)
-        self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] | None = {} if kv is None else None
+        # without a cache: the new keys and values of the layers that others reuse (`attend`)
+        self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_only = prefill_only
         self.kv = kv
         self.device = torch.device(device)
@@ -217,13 +217,15 @@ class AttentionContext:
     # ---- attention ----
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN,
+               is_reused: bool = False) -> torch.Tensor:
         """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D]. k = v = None: a layer
-        that reuses layer `layer`'s keys and values (Gemma 4's KV sharing), written already this step."""
+        that reuses layer `layer`'s keys and values (Gemma 4's KV sharing), written already this step;
+        `is_reused`: later layers will (without a cache, these k and v are then kept for them)."""
         if self.kv is None:
             if k is None:
                 k, v = self._fresh[layer]
-            elif self._fresh is not None:
+            elif is_reused:
                 self._fresh[layer] = (k, v)
             return self._attend_uncached(q, k, v, scale, window, rule)
         if k is not None:
@@ -443,7 +445,8 @@ class DecodeAttention:
         return num_rows
 
     def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
-               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN,
+               is_reused: bool = False) -> torch.Tensor:
         """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors.
         k = v = None: the layer reuses these tensors' keys and values (KV sharing), written this step already."""
         if k is not None:

@@ -112,6 +112,7 @@ class AttentionRecipe:
     # Gemma 4's KV sharing: this layer computes no keys or values and attends over those of layer
     # `kv_source` (an earlier layer, whose cache it reads: it keeps none of its own)
     kv_source: int | None = None
+    is_kv_reused: bool = False  # a later layer reads this layer's keys and values (its `kv_source`)
 
     @property
     def has_kv(self) -> bool:
@@ -189,7 +190,7 @@ class LayerRecipe:
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
                 and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
                 and self.attention_name == "self_attn" and att.o_name == "o_proj" and self.side_mixer is None
-                and not att.v_norm and not att.values_are_keys and att.kv_source is None
+                and not att.v_norm and not att.values_are_keys and att.kv_source is None and not att.is_kv_reused
                 and not self.per_layer_input and not self.has_layer_scalar)
 
 
@@ -285,7 +286,8 @@ class Attention(nn.Module):
             k = getattr(self, r.qk_norm_names[1])(k)
         if self.rope:
             q, k = self.rope[0](q, k, positions)
-        out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
+        out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule(),
+                         is_reused=r.is_kv_reused)
         return linear(getattr(self, r.o_name), out.reshape(t, -1), ctx)
 
     def _rule(self) -> ScoreRule:

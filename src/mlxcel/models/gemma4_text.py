@@ -107,7 +107,7 @@ class ModelArgs(gemma3.ModelArgs):
             self.layer_rope(layer_idx), self.layer_window(layer_idx), q_bias=self.attention_bias,
             kv_bias=self.attention_bias, o_bias=self.attention_bias, qk_norm="head", v_norm=True,
             values_are_keys=self.attention_k_eq_v and not self.is_sliding(layer_idx),
-            kv_source=self.kv_sources[layer_idx])
+            kv_source=self.kv_sources[layer_idx], is_kv_reused=layer_idx in self.kv_sources)
 
     def layer_recipe(self, layer_idx: int) -> LayerRecipe:
         is_shared = self.kv_sources[layer_idx] is not None
