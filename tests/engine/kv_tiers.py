@@ -15,8 +15,7 @@ def compute(kv: KVCacheManager, cache: KVCache, request_id: str, tokens: list[in
     kv.pool.flush_evictions()  # as the engine loop does before a step: the tiers gather what was evicted
     table = kv.block_table(request_id)
     slots = torch.tensor(kv.slot_mapping(request_id, num_cached, len(tokens)))
-    heads, dim = cache.num_kv_heads, cache.head_dim
-    for layer in range(len(cache.k)):
+    for layer, (heads, dim) in enumerate(cache.layer_shapes):
         cache.write(layer, slots, torch.randn(len(slots), heads, dim), torch.randn(len(slots), heads, dim))
     kv.free(request_id)
     return table

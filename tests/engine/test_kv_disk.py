@@ -23,9 +23,10 @@ class Engine:
     """A pool, a manager and a cache with a disk tier under them: one 'process' of the tests."""
 
     def __init__(self, folder: Path, *, k_type: str = "bf16", identity: str = IDENTITY,
-                 capacity: int = 1 << 30, values_are_keys: bool = False) -> None:
+                 capacity: int = 1 << 30, values_are_keys: bool = False,
+                 layer_shapes: tuple[tuple[int, int], ...] | None = None) -> None:
         self.cache = KVCache(2, NUM_BLOCKS, BLOCK, 2, 32, torch.bfloat16, "cpu", k_type=k_type, v_type=k_type,
-                             values_are_keys=values_are_keys)
+                             values_are_keys=values_are_keys, layer_shapes=layer_shapes)
         self.pool = BlockPool(NUM_BLOCKS, BLOCK)
         self.kv = KVCacheManager(self.pool, enable_prefix_caching=True)
         self.store: DiskBlockStore = open_disk_tier(DiskTierConfig(folder, capacity, identity), self.cache, self.pool)
@@ -81,6 +82,47 @@ def test_issue40_a_keys_only_cache_saves_and_restores_its_keys(tmp_path: Path, k
     assert keys_only < 0.6 * both
     assert second.kv.find_cached_prefix(tokens, cache_prompt=True)[1] == 3 * BLOCK  # now from RAM
     assert second.store.stats().num_hits == 1
+
+
+@pytest.mark.parametrize("k_type", ["bf16", "q8_0"])
+def test_issue40_a_cache_of_two_head_shapes_saves_and_restores_every_layer(tmp_path: Path, k_type: str) -> None:
+    """Gemma 4's cache (global layers with another head size and KV-head count): the layers of each shape are
+    one stacked tensor (the first shape's named as before), and blocks round-trip through the disk tier."""
+    shapes = ((2, 32), (1, 64), (2, 32))
+    first = Engine(tmp_path, k_type=k_type, layer_shapes=shapes)
+    assert [tuple(layer.shape[1:]) for layer in first.cache.k] == [(2, 32), (1, 64), (2, 32)]
+    assert [name for name in first.cache.stacked_tensors() if "scales" not in name] == ["k", "v", "k.1", "v.1"]
+    assert first.cache.stacked_tensors()["k"].shape[0] == 2 and first.cache.stacked_tensors()["k.1"].shape[0] == 1
+    tokens = prompt(3)
+    saved = first.rows(first.compute("a", tokens)[:3])
+    second = restart(first, tmp_path, k_type=k_type, layer_shapes=shapes)
+    blocks, num_cached = second.kv.find_cached_prefix(tokens, cache_prompt=True)
+    assert num_cached == 3 * BLOCK
+    assert all(torch.equal(a, b) for a, b in zip(saved, second.rows(blocks)))
+    assert second.store.stats().num_bad_files == 0
+
+
+def test_issue40_a_slot_file_of_two_head_shapes_restores_every_layer(tmp_path: Path) -> None:
+    """F12 slot files on Gemma 4's cache: every stacked tensor of each shape is saved and written back, and a
+    cache of another shape refuses the file."""
+    from mlxcel.engine.kv.slot_files import SlotError, restore_slot, save_slot
+    from mlxcel.engine.scheduler import SlotContent
+
+    shapes = ((2, 32), (1, 64), (2, 32))
+    first = Engine(tmp_path / "a", layer_shapes=shapes)
+    tokens = prompt(4)
+    saved = first.rows(first.compute("a", tokens)[:3])
+    path = tmp_path / "slot.bin"
+    save_slot(first.kv, first.cache, SlotContent(tokens), (), 0, path)
+    second = Engine(tmp_path / "b", layer_shapes=shapes)
+    result, _ = restore_slot(second.kv, second.cache, 0, path, ())
+    assert result.num_tokens == 3 * BLOCK
+    blocks, num_cached = second.kv.find_cached_prefix(tokens, cache_prompt=True)
+    assert num_cached == 3 * BLOCK
+    assert all(torch.equal(a, b) for a, b in zip(saved, second.rows(blocks)))
+    other = Engine(tmp_path / "c", layer_shapes=((2, 32), (2, 32), (2, 32)))
+    with pytest.raises(SlotError, match="another KV shape"):
+        restore_slot(other.kv, other.cache, 0, path, ())
 
 
 def test_eviction_writes_blocks_before_they_are_overwritten(tmp_path: Path) -> None:

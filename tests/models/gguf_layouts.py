@@ -44,7 +44,11 @@ LLAMA_NAMES = {
 # Issue 40: the MoE tensors (transformers 5's stacked experts split as the converter writes them).
 MOE_NAMES = {"mlp.gate": "ffn_gate_inp", "mlp.experts.gate_proj": "ffn_gate_exps", "mlp.experts.up_proj": "ffn_up_exps",
              "mlp.experts.down_proj": "ffn_down_exps"}
-GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output"}
+GLOBAL_NAMES = {"model.embed_tokens": "token_embd", "model.norm": "output_norm", "lm_head": "output",
+                # Gemma 4's per-layer inputs
+                "model.embed_tokens_per_layer": "per_layer_token_embd",
+                "model.per_layer_model_projection": "per_layer_model_proj",
+                "model.per_layer_projection_norm": "per_layer_proj_norm"}
 GEMMA_NAMES = {"post_attention_layernorm": "post_attention_norm", "pre_feedforward_layernorm": "ffn_norm",
                "post_feedforward_layernorm": "post_ffw_norm"}
 POST_NORM_NAMES = {"post_attention_layernorm": "post_attention_norm", "post_feedforward_layernorm": "post_ffw_norm"}
@@ -65,8 +69,44 @@ def _gemma2(cfg: Any, meta: dict[str, Any]) -> None:
 
 def _gemma3(cfg: Any, meta: dict[str, Any]) -> None:
     meta["attention.sliding_window"] = cfg.sliding_window
+    if softcap := cfg.to_dict().get("final_logit_softcapping"):
+        meta["final_logit_softcapping"] = softcap
     if (local := cfg.rope_parameters.get("sliding_attention", {}).get("rope_theta")) is not None:
         meta["rope.freq_base_swa"] = local
+
+
+GEMMA4_NAMES = {**GEMMA_NAMES, "layer_scalar": "layer_output_scale", "per_layer_input_gate": "inp_gate",
+                "per_layer_projection": "proj", "post_per_layer_input_norm": "post_norm"}
+
+
+def _gemma4(cfg: Any, meta: dict[str, Any]) -> None:
+    """conversion/gemma.py's Gemma4Model.set_gguf_parameters (over Gemma 3's)."""
+    _gemma3(cfg, meta)
+    raw = cfg.to_dict()  # (per-layer attributes are not read from a heterogeneous config itself)
+    types = raw["layer_types"]
+    full = raw["per_layer_config"][str(types.index("full_attention"))]
+    head_dim, kv_heads = raw["head_dim"], raw["num_key_value_heads"]
+    meta.update({"attention.shared_kv_layers": raw["num_kv_shared_layers"],
+                 "embedding_length_per_layer_input": raw["hidden_size_per_layer_input"] or 0,
+                 "attention.sliding_window_pattern": [t == "sliding_attention" for t in types],
+                 "attention.key_length": full["head_dim"], "attention.value_length": full["head_dim"],
+                 "attention.key_length_swa": head_dim, "attention.value_length_swa": head_dim,
+                 "rope.dimension_count": full["head_dim"], "rope.dimension_count_swa": head_dim})
+    first_shared = raw["num_hidden_layers"] - raw["num_kv_shared_layers"]
+    if raw["use_double_wide_mlp"]:
+        meta["feed_forward_length"] = [raw["intermediate_size"] * (1 if i < first_shared else 2)
+                                       for i in range(raw["num_hidden_layers"])]
+    if full.get("num_key_value_heads", kv_heads) != kv_heads:
+        meta["attention.head_count_kv"] = [kv_heads if t == "sliding_attention" else full["num_key_value_heads"]
+                                           for t in types]
+
+
+def gemma4_rope_freqs(cfg: Any) -> np.ndarray:
+    """`rope_freqs` of the global layers: 1 where an angle turns, 1e30 where it does not (proportional rope)."""
+    raw = cfg.to_dict()
+    head_dim = raw["per_layer_config"][str(raw["layer_types"].index("full_attention"))]["head_dim"]
+    turned = int(head_dim * cfg.rope_parameters["full_attention"]["partial_rotary_factor"] / 2)
+    return np.array([1.0] * turned + [1e30] * (head_dim // 2 - turned), dtype=np.float32)
 
 
 def _cohere2(cfg: Any, meta: dict[str, Any]) -> None:
@@ -214,6 +254,7 @@ LAYOUTS: dict[str, Layout] = {
     "qwen2": Layout("qwen2"),
     "qwen3": Layout("qwen3"),
     "gemma3_text": Layout("gemma3", GEMMA_NAMES, norm_plus_one=True, extra=_gemma3),
+    "gemma4_text": Layout("gemma4", GEMMA4_NAMES, extra=_gemma4),
     "gemma2": Layout("gemma2", GEMMA_NAMES, norm_plus_one=True, extra=_gemma2, drop_head=True),
     "smollm3": Layout("smollm3", permute_qk=True, vocab_size_key=True, rope_dims=True),
     "granite": Layout("granite", permute_qk=True, vocab_size_key=True, rope_dims=True, extra=_granite),
@@ -258,7 +299,7 @@ def converter_metadata(cfg: Any, layout: Layout) -> dict[str, Any]:
         "block_count": cfg.num_hidden_layers, "context_length": cfg.max_position_embeddings,
         "embedding_length": cfg.hidden_size, "feed_forward_length": cfg.intermediate_size,
         "attention.head_count": cfg.num_attention_heads,
-        "attention.head_count_kv": getattr(cfg, "num_key_value_heads", None) or cfg.num_attention_heads,
+        "attention.head_count_kv": raw.get("num_key_value_heads") or cfg.num_attention_heads,
         "rope.freq_base": rope["rope_theta"],
     }
     if (eps := raw.get("rms_norm_eps")) is not None:
@@ -294,6 +335,8 @@ def converter_tensors(model: nn.Module, layout: Layout) -> dict[str, np.ndarray]
     for name, tensor in _split_expert_stacks(state).items():
         if name == "lm_head.weight" and (cfg.tie_word_embeddings or layout.drop_head):
             continue
+        if name.endswith("layer_scalar"):  # the converter's filter_tensors: Gemma 4's scalar gets a ".weight"
+            name += ".weight"
         stem, kind = name.rsplit(".", 1)
         if stem.startswith("model.layers."):
             _, _, idx, part = stem.split(".", 3)
@@ -302,6 +345,8 @@ def converter_tensors(model: nn.Module, layout: Layout) -> dict[str, np.ndarray]
             gguf_name = f"{GLOBAL_NAMES[stem]}.{kind}"
         out[gguf_name] = _layout(name, tensor.float().numpy(), cfg, layout)
     rope = cfg.rope_parameters
+    if layout.arch == "gemma4":
+        out["rope_freqs.weight"] = gemma4_rope_freqs(cfg)
     if rope.get("rope_type") == "llama3":
         head_dim = getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads
         out["rope_freqs.weight"] = llama3_freq_factors(rope, head_dim, rope["rope_theta"])

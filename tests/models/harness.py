@@ -53,9 +53,10 @@ class PagedSequences:
         param = next(model.parameters())
         args = model.args
         self.model, self.device = model, param.device
-        self.kv = KVCache(args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
+        shapes = getattr(args, "kv_layer_shapes", None)  # Gemma 4: per-layer widths, KV-shared layers keep none
+        self.kv = KVCache(len(shapes) if shapes else args.num_hidden_layers, num_blocks, block_size, args.kv_heads,
                           args.dim_per_head, param.dtype, param.device,
-                          values_are_keys=getattr(args, "kv_values_are_keys", False))
+                          values_are_keys=getattr(args, "kv_values_are_keys", False), layer_shapes=shapes)
         self.free = list(range(num_blocks))
         random.Random(0).shuffle(self.free)  # non-contiguous tables exercise the slot mapping
         self.tables: dict[int, list[int]] = {}
@@ -141,6 +142,8 @@ def save_tiny_hf(config: Any, folder: Path, seed: int = 0, model_type: str | Non
         for name, buffer in model.named_buffers():  # DeepSeek-style routers' selection bias is a buffer
             if name.endswith("e_score_correction_bias"):
                 buffer.normal_(0.0, 0.2)
+            if name.endswith("layer_scalar"):  # Gemma 4's per-layer output scale (1 at init)
+                buffer.uniform_(0.5, 1.5)
     model.eval().save_pretrained(folder)
     if model_type is not None and model_type != config.model_type:
         saved = json.loads((folder / "config.json").read_text())

@@ -53,6 +53,18 @@ FAMILIES: dict[str, tuple[str, Callable[[], Any]]] = {
     "gemma3-pattern2": ("gemma3_text", lambda: transformers.Gemma3TextConfig(
         **{**COMMON, "num_hidden_layers": 4}, head_dim=16, query_pre_attn_scalar=24, sliding_window=4,
         sliding_window_pattern=2, rope_local_base_freq=100.0)),
+    # Gemma 4: sliding, global (another head size and KV-head count, values = keys' projection, proportional
+    # rope), then two KV-shared layers (one of each type, double-wide MLPs); per-layer inputs; a window of 4.
+    "gemma4": ("gemma4_text", lambda: transformers.Gemma4TextConfig(
+        **{**COMMON, "num_hidden_layers": 4}, head_dim=16, global_head_dim=32, num_global_key_value_heads=1,
+        attention_k_eq_v=True, layer_types=["sliding_attention", "full_attention"] * 2, num_kv_shared_layers=2,
+        hidden_size_per_layer_input=8, vocab_size_per_layer_input=VOCAB, sliding_window=4, use_double_wide_mlp=True,
+        final_logit_softcapping=30.0)),
+    # Gemma 4's MoE variant (26B-A4B's shape): a dense MLP and 4 experts (top-2) side by side in every layer.
+    "gemma4-moe": ("gemma4_text", lambda: transformers.Gemma4TextConfig(
+        **COMMON, head_dim=16, global_head_dim=32, layer_types=["sliding_attention", "full_attention"],
+        hidden_size_per_layer_input=0, sliding_window=4, enable_moe_block=True, num_experts=4, top_k_experts=2,
+        moe_intermediate_size=32)),
     # Issue 40: the dense families, each a recipe over layers/decoder.py.
     "qwen3-yarn": ("qwen3", lambda: transformers.Qwen3Config(**COMMON, head_dim=32, rope_scaling={
         "rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 64})),
@@ -314,3 +326,41 @@ def test_issue40_mla_caches_the_latent_not_the_heads() -> None:
     cache = ModelShape(2, 1, 32, 64, values_are_keys=True).kv_cache(4, 4, torch.float32, "cpu", "q8_0", "f16")
     assert list(cache.stacked_tensors()) == ["k", "k_scales"] and cache.v_type == "q8_0"
     assert cache.bytes_per_token == 2 * 32 * (1 + 2 / 32) and cache.v[1] is cache.k[1]
+
+
+def test_issue40_gemma4_kv_shared_layers_keep_no_kv_and_global_layers_their_own_width() -> None:
+    """Gemma 4's layers 2 and 3 reuse layers 0 and 1's KV: the cache holds two layers, one of each head shape,
+    and the memory a token costs counts those two only; the shared layers have no k/v projections."""
+    from mlxcel.engine.loop import ModelShape
+    from mlxcel.models import gemma4_text
+
+    args = gemma4_text.ModelArgs.from_dict(FAMILIES["gemma4"][1]().to_dict())
+    shape = ModelShape.of(args)
+    assert (shape.num_layers, shape.layer_shapes, shape.num_shared_layers) == (2, ((2, 16), (1, 32)), 2)
+    assert shape.kv_bytes_per_token("f32", "f32") == 4 * 2 * (2 * 16 + 1 * 32)
+    cache = shape.kv_cache(4, 4, torch.float32, "cpu", "f32", "f32")
+    assert [tuple(t.shape[1:]) for t in cache.k] == [(2, 16), (1, 32)] and cache.bytes_per_token == 4 * 2 * 64
+    model = gemma4_text.Model(args)
+    assert [layer.kv_index for layer in model.model.layers] == [0, 1, 0, 1]
+    assert [hasattr(layer.self_attn, "k_proj") for layer in model.model.layers] == [True, True, False, False]
+    assert not hasattr(model.model.layers[1].self_attn, "v_proj")  # attention_k_eq_v: values are k_proj's
+
+
+def test_issue40_gemma4_multimodal_checkpoint_serves_its_text_model(tmp_path: Path,
+                                                                  caplog: pytest.LogCaptureFixture) -> None:
+    """A Gemma4ForConditionalGeneration checkpoint loads its text model (logits equal transformers' on text)
+    and says in one line that its vision tower is not served."""
+    text = FAMILIES["gemma4"][1]().to_dict()
+    vision = dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=2,
+                  num_key_value_heads=2, head_dim=16, patch_size=4, position_embedding_size=64, pooling_kernel_size=2)
+    config = transformers.Gemma4Config(text_config=text, vision_config=vision, audio_config=None, image_token_id=100,
+                                       boi_token_id=101, eoi_token_id=102, video_token_id=103, audio_token_id=104,
+                                       boa_token_id=105, eoa_token_index=106)
+    reference = save_tiny_hf(config, tmp_path)
+    with caplog.at_level("INFO", logger="mlxcel.models.gemma4_text"):
+        loaded = load_model(tmp_path, device=DEVICE)
+    assert loaded.model_type == "gemma4_text"
+    assert any("serving text only" in r.message and "vision_tower" in r.message for r in caplog.records)
+    for prompt in PROMPTS[2:]:
+        torch.testing.assert_close(uncached_logits(loaded.model, prompt), reference_logits(reference, prompt),
+                                   atol=TOL_VS_TRANSFORMERS, rtol=0)

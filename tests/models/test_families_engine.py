@@ -24,7 +24,7 @@ from .harness import save_tiny_hf
 from .test_families import FAMILIES, VOCAB
 
 ENGINE_FAMILIES = ["gemma2", "cohere2", "phi3", "exaone4", "deepseek_v3", "deepseek_v2",
-                   "gpt_oss", "glm4_moe"]  # MoE: biased top-k with sinks; grouped sigmoid with a dense layer
+                   "gpt_oss", "glm4_moe", "gemma4"]  # MoE: biased top-k with sinks; grouped sigmoid with a dense layer
 _rng = random.Random(7)
 PROMPTS = [[_rng.randrange(1, VOCAB) for _ in range(n)] for n in (5, 9, 14, 23)]
 NUM_TOKENS = 16

@@ -42,6 +42,7 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     "qwen2": ("qwen2", FAMILIES["qwen2"][1]),
     "qwen3": ("qwen3", FAMILIES["qwen3"][1]),
     "gemma3_text": ("gemma3", FAMILIES["gemma3"][1]),
+    "gemma4_text": ("gemma4_text", FAMILIES["gemma4"][1]),
     "gemma2": ("gemma2", FAMILIES["gemma2"][1]),
     "smollm3": ("smollm3", lambda: transformers.SmolLM3Config(
         **{**COMMON, "num_hidden_layers": 4}, pad_token_id=0)),
@@ -80,8 +81,9 @@ GGUF_CASES: dict[str, tuple[str, Callable[[], Any]]] = {
     # An older converter's file: kv_b whole (attn_kv_b), no key_length_mla / value_length_mla.
     "deepseek_v3-kv_b-whole": ("deepseek_v3", lambda: transformers.DeepseekV3Config(**DEEPSEEK_MOE, q_lora_rank=32)),
 }
-# Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not.
-NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5"}
+# Families whose converter class reads a SentencePiece tokenizer.model, which SmolLM2's tokenizer is not (Gemma 4:
+# a byte-fallback BPE tokenizer.json, LlamaHfVocab; its metadata and tensors were written before the vocabulary).
+NEEDS_SENTENCEPIECE = {"gemma2", "ernie4_5", "gemma4_text"}
 OLDER_CONVERTER = {"deepseek_v3-kv_b-whole"}  # a layout today's converter no longer writes
 # Special tokens a family's converter looks up in the tokenizer (GLM's `_set_vocab_glm`).
 CONVERTER_SPECIAL_TOKENS = {"glm4_moe": ("[gMASK]", "<|user|>", "<|endoftext|>", "<|observation|>")}

@@ -136,8 +136,9 @@ def test_soft_capped_attention_is_refused() -> None:
     (dict(global_head_dim=16, num_kv_shared_layers=2), "reuse earlier layers' keys and values"),
 ])
 def test_issue40_gemma4_text_layers_the_cache_cannot_hold_are_refused(shape: dict[str, Any], match: str) -> None:
-    """Gemma 4 (no module of ours yet): global layers of another head size, or KV-shared layers, are one
-    clear refusal, not transformers' AmbiguousGlobalPerLayerAttributeError from deep inside the load."""
+    """Gemma 4 through the fallback (models/gemma4_text.py serves it natively; the fallback stays for what has no
+    module): global layers of another head size, or KV-shared layers, are one clear refusal, not transformers'
+    AmbiguousGlobalPerLayerAttributeError from deep inside the load."""
     config = transformers.Gemma4TextConfig(**{**COMMON, "num_hidden_layers": 4}, num_key_value_heads=2, head_dim=16,
                                            layer_types=["sliding_attention", "full_attention"] * 2, **shape)
     with pytest.raises(ValueError, match=match):

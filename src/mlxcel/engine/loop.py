@@ -67,6 +67,9 @@ class ModelShape:
     head_dim: int
     context_length: int
     values_are_keys: bool = False  # MLA: the cache stores keys only (KVCache.values_are_keys)
+    # (num_kv_heads, head_dim) of each KV layer where they differ (Gemma 4's global layers); None: all alike
+    layer_shapes: tuple[tuple[int, int], ...] | None = None
+    num_shared_layers: int = 0  # layers that read an earlier layer's KV and keep none (Gemma 4)
 
     @classmethod
     def of(cls, args: Any) -> ModelShape:
@@ -74,16 +77,24 @@ class ModelShape:
         # A hybrid keeps KV for its attention layers only; at least one layer (a model of recurrent layers alone).
         num_layers = max(getattr(args, "num_kv_layers", args.num_hidden_layers), 1)
         return cls(num_layers, args.kv_heads, args.dim_per_head, args.max_position_embeddings,
-                   bool(getattr(args, "kv_values_are_keys", False)))
+                   bool(getattr(args, "kv_values_are_keys", False)), getattr(args, "kv_layer_shapes", None),
+                   int(getattr(args, "num_kv_shared_layers", 0) or 0))
 
     def kv_bytes_per_token(self, k_type: str, v_type: str) -> int:
-        return kv_quant.bytes_per_token(self.num_layers, self.num_kv_heads, self.head_dim, k_type,
-                                        None if self.values_are_keys else v_type)
+        shapes = self.layer_shapes or ((self.num_kv_heads, self.head_dim),) * self.num_layers
+        return sum(kv_quant.bytes_per_token(1, heads, dim, k_type, None if self.values_are_keys else v_type)
+                   for heads, dim in shapes)
 
     def kv_cache(self, num_blocks: int, block_size: int, dtype: torch.dtype, device: torch.device | str,
                  k_type: str | None, v_type: str | None) -> KVCache:
         return KVCache(self.num_layers, num_blocks, block_size, self.num_kv_heads, self.head_dim, dtype, device,
-                       k_type=k_type, v_type=v_type, values_are_keys=self.values_are_keys)
+                       k_type=k_type, v_type=v_type, values_are_keys=self.values_are_keys,
+                       layer_shapes=self.layer_shapes)
+
+
+def _shape_counts(shapes: tuple[tuple[int, int], ...] | None) -> str:
+    counts = {shape: (shapes or ()).count(shape) for shape in dict.fromkeys(shapes or ())}
+    return ", ".join(f"{n} of {heads}x{dim}" for (heads, dim), n in counts.items()) or "all alike"
 
 
 class EngineCore:
@@ -155,6 +166,9 @@ class EngineCore:
         log.info("KV cache: %d blocks of %d tokens (%.1f MiB, K %s, V %s), %d slots of %d tokens",
                  num_blocks, config.block_size, num_blocks * config.block_size * self.kv_cache.bytes_per_token / 2**20,
                  k_type, v_type, config.max_num_seqs, self.slot_context)
+        if shape.num_shared_layers or shape.layer_shapes:
+            log.info("KV cache: %d layers keep KV (heads x head size: %s); %d more reuse an earlier layer's "
+                     "and keep none", shape.num_layers, _shape_counts(shape.layer_shapes), shape.num_shared_layers)
 
     def warm_decode_step(self) -> None:
         """Compile or capture the decode step now (startup), logging how long it took."""

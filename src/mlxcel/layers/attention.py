@@ -158,6 +158,8 @@ class AttentionContext:
         `states`: the recurrent layers' states of the step's sequences (layers/recurrent.py)."""
         self.seqs = seqs
         self.states = states
+        # without a cache: the new keys and values of the layers that others reuse (`attend`)
+        self._fresh: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
         self.prefill_only = prefill_only
         self.kv = kv
         self.device = torch.device(device)
@@ -214,12 +216,20 @@ class AttentionContext:
 
     # ---- attention ----
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
-        """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D]."""
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN,
+               is_reused: bool = False) -> torch.Tensor:
+        """q: [T, Hq, D], k/v: [T, Hkv, D] for the step's new tokens -> [T, Hq, D]. k = v = None: a layer
+        that reuses layer `layer`'s keys and values (Gemma 4's KV sharing), written already this step;
+        `is_reused`: later layers will (without a cache, these k and v are then kept for them)."""
         if self.kv is None:
+            if k is None:
+                k, v = self._fresh[layer]
+            elif is_reused:
+                self._fresh[layer] = (k, v)
             return self._attend_uncached(q, k, v, scale, window, rule)
-        self.kv.write(layer, self.slot_mapping, k, v)
+        if k is not None:
+            self.kv.write(layer, self.slot_mapping, k, v)
         q = self.kv.turn_query(q)
         out = torch.empty_like(q)
         if self.decode_rows:
@@ -434,11 +444,14 @@ class DecodeAttention:
         """Every row of the decode step is a decode row (see `AttentionContext.num_decode_rows`)."""
         return num_rows
 
-    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, *,
-               scale: float, window: int | None = None, rule: ScoreRule = PLAIN) -> torch.Tensor:
-        """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors."""
-        self._write(self.k_type, self.k_cache, self.k_scales, k)
-        if self.v_cache is not self.k_cache:  # else values are keys (KVCache.values_are_keys): stored once
+    def attend(self, layer: int, q: torch.Tensor, k: torch.Tensor | None, v: torch.Tensor | None, *,
+               scale: float, window: int | None = None, rule: ScoreRule = PLAIN,
+               is_reused: bool = False) -> torch.Tensor:
+        """q: [B, Hq, D], k/v: [B, Hkv, D] -> [B, Hq, D]; `layer` is implied by the cache tensors.
+        k = v = None: the layer reuses these tensors' keys and values (KV sharing), written this step already."""
+        if k is not None:
+            self._write(self.k_type, self.k_cache, self.k_scales, k)
+        if k is not None and self.v_cache is not self.k_cache:  # else values are keys (KVCache.values_are_keys)
             self._write(self.v_type, self.v_cache, self.v_scales, v)
         if self.use_kernel and rule.is_plain:
             return paged_attention.paged_decode_attention(q, self.k_cache, self.v_cache, self.key_slots, self.key_pos,

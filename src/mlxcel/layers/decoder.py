@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mlxcel.layers.attention import PLAIN, AttentionContext, ScoreRule
-from mlxcel.layers.norm import LayerNorm, RMSNorm
+from mlxcel.layers.norm import LayerNorm, RMSNorm, rms_normalize
 from mlxcel.layers.quant import GATE_UP, QKV, linear, project
 from mlxcel.layers.rope import RotaryEmbedding, apply_rope, rope_settings, rotary_table
 
@@ -107,6 +107,16 @@ class AttentionRecipe:
     o_name: str = "o_proj"  # LFM2: out_proj
     # Qwen3-Next / Qwen3.5: q_proj also gives a gate a head ([q, gate] per head); out * sigmoid(gate)
     output_gate: bool = False
+    v_norm: bool = False  # Gemma 4: values RMS-normalised per head, with no weight
+    values_are_keys: bool = False  # Gemma 4's attention_k_eq_v: no v_proj, the values are k_proj's output
+    # Gemma 4's KV sharing: this layer computes no keys or values and attends over those of layer
+    # `kv_source` (an earlier layer, whose cache it reads: it keeps none of its own)
+    kv_source: int | None = None
+    is_kv_reused: bool = False  # a later layer reads this layer's keys and values (its `kv_source`)
+
+    @property
+    def has_kv(self) -> bool:
+        return self.kv_source is None
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, norm: NormRecipe) -> nn.Module:
         return Attention(hidden_size, self, layer_idx, rope, norm)
@@ -156,6 +166,10 @@ class LayerRecipe:
     # Falcon-H1: a second mixer beside the first over the same normed input, the two outputs summed
     side_mixer: MixerRecipe | None = None
     side_mixer_name: str = "mamba"
+    # Gemma 4: the width of this layer's per-layer input (see DecoderModel's `per_layer_inputs`), added
+    # after the MLP as x += norm(proj(act(gate(x)) * input)); 0: none
+    per_layer_input: int = 0
+    has_layer_scalar: bool = False  # Gemma 4: the layer's output (residual included) times a learned scalar
 
     def build(self, hidden_size: int, layer_idx: int, rope: Rope | None, kv_index: int | None = None) -> nn.Module:
         return DecoderLayer(hidden_size, self, layer_idx, rope, kv_index)
@@ -175,7 +189,9 @@ class LayerRecipe:
                 and att.scale == att.head_dim**-0.5 and self.feed_forward is None and mlp is not None
                 and mlp.gated and mlp.activation in ("silu", "swish") and not mlp.bias
                 and mlp.names == ("gate_proj", "up_proj", "down_proj") and self.mlp_name == "mlp"
-                and self.attention_name == "self_attn" and att.o_name == "o_proj" and self.side_mixer is None)
+                and self.attention_name == "self_attn" and att.o_name == "o_proj" and self.side_mixer is None
+                and not att.v_norm and not att.values_are_keys and att.kv_source is None and not att.is_kv_reused
+                and not self.per_layer_input and not self.has_layer_scalar)
 
 
 # ---- blocks -----------------------------------------------------------------------------------
@@ -187,9 +203,11 @@ class Rope:
         self.table, self.dim, self.head_dim = table, recipe.dim, head_dim
         self.interleaved = recipe.interleaved
 
-    def __call__(self, q: torch.Tensor, k: torch.Tensor, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def __call__(self, q: torch.Tensor, k: torch.Tensor | None,
+                 positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """q, k turned (k None: a layer that reuses another's keys turns its queries only)."""
         cos, sin = self.table.cos_sin(positions, q.dtype)
-        return self._turn(q, cos, sin), self._turn(k, cos, sin)
+        return self._turn(q, cos, sin), None if k is None else self._turn(k, cos, sin)
 
     def _turn(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         rotated = x if self.dim == self.head_dim else x[..., :self.dim]
@@ -213,19 +231,24 @@ class Attention(nn.Module):
         self.scale, self.window = r.scale, r.window
         q_out, kv_out = r.num_heads * r.head_dim, r.num_kv_heads * r.head_dim
         self.q_proj = nn.Linear(hidden_size, q_out * (2 if r.output_gate else 1), bias=r.q_bias)
-        self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
-        self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
+        if r.has_kv:
+            self.k_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
+        if r.has_kv and not r.values_are_keys:
+            self.v_proj = nn.Linear(hidden_size, kv_out, bias=r.kv_bias)
         setattr(self, r.o_name, nn.Linear(q_out, hidden_size, bias=r.o_bias))
         if r.qk_norm is not None:
             q_dim, k_dim = (q_out, kv_out) if r.qk_norm == "full" else (r.head_dim, r.head_dim)
             setattr(self, r.qk_norm_names[0], norm.build(q_dim))
-            setattr(self, r.qk_norm_names[1], norm.build(k_dim))
+            if r.has_kv:
+                setattr(self, r.qk_norm_names[1], norm.build(k_dim))
         if r.has_sinks:
             self.sinks = nn.Parameter(torch.zeros(r.num_heads))
         self.rope = [rope] if rope is not None else []  # a list keeps the shared table out of the parameters
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         t, r = x.shape[0], self.recipe
+        if r.v_norm or not r.has_kv or r.values_are_keys:
+            return self._forward_normed_values(x, positions, ctx)
         q, k, v = project(self, x, QKV, ctx)
         gate = None
         if r.output_gate:  # [T, H, 2D]: each head's query, then its gate
@@ -245,6 +268,27 @@ class Attention(nn.Module):
         out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule())
         out = out.reshape(t, -1)
         return linear(getattr(self, r.o_name), out * torch.sigmoid(gate) if gate is not None else out, ctx)
+
+    def _forward_normed_values(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        """Gemma 4's attention: q/k norms per head, values normed without a weight (`v_norm`); values that
+        are the keys' projection (`values_are_keys`), or no keys and values at all (a KV-shared layer,
+        which attends over its source layer's cache: `ctx.attend` with k = v = None)."""
+        t, r = x.shape[0], self.recipe
+        q_norm = getattr(self, r.qk_norm_names[0])
+        q = q_norm(linear(self.q_proj, x, ctx).view(t, self.num_heads, self.head_dim))
+        k = v = None
+        if r.has_kv:
+            k, v = project(self, x, ("k_proj", "v_proj"), ctx) if hasattr(self, "v_proj") else (
+                linear(self.k_proj, x, ctx), None)
+            k = k.view(t, self.num_kv_heads, self.head_dim)
+            v = k if v is None else v.view(t, self.num_kv_heads, self.head_dim)
+            v = rms_normalize(v, q_norm.eps) if r.v_norm else v
+            k = getattr(self, r.qk_norm_names[1])(k)
+        if self.rope:
+            q, k = self.rope[0](q, k, positions)
+        out = ctx.attend(self.layer_idx, q, k, v, scale=self.scale, window=self.window, rule=self._rule(),
+                         is_reused=r.is_kv_reused)
+        return linear(getattr(self, r.o_name), out.reshape(t, -1), ctx)
 
     def _rule(self) -> ScoreRule:
         if self.recipe.softcap is None and not self.recipe.has_sinks:
@@ -288,6 +332,14 @@ class DecoderLayer(nn.Module):
         setattr(self, recipe.mlp_name, ffn)
         for name in recipe.norm_names.values():
             setattr(self, name, recipe.norm.build(hidden_size))
+        self.hidden_size = hidden_size
+        if recipe.per_layer_input:
+            self.per_layer_input_gate = nn.Linear(hidden_size, recipe.per_layer_input, bias=False)
+            self.per_layer_projection = nn.Linear(recipe.per_layer_input, hidden_size, bias=False)
+            self.post_per_layer_input_norm = recipe.norm.build(hidden_size)
+            self.act = activation(recipe.mlp.activation if recipe.mlp is not None else "gelu_pytorch_tanh")
+        if recipe.has_layer_scalar:
+            self.layer_scalar = nn.Parameter(torch.ones(1), requires_grad=False)
         # The CPU's native decode step may run this layer (engine/native_step.py).
         self.native_layout = "llama" if recipe.is_llama_layout else None
 
@@ -296,6 +348,22 @@ class DecoderLayer(nn.Module):
         return getattr(self, name)(x) if name is not None else x
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
+        r = self.recipe
+        if not r.per_layer_input:
+            x = self._residual_stream(x, positions, ctx)
+            return x * self.layer_scalar if r.has_layer_scalar else x
+        # [T, hidden | the per-layer inputs of this layer and the next ones]: this layer takes the first
+        # width and rotates it to the end, so every layer finds its own first (DecoderModel.embed)
+        h, inputs = x[:, :self.hidden_size], x[:, self.hidden_size:]
+        h = self._residual_stream(h, positions, ctx)
+        own = inputs[:, :r.per_layer_input]
+        g = self.per_layer_projection(self.act(self.per_layer_input_gate(h)) * own)
+        h = h + self.post_per_layer_input_norm(g)
+        if r.has_layer_scalar:
+            h = h * self.layer_scalar
+        return torch.cat((h, inputs[:, r.per_layer_input:], own), dim=-1)
+
+    def _residual_stream(self, x: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext) -> torch.Tensor:
         r, ffn = self.recipe, getattr(self, self.recipe.mlp_name)
         mixer = getattr(self, r.attention_name)
         h = self._norm("attn_in", x)
@@ -369,6 +437,11 @@ class DecoderArgs:
         return self.head_dim or self.hidden_size // self.num_attention_heads
 
     @property
+    def per_layer_input_width(self) -> int:
+        """Gemma 4: the width of each layer's per-layer input (DecoderModel.embed); 0: none."""
+        return 0
+
+    @property
     def kv_values_are_keys(self) -> bool:
         """The layers attend with their keys as values (MLA), so the KV cache stores keys only."""
         return False
@@ -438,14 +511,21 @@ class DecoderModel(nn.Module):
         tables: dict[RopeRecipe, RotaryEmbedding] = {}
         self.rotary = nn.ModuleList()  # one table per distinct rope, shared by the layers that use it
         layers = []
+        kv_indexes: list[int | None] = []  # each layer's index in the KV cache
         num_kv_layers = 0
         for i, recipe in enumerate(recipes):
             rope = self._rope(recipe.attention, tables)
+            source = getattr(recipe.attention, "kv_source", None)
             has_kv = getattr(recipe.attention, "has_kv", True)
-            layers.append(recipe.build(args.hidden_size, i, rope, num_kv_layers if has_kv else None))
+            # a KV-shared layer (Gemma 4) reads its source layer's cache; a recurrent one has none
+            kv_indexes.append(kv_indexes[source] if source is not None else num_kv_layers if has_kv else None)
+            layers.append(recipe.build(args.hidden_size, i, rope, kv_indexes[-1]))
             num_kv_layers += has_kv
         self.layers = nn.ModuleList(layers)
         self.norm = args.norm_recipe().build(args.hidden_size)
+        self.per_layer_width = args.per_layer_input_width
+        if self.per_layer_width:
+            self._per_layer_inputs(args)
 
     def _rope(self, recipe: MixerRecipe | None, tables: dict[RopeRecipe, RotaryEmbedding]) -> Rope | None:
         if recipe is None or recipe.rope is None:
@@ -456,12 +536,33 @@ class DecoderModel(nn.Module):
             self.rotary.append(tables[key])
         return Rope(tables[key], recipe.rope, recipe.head_dim)
 
+    def _per_layer_inputs(self, args: DecoderArgs) -> None:
+        """Gemma 4's per-layer embeddings: a second token embedding of every layer's input width, and a
+        projection of the token embedding to the same, normed; their mean (* 1/sqrt 2) is each layer's input."""
+        total = args.num_hidden_layers * self.per_layer_width
+        self.embed_tokens_per_layer = nn.Embedding(args.extra.get("vocab_size_per_layer_input") or args.vocab_size,
+                                                   total)
+        self.per_layer_model_projection = nn.Linear(args.hidden_size, total, bias=False)
+        self.per_layer_projection_norm = args.norm_recipe().build(self.per_layer_width)
+        recipe = args.norm_recipe()
+        self.norm = _LeadingNorm(args.hidden_size, recipe.eps, recipe.offset)
+
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """[T] -> [T, hidden] (scaled); with per-layer inputs [T, hidden + layers x their width]."""
         x = self.embed_tokens(input_ids)
-        if self.embed_scale is None:
-            return x
-        # The scale is rounded to the weights' dtype first, as the references do.
-        return x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        if self.embed_scale is not None:
+            # The scale is rounded to the weights' dtype first, as the references do.
+            x = x * torch.tensor(self.embed_scale, dtype=x.dtype, device=x.device)
+        return x if not self.per_layer_width else torch.cat((x, self._layer_inputs(input_ids, x)), dim=-1)
+
+    def _layer_inputs(self, input_ids: torch.Tensor, x: torch.Tensor) -> torch.Tensor:
+        width = self.per_layer_width
+        shape = (x.shape[0], -1, width)  # [T, layers, width]
+        tokens = self.embed_tokens_per_layer(input_ids)
+        tokens = tokens * torch.tensor(width**0.5, dtype=tokens.dtype, device=tokens.device)
+        projected = self.per_layer_model_projection(x) * (x.shape[-1] ** -0.5)
+        projected = self.per_layer_projection_norm(projected.view(shape))
+        return ((projected + tokens.view(shape)) * 2**-0.5).flatten(1)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: AttentionContext,
                 embeds: EmbeddingOverride | None = None) -> torch.Tensor:
@@ -471,6 +572,13 @@ class DecoderModel(nn.Module):
         for layer in self.layers:
             x = layer(x, positions, ctx)
         return self.norm(x)
+
+
+class _LeadingNorm(RMSNorm):
+    """The final norm over the hidden part of [T, hidden | per-layer inputs] (DecoderModel.embed)."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return super().forward(x[..., :self.weight.shape[0]])
 
 
 class DecoderLM(nn.Module):

@@ -28,6 +28,12 @@ class RMSNorm(torch.nn.Module):
         return self.weight.float() + self.offset
 
 
+def rms_normalize(x: torch.Tensor, eps: float) -> torch.Tensor:
+    """x / rms(x) over the last dimension, with no weight (Gemma 4's value norm), in float32 as RMSNorm."""
+    x32 = x.float()
+    return (x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+
+
 class LayerNorm(torch.nn.Module):
     """Mean-centred norm with `weight` (and `bias` where the checkpoint has one: StarCoder 2;
     Cohere's has none), in float32 as the references compute it."""

@@ -71,6 +71,7 @@ GGUF_ARCHITECTURES = {
     "glm4moe": "glm4_moe",
     "deepseek2": "deepseek_v3",  # V2 files too: deepseek_v3.gguf_config reads the router (V2: softmax)
     "ernie4_5-moe": "ernie4_5_moe",
+    "gemma4": "gemma4_text",  # (the text model; a "gemma4" HF config is the multimodal one)
     # issue 41: the hybrids
     "qwen35": "qwen3_5_text",
     "qwen35moe": "qwen3_5_moe_text",

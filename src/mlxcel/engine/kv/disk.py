@@ -437,8 +437,7 @@ class DiskBlockStore:
         for key, value in expected.items():
             if header.get(key) != value:
                 raise BadBlockFile(f"its {key} does not match")
-        if len(payload) != header.get("payload_len") or len(payload) != sum(size for _, size in self.layout) \
-                * len(self.cache.k):
+        if len(payload) != header.get("payload_len") or len(payload) != payload_len(self.cache, self.layout):
             raise BadBlockFile("truncated")
         if zlib.crc32(payload) != header.get("crc32"):
             raise BadBlockFile("checksum mismatch")
@@ -505,8 +504,8 @@ class DiskBlockStore:
 
     def _most_file_bytes(self) -> int:
         """The largest a block file can be (its header's crc32 takes up to 10 digits)."""
-        payload_len = sum(size for _, size in self.layout) * len(self.cache.k)
-        return len(MAGIC) + _HEADER_LEN.size + len(self._header(0, payload_len, 2**32 - 1)) + payload_len
+        most = payload_len(self.cache, self.layout)
+        return len(MAGIC) + _HEADER_LEN.size + len(self._header(0, most, 2**32 - 1)) + most
 
     def _write(self, block_hash: int, payload: bytes) -> None:
         path = self._path(block_hash)
@@ -590,6 +589,13 @@ def block_layout(cache: KVCache) -> list[tuple[str, int]]:
             for name, tensors in cache.named_tensors().items()]
 
 
+def payload_len(cache: KVCache, layout: list[tuple[str, int]]) -> int:
+    """Bytes of one block's payload: each tensor's block bytes over its layers (all of them, or those of
+    one head shape: KVCache.layer_shapes)."""
+    layers = [len(tensors) for tensors in cache.named_tensors().values()]
+    return sum(size * num for (_, size), num in zip(layout, layers))
+
+
 def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
              layout: list[tuple[str, int]]) -> None:
     """Write the payloads' rows into `block_ids` of every cache tensor (the inverse of evict.gather_into)."""
@@ -602,12 +608,13 @@ def _scatter(cache: KVCache, block_ids: list[int], payloads: list[memoryview],
 def scatter_payloads(cache: KVCache, block_ids: list[int], data: torch.Tensor,
                      layout: list[tuple[str, int]]) -> None:
     """Write [num_blocks, payload bytes] `data` (any device) into `block_ids` of every cache tensor."""
-    size, num_layers, num_blocks = cache.block_size, len(cache.k), len(block_ids)
+    size, num_blocks = cache.block_size, len(block_ids)
     slots = torch.tensor([b * size + i for b in block_ids for i in range(size)]).to(cache.k[0].device)
     data = data.to(cache.k[0].device)
     # [num_blocks, payload bytes] -> per tensor [num_layers, num_blocks, block bytes]
     offset = 0
     for (name, block_bytes), tensors in zip(layout, cache.named_tensors().values()):
+        num_layers = len(tensors)
         part = data[:, offset:offset + num_layers * block_bytes].view(num_blocks, num_layers, block_bytes)
         offset += num_layers * block_bytes
         for layer, target in enumerate(tensors):

@@ -27,7 +27,7 @@ from dataclasses import dataclass, replace
 import torch
 
 from mlxcel.engine.kv.blocks import BlockPool
-from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, scatter_payloads
+from mlxcel.engine.kv.disk import DiskBlockStore, block_layout, payload_len, scatter_payloads
 from mlxcel.engine.kv.evict import PendingEvictions, chunks
 from mlxcel.engine.kv.tensors import KVCache
 from mlxcel.types import HostCacheStats
@@ -74,7 +74,7 @@ class HostBlockTier:
         self.cache = cache
         self.block_size = cache.block_size
         self.layout = block_layout(cache)
-        self.row_bytes = sum(size for _, size in self.layout) * len(cache.k)
+        self.row_bytes = payload_len(cache, self.layout)
         self.capacity_rows = max(capacity_bytes // self.row_bytes, 0)
         self.disk = disk
         self.device = cache.k[0].device

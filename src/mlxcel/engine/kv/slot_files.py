@@ -109,7 +109,9 @@ def restore_slot(kv: KVCacheManager, cache: KVCache, slot_id: int, path: Path,
 def _check_layout(payload: dict, cache: KVCache, path: Path) -> None:
     if payload.get("version") != FORMAT_VERSION or payload.get("block_size") != cache.block_size:
         raise SlotError(f"{path.name}: saved with another format or block size")
-    if len(payload["k"]) != len(cache.k) or payload["k"][0].shape[1:] != cache.k[0].shape[1:]:
+    saved = {name: [t.shape[1:] for t in payload.get(name, ())] for name in cache.named_tensors() if name[0] == "k"}
+    if saved != {name: [t.shape[1:] for t in tensors] for name, tensors in cache.named_tensors().items()
+                 if name[0] == "k"}:
         raise SlotError(f"{path.name}: saved from a model with another KV shape")
     saved_types = list(payload.get("element_types", ["dense", "dense"]))  # dense values convert on restore
     running = [cache.k_type, cache.v_type]

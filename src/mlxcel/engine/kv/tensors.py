@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import math
 import mmap
+from collections.abc import Sequence
 
 import torch
 
@@ -33,55 +34,68 @@ class KVCache:
     def __init__(self, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str,
                  v_dtype: torch.dtype | None = None, *, k_type: str | None = None, v_type: str | None = None,
-                 values_are_keys: bool = False) -> None:
+                 values_are_keys: bool = False, layer_shapes: Sequence[tuple[int, int]] | None = None) -> None:
+        """`layer_shapes`: (num_kv_heads, head_dim) of each layer where they differ (Gemma 4's global layers);
+        None: every layer has `num_kv_heads` x `head_dim`."""
         self.k_type = k_type or _dense_name(dtype)
         self.v_type = self.k_type if values_are_keys else v_type or _dense_name(v_dtype or dtype)
         self.values_are_keys = values_are_keys
         num_slots = (num_blocks + 1) * block_size
-        # every layer's tensor is a view of one [num_layers, num_slots, ...] tensor: evicted blocks of all
-        # layers are then gathered with one index_select (engine/kv/evict.py)
-        # (in the order k, v, k_scales, v_scales: the disk tier's rows follow it)
+        shapes = list(layer_shapes) if layer_shapes is not None else [(num_kv_heads, head_dim)] * num_layers
+        self.layer_shapes = shapes
+        # The layers of one shape are views of one [layers, num_slots, ...] tensor (all of them, when the shapes
+        # agree): evicted blocks of those layers are then gathered with one index_select (engine/kv/evict.py).
+        # In the order k, v, k_scales, v_scales (the disk tier's rows follow it); a second shape's tensors are
+        # named "k.1", "v.1", ...
         self._stacked: dict[str, torch.Tensor] = {}
-        self._stacked["k"], k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        v_scales = None
-        if not values_are_keys:
-            self._stacked["v"], v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
-        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
-            if scales is not None:
-                self._stacked[name] = scales
-        self.k = list(self._stacked["k"].unbind(0))
-        self.k_scales = list(k_scales.unbind(0)) if k_scales is not None else None
+        per_layer: dict[str, list[torch.Tensor | None]] = {name: [None] * len(shapes)
+                                                            for name in ("k", "v", "k_scales", "v_scales")}
+        for group, shape in enumerate(dict.fromkeys(shapes)):
+            layers = [i for i, s in enumerate(shapes) if s == shape]
+            suffix = f".{group}" if group else ""
+            for name, tensor in self._allocate_group(len(layers), num_slots, *shape, device).items():
+                self._stacked[name + suffix] = tensor
+                for layer, view in zip(layers, tensor.unbind(0)):
+                    per_layer[name][layer] = view
+        self.k = per_layer["k"]
+        self.k_scales = per_layer["k_scales"] if per_layer["k_scales"][0] is not None else None
         # values are keys: `v` is the very same list of tensors (DecodeAttention then writes them once)
         self.v, self.v_scales = self.k, self.k_scales
         if not values_are_keys:
-            self.v = list(self._stacked["v"].unbind(0))
-            self.v_scales = list(v_scales.unbind(0)) if v_scales is not None else None
+            self.v = per_layer["v"]
+            self.v_scales = per_layer["v_scales"] if per_layer["v_scales"][0] is not None else None
         turbo = "turbo4" in (self.k_type, self.v_type)
-        self.rotation = kv_quant.Rotation(head_dim, device) if turbo else None
+        self.rotations = {dim: kv_quant.Rotation(dim, device) for _, dim in shapes} if turbo else {}
+        self.rotation = self.rotations.get(head_dim) if turbo else None
         self.block_size = block_size
         self.num_blocks = num_blocks
         self.scratch_slot = num_blocks * block_size
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
 
-    @property
-    def bytes_per_token(self) -> int:
-        return kv_quant.bytes_per_token(len(self.k), self.num_kv_heads, self.head_dim, self.k_type,
-                                        None if self.values_are_keys else self.v_type)
-
-    def named_tensors(self) -> dict[str, list[torch.Tensor]]:
-        """Every per-layer tensor the cache stores: values (or codes), and scales where quantized
-        (no "v" entries where values are keys)."""
-        tensors = {"k": self.k}
+    def _allocate_group(self, num_layers: int, num_slots: int, num_kv_heads: int, head_dim: int,
+                        device: torch.device | str) -> dict[str, torch.Tensor]:
+        tensors: dict[str, torch.Tensor] = {}
+        tensors["k"], k_scales = _allocate(self.k_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        v_scales = None
         if not self.values_are_keys:
-            tensors["v"] = self.v
-        if self.k_scales is not None:
-            tensors["k_scales"] = self.k_scales
-        if self.v_scales is not None and not self.values_are_keys:
-            tensors["v_scales"] = self.v_scales
+            tensors["v"], v_scales = _allocate(self.v_type, num_layers, num_slots, num_kv_heads, head_dim, device)
+        for name, scales in (("k_scales", k_scales), ("v_scales", v_scales)):
+            if scales is not None:
+                tensors[name] = scales
         return tensors
 
+    @property
+    def bytes_per_token(self) -> int:
+        return sum(kv_quant.bytes_per_token(1, heads, dim, self.k_type, None if self.values_are_keys else self.v_type)
+                   for heads, dim in self.layer_shapes)
+
+    def named_tensors(self) -> dict[str, list[torch.Tensor]]:
+        """Every per-layer tensor the cache stores, by the names of `stacked_tensors`: values (or codes), and
+        scales where quantized (no "v" entries where values are keys)."""
+        return {name: list(stacked.unbind(0)) for name, stacked in self._stacked.items()}
+
     def stacked_tensors(self) -> dict[str, torch.Tensor]:
-        """`named_tensors` as one [num_layers, num_slots, ...] tensor each (the layers are views of it)."""
+        """`named_tensors` as one [layers, num_slots, ...] tensor each (the layers are views of it)."""
         return dict(self._stacked)
 
     def write(self, layer: int, slots: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> None:
@@ -100,20 +114,21 @@ class KVCache:
         return keys, values
 
     def turn_query(self, q: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn(q) if self.k_type == "turbo4" else q
+        return self.rotations[q.shape[-1]].turn(q) if self.k_type == "turbo4" else q
 
     def turn_back_output(self, out: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn_back(out) if self.v_type == "turbo4" else out
+        return self.rotations[out.shape[-1]].turn_back(out) if self.v_type == "turbo4" else out
 
     def _turned(self, element: str, x: torch.Tensor) -> torch.Tensor:
-        return self.rotation.turn(x) if element == "turbo4" else x
+        return self.rotations[x.shape[-1]].turn(x) if element == "turbo4" else x
 
     def decode_attention(self, layer: int, slot_mapping: torch.Tensor, key_slots: torch.Tensor,
                          key_pos: torch.Tensor, q_pos: torch.Tensor) -> DecodeAttention:
         """The decode step's attention over layer `layer`'s tensors (see `DecodeAttention`)."""
         return DecodeAttention(self.k[layer], self.v[layer], slot_mapping, key_slots, key_pos, q_pos,
                                k_scales=_side(self.k_scales, layer), v_scales=_side(self.v_scales, layer),
-                               k_type=self.k_type, v_type=self.v_type, rotation=self.rotation)
+                               k_type=self.k_type, v_type=self.v_type,
+                               rotation=self.rotations.get(self.layer_shapes[layer][1]))
 
 
 def _dense_name(dtype: torch.dtype) -> str:
