@@ -588,7 +588,9 @@ def sanitize_moe(weights: dict[str, Value], layout: Layout) -> dict[str, Value]:
 
 
 def _is_gguf_stack(name: str) -> bool:
-    return name == "experts.gate_proj.weight" or name.endswith(".experts.gate_proj.weight")
+    """A GGUF expert stack: gate (or, for ungated experts such as Nemotron-H's, up) projections of every expert."""
+    return any(name == f"experts.{part}_proj.weight" or name.endswith(f".experts.{part}_proj.weight")
+               for part in ("gate", "up"))
 
 
 def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
@@ -598,7 +600,7 @@ def _merge_gguf_stacks(weights: dict[str, Value]) -> dict[str, Value]:
         if f"{prefix}gate_proj.weight" not in weights:  # ungated experts (Nemotron-H): the up stack alone
             kept[f"{prefix}gate_up_proj"] = kept.pop(up)
             kept[f"{prefix}down_proj"] = kept.pop(f"{prefix}down_proj.weight")
-    for gate in [k for k in weights if _is_gguf_stack(k)]:
+    for gate in [k for k in weights if k == "experts.gate_proj.weight" or k.endswith(".experts.gate_proj.weight")]:
         prefix = gate[:-len("gate_proj.weight")]
         for kind, suffix in (("weight", ""), ("bias", "_bias")):
             gate, up, down = (f"{prefix}{part}_proj.{kind}" for part in ("gate", "up", "down"))
