@@ -2,6 +2,11 @@
 
 Used by Qwen 2.5/3, Hermes 2/3 and most templates that print `<tool_call>`. Several blocks in a
 row are parallel calls. Text between or around blocks is content.
+
+Small Qwen2.5-Coder models often drop the tags and open the reply with the bare call object (issue 46:
+Claude Code's run then ended on a reply whose text was a call). When the request declared tools, a
+reply (or the text after a call) that opens with `{"name": <a declared tool>` is that call, as
+llama.cpp's Hermes parser also takes it; any other JSON stays text.
 """
 
 from __future__ import annotations
@@ -9,10 +14,13 @@ from __future__ import annotations
 import re
 from collections.abc import Callable
 
-from mlxcel.chat.tools.base import CallStart, Mode, ToolParser, find_marker, partial_suffix_len
+from mlxcel.chat.tools.base import (
+    CallStart, Mode, Prefix, ToolParser, find_marker, is_cut_json_call, json_call_prefix, partial_suffix_len,
+)
 
 START = "<tool_call>"
 END = "</tool_call>"
+BARE_FIRST_KEYS = ("name",)  # a tagless call object: {"name": ..., "arguments": {...}}
 TRIGGER = re.compile(re.escape(START))  # where a call's grammar starts under tool_choice auto
 
 
@@ -24,9 +32,23 @@ class HermesToolParser(ToolParser):
         at = buffer.find(START)
         if at >= 0:
             return CallStart(at, at + len(START))
+        if self._declared and not self._is_content_seen:  # a bare call opens the reply or follows a call
+            body = buffer.lstrip()
+            verdict, json_at = json_call_prefix(body, BARE_FIRST_KEYS, allow_array=False)
+            if verdict is Prefix.YES:
+                return CallStart(0, len(buffer) - len(body) + json_at, is_bare=True)
+            if verdict is Prefix.MAYBE:
+                return len(buffer)
         return partial_suffix_len(buffer, (START,))
 
+    def _final_content(self, held: str) -> str:
+        if self._declared and not self._is_content_seen and is_cut_json_call(held, BARE_FIRST_KEYS):
+            return ""  # a bare call cut off before it named its tool
+        return super()._final_content(held)
+
     def _scan_after(self, buffer: str) -> tuple[int, Mode] | None:
+        if self._is_bare and not self._is_fenced:
+            return 0, Mode.CONTENT  # a bare call has no closing tag
         # The block's JSON ended (or broke): drop everything up to </tool_call>. A model that
         # forgets the closing tag and opens the next call goes straight on to that call.
         found = find_marker(buffer, (END, START))
