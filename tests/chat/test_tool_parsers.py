@@ -272,6 +272,11 @@ BARE_CASES: list[tuple[str, str, list[Call]]] = [
     ('{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", None)]),  # cut: not complete
     ('{"name": "get_we', "", []),  # cut before the tool's name was whole
     ("{", "{", []),
+    (f"<|im_start|>\n{BARE_WEATHER}\n", "", [("get_weather", {"city": "Paris"})]),  # Claude Code run 15's reply
+    (f"<|im_start|>assistant\n{BARE_WEATHER}", "", [("get_weather", {"city": "Paris"})]),
+    ("<|im_start|>assistant\nHello", "<|im_start|>assistant\nHello", []),
+    ("<|im_start|>", "<|im_start|>", []),
+    ("<|im_st", "<|im_st", []),
 ]  # fmt: skip
 
 

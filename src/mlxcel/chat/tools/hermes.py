@@ -21,6 +21,9 @@ from mlxcel.chat.tools.base import (
 START = "<tool_call>"
 END = "</tool_call>"
 BARE_FIRST_KEYS = ("name",)  # a tagless call object: {"name": ..., "arguments": {...}}
+# ChatML's turn opener, which a confused small model may print before a bare call (the tokenizer renders
+# special tokens as text): markup there, as the line after it.
+TURN_OPENER, ROLE = "<|im_start|>", "assistant"
 TRIGGER = re.compile(re.escape(START))  # where a call's grammar starts under tool_choice auto
 
 
@@ -33,10 +36,12 @@ class HermesToolParser(ToolParser):
         if at >= 0:
             return CallStart(at, at + len(START))
         if self._declared and not self._is_content_seen:  # a bare call opens the reply or follows a call
-            body = buffer.lstrip()
-            verdict, json_at = json_call_prefix(body, BARE_FIRST_KEYS, allow_array=False)
+            opening = _turn_opening(buffer)
+            if opening is None:
+                return len(buffer)
+            verdict, json_at = json_call_prefix(buffer[opening:], BARE_FIRST_KEYS, allow_array=False)
             if verdict is Prefix.YES:
-                return CallStart(0, len(buffer) - len(body) + json_at, is_bare=True)
+                return CallStart(0, opening + json_at, is_bare=True)
             if verdict is Prefix.MAYBE:
                 return len(buffer)
         return partial_suffix_len(buffer, (START,))
@@ -57,6 +62,18 @@ class HermesToolParser(ToolParser):
             return (len(buffer) - hold, Mode.AFTER) if len(buffer) > hold else None
         at, marker = found
         return (at + len(END), Mode.CONTENT) if marker == END else (at, Mode.CONTENT)
+
+
+def _turn_opening(buffer: str) -> int | None:
+    """How much of `buffer` is leading space and a ChatML turn opener (`<|im_start|>`, perhaps its
+    role) before a possible bare call; None while the text may still be growing into one."""
+    text = buffer.lstrip()
+    if not text.startswith(TURN_OPENER):
+        return None if text and TURN_OPENER.startswith(text) else len(buffer) - len(text)
+    after = text[len(TURN_OPENER):]
+    if ROLE.startswith(after):
+        return None
+    return len(buffer) - len(after.removeprefix(ROLE))
 
 
 ARGUMENTS_KEY = "arguments"
