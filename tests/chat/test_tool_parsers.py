@@ -255,3 +255,37 @@ def test_issue26_fenced_json_call_to_a_declared_tool_is_a_call(
 
 def test_issue26_fenced_json_block_without_declared_tools_is_text() -> None:
     assert summarize(run("hermes", [WEATHER_BLOCK])) == (WEATHER_BLOCK, [])
+
+
+# ---- issue 46: Qwen2.5-Coder's tagless call: a reply opening with {"name": <a declared tool>, ...} is the call ----
+
+BARE_WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris"}}'
+BARE_CASES: list[tuple[str, str, list[Call]]] = [
+    (BARE_WEATHER, "", [("get_weather", {"city": "Paris"})]),
+    (f"\n {BARE_WEATHER}\nDone.", "Done.", [("get_weather", {"city": "Paris"})]),  # text after the call is content
+    (f'{BARE_WEATHER}\n{{"name": "noop", "arguments": {{}}}}', "", [("get_weather", {"city": "Paris"}), ("noop", {})]),
+    (f'<tool_call>\n{BARE_WEATHER}\n</tool_call>\n{{"name": "noop", "arguments": {{}}}}', "",
+     [("get_weather", {"city": "Paris"}), ("noop", {})]),  # a tagged call, then a bare one
+    ('{"name": "Python", "arguments": {"command": "ls"}}', '{"name": "Python", "arguments": {"command": "ls"}}', []),
+    (f"Sure: {BARE_WEATHER}", f"Sure: {BARE_WEATHER}", []),  # mid-text JSON is the model's text
+    ('{"answer": 42}', '{"answer": 42}', []),
+    ('{"name": "get_weather", "arguments": {"city": "Par', "", [("get_weather", None)]),  # cut: not complete
+    ('{"name": "get_we', "", []),  # cut before the tool's name was whole
+    ("{", "{", []),
+    (f"<|im_start|>\n{BARE_WEATHER}\n", "", [("get_weather", {"city": "Paris"})]),  # Claude Code run 15's reply
+    (f"<|im_start|>assistant\n{BARE_WEATHER}", "", [("get_weather", {"city": "Paris"})]),
+    ("<|im_start|>assistant\nHello", "<|im_start|>assistant\nHello", []),
+    ("<|im_start|>", "<|im_start|>", []),
+    ("<|im_st", "<|im_st", []),
+]  # fmt: skip
+
+
+@pytest.mark.parametrize(("reply", "content", "calls"), BARE_CASES)
+def test_issue46_bare_json_call_to_a_declared_tool_is_a_call_in_hermes(reply: str, content: str,
+                                                                      calls: list[Call]) -> None:
+    for pieces in splits(reply):
+        assert summarize(run_declared("hermes", pieces)) == (content, calls), pieces
+
+
+def test_issue46_bare_json_without_declared_tools_is_text() -> None:
+    assert summarize(run("hermes", [BARE_WEATHER])) == (BARE_WEATHER, [])
