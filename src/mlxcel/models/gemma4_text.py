@@ -34,6 +34,7 @@ from mlxcel.layers.moe import Experts, MoESpec, RouterSpec, route
 from mlxcel.layers.norm import rms_normalize
 from mlxcel.layers.quant import Step
 from mlxcel.models import gemma3
+from mlxcel.models._hybrid import rename_prefixes
 from mlxcel.models.gemma3 import _check_supported, _rope_fields
 
 __all__ = ["Model", "ModelArgs"]
@@ -218,17 +219,11 @@ class Model(DecoderLM):
         if towers:
             log.info("gemma4: serving text only: the checkpoint's %s (image and audio input) are not loaded; "
                      "requests with images get 400", ", ".join(towers))
-        kept = {_text_name(k): v for k, v in weights.items() if not k.startswith(_UNSERVED_PREFIXES)}
+        kept = rename_prefixes({k: v for k, v in weights.items() if not k.startswith(_UNSERVED_PREFIXES)},
+                               _TEXT_PREFIXES)
         if args.enable_moe_block:  # the MoE block's parts, at the layer in the checkpoint, sit in our `mlp`
             kept = {_MOE_MOVED.sub(r"\1mlp.\2.", k): v for k, v in kept.items()}
         return super().sanitize({k: v for k, v in kept.items() if not k.startswith(unused)}, args)
-
-
-def _text_name(name: str) -> str:
-    for prefix, ours in _TEXT_PREFIXES.items():
-        if name.startswith(prefix):
-            return ours + name[len(prefix):]
-    return name
 
 
 # ---- GGUF, as llama.cpp's converter writes arch "gemma4" (conversion/gemma.py's Gemma4Model) ----
